@@ -1,0 +1,37 @@
+# The README's two commands are `make run` and `make test`; each sets itself up.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+UV := $(shell command -v uv 2>/dev/null)
+
+.PHONY: setup run test lint typecheck unit fmt crds bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	@if [ -z "$(UV)" ]; then python3 -m pip install -q uv; fi
+	uv venv -q --allow-existing -p 3.11 $(VENV)
+	VIRTUAL_ENV=$(abspath $(VENV)) uv pip install -q -e '.[dev]'
+	@touch $@
+
+# Local PD cluster with the built-in tiny model: serves an OpenAI endpoint,
+# answers a sample request, keeps serving until Ctrl-C.
+run: setup
+	$(VENV)/bin/pdcluster up -f examples/pd-1p1d.yaml --demo
+
+lint: setup
+	$(VENV)/bin/ruff check runtime operator tests e2e bench
+	$(VENV)/bin/ruff format --check runtime operator tests e2e bench
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest -q
+
+fmt: setup
+	$(VENV)/bin/ruff format runtime operator tests e2e bench
+	$(VENV)/bin/ruff check --fix runtime operator tests e2e bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .pdcluster

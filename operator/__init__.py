@@ -1,0 +1,1 @@
+"""PDCluster operator (kopf)."""

@@ -1,0 +1,1 @@
+"""PDCluster runtime: everything that runs inside a pod."""

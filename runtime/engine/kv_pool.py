@@ -1,0 +1,162 @@
+"""Paged KV pool of one rank: the memory the transfer engine moves.
+
+One contiguous tensor holds every local layer's K and V pages, so a transport
+can address it as a single buffer (a shared-memory file for `shm`, one pinned
+region for GPU staging). A *slot* is one token position inside one page:
+`slot = page * page_size + offset`. Page tables (per request, owned by the
+scheduler) map token position t to slot `page_table[t // page_size] *
+page_size + t % page_size`.
+
+Layouts (per layer, per K/V):
+- NHD: [num_pages, page_size, num_kv_heads, head_dim]
+- HND: [num_pages, num_kv_heads, page_size, head_dim]
+
+Invariant: the pool never frees or reuses pages by itself; the page allocator
+(pure, no torch) decides ownership, this module only reads and writes bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdcluster.runtime.spec import KVLayout
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class KVPoolShape:
+    num_layers: int  # layers held by this rank (its pp range)
+    num_pages: int
+    page_size: int
+    num_kv_heads: int  # kv heads held by this rank (its tp slice)
+    head_dim: int
+    dtype: str = "float32"
+    layout: KVLayout = KVLayout.NHD
+
+    @property
+    def numel(self) -> int:
+        return self.num_layers * 2 * self.num_pages * self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K+V for one token over all local layers and heads."""
+        return self.nbytes // (self.num_pages * self.page_size)
+
+    def dims(self) -> tuple[int, ...]:
+        if self.layout == KVLayout.NHD:
+            inner = (self.page_size, self.num_kv_heads, self.head_dim)
+        else:
+            inner = (self.num_kv_heads, self.page_size, self.head_dim)
+        return (self.num_layers, 2, self.num_pages, *inner)
+
+
+class KVPool:
+    """The KV pages of one rank, as one contiguous tensor.
+
+    `shm_path`: when given, the pool lives in that shared-memory file (created
+    if missing) so a same-node peer can map it and write into it directly.
+    """
+
+    def __init__(
+        self, shape: KVPoolShape, device: str | torch.device = "cpu", shm_path: str | None = None
+    ) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.shm_path = shm_path
+        dtype = DTYPES[shape.dtype]
+        if shm_path is not None:
+            if self.device.type != "cpu":
+                raise ValueError("a shared-memory KV pool must live on the CPU")
+            flat = torch.from_file(shm_path, shared=True, size=shape.numel, dtype=dtype)
+            self.buffer = flat.view(shape.dims())  # [L, 2, P, ...layout]
+        else:
+            self.buffer = torch.zeros(shape.dims(), dtype=dtype, device=self.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
+    def _token_view(self, layer: int, kv: int) -> torch.Tensor:
+        """[num_slots, H, D] view (NHD) or [P, H, page, D] (HND) of one layer's K or V."""
+        return self.buffer[layer, kv]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of n tokens. slots: [n] int64; k, v: [n, H, D]."""
+        for kv, src in ((0, k), (1, v)):
+            self._scatter(layer, kv, slots, src.to(self.dtype), slice(None))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given slots: each [n, H, D]."""
+        return (
+            self._gather(layer, 0, slots, slice(None)),
+            self._gather(layer, 1, slots, slice(None)),
+        )
+
+    def gather_tokens(
+        self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)
+    ) -> torch.Tensor:
+        """Copy K/V of `slots` for `layers` and a head slice into one new tensor.
+
+        Returns [len(layers), 2, n, h, D], contiguous: the frame a transport sends.
+        """
+        parts = [
+            torch.stack([self._gather(layer, kv, slots, heads) for kv in (0, 1)])
+            for layer in layers
+        ]
+        return torch.stack(parts).contiguous()
+
+    def scatter_tokens(
+        self,
+        layers: Sequence[int],
+        slots: torch.Tensor,
+        frame: torch.Tensor,
+        heads: slice = slice(None),
+    ) -> None:
+        """Inverse of gather_tokens: frame [len(layers), 2, n, h, D] into slots."""
+        for i, layer in enumerate(layers):
+            for kv in (0, 1):
+                self._scatter(layer, kv, slots, frame[i, kv].to(self.dtype), heads)
+
+    def _gather(self, layer: int, kv: int, slots: torch.Tensor, heads: slice) -> torch.Tensor:
+        t = self.buffer[layer, kv]
+        if self.shape.layout == KVLayout.NHD:
+            flat = t.reshape(-1, self.shape.num_kv_heads, self.shape.head_dim)
+            return flat[slots][:, heads]
+        ps = self.shape.page_size
+        pages, offs = slots // ps, slots % ps
+        return t[pages, :, offs][:, heads]  # [n, H, D]
+
+    def _scatter(
+        self, layer: int, kv: int, slots: torch.Tensor, src: torch.Tensor, heads: slice
+    ) -> None:
+        t = self.buffer[layer, kv]
+        if self.shape.layout == KVLayout.NHD:
+            flat = t.view(-1, self.shape.num_kv_heads, self.shape.head_dim)
+            if heads == slice(None):
+                flat.index_copy_(0, slots, src)
+            else:
+                flat[slots, heads] = src
+            return
+        ps = self.shape.page_size
+        pages, offs = slots // ps, slots % ps
+        # Advanced indexing on dims 0 and 2 puts the index dim first: [n, h, D].
+        t[pages, heads, offs] = src
+
+
+def slots_for_positions(page_table: Sequence[int], positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Map token positions to slots through a request's page table."""
+    table = torch.as_tensor(page_table, dtype=torch.int64)
+    return table[positions // page_size] * page_size + positions % page_size

@@ -1,0 +1,288 @@
+"""The `PDCluster` manifest as typed models — the one schema for every consumer.
+
+The Kubernetes operator (CRD generation, reconcile), the local mode
+(`pdcluster up -f ...`) and the runtime settings handed to each pod all read
+these models, so a manifest means the same thing everywhere. Field names are
+camelCase on the wire (YAML/JSON) and snake_case in Python.
+
+Invariants checked here (mirrored as CEL rules in the CRD):
+- every role topology has dp, tp, cp, pp >= 1;
+- decode cp == 1; decode pp == 1 or == prefill pp;
+- ranks per instance (dp*tp*cp*pp) divisible by gpusPerPod;
+- a cluster is either colocated (one `colocated` role) or disaggregated
+  (both `prefill` and `decode`), never a mix.
+
+Pure module: no I/O beyond parsing text that the caller already read.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "pdcluster.io"
+API_VERSION = "v1alpha1"
+KIND = "PDCluster"
+
+
+class SpecError(ValueError):
+    """A manifest is invalid; the message names the field and the problem."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class KVDtype(enum.StrEnum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float64 = "float64"
+
+
+class KVLayout(enum.StrEnum):
+    # Per layer, K and V each as [num_pages, page_size, num_kv_heads, head_dim].
+    NHD = "NHD"
+    # Per layer, K and V each as [num_pages, num_kv_heads, page_size, head_dim].
+    HND = "HND"
+
+
+class TransferBackend(enum.StrEnum):
+    tcp = "tcp"
+    shm = "shm"
+
+
+class AllocationPolicy(enum.StrEnum):
+    early = "early"
+    prefill_complete = "prefill_complete"
+
+
+class FailurePolicy(enum.StrEnum):
+    fail = "fail"
+    recompute = "recompute"
+
+
+class SelectionPolicy(enum.StrEnum):
+    round_robin = "round_robin"
+    least_outstanding = "least_outstanding"
+    random = "random"
+
+
+class ModelSpec(_Model):
+    """Which model every role serves.
+
+    `name: tiny` is the built-in deterministic model (no download). Otherwise
+    `path` points to a local Hugging Face-style directory (config.json,
+    *.safetensors, tokenizer.json) of a Llama/Qwen2-architecture model.
+    """
+
+    name: str = Field(default="tiny", min_length=1, max_length=253)
+    path: str | None = None
+    # Dtype the engine computes in; float64 makes cross-topology checks exact.
+    compute_dtype: KVDtype = KVDtype.float32
+    seed: int = Field(default=0, ge=0, description="seed of the built-in tiny model's weights")
+
+    @model_validator(mode="after")
+    def _path_or_tiny(self) -> ModelSpec:
+        if self.name != "tiny" and not self.path:
+            raise ValueError(f"model {self.name!r} needs `path` (only 'tiny' is built in)")
+        return self
+
+
+class KVCacheSpec(_Model):
+    page_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV page")
+    dtype: KVDtype = KVDtype.float32
+    layout: KVLayout = KVLayout.NHD
+    num_pages: int = Field(default=512, ge=2, le=1 << 24, description="KV pages per rank")
+
+
+class HeartbeatSpec(_Model):
+    interval_seconds: float = Field(default=5.0, gt=0, le=3600)
+    failure_threshold: int = Field(default=2, ge=1, le=100)
+
+
+class TransferSpec(_Model):
+    backend: TransferBackend = TransferBackend.tcp
+    allocation_policy: AllocationPolicy = AllocationPolicy.early
+    bootstrap_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    waiting_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    abort_release_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
+    heartbeat: HeartbeatSpec = HeartbeatSpec()
+    checksum: bool = False
+    failure_policy: FailurePolicy = FailurePolicy.fail
+
+
+class Topology(_Model):
+    dp: int = Field(default=1, ge=1, le=64)
+    tp: int = Field(default=1, ge=1, le=64)
+    cp: int = Field(default=1, ge=1, le=64)
+    pp: int = Field(default=1, ge=1, le=64)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+
+class RestartPolicySpec(_Model):
+    backoff_seconds: float = Field(default=1.0, ge=0, le=3600)
+    max_backoff_seconds: float = Field(default=60.0, ge=0, le=86400)
+    budget: int = Field(default=10, ge=0, le=10000, description="restarts allowed per hour")
+
+
+class EngineSpec(_Model):
+    max_running_requests: int = Field(default=64, ge=1, le=4096)
+    max_batch_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    chunk_size: int = Field(default=512, ge=16, le=1 << 20, description="prefill chunk, tokens")
+    max_prompt_tokens: int = Field(default=4096, ge=1, le=1 << 22)
+    max_new_tokens: int = Field(default=1024, ge=1, le=1 << 20)
+
+
+class RoleSpec(_Model):
+    replicas: int = Field(default=1, ge=0, le=1024, description="instances of this role")
+    topology: Topology = Topology()
+    gpus_per_pod: int = Field(default=1, ge=1, le=64)
+    device: Literal["cpu", "cuda"] = "cpu"
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    restart: RestartPolicySpec = RestartPolicySpec()
+    engine: EngineSpec = EngineSpec()
+
+    @model_validator(mode="after")
+    def _ranks_fill_pods(self) -> RoleSpec:
+        ranks = self.topology.num_ranks
+        if ranks % self.gpus_per_pod:
+            raise ValueError(
+                f"ranks per instance ({ranks} = dp*tp*cp*pp) must be divisible by "
+                f"gpusPerPod ({self.gpus_per_pod})"
+            )
+        return self
+
+    @property
+    def pods_per_instance(self) -> int:
+        return self.topology.num_ranks // self.gpus_per_pod
+
+
+class RouterPolicySpec(_Model):
+    prefill: SelectionPolicy = SelectionPolicy.round_robin
+    decode: SelectionPolicy = SelectionPolicy.round_robin
+
+
+class RouterServiceSpec(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(default=1, ge=0, le=64)
+    policy: RouterPolicySpec = RouterPolicySpec()
+    service: RouterServiceSpec = RouterServiceSpec()
+    health_check_interval_seconds: float = Field(default=2.0, gt=0, le=3600)
+    request_timeout_seconds: float = Field(default=300.0, gt=0, le=86400)
+
+
+class AuthSpec(_Model):
+    # Name of a Secret holding `token`; empty → the operator creates one.
+    token_secret_name: str = ""
+    # Router API keys are optional; none means the router API is open.
+    router_api_key_secret_name: str = ""
+    zmq_curve: bool = False
+
+
+class PDClusterSpec(_Model):
+    model: ModelSpec = ModelSpec()
+    image: str = "pdcluster:0.1.0"
+    kv_cache: KVCacheSpec = KVCacheSpec()
+    transfer: TransferSpec = TransferSpec()
+    prefill: RoleSpec | None = None
+    decode: RoleSpec | None = None
+    colocated: RoleSpec | None = None
+    router: RouterSpec = RouterSpec()
+    auth: AuthSpec = AuthSpec()
+
+    @model_validator(mode="after")
+    def _roles(self) -> PDClusterSpec:
+        disaggregated = self.prefill is not None or self.decode is not None
+        if disaggregated and self.colocated is not None:
+            raise ValueError("use either `colocated` or `prefill`+`decode`, not both")
+        if not disaggregated and self.colocated is None:
+            raise ValueError("spec needs `prefill` and `decode` roles (or a `colocated` role)")
+        if disaggregated:
+            if self.prefill is None or self.decode is None:
+                missing = "prefill" if self.prefill is None else "decode"
+                raise ValueError(f"a disaggregated cluster needs a `{missing}` role")
+            d, p = self.decode.topology, self.prefill.topology
+            if d.cp != 1:
+                raise ValueError(f"decode.topology.cp must be 1 (got {d.cp}): cp is prefill-only")
+            if d.pp not in (1, p.pp):
+                raise ValueError(
+                    f"decode.topology.pp must be 1 or equal prefill.topology.pp ({p.pp}), "
+                    f"got {d.pp}"
+                )
+        return self
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.colocated is None
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str = "default"
+
+
+class PDCluster(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    api_version: Literal["pdcluster.io/v1alpha1"] = Field(
+        default="pdcluster.io/v1alpha1", alias="apiVersion"
+    )
+    kind: Literal["PDCluster"] = "PDCluster"
+    metadata: ObjectMeta
+    spec: PDClusterSpec
+    status: dict[str, Any] | None = None
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<root>"
+        lines.append(f"{where}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_manifest(data: dict[str, Any]) -> PDCluster:
+    """Validate a decoded manifest; raise SpecError naming each bad field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"a PDCluster manifest must be a mapping, got {type(data).__name__}")
+    try:
+        return PDCluster.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"invalid PDCluster: {_format_validation_error(err)}") from None
+
+
+def parse_spec(data: dict[str, Any]) -> PDClusterSpec:
+    """Validate just a `spec` mapping (what the operator receives)."""
+    try:
+        return PDClusterSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"invalid PDCluster spec: {_format_validation_error(err)}") from None
+
+
+def load_manifest_text(text: str) -> PDCluster:
+    """Parse YAML text holding exactly one PDCluster document."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise SpecError(f"manifest is not valid YAML: {err}") from None
+    clusters = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(clusters) != 1:
+        raise SpecError(f"expected exactly one {KIND} document, found {len(clusters)}")
+    return parse_manifest(clusters[0])

@@ -1,0 +1,334 @@
+"""The router's HTTP front door: `create_router_app(config) -> FastAPI`.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (stream and not),
+``/v1/models``, ``/generate`` (SGLang passthrough), ``/health``, ``/metrics``.
+Handlers only read the body, validate, plan and hand the request to a
+`Relay`; every error leaves as OpenAI-style JSON (or an SSE error event once
+a stream has started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdcluster.runtime.router.bodies import Endpoint, check_request, parse_json_object
+from pdcluster.runtime.router.config import RouterConfig
+from pdcluster.runtime.router.discovery import static_targets
+from pdcluster.runtime.router.errors import CLIENT_CLOSED_REQUEST, RouterError, error_body
+from pdcluster.runtime.router.health import HealthChecker
+from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
+from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.planner import Planner
+from pdcluster.runtime.router.policies import make_policy
+from pdcluster.runtime.router.relay import Relay, RelayContext
+from pdcluster.runtime.router.rooms import RandomSource, RidMinter
+from pdcluster.runtime.router.streaming import (
+    DISCONNECT_SCOPE_KEY,
+    ClientDisconnected,
+    RelayStreamResponse,
+    run_until_disconnect,
+)
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole, WorkerTarget
+
+log = logging.getLogger(__name__)
+
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/generate",
+        "/health",
+        "/metrics",
+    }
+)
+
+
+class _MetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500
+        start = time.perf_counter()
+
+        async def send_and_see(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            if scope.get(DISCONNECT_SCOPE_KEY):
+                status = CLIENT_CLOSED_REQUEST
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RouterError(400, "invalid Content-Length header", reason="bad_length")
+        if int(declared) > limit:
+            raise RouterError(
+                413, f"request body is over the {limit}-byte limit", reason="body_too_large"
+            )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(
+                413, f"request body is over the {limit}-byte limit", reason="body_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class RouterState:
+    """Everything one router app owns; created by `create_router_app`."""
+
+    def __init__(self, config: RouterConfig, rng: RandomSource) -> None:
+        self.config = config
+        self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
+        self.metrics = RouterMetrics(self.pool.all)
+        self.planner = Planner(
+            pool=self.pool,
+            disaggregated=config.is_disaggregated,
+            prefill_policy=make_policy(config.prefill_policy, config.policy_seed),
+            decode_policy=make_policy(config.decode_policy, config.policy_seed),
+            colocated_policy=make_policy(config.colocated_policy, config.policy_seed),
+            rids=RidMinter(rng),
+            rooms_source=rng,
+        )
+        self._api_keys = tuple(k.encode() for k in config.api_keys)
+        self.started_at = int(time.time())
+        self.ctx: RelayContext | None = None
+        self.checker: HealthChecker | None = None
+        self._discovery: KubernetesDiscovery | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        cfg = self.config
+        timeout = httpx.Timeout(
+            connect=cfg.connect_timeout_s, read=None, write=cfg.connect_timeout_s, pool=None
+        )
+        limits = httpx.Limits(
+            max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
+        )
+        # trust_env=False: a proxy variable must never divert worker traffic.
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        control = httpx.AsyncClient(timeout=cfg.abort_timeout_s, trust_env=False)
+        self.ctx = RelayContext(
+            config=cfg, pool=self.pool, client=client, control=control, metrics=self.metrics
+        )
+        self.checker = HealthChecker(
+            self.pool,
+            control,
+            interval_s=cfg.health_check_interval_s,
+            timeout_s=cfg.health_check_timeout_s,
+            on_transition=self._on_transition,
+        )
+        if cfg.kubernetes is None:
+            self.pool.sync(static_targets(cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls))
+            await self.checker.probe_all()
+        else:
+            self._discovery = KubernetesDiscovery(
+                cfg.kubernetes, self.apply_targets, asyncio.get_running_loop()
+            )
+            self._discovery.start()
+        health_loop = asyncio.create_task(self.checker.run())
+        try:
+            yield
+        finally:
+            health_loop.cancel()
+            if self._discovery is not None:
+                self._discovery.stop()
+            pending = list(self.ctx.tasks)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(health_loop, *pending, return_exceptions=True)
+            await client.aclose()
+            await control.aclose()
+
+    def apply_targets(self, targets: list[WorkerTarget]) -> None:
+        """Discovery's view of the workers; new ones are probed at once."""
+        try:
+            change = self.pool.sync(targets)
+        except ValueError as err:
+            log.error("discovery produced an inconsistent worker set: %s", err)
+            return
+        for worker in change.removed:
+            log.info("worker %s (%s) removed by discovery", worker.url, worker.role)
+        if self.ctx is not None and self.checker is not None:
+            for worker in change.added:
+                self.ctx.spawn(self.checker.probe(worker))
+
+    def _on_transition(self, worker: Worker, healthy: bool) -> None:
+        to = "healthy" if healthy else "unhealthy"
+        self.metrics.health_transitions.labels(worker.role.value, to).inc()
+
+    # ------------------------------------------------------------- requests
+    def check_auth(self, request: Request) -> None:
+        if not self._api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        presented = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(
+            hmac.compare_digest(presented, key) for key in self._api_keys
+        ):
+            raise RouterError(
+                401,
+                "missing or invalid API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                reason="unauthorized",
+            )
+
+    async def relay(self, request: Request, endpoint: Endpoint) -> Response:
+        self.check_auth(request)
+        try:
+            raw = await _read_body(request, self.config.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        client_request = check_request(
+            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated
+        )
+        model = client_request.model
+        if model is not None and model not in self.config.model_names:
+            raise RouterError(
+                404,
+                f"model {model!r} does not exist; this router serves {self.config.model_name!r}",
+                code="model_not_found",
+                param="model",
+                reason="unknown_model",
+            )
+        assert self.ctx is not None, "router app used outside its lifespan"
+        relay = Relay(self.ctx, self.planner.plan(client_request, self.ctx.rooms_in_use))
+        relay.start()
+        handed_off = False
+
+        def client_left() -> None:
+            relay.abandon("client_disconnect")
+
+        try:
+            await run_until_disconnect(request.receive, relay.open(), client_left)
+            if relay.plan.stream:
+                handed_off = True
+                stream: Response = RelayStreamResponse(relay)
+                return stream
+            body = await run_until_disconnect(request.receive, relay.read_body(), client_left)
+            return Response(
+                content=body,
+                status_code=relay.main_status,
+                media_type="application/json",
+                headers={"x-request-id": relay.rid},
+            )
+        except ClientDisconnected:
+            request.scope[DISCONNECT_SCOPE_KEY] = True
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            if not handed_off:
+                await relay.aclose()
+
+    def models(self) -> dict[str, Any]:
+        created = self.started_at
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": created, "owned_by": "pdcluster"}
+                for name in self.config.model_names
+            ],
+        }
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        roles = (
+            (WorkerRole.prefill, WorkerRole.decode)
+            if self.config.is_disaggregated
+            else (WorkerRole.colocated,)
+        )
+        missing = [role.value for role in roles if not self.pool.healthy(role)]
+        body = {
+            "status": "ok" if not missing else "unavailable",
+            "missing_roles": missing,
+            "workers": [w.describe() for w in self.pool.all()],
+        }
+        return not missing, body
+
+
+def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) -> FastAPI:
+    """Build the router; ``rng`` (default: the OS source) mints rids and rooms."""
+    state = RouterState(config, rng if rng is not None else secrets.SystemRandom())
+    app = FastAPI(
+        title="PDCluster router",
+        lifespan=state.lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.router = state
+    app.add_middleware(_MetricsMiddleware, metrics=state.metrics)
+
+    @app.exception_handler(RouterError)
+    async def on_router_error(_: Request, exc: RouterError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(exc.detail), exc.status_code),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state.relay(request, Endpoint.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state.relay(request, Endpoint.chat)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await state.relay(request, Endpoint.generate)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state.check_auth(request)
+        return JSONResponse(state.models())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, body = state.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,132 @@
+"""Router settings: one frozen dataclass, validated once, loaded at the edge.
+
+Times are in seconds, sizes in bytes. A config names its workers either as
+static URL lists or as Kubernetes discovery settings; with Kubernetes,
+`disaggregated` says which kind of cluster the pods form.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
+from pdcluster.runtime.spec import PDClusterSpec, SelectionPolicy
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    # Name clients put in `model`; also listed by /v1/models.
+    model_name: str = "tiny"
+    # Other names accepted for the same model (e.g. the served model path).
+    model_aliases: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    colocated_urls: tuple[str, ...] = ()
+    kubernetes: KubernetesDiscoverySettings | None = None
+    # Needed with Kubernetes discovery; derived from the URL lists otherwise.
+    disaggregated: bool | None = None
+    prefill_policy: str = SelectionPolicy.round_robin.value
+    decode_policy: str = SelectionPolicy.round_robin.value
+    colocated_policy: str = SelectionPolicy.round_robin.value
+    # Seed of the `random` policy (None: seeded from the OS).
+    policy_seed: int | None = None
+    # Bearer keys; empty means the API is open. /health and /metrics stay open.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Whole-request deadline, streaming included: no request outlives it.
+    request_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    health_check_interval_s: float = 2.0
+    health_check_timeout_s: float = 2.0
+    # Consecutive failed probes before a worker leaves the pool.
+    health_failure_threshold: int = 2
+    abort_timeout_s: float = 2.0
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        has_lists = bool(self.prefill_urls or self.decode_urls or self.colocated_urls)
+        if self.kubernetes is not None:
+            if has_lists:
+                raise ValueError("use static worker URLs or kubernetes discovery, not both")
+            if self.disaggregated is None:
+                raise ValueError("kubernetes discovery needs `disaggregated` set (True or False)")
+        else:
+            static_targets(self.prefill_urls, self.decode_urls, self.colocated_urls)
+            if self.disaggregated is not None and self.disaggregated != bool(
+                self.prefill_urls or self.decode_urls
+            ):
+                raise ValueError("`disaggregated` contradicts the worker URL lists")
+        for name in ("prefill_policy", "decode_policy", "colocated_policy"):
+            value = getattr(self, name)
+            if value not in {p.value for p in SelectionPolicy}:
+                valid = ", ".join(p.value for p in SelectionPolicy)
+                raise ValueError(f"{name}={value!r} is not one of: {valid}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty keys")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "health_check_interval_s",
+            "health_check_timeout_s",
+            "abort_timeout_s",
+        ):
+            _check_positive(name, getattr(self, name))
+        if self.health_failure_threshold < 1:
+            raise ValueError(
+                f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}"
+            )
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        if self.disaggregated is not None:
+            return self.disaggregated
+        return bool(self.prefill_urls or self.decode_urls)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: PDClusterSpec,
+        *,
+        prefill_urls: Sequence[str] = (),
+        decode_urls: Sequence[str] = (),
+        colocated_urls: Sequence[str] = (),
+        kubernetes: KubernetesDiscoverySettings | None = None,
+        api_keys: Sequence[str] = (),
+    ) -> RouterConfig:
+        """Settings of a PDCluster manifest plus the addresses the caller knows."""
+        aliases = (spec.model.path,) if spec.model.path else ()
+        return cls(
+            model_name=spec.model.name,
+            model_aliases=aliases,
+            prefill_urls=tuple(prefill_urls),
+            decode_urls=tuple(decode_urls),
+            colocated_urls=tuple(colocated_urls),
+            kubernetes=kubernetes,
+            disaggregated=spec.is_disaggregated if kubernetes is not None else None,
+            prefill_policy=spec.router.policy.prefill.value,
+            decode_policy=spec.router.policy.decode.value,
+            colocated_policy=spec.router.policy.decode.value,
+            api_keys=tuple(api_keys),
+            request_timeout_s=spec.router.request_timeout_seconds,
+            health_check_interval_s=spec.router.health_check_interval_seconds,
+        )

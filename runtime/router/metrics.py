@@ -1,0 +1,79 @@
+"""Prometheus metrics of the router.
+
+Each router app owns its registry, so several routers fit in one test
+process. Worker gauges are read from the pool at scrape time: a worker that
+discovery removed disappears from /metrics instead of freezing at its last
+value. Labels stay low-cardinality: routes, codes, roles, reasons, worker URLs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdcluster.runtime.router.workers import Worker
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        outstanding = GaugeMetricFamily(
+            "pdcluster_router_worker_outstanding",
+            "Legs in flight per worker",
+            labels=["worker", "role"],
+        )
+        healthy = GaugeMetricFamily(
+            "pdcluster_router_worker_healthy",
+            "1 when the worker is a selection candidate",
+            labels=["worker", "role"],
+        )
+        for worker in self._workers():
+            labels = [worker.url, worker.role.value]
+            outstanding.add_metric(labels, worker.outstanding)
+            healthy.add_metric(labels, 1.0 if worker.healthy else 0.0)
+        yield outstanding
+        yield healthy
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdcluster_router_requests_total",
+            "Requests answered, by route and HTTP status",
+            ["route", "code"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pdcluster_router_request_duration_seconds",
+            "Time from request to the end of the response (streams included)",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.leg_failures = Counter(
+            "pdcluster_router_leg_failures_total",
+            "Worker legs that failed, by role and reason",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pdcluster_router_aborts_sent_total",
+            "abort_request calls sent to workers, by role and reason",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.health_transitions = Counter(
+            "pdcluster_router_worker_health_transitions_total",
+            "Workers entering or leaving the pool",
+            ["role", "to"],
+            registry=r,
+        )
+        r.register(_PoolCollector(workers))

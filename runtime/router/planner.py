@@ -1,0 +1,83 @@
+"""Turns a validated client request into the legs to send.
+
+Picks the workers (prefill and decode, or one colocated worker), mints the
+rid and, in disaggregated mode, a room aimed at one dp group of the chosen
+prefill instance; both legs get the identical body.
+
+Pure module: workers, policies and minters are plain objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.runtime.router.bodies import Bootstrap, ClientRequest, build_leg_body
+from pdcluster.runtime.router.errors import RouterError
+from pdcluster.runtime.router.policies import Policy
+from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole
+
+
+@dataclass(frozen=True)
+class LegPlan:
+    path: str
+    body: dict[str, Any]
+    rid: str
+    stream: bool
+    # The worker whose response the client sees: decode, or colocated.
+    main: Worker
+    prefill: Worker | None = None
+    room: int | None = None
+
+
+@dataclass
+class Planner:
+    pool: WorkerPool
+    disaggregated: bool
+    prefill_policy: Policy
+    decode_policy: Policy
+    colocated_policy: Policy
+    rids: RidMinter
+    rooms_source: RandomSource
+
+    def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
+        path = request.endpoint.value
+        if not self.disaggregated:
+            worker = self.colocated_policy.select(
+                self.pool.of_role(WorkerRole.colocated), WorkerRole.colocated.value
+            )
+            rid = self.rids.mint()
+            body = build_leg_body(request.body, rid, None)
+            return LegPlan(path=path, body=body, rid=rid, stream=request.stream, main=worker)
+        prefill = self.prefill_policy.select(
+            self.pool.of_role(WorkerRole.prefill), WorkerRole.prefill.value
+        )
+        decode = self.decode_policy.select(
+            self.pool.of_role(WorkerRole.decode), WorkerRole.decode.value
+        )
+        if prefill.bootstrap_port is None:
+            # The pool only marks a prefill worker healthy once it reported a
+            # port, so this is a broken invariant rather than a user error.
+            raise RouterError(
+                503, "prefill worker has no bootstrap port yet", reason="prefill_not_ready"
+            )
+        room = mint_room(
+            self.rooms_source,
+            dp_size=prefill.dp_size,
+            dp_rank=prefill.take_dp_rank(),
+            in_use=rooms_in_use,
+        )
+        rid = self.rids.mint()
+        bootstrap = Bootstrap(host=prefill.host, port=prefill.bootstrap_port, room=room)
+        body = build_leg_body(request.body, rid, bootstrap)
+        return LegPlan(
+            path=path,
+            body=body,
+            rid=rid,
+            stream=request.stream,
+            main=decode,
+            prefill=prefill,
+            room=room,
+        )

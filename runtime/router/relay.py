@@ -1,0 +1,398 @@
+"""One client request relayed to its worker legs, with cancel propagation.
+
+In disaggregated mode the prefill leg and the decode ("main") leg are sent
+at once; the client sees the main leg. Rules (DESIGN §7):
+- prefill leg fails (error status, error payload, connection error) →
+  abort the main leg (exact rid) and answer the prefill error;
+- main leg fails → abort the prefill leg if it is still running;
+- client disconnect or deadline → abort every unfinished leg.
+
+Races handled here:
+- every wait on the main leg also watches the prefill task (`_race`), so a
+  prefill failure interrupts a main leg that would otherwise wait forever
+  for KV that never comes;
+- aborts are spawned tasks on a separate HTTP client, sent before the legs'
+  own connections are torn down, so a saturated leg pool or a slow close
+  cannot delay them;
+- `abandon` and `aclose` are idempotent, since a disconnect, a deadline and
+  a leg failure can all arrive for the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from pdcluster.runtime.router.bodies import error_message_of, payload_error
+from pdcluster.runtime.router.config import RouterConfig
+from pdcluster.runtime.router.errors import RouterError, error_body
+from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.planner import LegPlan
+from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
+from pdcluster.runtime.router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LegError(Exception):
+    def __init__(
+        self, worker: Worker, status: int, message: str, reason: str, *, may_run: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.status = status
+        self.message = message
+        self.reason = reason
+        # The worker may still be working on the request (so it needs an abort).
+        self.may_run = may_run
+
+    def to_router_error(self) -> RouterError:
+        role = self.worker.role.value
+        if 400 <= self.status < 500:
+            return RouterError(self.status, self.message, reason=self.reason)
+        status = 504 if self.status == 504 else 502
+        return RouterError(status, f"{role} worker failed: {self.message}", reason=self.reason)
+
+
+def _transport_error(worker: Worker, err: httpx.TransportError, pool: WorkerPool) -> LegError:
+    role = worker.role.value
+    if isinstance(err, httpx.ConnectError | httpx.ConnectTimeout):
+        if pool.mark_unreachable(worker, str(err) or type(err).__name__):
+            log.warning("worker %s (%s) unreachable, left the pool", worker.url, role)
+        return LegError(worker, 502, "worker unreachable", f"{role}_unreachable")
+    text = str(err) or type(err).__name__
+    return LegError(
+        worker, 502, f"connection lost: {text}", f"{role}_connection_lost", may_run=True
+    )
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _next_line(lines: AsyncIterator[str]) -> str | None:
+    try:
+        return await anext(lines)
+    except StopAsyncIteration:
+        return None
+
+
+@dataclass
+class RelayContext:
+    config: RouterConfig
+    pool: WorkerPool
+    client: httpx.AsyncClient
+    # Aborts ride on their own client so that a full leg pool cannot delay them.
+    control: httpx.AsyncClient
+    metrics: RouterMetrics
+    rooms_in_use: set[int] = field(default_factory=set)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(_retrieve)
+        return task
+
+    def send_abort(self, worker: Worker, rid: str, reason: str) -> None:
+        self.metrics.aborts.labels(worker.role.value, reason).inc()
+        self.spawn(self._abort(worker, rid, reason))
+
+    async def _abort(self, worker: Worker, rid: str, reason: str) -> None:
+        try:
+            resp = await self.control.post(
+                f"{worker.url}/abort_request",
+                json={"rid": rid, "abort_all": False},
+                timeout=self.config.abort_timeout_s,
+            )
+        except httpx.HTTPError as err:
+            log.warning("abort %s on %s (%s) failed: %s", rid, worker.url, reason, err)
+            return
+        if resp.status_code >= 400:
+            log.warning("abort %s on %s answered HTTP %d", rid, worker.url, resp.status_code)
+
+
+class Relay:
+    def __init__(self, ctx: RelayContext, plan: LegPlan) -> None:
+        self.ctx = ctx
+        self.plan = plan
+        self.deadline = asyncio.get_running_loop().time() + ctx.config.request_timeout_s
+        self._prefill_task: asyncio.Task[None] | None = None
+        self._prefill_ok = False
+        self._main_resp: httpx.Response | None = None
+        self._main_done = False
+        self._main_started = False
+        self._abandoned = False
+        self._closed = False
+
+    @property
+    def rid(self) -> str:
+        rid: str = self.plan.rid
+        return rid
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        plan = self.plan
+        if plan.room is not None:
+            self.ctx.rooms_in_use.add(plan.room)
+        if plan.prefill is not None:
+            self.ctx.pool.acquire(plan.prefill)
+            self._prefill_task = self.ctx.spawn(self._prefill_leg(plan.prefill))
+            self._prefill_task.add_done_callback(self._prefill_finished)
+        self.ctx.pool.acquire(plan.main)
+        self._main_started = True
+
+    def abandon(self, reason: str) -> None:
+        """Abort every unfinished leg (client gone, deadline, failure)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        plan = self.plan
+        task = self._prefill_task
+        if plan.prefill is not None and task is not None and not task.done():
+            self.ctx.send_abort(plan.prefill, plan.rid, reason)
+            task.cancel()
+        if not self._main_done:
+            self._main_done = True
+            self.ctx.send_abort(plan.main, plan.rid, reason)
+        log.info("request %s room %s abandoned: %s", plan.rid, plan.room, reason)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._main_done:
+            self.abandon("incomplete")
+        resp = self._main_resp
+        if resp is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                await resp.aclose()
+        if self._main_started:
+            self.ctx.pool.release(self.plan.main)
+        room = self.plan.room
+        task = self._prefill_task
+        if room is not None:
+            # The room stays reserved while a prefill leg may still use it.
+            if task is None or task.done():
+                self.ctx.rooms_in_use.discard(room)
+            else:
+                task.add_done_callback(lambda _: self.ctx.rooms_in_use.discard(room))
+
+    # ---------------------------------------------------------- prefill leg
+    async def _prefill_leg(self, worker: Worker) -> None:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                async with self.ctx.client.stream(
+                    "POST", worker.url + self.plan.path, json=self.plan.body
+                ) as resp:
+                    if resp.status_code >= 400:
+                        raw = await resp.aread()
+                        message = error_message_of(raw, resp.status_code)
+                        raise LegError(worker, resp.status_code, message, "prefill_error_status")
+                    if self.plan.stream:
+                        reader = SSEReader()
+                        async for line in resp.aiter_lines():
+                            event = reader.feed(line)
+                            failure = event.error() if event is not None else None
+                            if failure is not None:
+                                raise LegError(worker, 502, failure, "prefill_error_event")
+                    else:
+                        raw = await resp.aread()
+                        failure = payload_error(_json_or_none(raw))
+                        if failure is not None:
+                            raise LegError(worker, 502, failure, "prefill_error_payload")
+        except httpx.TransportError as err:
+            raise _transport_error(worker, err, self.ctx.pool) from None
+        except TimeoutError:
+            raise LegError(worker, 504, "timed out", "prefill_timeout", may_run=True) from None
+        finally:
+            self.ctx.pool.release(worker)
+        self._prefill_ok = True
+
+    def _prefill_finished(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        err = task.exception()
+        if isinstance(err, LegError):
+            self.ctx.metrics.leg_failures.labels("prefill", err.reason).inc()
+            log.warning(
+                "request %s room %s: prefill leg on %s failed: %s",
+                self.plan.rid,
+                self.plan.room,
+                err.worker.url,
+                err.message,
+            )
+            if err.may_run:
+                self.ctx.send_abort(err.worker, self.plan.rid, err.reason)
+
+    def _prefill_failure(self) -> LegError | None:
+        task = self._prefill_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        err = task.exception()
+        return err if isinstance(err, LegError) else None
+
+    async def _race(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` under the deadline; a prefill failure interrupts it."""
+        async with asyncio.timeout_at(self.deadline):
+            task = self._prefill_task
+            if task is None or self._prefill_ok or self._abandoned:
+                return await aw
+            failure = self._prefill_failure()
+            if failure is not None:
+                if isinstance(aw, Coroutine):
+                    aw.close()
+                raise failure
+            inner = asyncio.ensure_future(aw)
+            inner.add_done_callback(_retrieve)
+            try:
+                while not inner.done():
+                    if task.done():
+                        failure = self._prefill_failure()
+                        if failure is not None:
+                            raise failure
+                        return await inner
+                    await asyncio.wait({inner, task}, return_when=asyncio.FIRST_COMPLETED)
+                return inner.result()
+            finally:
+                if not inner.done():
+                    inner.cancel()
+
+    # ------------------------------------------------------------- main leg
+    def _on_leg_error(self, err: LegError) -> RouterError:
+        """Propagate one leg's failure to the other; return what the client gets."""
+        plan = self.plan
+        if err.worker is plan.main:
+            self.ctx.metrics.leg_failures.labels(plan.main.role.value, err.reason).inc()
+            log.warning(
+                "request %s room %s: %s leg on %s failed: %s",
+                plan.rid,
+                plan.room,
+                plan.main.role.value,
+                plan.main.url,
+                err.message,
+            )
+            if not self._main_done:
+                self._main_done = True
+                if err.may_run:
+                    self.ctx.send_abort(plan.main, plan.rid, err.reason)
+            self.abandon(f"{plan.main.role.value}_failed")
+        else:
+            self.abandon("prefill_failed")
+        return err.to_router_error()
+
+    def _on_timeout(self) -> RouterError:
+        self.abandon("timeout")
+        return RouterError(
+            504,
+            f"request did not finish within {self.ctx.config.request_timeout_s:g}s",
+            reason="timeout",
+        )
+
+    async def _send_main(self) -> httpx.Response:
+        client = self.ctx.client
+        request = client.build_request(
+            "POST", self.plan.main.url + self.plan.path, json=self.plan.body
+        )
+        self._main_resp = await client.send(request, stream=True)
+        return self._main_resp
+
+    async def open(self) -> None:
+        """Send the main leg; return once its response status is a success."""
+        main = self.plan.main
+        try:
+            try:
+                resp = await self._race(self._send_main())
+                if resp.status_code >= 400:
+                    raw = await self._race(resp.aread())
+                    message = error_message_of(raw, resp.status_code)
+                    raise LegError(main, resp.status_code, message, f"{main.role}_error_status")
+            except httpx.TransportError as err:
+                raise _transport_error(main, err, self.ctx.pool) from None
+        except LegError as err:
+            raise self._on_leg_error(err) from None
+        except TimeoutError:
+            raise self._on_timeout() from None
+
+    async def read_body(self) -> bytes:
+        """The main leg's whole JSON answer, as sent (non-streaming requests)."""
+        resp = self._main_resp
+        assert resp is not None, "open() first"
+        main = self.plan.main
+        try:
+            try:
+                raw = await self._race(resp.aread())
+            except httpx.TransportError as err:
+                raise _transport_error(main, err, self.ctx.pool) from None
+            payload = _json_or_none(raw)
+            if payload is None:
+                raise LegError(main, 502, "answered with a body that is not JSON", "bad_payload")
+        except LegError as err:
+            raise self._on_leg_error(err) from None
+        except TimeoutError:
+            raise self._on_timeout() from None
+        self._main_done = True
+        if payload_error(payload) is not None:
+            self.ctx.metrics.leg_failures.labels(main.role.value, "error_payload").inc()
+            self.abandon(f"{main.role.value}_failed")
+        return raw
+
+    @property
+    def main_status(self) -> int:
+        return 200 if self._main_resp is None else self._main_resp.status_code
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The main leg's SSE events, re-framed; failures become error events."""
+        resp = self._main_resp
+        assert resp is not None, "open() first"
+        main = self.plan.main
+        reader = SSEReader()
+        lines = resp.aiter_lines()
+        while True:
+            try:
+                try:
+                    line = await self._race(_next_line(lines))
+                except httpx.TransportError as err:
+                    raise _transport_error(main, err, self.ctx.pool) from None
+                if line is None:
+                    raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
+            except LegError as err:
+                failure = self._on_leg_error(err)
+                yield format_json_event(error_body(failure.message, failure.status))
+                yield DONE_EVENT
+                return
+            except TimeoutError:
+                failure = self._on_timeout()
+                yield format_json_event(error_body(failure.message, failure.status))
+                yield DONE_EVENT
+                return
+            event = reader.feed(line)
+            if event is None:
+                continue
+            if event.is_done:
+                self._main_done = True
+                yield DONE_EVENT
+                return
+            if event.error() is not None and not self._abandoned:
+                self.ctx.metrics.leg_failures.labels(main.role.value, "error_event").inc()
+                # The worker ended this request itself; only the prefill leg needs the abort.
+                self._main_done = True
+                self.abandon(f"{main.role.value}_failed")
+            yield format_event(event.data)
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None

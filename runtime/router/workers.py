@@ -1,0 +1,233 @@
+"""The router's worker pool: who serves which role, and who is healthy.
+
+Invariants:
+- a worker is identified by its normalized base URL; one URL has one role;
+- a worker added by discovery starts unhealthy and becomes a candidate only
+  after a successful probe of ``/get_server_info`` (which also tells a
+  prefill worker's bootstrap port and dp size) and ``/health``;
+- ``failure_threshold`` consecutive failed probes (or one failed leg, which
+  is a stronger signal) make a worker unhealthy; one successful probe brings
+  it back;
+- ``outstanding`` counts legs in flight and never goes negative; a worker
+  removed by discovery while legs are in flight keeps its counter on the
+  object those legs hold, so a late release cannot touch a newer worker
+  that reuses the URL.
+
+Pure module: the probes themselves live in `health.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class WorkerRole(enum.StrEnum):
+    prefill = "prefill"
+    decode = "decode"
+    colocated = "colocated"
+
+
+# What each role reports as `disaggregation_mode` in /get_server_info.
+_MODE_OF_ROLE = {
+    WorkerRole.prefill: "prefill",
+    WorkerRole.decode: "decode",
+    WorkerRole.colocated: "null",
+}
+
+
+def normalize_url(url: str) -> str:
+    """Return ``scheme://host:port`` or raise ValueError saying what is wrong."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"worker URL must be a non-empty string, got {url!r}")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"worker URL {url!r} has an invalid port") from None
+    if port is None:
+        raise ValueError(f"worker URL {url!r} must name a port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"worker URL {url!r} must be a base URL without path or query")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class WorkerTarget:
+    """A worker that discovery says should exist."""
+
+    url: str
+    role: WorkerRole
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    bootstrap_port: int | None
+    dp_size: int
+
+
+def parse_server_info(info: Any, role: WorkerRole) -> ServerInfo:
+    """Check a worker's /get_server_info answer against the role it was given."""
+    if not isinstance(info, Mapping):
+        raise ValueError(f"server info must be a JSON object, got {type(info).__name__}")
+    mode = str(info.get("disaggregation_mode", "null"))
+    if mode != _MODE_OF_ROLE[role]:
+        raise ValueError(
+            f"worker reports disaggregation_mode={mode!r} but is listed as {role.value} "
+            f"(expected {_MODE_OF_ROLE[role]!r})"
+        )
+    dp_size = info.get("dp_size", 1)
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"server info dp_size must be a positive integer, got {dp_size!r}")
+    port = info.get("bootstrap_port")
+    if role is WorkerRole.prefill:
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise ValueError(
+                f"prefill worker must report a bootstrap_port in 1..65535, got {port!r}"
+            )
+    else:
+        port = None
+    return ServerInfo(bootstrap_port=port, dp_size=dp_size)
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: WorkerRole
+    bootstrap_port: int | None = None
+    dp_size: int = 1
+    healthy: bool = False
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    has_info: bool = False
+    last_error: str = ""
+    # Rotates the dp group chosen for this worker's rooms.
+    next_dp_rank: int = field(default=0, repr=False)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    def take_dp_rank(self) -> int:
+        rank = self.next_dp_rank % self.dp_size
+        self.next_dp_rank = rank + 1
+        return rank
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "role": self.role.value,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "bootstrap_port": self.bootstrap_port,
+            "dp_size": self.dp_size,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True)
+class PoolChange:
+    added: tuple[Worker, ...] = ()
+    removed: tuple[Worker, ...] = ()
+
+
+class WorkerPool:
+    def __init__(self, failure_threshold: int = 1) -> None:
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        self.failure_threshold = failure_threshold
+        self._workers: dict[str, Worker] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def of_role(self, role: WorkerRole) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role is role]
+
+    def healthy(self, role: WorkerRole) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role is role and w.healthy]
+
+    def sync(self, targets: Iterable[WorkerTarget]) -> PoolChange:
+        """Make the pool hold exactly ``targets``; keep state of workers that stay."""
+        wanted: dict[str, WorkerRole] = {}
+        for target in targets:
+            url = normalize_url(target.url)
+            previous = wanted.get(url)
+            if previous is not None and previous is not target.role:
+                raise ValueError(
+                    f"worker {url} is listed as both {previous.value} and {target.role.value}"
+                )
+            wanted[url] = target.role
+        removed = [
+            w for url, w in self._workers.items() if url not in wanted or wanted[url] is not w.role
+        ]
+        for worker in removed:
+            del self._workers[worker.url]
+        added = []
+        for url, role in wanted.items():
+            if url not in self._workers:
+                worker = Worker(url=url, role=role)
+                self._workers[url] = worker
+                added.append(worker)
+        return PoolChange(added=tuple(added), removed=tuple(removed))
+
+    def record_probe_success(self, worker: Worker, info: ServerInfo | None) -> bool:
+        """Apply a good probe; return True when the worker just became healthy."""
+        if info is not None:
+            worker.bootstrap_port = info.bootstrap_port
+            worker.dp_size = info.dp_size
+            worker.has_info = True
+            worker.next_dp_rank %= info.dp_size
+        worker.consecutive_failures = 0
+        if not worker.has_info:
+            return False
+        was_healthy = worker.healthy
+        worker.healthy = True
+        worker.last_error = ""
+        return not was_healthy
+
+    def record_probe_failure(self, worker: Worker, reason: str) -> bool:
+        """Apply a failed probe; return True when the worker just became unhealthy."""
+        worker.consecutive_failures += 1
+        worker.last_error = reason
+        if worker.healthy and worker.consecutive_failures >= self.failure_threshold:
+            worker.healthy = False
+            # A restarted worker may come back with a new bootstrap port.
+            worker.has_info = False
+            return True
+        if not worker.healthy:
+            worker.has_info = False
+        return False
+
+    def mark_unreachable(self, worker: Worker, reason: str) -> bool:
+        """A leg could not reach the worker: drop it now, probes bring it back."""
+        worker.last_error = reason
+        worker.consecutive_failures = max(worker.consecutive_failures, self.failure_threshold)
+        was_healthy = worker.healthy
+        worker.healthy = False
+        worker.has_info = False
+        return was_healthy
+
+    @staticmethod
+    def acquire(worker: Worker) -> None:
+        worker.outstanding += 1
+
+    @staticmethod
+    def release(worker: Worker) -> None:
+        if worker.outstanding <= 0:
+            raise RuntimeError(f"release without acquire on {worker.url}")
+        worker.outstanding -= 1

@@ -1,0 +1,1 @@
+"""The local Kubernetes control plane and the end-to-end tests that run on it."""

@@ -1,0 +1,236 @@
+"""torch.distributed plumbing for one instance: groups, step-plan broadcast,
+pipeline hand-offs, and a helper that starts one process per rank.
+
+Two kinds of traffic, two kinds of groups:
+- tensors of the forward pass (tp all-reduce, pp hidden states) use the
+  main backend: gloo on CPU, nccl on CUDA;
+- control traffic (the leader's step plan, sampled tokens back to the
+  leader) always uses gloo groups on CPU, so the plan never makes a GPU
+  round trip and the leader can block on it without holding a stream.
+
+`torch.distributed.new_group` must be called by every process in the same
+order, even for groups it is not in, so groups are created from the fixed
+lists of `ParallelConfig`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
+
+__all__ = [
+    "DistContext",
+    "ParallelConfig",
+    "RankInfo",
+    "TopologyError",
+    "free_port",
+    "init_distributed",
+    "spawn_ranks",
+]
+
+
+@dataclass
+class DistContext:
+    """This process's place in the instance and the groups it talks over."""
+
+    info: RankInfo
+    device: torch.device
+    tp_group: Any  # ProcessGroup of this rank's tp group (main backend), None when tp == 1
+    control_group: Any  # gloo ProcessGroup of this rank's dp group
+
+    @property
+    def world_size(self) -> int:
+        size: int = self.info.parallel.world_size
+        return size
+
+    def all_reduce_tp(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the tp group."""
+        if self.tp_group is not None:
+            dist.all_reduce(tensor, group=self.tp_group)
+
+    def broadcast_plan(self, plan: object | None) -> Any:
+        """Leader: send `plan` to its dp group. Others: pass None, get the plan."""
+        box = [plan if self.info.is_leader else None]
+        if self.info.parallel.group_size > 1:
+            dist.broadcast_object_list(box, src=self.info.leader_rank, group=self.control_group)
+        return box[0]
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """To the next pipeline stage of this rank's pipeline."""
+        dist.send(hidden.contiguous(), dst=self.info.stage_rank(self.info.pp_rank + 1))
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, src=self.info.stage_rank(self.info.pp_rank - 1))
+        return out
+
+    def send_tokens(self, tokens: list[int]) -> None:
+        """Sampler rank → leader, over the control group."""
+        t = torch.tensor(tokens, dtype=torch.int64)
+        dist.send(t, dst=self.info.leader_rank, group=self.control_group)
+
+    def recv_tokens(self, count: int) -> list[int]:
+        t = torch.empty(count, dtype=torch.int64)
+        dist.recv(t, src=self.info.sampler_rank, group=self.control_group)
+        return [int(x) for x in t.tolist()]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _resolve_device(device: str, info: RankInfo) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise RuntimeError("device 'cuda' was requested but no CUDA device is visible")
+        dev = torch.device("cuda", info.rank % count)
+    return dev
+
+
+def init_distributed(
+    parallel: ParallelConfig,
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> DistContext:
+    """Join the instance's process group and build this rank's groups.
+
+    Every rank of the instance calls this with the same `parallel`,
+    `master_addr` and `master_port`. Backend: nccl for CUDA, gloo otherwise.
+    """
+    info = parallel.rank_info(rank)
+    dev = _resolve_device(device, info)
+    if master_addr.startswith("127.") or master_addr == "localhost":
+        # Gloo binds the address its host name resolves to unless told
+        # otherwise; keep single-host instances on the loopback interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        world_size=parallel.world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    tp_group = None
+    for ranks in parallel.tp_groups():
+        group = dist.new_group(ranks) if parallel.tp > 1 else None
+        if rank in ranks:
+            tp_group = group
+    control_group = None
+    for ranks in parallel.dp_groups():
+        group = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            control_group = group
+    return DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_main(
+    target: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: Any,
+    num_threads: int,
+) -> None:
+    torch.set_num_threads(num_threads)
+    try:
+        value = target(rank, world_size, port, *args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    results.put((rank, True, value))
+
+
+def spawn_ranks(
+    target: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout_s: float = 120.0,
+    num_threads: int = 1,
+) -> list[Any]:
+    """Run `target(rank, world_size, master_port, *args)` in one fresh process per rank.
+
+    Returns every rank's return value (index = rank). If any rank fails, dies
+    or the timeout passes, all ranks are stopped and RuntimeError carries the
+    first failure. `target` must be importable (module level) and its return
+    value picklable.
+    """
+    # A fork server that imported torch once hands out children in
+    # milliseconds instead of a fresh interpreter importing torch per rank;
+    # it never runs torch ops itself, so forking it is safe.
+    ctx = multiprocessing.get_context("forkserver")
+    preload = ["torch"] + ([target.__module__] if target.__module__ != "__main__" else [])
+    ctx.set_forkserver_preload(preload)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(target, rank, world_size, port, args, results, num_threads),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    error: str | None = None
+    try:
+        while len(values) < world_size and error is None:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and i not in values
+                ]
+                if dead:
+                    error = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}"
+                elif time.monotonic() > deadline:
+                    error = f"ranks did not finish within {timeout_s:.0f}s"
+                continue
+            if ok:
+                values[rank] = value
+            else:
+                error = f"rank {rank} failed:\n{value}"
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if error is None else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if error is not None:
+        raise RuntimeError(error)
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,134 @@
+"""What the room machines ask their I/O loop to do.
+
+Every event method of `PrefillRoomTable` / `DecodeRoomTable` returns a list
+of these, in the order they must be performed. The tables never perform I/O
+themselves and never read a clock.
+
+Common:
+- `Send(endpoint, message)` — encode with `messages.encode` and send on the
+  control socket to that endpoint (a prefill rank's or decode rank's ZMQ
+  address). Best effort: a peer that cannot be reached is the heartbeat's
+  and timeouts' business, not a reason to retry here.
+- `RoomFailed(room, rid, reason)` — the request bound to the room failed;
+  emitted once per room. Tell the client (HTTP error / SSE error event),
+  count `reason` in metrics, log with rid/room/rank.
+- `Dropped(room, what, reason)` — an input was ignored (stale generation,
+  unknown room, unauthenticated peer, ...). Count and log at debug; never
+  an error for the process.
+
+Prefill only:
+- `StartCompute(room, rid)` — hand the request to the engine now
+  (`early`: every destination is known; `prefill_complete`: at once).
+- `SendHeldKV(room)` — `prefill_complete`: destinations are known, push the
+  KV computed earlier.
+- `CancelWrites(room)` — a failed room's writes did not drain within the
+  release timeout: abandon them, then report them done (`writes_done`).
+- `ReleaseSource(room, rid)` — the room is over and its writes drained: the
+  engine may free the request's prefill pages (`engine.release(rid)`).
+  Emitted exactly once, and only if `StartCompute` was.
+- `RoomSucceeded(room, rid)` — every destination got its KV and Success.
+
+Decode only:
+- `PrefillReady(room)` — `prefill_complete`: every source reported Ready;
+  the room may now queue for pages.
+- `TransferComplete(room, rid, pages, first_token, checksums)` — every
+  source reported Success; the pages now belong to the request (the room
+  left the table). Verify checksums, then start decoding.
+- `ReleasePages(room, rid, pages, reason)` — a failed room's pages are safe
+  to reuse: every notified source acked, the release timeout passed (not
+  for one-sided writes), or the peer was declared dead. Exactly once.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.messages import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    endpoint: str
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFailed:
+    room: int
+    rid: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    room: int | None
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartCompute:
+    room: int
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeldKV:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelWrites:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSource:
+    room: int
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSucceeded:
+    room: int
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReady:
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferComplete:
+    room: int
+    rid: str
+    pages: tuple[int, ...]
+    first_token: int | None
+    checksums: tuple[tuple[RankCoord, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePages:
+    room: int
+    rid: str
+    pages: tuple[int, ...]
+    reason: str
+
+
+Action = (
+    Send
+    | RoomFailed
+    | Dropped
+    | StartCompute
+    | SendHeldKV
+    | CancelWrites
+    | ReleaseSource
+    | RoomSucceeded
+    | PrefillReady
+    | TransferComplete
+    | ReleasePages
+)

@@ -1,0 +1,77 @@
+"""The fields a prefill and a decode instance must agree on before a byte moves.
+
+A mismatch in any of them does not fail loudly in the data plane — it
+garbles output (a page size or layout read the wrong way) or leaks pages
+(two allocation policies disagreeing on when pages exist). So it is checked
+at every handshake point: across the ranks of one prefill instance (bootstrap
+registry), by decode after `GET /route`, and by prefill when a decode rank
+registers its KV layout. Every error names the field and both values.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+COMPAT_FIELDS: tuple[str, ...] = (
+    "page_size",
+    "kv_dtype",
+    "kv_layout",
+    "allocation_policy",
+    "model_fingerprint",
+)
+
+ShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    kv_dtype: ShortText
+    kv_layout: ShortText
+    allocation_policy: ShortText
+    model_fingerprint: ShortText
+
+
+class Mismatch(msgspec.Struct, frozen=True):
+    field: str
+    ours: object
+    theirs: object
+
+
+class CompatError(ValueError):
+    """Two sides disagree on compatibility fields; `.mismatches` lists them."""
+
+    def __init__(self, message: str, mismatches: list[Mismatch]) -> None:
+        super().__init__(message)
+        self.mismatches = mismatches
+
+    @property
+    def field(self) -> str:
+        return self.mismatches[0].field
+
+
+def find_mismatches(ours: CompatInfo, theirs: CompatInfo) -> list[Mismatch]:
+    return [
+        Mismatch(name, getattr(ours, name), getattr(theirs, name))
+        for name in COMPAT_FIELDS
+        if getattr(ours, name) != getattr(theirs, name)
+    ]
+
+
+def describe(mismatches: list[Mismatch], ours: str, theirs: str) -> str:
+    """'page_size mismatch: prefill=16, decode=32; kv_dtype ...'."""
+    return "; ".join(
+        f"{m.field} mismatch: {ours}={m.ours!s}, {theirs}={m.theirs!s}" for m in mismatches
+    )
+
+
+def check_compat(
+    ours: CompatInfo, theirs: CompatInfo, *, ours_name: str = "prefill", theirs_name: str = "decode"
+) -> None:
+    """Raise CompatError naming every mismatched field and both values."""
+    mismatches = find_mismatches(ours, theirs)
+    if mismatches:
+        raise CompatError(describe(mismatches, ours_name, theirs_name), mismatches)

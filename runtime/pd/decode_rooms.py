@@ -1,0 +1,466 @@
+"""Room table of one decode rank — a sans-IO state machine.
+
+The I/O loop feeds events (local calls, decoded prefill→decode messages,
+`tick(now)`) and performs the returned `actions`. No clock, no socket.
+
+    add_room ──► Bootstrapping ──resolve(sources)──► (prefill_complete: BOOTSTRAP sent,
+                 wait for Ready from every source ──► PrefillReady)
+    Bootstrapping ──assign_pages: metadata to every source──► WaitingForInput
+    WaitingForInput ──every source Transferring──► Transferring
+    ──every source Success──► TransferComplete (room leaves the table, pages go to the request)
+    any live state ──abort / timeout / source Failed / peer lost──► Failed
+    Failed ──every source settled (acked, dead, or never sent pages)──► ReleasePages
+
+Rules (DESIGN §3, §5, §7, §8):
+- a room gets a fresh `generation` from a per-table counter; every message
+  to prefill carries it, and any Status / Ready / AbortAck of another
+  generation is dropped — a late ACK never releases a newer attempt's pages;
+- a duplicate `add_room` is refused; `resolve` and `assign_pages` are
+  accepted once, in Bootstrapping only;
+- room state = `consensus` over its sources (Failed dominates, else the
+  slowest); duplicate statuses from one rank count once; Success needs
+  every source (`required_responses` distinct ranks);
+- on failure: `RoomFailed` once, `Abort(room, generation)` once to every
+  source that has not succeeded and is not dead; the pages stay until every
+  source is settled, or `release_s` passed — never on timeout alone with a
+  one-sided transport (`one_sided`, i.e. shm writes into our memory);
+- deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
+  `prefill_complete` Ready from every source within `prefill_wait_s`, then
+  pages within `bootstrap_s`; WaitingForInput/Transferring within
+  `waiting_s`. `tick(now)` fails late rooms (and so sends ABORT);
+- `fail_peer(peer, reason)` fails every unfinished room tied to a prefill
+  instance (bootstrap address), rank endpoint or host, marks those sources
+  dead and forgets their layout registration (re-sent on next use);
+- a rejected `KVLayoutRegister` (LayoutAck) fails the rooms on that peer with
+  the prefill's reason, which names the mismatched field and both values.
+
+I/O contract: `add_room(room, rid, peer)` when the decode leg arrives; fetch
+/route, compute `Source`s from `topology`, `resolve(room, sources)`; queue the
+room for pages (`decode_admission`) — right away under `early`, on
+`PrefillReady` under `prefill_complete` — and `assign_pages(room, pages)`
+when admitted; feed prefill messages to `on_message`; `abort(room, reason)`
+on client disconnect / abort_request; `tick(now)` about every 100 ms. On
+`RoomFailed` also cancel the room's admission; on `ReleasePages` /
+`TransferComplete` release its transfer slot.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdcluster.runtime.pd.actions import (
+    Action,
+    Dropped,
+    PrefillReady,
+    ReleasePages,
+    RoomFailed,
+    Send,
+    TransferComplete,
+)
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.decode_sources import DecodeRoom, Source, SourceState
+from pdcluster.runtime.pd.kvpoll import KVPoll, Poll, consensus
+from pdcluster.runtime.pd.messages import (
+    MAX_PAGES_PER_ROOM,
+    Abort,
+    AbortAck,
+    Bootstrap,
+    KVLayoutRegister,
+    LayoutAck,
+    Message,
+    Ready,
+    Status,
+    TransferMeta,
+)
+from pdcluster.runtime.pd.room_common import (
+    RoomError,
+    RoomRejected,
+    RoomStateError,
+    RoomView,
+    UnknownRoom,
+    check_rid,
+    check_room,
+    peer_matches,
+)
+from pdcluster.runtime.pd.settings import RoomSettings
+
+EARLY = "early"
+PREFILL_COMPLETE = "prefill_complete"
+POLICIES = (EARLY, PREFILL_COMPLETE)
+
+_LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
+
+
+@dataclass(frozen=True)
+class DecodeRankInfo:
+    """Identity and KV layout of the rank owning the table."""
+
+    rank: RankCoord
+    endpoint: str  # this rank's control endpoint; prefill answers here
+    compat: CompatInfo
+    token: str  # cluster token, sent in KVLayoutRegister
+    num_pages: int
+    layers: tuple[int, int]  # global layer range held by this rank
+    heads: tuple[int, int]  # global kv-head range held by this rank
+    shm_pool_path: str | None = None
+    # The transport writes into our memory without us taking part (shm):
+    # pages of a failed room are then never released on timeout alone.
+    one_sided: bool = False
+
+    def layout_message(self) -> KVLayoutRegister:
+        return KVLayoutRegister(
+            token=self.token,
+            decode_rank=self.rank,
+            decode_endpoint=self.endpoint,
+            compat=self.compat,
+            num_pages=self.num_pages,
+            layer_start=self.layers[0],
+            layer_end=self.layers[1],
+            head_start=self.heads[0],
+            head_end=self.heads[1],
+            shm_pool_path=self.shm_pool_path,
+        )
+
+
+class DecodeRoomTable:
+    def __init__(
+        self, info: DecodeRankInfo, settings: RoomSettings | None = None, first_generation: int = 1
+    ) -> None:
+        policy = info.compat.allocation_policy
+        if policy not in POLICIES:
+            raise ValueError(f"allocation_policy must be one of {POLICIES}, got {policy!r}")
+        self.info = info
+        self.settings = settings or RoomSettings()
+        self.policy = policy
+        self._layout = info.layout_message()
+        self._next_generation = first_generation
+        self._rooms: dict[int, DecodeRoom] = {}
+        self._registered: set[str] = set()  # prefill endpoints sent our layout
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def state(self, room: int) -> KVPoll | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.poll.state
+
+    def failure_reason(self, room: int) -> str | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.poll.reason
+
+    def generation(self, room: int) -> int:
+        generation: int = self._live(room).generation
+        return generation
+
+    def pages(self, room: int) -> tuple[int, ...] | None:
+        pages: tuple[int, ...] | None = self._live(room).pages
+        return pages
+
+    def num_pages_held(self) -> int:
+        """Pages owned by rooms still in the table (live, or failed awaiting release)."""
+        return sum(len(r.pages or ()) for r in self._rooms.values())
+
+    def is_registered(self, endpoint: str) -> bool:
+        return endpoint in self._registered
+
+    def list_rooms(self, now: float) -> list[RoomView]:
+        views = []
+        for r in self._rooms.values():
+            sources = list(r.sources.values()) if r.sources else []
+            pending = sum(1 for s in sources if not s.settled)
+            views.append(
+                RoomView(
+                    room=r.room,
+                    rid=r.rid,
+                    state=r.poll.state.name,
+                    age_s=max(0.0, now - r.created_at),
+                    peers=(r.peer, *sorted(s.source.endpoint for s in sources)),
+                    reason=r.poll.reason,
+                    generation=r.generation,
+                    detail=f"sources={len(sources)} pages={len(r.pages or ())} unsettled={pending}",
+                )
+            )
+        return views
+
+    # ------------------------------------------------------------- local events
+
+    def add_room(self, room: int, rid: str, peer: str, now: float) -> int:
+        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation."""
+        check_room(room)
+        check_rid(rid)
+        if not isinstance(peer, str) or not peer:
+            raise RoomError(
+                f"peer must name the prefill bootstrap address, got {peer!r}", "bad_peer"
+            )
+        old = self._rooms.get(room)
+        if old is not None:
+            raise RoomRejected(
+                f"duplicate room {room}: held by rid {old.rid!r} ({old.poll.state.name})",
+                "duplicate_room",
+            )
+        if len(self._rooms) >= self.settings.max_rooms:
+            raise RoomRejected(
+                f"decode rank has {len(self._rooms)} rooms (limit {self.settings.max_rooms})",
+                "too_many_rooms",
+            )
+        generation = self._next_generation
+        self._next_generation += 1
+        self._rooms[room] = DecodeRoom(
+            room=room,
+            rid=rid,
+            generation=generation,
+            peer=peer,
+            created_at=now,
+            poll=Poll.create(KVPoll.Bootstrapping),
+            deadline=now + self.settings.bootstrap_s,
+            deadline_reason="bootstrap_timeout",
+        )
+        return generation
+
+    def resolve(self, room: int, sources: Sequence[Source], now: float) -> list[Action]:
+        """The prefill ranks this rank receives from are known (addresses fetched)."""
+        r = self._live(room)
+        if r.poll.state is not KVPoll.Bootstrapping or r.sources is not None:
+            raise RoomStateError(f"room {room} is {r.poll.state.name}: already resolved")
+        ranks = [s.prefill_rank for s in sources]
+        if not sources or len(set(ranks)) != len(ranks):
+            raise RoomError(f"room {room}: sources must be non-empty distinct ranks, got {ranks}")
+        for s in sources:
+            if not s.endpoint or not 1 <= s.num_destinations <= 1 << 16:
+                raise RoomError(f"room {room}: bad source {s}", "bad_source")
+        r.sources = {s.prefill_rank: SourceState(s) for s in sources}
+        acts: list[Action] = []
+        for endpoint in dict.fromkeys(s.endpoint for s in sources):
+            if endpoint not in self._registered:
+                self._registered.add(endpoint)
+                acts.append(Send(endpoint, self._layout))
+        if self.policy == PREFILL_COMPLETE:
+            for state in r.sources.values():
+                bootstrap = Bootstrap(
+                    room=room,
+                    generation=r.generation,
+                    rid=r.rid,
+                    decode_rank=self.info.rank,
+                    decode_endpoint=self.info.endpoint,
+                    num_destinations=state.source.num_destinations,
+                )
+                acts.append(Send(state.source.endpoint, bootstrap))
+            r.deadline = now + self.settings.prefill_wait_s
+            r.deadline_reason = "prefill_wait_timeout"
+        return acts
+
+    def assign_pages(self, room: int, pages: Sequence[int], now: float) -> list[Action]:
+        """Admission reserved `pages` for the room: send them to every source.
+
+        Raises (and takes no ownership of the pages) if the room is not
+        waiting for pages — the caller then frees them itself.
+        """
+        r = self._live(room)
+        if r.poll.state is not KVPoll.Bootstrapping or r.sources is None or r.pages is not None:
+            raise RoomStateError(
+                f"room {room} is {r.poll.state.name}"
+                f"{'' if r.sources is not None else ' (unresolved)'}: cannot take pages"
+            )
+        if self.policy == PREFILL_COMPLETE and not r.ready_emitted:
+            raise RoomStateError(f"room {room}: prefill has not reported Ready from every source")
+        page_list = list(pages)
+        if not 0 < len(page_list) <= MAX_PAGES_PER_ROOM or len(set(page_list)) != len(page_list):
+            raise RoomError(f"room {room}: pages must be 1..{MAX_PAGES_PER_ROOM} distinct indices")
+        for p in page_list:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.info.num_pages:
+                raise RoomError(f"room {room}: page {p!r} outside [0, {self.info.num_pages})")
+        r.pages = tuple(page_list)
+        acts: list[Action] = []
+        for state in r.sources.values():
+            state.may_write = True
+            meta = TransferMeta(
+                room=room,
+                generation=r.generation,
+                rid=r.rid,
+                decode_rank=self.info.rank,
+                decode_endpoint=self.info.endpoint,
+                dst_pages=page_list,
+                num_destinations=state.source.num_destinations,
+            )
+            acts.append(Send(state.source.endpoint, meta))
+        r.poll = r.poll.update(KVPoll.WaitingForInput)
+        r.deadline = now + self.settings.waiting_s
+        r.deadline_reason = "waiting_timeout"
+        return acts
+
+    def abort(self, room: int, reason: str, now: float) -> list[Action]:
+        """Local abort (client gone, abort_request, admission failure). No-op if already failed."""
+        return self._fail(self._live(room), reason or "aborted", now)
+
+    def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
+        """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`."""
+        self._registered = {e for e in self._registered if not peer_matches(peer, e)}
+        acts: list[Action] = []
+        for r in list(self._rooms.values()):
+            sources = list(r.sources.values()) if r.sources else []
+            whole_instance = peer_matches(peer, r.peer)
+            hit = [s for s in sources if whole_instance or peer_matches(peer, s.source.endpoint)]
+            if not hit and not whole_instance:
+                continue
+            for s in hit:
+                s.dead = True
+            if r.poll.state is KVPoll.Failed:
+                acts.extend(self._maybe_release(r))
+            else:
+                acts.extend(self._fail(r, reason, now))
+        return acts
+
+    def tick(self, now: float) -> list[Action]:
+        acts: list[Action] = []
+        for r in list(self._rooms.values()):
+            if r.deadline is None or now < r.deadline:
+                continue
+            if r.poll.state is KVPoll.Failed:
+                acts.extend(self._release(r, "release_timeout"))
+            else:
+                acts.extend(self._fail(r, r.deadline_reason, now))
+        return acts
+
+    # ------------------------------------------------------------- peer input
+
+    def on_message(self, msg: Message, now: float) -> list[Action]:
+        if isinstance(msg, LayoutAck):
+            return self._on_layout_ack(msg, now)
+        if isinstance(msg, Status | Ready | AbortAck):
+            r = self._rooms.get(msg.room)
+            if r is None:
+                return [Dropped(msg.room, type(msg).__name__, "unknown_room")]
+            if msg.generation != r.generation:
+                return [Dropped(msg.room, type(msg).__name__, "stale_generation")]
+            s = r.sources.get(msg.rank) if r.sources is not None else None
+            if s is None:
+                return [Dropped(msg.room, type(msg).__name__, "unknown_source")]
+            if isinstance(msg, Status):
+                return self._on_status(r, s, msg, now)
+            if isinstance(msg, Ready):
+                return self._on_ready(r, s, now)
+            return self._on_abort_ack(r, s)
+        return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]
+
+    def _on_layout_ack(self, msg: LayoutAck, now: float) -> list[Action]:
+        if msg.accepted:
+            return []
+        self._registered.discard(msg.endpoint)
+        reason = msg.reason or "layout_rejected"
+        acts: list[Action] = []
+        for r in list(self._rooms.values()):
+            if r.poll.state in _LIVE and r.sources is not None:
+                if any(s.source.endpoint == msg.endpoint for s in r.sources.values()):
+                    acts.extend(self._fail(r, reason, now))
+        return acts
+
+    def _on_status(self, r: DecodeRoom, s: SourceState, msg: Status, now: float) -> list[Action]:
+        if r.poll.state is KVPoll.Failed:
+            # Prefill sends Success only after its writes drained.
+            if msg.state is KVPoll.Success:
+                s.drained = True
+                return self._maybe_release(r)
+            return []
+        if msg.state is KVPoll.Failed:
+            s.poll = (s.poll or Poll(KVPoll.WaitingForInput)).fail(msg.reason or "failed")
+            return self._fail(r, f"prefill {msg.rank} failed: {msg.reason or 'no reason'}", now)
+        if not s.may_write:
+            return self._fail(
+                r, f"protocol_violation: {msg.state.name} from {msg.rank} before metadata", now
+            )
+        s.poll = (s.poll or Poll(KVPoll.WaitingForInput)).update(msg.state)
+        if msg.state is KVPoll.Success and s.first_token is None:
+            s.first_token, s.checksum = msg.first_token, msg.checksum
+        assert r.sources is not None
+        states = [x.poll.state if x.poll else KVPoll.WaitingForInput for x in r.sources.values()]
+        overall = consensus(states)
+        if overall is KVPoll.Success:
+            tokens = {x.first_token for x in r.sources.values() if x.first_token is not None}
+            if len(tokens) > 1:
+                return self._fail(r, f"first_token_mismatch: sources sent {sorted(tokens)}", now)
+            return self._complete(r, next(iter(tokens), None))
+        r.poll = r.poll.update(overall)
+        return []
+
+    def _on_ready(self, r: DecodeRoom, s: SourceState, now: float) -> list[Action]:
+        if self.policy != PREFILL_COMPLETE:
+            reason = f"allocation_policy mismatch: prefill={PREFILL_COMPLETE}, decode={self.policy}"
+            return self._fail(r, reason, now)
+        if r.poll.state is not KVPoll.Bootstrapping or s.ready:
+            return [Dropped(r.room, "Ready", "duplicate_ready")]
+        s.ready = True
+        assert r.sources is not None
+        if r.ready_emitted or not all(x.ready for x in r.sources.values()):
+            return []
+        r.ready_emitted = True
+        r.deadline = now + self.settings.bootstrap_s
+        r.deadline_reason = "bootstrap_timeout"
+        return [PrefillReady(r.room)]
+
+    def _on_abort_ack(self, r: DecodeRoom, s: SourceState) -> list[Action]:
+        if r.poll.state is not KVPoll.Failed:
+            return [Dropped(r.room, "AbortAck", "room_not_failed")]
+        s.drained = True
+        return self._maybe_release(r)
+
+    # ------------------------------------------------------------- internals
+
+    def _live(self, room: int) -> DecodeRoom:
+        r = self._rooms.get(room)
+        if r is None:
+            raise UnknownRoom(f"room {room} is not in this decode rank's table")
+        return r
+
+    def _complete(self, r: DecodeRoom, first_token: int | None) -> list[Action]:
+        r.poll = r.poll.update(KVPoll.Success)
+        assert r.sources is not None and r.pages is not None
+        checksums = tuple(
+            (rank, s.checksum) for rank, s in sorted(r.sources.items()) if s.checksum is not None
+        )
+        del self._rooms[r.room]
+        return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums)]
+
+    def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Action]:
+        if r.poll.state is KVPoll.Failed:
+            return []
+        r.poll = r.poll.fail(reason[:1024])
+        reason = r.poll.reason or reason
+        acts: list[Action] = [RoomFailed(r.room, r.rid, reason)]
+        for s in r.sources.values() if r.sources is not None else ():
+            if s.dead or s.succeeded or s.abort_sent:
+                continue
+            s.abort_sent = True
+            abort = Abort(
+                room=r.room,
+                generation=r.generation,
+                reason=reason,
+                decode_rank=self.info.rank,
+                decode_endpoint=self.info.endpoint,
+            )
+            acts.append(Send(s.source.endpoint, abort))
+        # A one-sided writer may still be writing: only its ack or death frees the pages.
+        r.deadline = None if self.info.one_sided else now + self.settings.release_s
+        r.deadline_reason = "release_timeout"
+        acts.extend(self._maybe_release(r))
+        return acts
+
+    def _maybe_release(self, r: DecodeRoom) -> list[Action]:
+        if r.poll.state is not KVPoll.Failed or not r.all_settled():
+            return []
+        sources = r.sources.values() if r.sources is not None else ()
+        return self._release(r, "peer_dead" if any(s.dead for s in sources) else "drained")
+
+    def _release(self, r: DecodeRoom, why: str) -> list[Action]:
+        del self._rooms[r.room]
+        if r.pages is None:
+            return []
+        return [ReleasePages(r.room, r.rid, r.pages, why)]

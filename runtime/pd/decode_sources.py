@@ -1,0 +1,71 @@
+"""What a decode rank remembers about one room and each prefill rank feeding it.
+
+A *source* is one prefill rank that sends part of the room's KV into this
+decode rank's pages (see `topology`). The release rule lives here because it
+is the one that protects memory: a failed room's pages may be reused only
+once every source is *settled* — it never received our page indices, or it
+confirmed that its writes drained (an `AbortAck` of the room's generation,
+or a Success status, which prefill sends only after draining), or it was
+declared dead.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+
+
+@dataclass(frozen=True)
+class Source:
+    """One prefill rank a decode rank receives from, as resolved from /route + topology."""
+
+    prefill_rank: RankCoord
+    endpoint: str  # the prefill rank's control endpoint
+    num_destinations: int  # decode ranks that prefill rank serves for one room
+
+
+@dataclass
+class SourceState:
+    source: Source
+    poll: Poll | None = None  # None: not heard from yet
+    ready: bool = False  # prefill_complete: Ready received
+    may_write: bool = False  # our page indices were sent to it
+    abort_sent: bool = False
+    drained: bool = False  # AbortAck of our generation, or Success
+    dead: bool = False
+    first_token: int | None = None
+    checksum: int | None = None
+
+    @property
+    def settled(self) -> bool:
+        """It can no longer write into this room's pages."""
+        return not self.may_write or self.drained or self.dead
+
+    @property
+    def succeeded(self) -> bool:
+        return self.poll is not None and self.poll.state is KVPoll.Success
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    rid: str
+    generation: int
+    peer: str  # bootstrap address of the prefill instance
+    created_at: float
+    poll: Poll
+    deadline: float | None
+    deadline_reason: str
+    sources: dict[RankCoord, SourceState] | None = None  # None until resolved
+    pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
+    ready_emitted: bool = False
+
+    def all_settled(self) -> bool:
+        return self.sources is None or all(s.settled for s in self.sources.values())
+
+    def unsettled(self) -> list[SourceState]:
+        return [] if self.sources is None else [s for s in self.sources.values() if not s.settled]

@@ -1,0 +1,250 @@
+"""Wire messages of the PD control plane (ZMQ frames between decode and prefill ranks).
+
+A frame is `MAGIC (3 bytes) + PROTOCOL_VERSION (1 byte) + msgpack body`; the
+body is one of the tagged msgspec Structs below (field `type` names it).
+Never pickle: a frame from a peer is untrusted input.
+
+Decode rank → prefill rank:
+- `KVLayoutRegister` once per peer, before any room traffic (carries the
+  cluster token and the decode rank's KV layout and compatibility fields);
+- `TransferMeta` per room: destination page indices, generation, and how many
+  decode ranks this prefill rank must hear from for the room;
+- `Bootstrap` per room under the `prefill_complete` policy (endpoint first,
+  pages later);
+- `Abort(room, generation)` once per notified prefill rank.
+
+Prefill rank → decode rank:
+- `LayoutAck` answering a registration (accepted, or why not);
+- `Ready` under `prefill_complete`: "the KV is computed", once per destination;
+- `Status` with the prefill rank's KVPoll for a room; the Success status is
+  the last message of a transfer and carries the first sampled token (every
+  prefill rank should carry it; decode takes the first one it sees) and the
+  optional checksum of the pages that rank wrote;
+- `AbortAck(room, rank, generation)` once the rank's writes into the room's
+  pages have drained.
+KV payload bytes never ride inside these messages (tcp payload frames are
+the transfer engine's own format).
+
+`decode(data)` raises only `ProtocolError(reason)`; reasons are the
+`REJECT_*` constants, counted in a `ProtocolStats` when one is passed.
+Frames over `MAX_FRAME_BYTES` (1 MiB: room for ~200k page indices) are
+rejected before parsing.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Annotated, Final
+
+import msgspec
+
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.kvpoll import KVPoll
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"PDC"
+HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
+HEADER_LEN: Final = len(HEADER)
+MAX_FRAME_BYTES: Final = 1 << 20
+
+REJECT_OVERSIZED: Final = "oversized"
+REJECT_TRUNCATED: Final = "truncated"
+REJECT_BAD_MAGIC: Final = "bad_magic"
+REJECT_VERSION: Final = "unsupported_version"
+REJECT_MALFORMED: Final = "malformed"
+REJECT_UNKNOWN_TYPE: Final = "unknown_type"
+REJECT_INVALID_FIELD: Final = "invalid_field"
+
+MAX_ROOM: Final = (1 << 63) - 1
+# Page indices per TransferMeta: at <= 5 bytes each this stays under the frame limit.
+MAX_PAGES_PER_ROOM: Final = 1 << 17
+
+Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
+Generation = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
+PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Reason = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Token = Annotated[str, msgspec.Meta(max_length=512)]
+Path = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+LayerOrHead = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Checksum = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]  # 63-bit digest
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid control message of this protocol version."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class KVLayoutRegister(_Msg, tag="layout", frozen=True):
+    token: Token
+    decode_rank: RankCoord
+    decode_endpoint: Endpoint
+    compat: CompatInfo
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
+    layer_start: LayerOrHead
+    layer_end: LayerOrHead
+    head_start: LayerOrHead
+    head_end: LayerOrHead
+    # Same-node shared KV pool (`shm` transport); None for tcp.
+    shm_pool_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_end <= self.layer_start:
+            raise ValueError(f"empty layer range [{self.layer_start}, {self.layer_end})")
+        if self.head_end <= self.head_start:
+            raise ValueError(f"empty head range [{self.head_start}, {self.head_end})")
+
+
+class LayoutAck(_Msg, tag="layout_ack", frozen=True):
+    rank: RankCoord  # the prefill rank answering
+    endpoint: Endpoint  # its control endpoint (rank coords alone repeat across instances)
+    accepted: bool
+    reason: Reason | None = None
+
+
+class TransferMeta(_Msg, tag="meta", frozen=True):
+    room: Room
+    generation: Generation
+    rid: Rid
+    decode_rank: RankCoord
+    decode_endpoint: Endpoint
+    # The decode rank's whole page table for the prompt; each prefill rank
+    # writes the part its topology slice covers.
+    dst_pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_PAGES_PER_ROOM)]
+    # Distinct decode ranks this prefill rank must hear from for the room.
+    num_destinations: Count
+
+
+class Bootstrap(_Msg, tag="bootstrap", frozen=True):
+    room: Room
+    generation: Generation
+    rid: Rid
+    decode_rank: RankCoord
+    decode_endpoint: Endpoint
+    num_destinations: Count
+
+
+class Abort(_Msg, tag="abort", frozen=True):
+    room: Room
+    generation: Generation
+    reason: Reason
+    decode_rank: RankCoord
+    decode_endpoint: Endpoint
+
+
+class Ready(_Msg, tag="ready", frozen=True):
+    room: Room
+    generation: Generation
+    rank: RankCoord
+
+
+class Status(_Msg, tag="status", frozen=True):
+    room: Room
+    generation: Generation
+    rank: RankCoord
+    state: KVPoll
+    reason: Reason | None = None
+    first_token: TokenId | None = None
+    checksum: Checksum | None = None
+
+
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
+    room: Room
+    rank: RankCoord
+    generation: Generation
+
+
+Message = (
+    KVLayoutRegister | LayoutAck | TransferMeta | Bootstrap | Abort | Ready | Status | AbortAck
+)
+DecodeToPrefill = KVLayoutRegister | TransferMeta | Bootstrap | Abort
+PrefillToDecode = LayoutAck | Ready | Status | AbortAck
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolStats:
+    """Rejected frames by reason; one per socket or process, read by metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rejects: Counter[str] = Counter()
+
+    def count(self, reason: str) -> None:
+        with self._lock:
+            self._rejects[reason] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._rejects)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._rejects.values())
+
+
+def encode(msg: Message) -> bytes:
+    """One frame. Raises ProtocolError(oversized) instead of emitting a frame peers reject."""
+    body = _encoder.encode(msg)
+    if len(body) + HEADER_LEN > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            REJECT_OVERSIZED, f"{type(msg).__name__} encodes to {len(body) + HEADER_LEN} bytes"
+        )
+    return HEADER + body
+
+
+def is_control_frame(data: bytes | bytearray | memoryview) -> bool:
+    """Whether `data` starts like a control frame (any version)."""
+    return bytes(data[: len(MAGIC)]) == MAGIC
+
+
+def decode(data: bytes | bytearray | memoryview, stats: ProtocolStats | None = None) -> Message:
+    """Parse one frame; raise ProtocolError (and count it) on anything invalid."""
+    try:
+        return _decode(data)
+    except ProtocolError as err:
+        if stats is not None:
+            stats.count(err.reason)
+        raise
+
+
+def _decode(data: bytes | bytearray | memoryview) -> Message:
+    size = len(data)
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(REJECT_OVERSIZED, f"{size} bytes > limit {MAX_FRAME_BYTES}")
+    if size <= HEADER_LEN:
+        raise ProtocolError(REJECT_TRUNCATED, f"{size} bytes, header alone is {HEADER_LEN}")
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise ProtocolError(REJECT_BAD_MAGIC, "not a PD control frame")
+    version = view[len(MAGIC)]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            REJECT_VERSION, f"frame version {version}, this side speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return _decoder.decode(view[HEADER_LEN:])
+    except msgspec.ValidationError as err:
+        text = str(err)
+        if text.endswith("`$.type`") or "Object missing required field `type`" in text:
+            raise ProtocolError(REJECT_UNKNOWN_TYPE, text) from None
+        raise ProtocolError(REJECT_INVALID_FIELD, text) from None
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise ProtocolError(REJECT_MALFORMED, str(err)) from None

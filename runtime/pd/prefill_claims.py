@@ -1,0 +1,146 @@
+"""Records of a prefill rank's room table, and which claims on a room are valid.
+
+A *claim* is a decode rank's metadata or BOOTSTRAP for a room, or the
+prefill leg opening it. The first claim binds the room to a rid and a
+destination count, each destination (decode rank) to one endpoint and one
+generation. A later claim that disagrees with any of these is refused —
+never merged — so a stale or foreign message cannot redirect a room's KV.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.messages import KVLayoutRegister, Status
+from pdcluster.runtime.pd.topology import pages_for
+
+
+@dataclass(frozen=True)
+class PrefillRankInfo:
+    """Identity of the rank owning the table."""
+
+    rank: RankCoord
+    endpoint: str  # this rank's control endpoint, sent in LayoutAck
+    compat: CompatInfo
+    token: str | None  # cluster token; None disables the check (tests, trusted dev setups)
+
+
+@dataclass(frozen=True)
+class DestinationView:
+    """One decode rank the transfer engine writes a room's KV into."""
+
+    decode_rank: RankCoord
+    endpoint: str
+    generation: int
+    pages: tuple[int, ...]
+    layout: KVLayoutRegister  # token stripped
+
+
+@dataclass
+class Dest:
+    decode_rank: RankCoord
+    endpoint: str
+    generation: int
+    pages: tuple[int, ...] | None  # None until metadata (BOOTSTRAP came first)
+    ready_sent: bool = False
+    aborted: bool = False
+    dead: bool = False
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    rid: str | None
+    poll: Poll
+    created_at: float
+    deadline: float | None
+    expected: int | None = None  # destinations announced by decode
+    opened: bool = False
+    num_tokens: int | None = None
+    dests: dict[RankCoord, Dest] = field(default_factory=dict)
+    computing: bool = False  # StartCompute emitted: the engine holds the request
+    computed: bool = False  # prefill_complete: KV is ready
+    held_sent: bool = False
+    finished: bool = False  # last write enqueued
+    first_token: int | None = None
+    checksum: int | None = None
+    inflight: int = 0
+    cancel_sent: bool = False
+    acks: dict[str, int] = field(default_factory=dict)  # endpoint → generation owed an AbortAck
+
+    @property
+    def has_all_destinations(self) -> bool:
+        return (
+            self.expected is not None
+            and len(self.dests) == self.expected
+            and all(d.pages is not None for d in self.dests.values())
+        )
+
+    def reachable(self) -> list[Dest]:
+        return [d for d in self.dests.values() if not d.dead]
+
+    def status(self, d: Dest, rank: RankCoord, state: KVPoll, reason: str | None) -> Status:
+        """This rank's status for destination `d`; Success carries first token and checksum."""
+        success = state is KVPoll.Success
+        return Status(
+            room=self.room,
+            generation=d.generation,
+            rank=rank,
+            state=state,
+            reason=reason,
+            first_token=self.first_token if success else None,
+            checksum=self.checksum if success else None,
+        )
+
+
+def claim_conflict(
+    r: PrefillRoom, rid: str, expected: int, decode_rank: RankCoord, endpoint: str
+) -> str | None:
+    """Why a decode claim cannot join room `r`, or None."""
+    if r.poll.state is KVPoll.Failed:
+        return f"room_failed: {r.poll.reason}"
+    if r.rid is not None and rid != r.rid:
+        return f"room_conflict: room {r.room} is bound to rid {r.rid!r}, got {rid!r}"
+    if r.expected is not None and expected != r.expected:
+        return (
+            f"room_conflict: room {r.room} expects {r.expected} destinations, "
+            f"got a claim of {expected}"
+        )
+    d = r.dests.get(decode_rank)
+    if d is not None and d.endpoint != endpoint:
+        return (
+            f"room_conflict: decode rank {decode_rank} of room {r.room} is bound to "
+            f"{d.endpoint}, refusing a second endpoint {endpoint}"
+        )
+    if d is None and r.expected is not None and len(r.dests) >= r.expected:
+        return f"room_conflict: room {r.room} already has all {r.expected} destinations"
+    return None
+
+
+def page_problem(pages: list[int], num_pages: int) -> str | None:
+    """Why a page list cannot be written into a decode pool of `num_pages`, or None."""
+    if len(set(pages)) != len(pages):
+        return "bad_pages: duplicate page indices"
+    top = max(pages)
+    if top >= num_pages:
+        return f"bad_pages: page {top} outside the decode pool of {num_pages} pages"
+    return None
+
+
+def page_count_problem(r: PrefillRoom, page_size: int) -> str | None:
+    """Why a destination's pages cannot hold the opened prompt, or None."""
+    if r.num_tokens is None:
+        return None
+    need = pages_for(r.num_tokens, page_size)
+    for d in r.dests.values():
+        if d.pages is not None and len(d.pages) < need:
+            return (
+                f"bad_page_count: decode rank {d.decode_rank} sent {len(d.pages)} pages, "
+                f"the prompt of {r.num_tokens} tokens needs {need}"
+            )
+    return None

@@ -1,0 +1,545 @@
+"""Room table of one prefill rank — a sans-IO state machine.
+
+The I/O loop feeds events (decoded messages, engine and transfer progress,
+`tick(now)`) and performs the returned `actions`. No clock, no socket.
+
+    Bootstrapping ──every destination's metadata + request opened──► WaitingForInput
+    WaitingForInput ──first KV write enqueued──► Transferring
+    Transferring ──finish_sending + every write drained──► Success (cleared)
+    any live state ──abort / timeout / peer lost / bad claim──► Failed
+    Failed ──in-flight writes drained──► cleared
+
+Rules (DESIGN §5, §7):
+- a room is created by the prefill leg (`open_room`) or by the first decode
+  claim (metadata / BOOTSTRAP), whichever comes first; both create it in
+  Bootstrapping. The first claim wins; a disagreeing later claim is refused
+  with a Failed status and changes nothing (`prefill_claims`);
+- only registered decode endpoints (`prefill_peers`) may send metadata,
+  BOOTSTRAP or ABORT; anything else is dropped without reply;
+- Failed is sticky (first reason kept). A Failed room accepts no new writes
+  (`can_send` False), tells each destination once, and sends
+  `AbortAck(room, rank, generation)` to each aborting decode rank only once
+  its in-flight writes drained. Not drained within `release_s` → one
+  `CancelWrites`; a dead peer gets `CancelWrites` at once;
+- a concluded room leaves a tombstone: a late claim gets Failed, a late
+  `open_room` is refused, an ABORT for an unknown room leaves one too;
+- deadlines: Bootstrapping within `bootstrap_s` (re-armed when the KV is
+  computed under `prefill_complete`), WaitingForInput/Transferring within
+  `waiting_s`;
+- `prefill_complete` expects BOOTSTRAP before metadata, `early` refuses
+  BOOTSTRAP; the Failed status names both policies.
+
+I/O contract:
+- `open_room(room, rid, num_tokens, now)` when the prefill leg arrives;
+  `on_message(msg, now)` for each decode→prefill message;
+- early: on `StartCompute` run the request; per KV chunk check
+  `can_send(room)`, write to `destinations(room)`, report
+  `writes_enqueued(room, n)`; the transfer engine reports
+  `writes_done(room, n, ok)`; after the last chunk `finish_sending(room,
+  first_token, checksum)`;
+- prefill_complete: `StartCompute` comes at open; call `kv_computed(room)`
+  when done; on `SendHeldKV` enqueue the held KV, then `finish_sending`;
+- on `ReleaseSource` abort the engine request if still running, else
+  release its held pages;
+- `fail(room, reason)` for local aborts; `fail_peer(peer, reason)` for a
+  lost decode pod; `tick(now)` about every 100 ms.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from pdcluster.runtime.pd.actions import (
+    Action,
+    CancelWrites,
+    Dropped,
+    ReleaseSource,
+    RoomFailed,
+    RoomSucceeded,
+    Send,
+    SendHeldKV,
+    StartCompute,
+)
+from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.messages import (
+    Abort,
+    AbortAck,
+    Bootstrap,
+    KVLayoutRegister,
+    LayoutAck,
+    Message,
+    Ready,
+    Status,
+    TransferMeta,
+)
+from pdcluster.runtime.pd.prefill_claims import (
+    Dest,
+    DestinationView,
+    PrefillRankInfo,
+    PrefillRoom,
+    claim_conflict,
+    page_count_problem,
+    page_problem,
+)
+from pdcluster.runtime.pd.prefill_peers import PeerLayouts
+from pdcluster.runtime.pd.room_common import (
+    RoomRejected,
+    RoomStateError,
+    RoomView,
+    UnknownRoom,
+    check_int,
+    check_rid,
+    check_room,
+    clip_reason,
+    peer_matches,
+)
+from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.pd.tombstones import Tombstones
+
+EARLY = "early"
+PREFILL_COMPLETE = "prefill_complete"
+POLICIES = (EARLY, PREFILL_COMPLETE)
+
+_SENDING = (KVPoll.WaitingForInput, KVPoll.Transferring)
+
+
+class PrefillRoomTable:
+    def __init__(self, info: PrefillRankInfo, settings: RoomSettings | None = None) -> None:
+        policy = info.compat.allocation_policy
+        if policy not in POLICIES:
+            raise ValueError(f"allocation_policy must be one of {POLICIES}, got {policy!r}")
+        self.info = info
+        self.settings = settings or RoomSettings()
+        self.policy = policy
+        self.peers = PeerLayouts(info.compat, info.token)
+        self._rooms: dict[int, PrefillRoom] = {}
+        self._tombs = Tombstones(self.settings.tombstone_ttl, self.settings.max_tombstones)
+
+    # ------------------------------------------------------------------ queries
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def state(self, room: int) -> KVPoll | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.poll.state
+
+    def failure_reason(self, room: int) -> str | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.poll.reason
+
+    def tombstone(self, room: int, now: float) -> str | None:
+        outcome: str | None = self._tombs.get(room, now)
+        return outcome
+
+    def can_send(self, room: int) -> bool:
+        """May a new KV write for `room` be enqueued now?"""
+        r = self._rooms.get(room)
+        return r is not None and r.poll.state in _SENDING and not r.finished
+
+    def destinations(self, room: int) -> tuple[DestinationView, ...]:
+        out = []
+        for d in sorted(self._live(room).reachable(), key=lambda d: d.decode_rank):
+            layout = self.peers.get(d.endpoint)
+            if d.pages is not None and layout is not None:
+                out.append(
+                    DestinationView(d.decode_rank, d.endpoint, d.generation, d.pages, layout)
+                )
+        return tuple(out)
+
+    def inflight(self, room: int) -> int:
+        count: int = self._live(room).inflight
+        return count
+
+    def list_rooms(self, now: float) -> list[RoomView]:
+        return [
+            RoomView(
+                room=r.room,
+                rid=r.rid,
+                state=r.poll.state.name,
+                age_s=max(0.0, now - r.created_at),
+                peers=tuple(sorted(d.endpoint for d in r.dests.values())),
+                reason=r.poll.reason,
+                detail=f"destinations={len(r.dests)}/{r.expected or '?'} inflight={r.inflight}",
+            )
+            for r in self._rooms.values()
+        ]
+
+    # ------------------------------------------------------------- local events
+
+    def open_room(self, room: int, rid: str, num_tokens: int, now: float) -> list[Action]:
+        """The prefill leg of `rid` arrived. Raises RoomRejected / RoomError, table unchanged."""
+        check_room(room)
+        check_rid(rid)
+        check_int("num_tokens", num_tokens, 1, 1 << 31)
+        tomb = self._tombs.get(room, now)
+        if tomb is not None:
+            raise RoomRejected(f"room {room} already concluded ({tomb})", "room_closed")
+        r = self._rooms.get(room)
+        if r is None:
+            if len(self._rooms) >= self.settings.max_rooms:
+                raise RoomRejected(
+                    f"prefill rank has {len(self._rooms)} live rooms "
+                    f"(limit {self.settings.max_rooms})",
+                    "too_many_rooms",
+                )
+            r = self._new_room(room, rid, None, now)
+        elif r.opened:
+            raise RoomRejected(f"duplicate room {room}: opened by rid {r.rid!r}", "duplicate_room")
+        elif r.rid != rid:
+            raise RoomRejected(
+                f"room {room} is bound to rid {r.rid!r} by decode metadata, not {rid!r}",
+                "room_conflict",
+            )
+        r.opened = True
+        r.num_tokens = num_tokens
+        acts: list[Action] = []
+        if self.policy == PREFILL_COMPLETE:
+            r.computing = True
+            acts.append(StartCompute(room, rid))
+        return acts + self._after_claim(r, now)
+
+    def kv_computed(self, room: int, now: float) -> list[Action]:
+        """prefill_complete: the prompt's KV is computed and held."""
+        if self.policy != PREFILL_COMPLETE:
+            raise RoomStateError(
+                f"kv_computed is for prefill_complete; this rank runs {self.policy}"
+            )
+        r = self._rooms.get(room)
+        if r is None or r.poll.state is KVPoll.Failed:
+            return [Dropped(room, "kv_computed", "room_not_live")]
+        if r.computed or not r.computing:
+            raise RoomStateError(f"room {room}: kv_computed without a running computation")
+        r.computed = True
+        acts: list[Action] = []
+        for d in r.dests.values():
+            acts.extend(self._ready(r, d))
+        if r.poll.state is KVPoll.Bootstrapping:
+            r.deadline = now + self.settings.bootstrap_s
+        elif r.poll.state is KVPoll.WaitingForInput and not r.held_sent:
+            r.held_sent = True
+            acts.append(SendHeldKV(room))
+        return acts
+
+    def writes_enqueued(self, room: int, count: int, now: float) -> list[Action]:
+        r = self._live(room)
+        if not self.can_send(room):
+            raise RoomStateError(f"room {room} is {_describe(r)}: no new writes may be enqueued")
+        check_int("count", count, 1, 1 << 31)
+        r.inflight += count
+        if r.poll.state is KVPoll.WaitingForInput:
+            r.poll = r.poll.update(KVPoll.Transferring)
+            return [self._status(r, d, KVPoll.Transferring) for d in r.reachable()]
+        return []
+
+    def writes_done(self, room: int, count: int, ok: bool, now: float) -> list[Action]:
+        r = self._live(room)
+        check_int("count", count, 1, r.inflight + 1)
+        r.inflight -= count
+        if not ok and r.poll.state is not KVPoll.Failed:
+            return self._fail(r, "transfer_error", now)
+        if r.poll.state is KVPoll.Failed:
+            return self._finalize(r, now) if r.inflight == 0 else []
+        return self._maybe_succeed(r, now)
+
+    def finish_sending(
+        self, room: int, first_token: int | None, checksum: int | None, now: float
+    ) -> list[Action]:
+        """The room's last KV write is enqueued; Success follows once every write drained."""
+        r = self._rooms.get(room)
+        if r is None or r.poll.state is KVPoll.Failed:
+            return [Dropped(room, "finish_sending", "room_not_live")]
+        if r.poll.state not in _SENDING or r.finished:
+            raise RoomStateError(f"room {room} is {_describe(r)}: cannot finish sending")
+        if first_token is not None:
+            check_int("first_token", first_token, 0, 1 << 31)
+        if checksum is not None:
+            check_int("checksum", checksum, 0, 1 << 63)
+        r.finished = True
+        r.first_token = first_token
+        r.checksum = checksum
+        return self._maybe_succeed(r, now)
+
+    def fail(self, room: int, reason: str, now: float) -> list[Action]:
+        """Local failure (abort_request, engine error); a no-op for a concluded room."""
+        r = self._rooms.get(room)
+        if r is None:
+            if self._tombs.get(room, now) is not None:
+                return []
+            raise UnknownRoom(f"room {room} is not known on this prefill rank")
+        return self._fail(r, reason or "aborted", now)
+
+    def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
+        """A decode pod is gone: fail every unfinished room writing to it, forget its layout."""
+        self.peers.forget_matching(peer)
+        acts: list[Action] = []
+        for r in list(self._rooms.values()):
+            hit = [d for d in r.dests.values() if peer_matches(peer, d.endpoint)]
+            if not hit:
+                continue
+            for d in hit:
+                d.dead = True
+                r.acks.pop(d.endpoint, None)
+            if r.poll.state is not KVPoll.Failed:
+                acts.extend(self._fail(r, reason, now))
+            # Writes to a dead peer never drain by themselves.
+            if r.room in self._rooms and r.inflight and not r.cancel_sent:
+                r.cancel_sent = True
+                acts.append(CancelWrites(r.room))
+        return acts
+
+    def tick(self, now: float) -> list[Action]:
+        acts: list[Action] = []
+        for r in list(self._rooms.values()):
+            if r.deadline is None or now < r.deadline:
+                continue
+            if r.poll.state is KVPoll.Bootstrapping:
+                acts.extend(self._fail(r, "bootstrap_timeout", now))
+            elif r.poll.state in _SENDING:
+                acts.extend(self._fail(r, "transfer_timeout", now))
+            elif r.inflight and not r.cancel_sent:
+                r.cancel_sent = True
+                r.deadline = None
+                acts.append(CancelWrites(r.room))
+        self._tombs.prune(now)
+        return acts
+
+    # ------------------------------------------------------------- peer input
+
+    def on_message(self, msg: Message, now: float) -> list[Action]:
+        if isinstance(msg, KVLayoutRegister):
+            return self._on_layout(msg, now)
+        if isinstance(msg, TransferMeta):
+            return self._on_meta(msg, now)
+        if isinstance(msg, Bootstrap):
+            return self._on_bootstrap(msg, now)
+        if isinstance(msg, Abort):
+            return self._on_abort(msg, now)
+        return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]
+
+    def _on_layout(self, msg: KVLayoutRegister, now: float) -> list[Action]:
+        outcome = self.peers.register(msg)
+        ack = LayoutAck(
+            rank=self.info.rank,
+            endpoint=self.info.endpoint,
+            accepted=outcome.accepted,
+            reason=outcome.reason,
+        )
+        acts: list[Action] = []
+        if not outcome.accepted:
+            acts.append(Dropped(None, "KVLayoutRegister", outcome.code))
+        elif outcome.replaced:
+            # Same endpoint, new layout: a restarted decode rank cannot finish
+            # the rooms of its previous incarnation.
+            for r in list(self._rooms.values()):
+                if any(d.endpoint == msg.decode_endpoint for d in r.dests.values()):
+                    acts.extend(self._fail(r, "peer_reregistered", now))
+        acts.append(Send(msg.decode_endpoint, ack))
+        return acts
+
+    def _on_meta(self, msg: TransferMeta, now: float) -> list[Action]:
+        if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
+            return [Dropped(msg.room, "TransferMeta", "unregistered_peer")]
+        layout = self.peers.get(msg.decode_endpoint)
+        assert layout is not None
+        bad_pages = page_problem(msg.dst_pages, layout.num_pages)
+        no_bootstrap = (
+            f"allocation_policy mismatch: prefill={PREFILL_COMPLETE}, decode={EARLY} "
+            "(metadata without BOOTSTRAP)"
+        )
+        pages = tuple(msg.dst_pages)
+        r = self._rooms.get(msg.room)
+        if r is None:
+            problem = (
+                self._closed(msg.room, now)
+                or (no_bootstrap if self.policy == PREFILL_COMPLETE else bad_pages)
+                or self._overloaded()
+            )
+            if problem is not None:
+                return self._reject(msg.room, msg.generation, msg.decode_endpoint, problem)
+            r = self._new_room(msg.room, msg.rid, msg.num_destinations, now)
+            r.dests[msg.decode_rank] = Dest(
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages
+            )
+            return self._after_claim(r, now)
+        d = r.dests.get(msg.decode_rank)
+        conflict = claim_conflict(
+            r, msg.rid, msg.num_destinations, msg.decode_rank, msg.decode_endpoint
+        )
+        if conflict is None and d is None and self.policy == PREFILL_COMPLETE:
+            conflict = no_bootstrap
+        if conflict is None and d is not None and d.generation != msg.generation:
+            conflict = f"room_conflict: generation {msg.generation}, room has {d.generation}"
+        if conflict is not None:
+            return self._reject(msg.room, msg.generation, msg.decode_endpoint, conflict)
+        if d is not None and d.pages is not None:
+            return [Dropped(msg.room, "TransferMeta", "duplicate_metadata")]
+        if bad_pages is not None:
+            if d is not None:  # a bound destination cannot be completed with bad pages
+                return self._fail(r, bad_pages, now)
+            return self._reject(msg.room, msg.generation, msg.decode_endpoint, bad_pages)
+        r.expected = msg.num_destinations
+        if d is None:
+            r.dests[msg.decode_rank] = Dest(
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages
+            )
+        else:
+            d.pages = pages
+        return self._after_claim(r, now)
+
+    def _on_bootstrap(self, msg: Bootstrap, now: float) -> list[Action]:
+        if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
+            return [Dropped(msg.room, "Bootstrap", "unregistered_peer")]
+        if self.policy != PREFILL_COMPLETE:
+            mismatch = (
+                f"allocation_policy mismatch: prefill={self.policy}, decode={PREFILL_COMPLETE}"
+            )
+            return self._reject(msg.room, msg.generation, msg.decode_endpoint, mismatch)
+        r = self._rooms.get(msg.room)
+        if r is None:
+            problem = self._closed(msg.room, now) or self._overloaded()
+            if problem is not None:
+                return self._reject(msg.room, msg.generation, msg.decode_endpoint, problem)
+            r = self._new_room(msg.room, msg.rid, msg.num_destinations, now)
+        else:
+            conflict = claim_conflict(
+                r, msg.rid, msg.num_destinations, msg.decode_rank, msg.decode_endpoint
+            )
+            if conflict is not None:
+                return self._reject(msg.room, msg.generation, msg.decode_endpoint, conflict)
+            if msg.decode_rank in r.dests:
+                return [Dropped(msg.room, "Bootstrap", "duplicate_bootstrap")]
+            r.expected = msg.num_destinations
+        d = Dest(msg.decode_rank, msg.decode_endpoint, msg.generation, None)
+        r.dests[msg.decode_rank] = d
+        return self._ready(r, d) if r.computed else []
+
+    def _on_abort(self, msg: Abort, now: float) -> list[Action]:
+        if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
+            return [Dropped(msg.room, "Abort", "unregistered_peer")]
+        r = self._rooms.get(msg.room)
+        if r is None:
+            # Nothing of this room is in flight here. Remember it, so a
+            # prefill leg arriving after the abort is refused, then ack.
+            self._tombs.add(msg.room, now, f"aborted by decode: {msg.reason}")
+            ack = AbortAck(room=msg.room, rank=self.info.rank, generation=msg.generation)
+            return [Send(msg.decode_endpoint, ack)]
+        d = r.dests.get(msg.decode_rank)
+        if d is not None and d.endpoint == msg.decode_endpoint:
+            d.aborted = True
+        r.acks[msg.decode_endpoint] = msg.generation
+        if r.poll.state is not KVPoll.Failed:
+            return self._fail(r, f"aborted by decode: {msg.reason}", now)
+        return self._finalize(r, now) if r.inflight == 0 else []
+
+    # ------------------------------------------------------------- internals
+
+    def _live(self, room: int) -> PrefillRoom:
+        r = self._rooms.get(room)
+        if r is None:
+            raise UnknownRoom(f"room {room} is not live on this prefill rank")
+        return r
+
+    def _closed(self, room: int, now: float) -> str | None:
+        tomb = self._tombs.get(room, now)
+        return None if tomb is None else f"room_closed: {tomb}"
+
+    def _overloaded(self) -> str | None:
+        if len(self._rooms) < self.settings.max_rooms:
+            return None
+        return f"prefill_overloaded: {len(self._rooms)} live rooms"
+
+    def _new_room(self, room: int, rid: str, expected: int | None, now: float) -> PrefillRoom:
+        r = PrefillRoom(
+            room=room,
+            rid=rid,
+            poll=Poll.create(KVPoll.Bootstrapping),
+            created_at=now,
+            deadline=now + self.settings.bootstrap_s,
+            expected=expected,
+        )
+        self._rooms[room] = r
+        return r
+
+    def _after_claim(self, r: PrefillRoom, now: float) -> list[Action]:
+        problem = page_count_problem(r, self.info.compat.page_size)
+        if problem is not None:
+            return self._fail(r, problem, now)
+        if not (r.opened and r.has_all_destinations and r.poll.state is KVPoll.Bootstrapping):
+            return []
+        r.poll = r.poll.update(KVPoll.WaitingForInput)
+        r.deadline = now + self.settings.waiting_s
+        if self.policy == EARLY and r.rid is not None:
+            r.computing = True
+            return [StartCompute(r.room, r.rid)]
+        if r.computed and not r.held_sent:
+            r.held_sent = True
+            return [SendHeldKV(r.room)]
+        return []
+
+    def _ready(self, r: PrefillRoom, d: Dest) -> list[Action]:
+        if d.ready_sent or d.dead:
+            return []
+        d.ready_sent = True
+        return [Send(d.endpoint, Ready(room=r.room, generation=d.generation, rank=self.info.rank))]
+
+    def _status(self, r: PrefillRoom, d: Dest, state: KVPoll, reason: str | None = None) -> Send:
+        return Send(d.endpoint, r.status(d, self.info.rank, state, reason))
+
+    def _reject(self, room: int, generation: int, endpoint: str, reason: str) -> list[Action]:
+        status = Status(
+            room=room,
+            generation=generation,
+            rank=self.info.rank,
+            state=KVPoll.Failed,
+            reason=clip_reason(reason),
+        )
+        return [Send(endpoint, status), Dropped(room, "claim", reason.split(":", 1)[0])]
+
+    def _maybe_succeed(self, r: PrefillRoom, now: float) -> list[Action]:
+        if not (r.finished and r.inflight == 0 and r.poll.state in _SENDING):
+            return []
+        r.poll = r.poll.update(KVPoll.Success)
+        acts: list[Action] = [self._status(r, d, KVPoll.Success) for d in r.reachable()]
+        rid = r.rid or ""
+        acts.append(RoomSucceeded(r.room, rid))
+        if r.computing:
+            acts.append(ReleaseSource(r.room, rid))
+        self._tombs.add(r.room, now, "succeeded")
+        del self._rooms[r.room]
+        return acts
+
+    def _fail(self, r: PrefillRoom, reason: str, now: float) -> list[Action]:
+        if r.poll.state is KVPoll.Failed:
+            return []
+        r.poll = r.poll.fail(clip_reason(reason))
+        reason = r.poll.reason or reason
+        acts: list[Action] = [RoomFailed(r.room, r.rid, reason)]
+        for d in r.reachable():
+            if not d.aborted:
+                acts.append(self._status(r, d, KVPoll.Failed, reason))
+        if r.inflight == 0:
+            acts.extend(self._finalize(r, now))
+        else:
+            r.deadline = now + self.settings.release_s
+        return acts
+
+    def _finalize(self, r: PrefillRoom, now: float) -> list[Action]:
+        """A failed room with nothing in flight: ack the aborts, free the source, forget it."""
+        acts: list[Action] = [
+            Send(endpoint, AbortAck(room=r.room, rank=self.info.rank, generation=generation))
+            for endpoint, generation in r.acks.items()
+        ]
+        if r.computing and r.rid is not None:
+            acts.append(ReleaseSource(r.room, r.rid))
+        self._tombs.add(r.room, now, r.poll.reason or "failed")
+        del self._rooms[r.room]
+        return acts
+
+
+def _describe(r: PrefillRoom) -> str:
+    name: str = r.poll.state.name
+    return name + (" (finished)" if r.finished else "")

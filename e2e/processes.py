@@ -23,6 +23,10 @@ from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
+# Children started by this Python process, kept so they can be reaped (and so that
+# a Popen is never garbage-collected while its process still runs).
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
 
 @dataclass(frozen=True)
 class ProcessRecord:
@@ -89,6 +93,7 @@ def spawn(
             preexec_fn=_die_with_parent if die_with_parent else None,
         )
     ticks = process_start_ticks(proc.pid)
+    _children[proc.pid] = proc
     return proc, ProcessRecord(name, proc.pid, ticks if ticks is not None else -1)
 
 
@@ -116,7 +121,11 @@ def stop(record: ProcessRecord, grace_s: float = 5.0) -> None:
         time.sleep(0.05)
     # Children in the group may outlive the leader; the group id stays the leader's pid.
     _kill_leftover_group(record.pid)
-    reap(record.pid)
+    child = _children.pop(record.pid, None)
+    if child is not None:
+        child.wait(timeout=10)
+    else:
+        reap(record.pid)
 
 
 def _kill_leftover_group(pgid: int) -> None:
@@ -127,6 +136,12 @@ def _kill_leftover_group(pgid: int) -> None:
 
 
 def reap(pid: int) -> None:
+    """Collect the exit status of pid if it is our child and has exited."""
+    child = _children.get(pid)
+    if child is not None:
+        if child.poll() is not None:
+            del _children[pid]
+        return
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:

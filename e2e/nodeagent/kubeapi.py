@@ -9,6 +9,7 @@ the way of all three, so the agent speaks HTTP directly (httpx).
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,10 @@ class KubeApi:
         self.ca_file = ca_file
         self._headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
         self._client = httpx.Client(
-            base_url=self.server, headers=self._headers, verify=str(ca_file), timeout=timeout_s
+            base_url=self.server,
+            headers=self._headers,
+            verify=ssl.create_default_context(cafile=str(ca_file)),
+            timeout=timeout_s,
         )
 
     @classmethod

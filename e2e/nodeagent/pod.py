@@ -264,6 +264,7 @@ class PodWorker(threading.Thread):
     def _reap(self, run: ContainerRun, now: float, restart_allowed: bool) -> None:
         if run.proc is None or run.proc.poll() is None:
             return
+        processes.reap(run.proc.pid)  # drop it from the registry of live children
         code = run.proc.returncode
         exit_code, signum = (128 - code, -code) if code < 0 else (code, None)
         self._finish_run(

@@ -1,0 +1,7 @@
+"""KV transfer engine: moves KV pages between prefill and decode ranks.
+
+Modules: `frames` (pure: headers, planning, validation), `job` (pure: what
+to move), `checksum` (pure), `endpoint` (one ZMQ endpoint per rank),
+`staging` (reusable gather buffers), `sender` (`KVSender`, common to every
+transport), `tcp` (`TcpTransport`, `KVReceiver`), `shm` (`ShmTransport`).
+"""

@@ -1,0 +1,379 @@
+"""The sending side of the transfer engine, common to every transport.
+
+`KVSender.submit(job)` queues a `TransferJob`; one worker thread plans it
+into frames, gathers each frame into a reusable staging buffer and hands it
+to the transport, so gathering the next frame overlaps moving the last one
+(and the engine keeps computing meanwhile).
+
+Per-room accounting is what the control plane relies on for aborts:
+- `in_flight(room)` counts jobs queued or running whose data may still move;
+  a job leaves it only once its transport released every frame (tcp: libzmq
+  let go of the payload; shm: the write into the peer's pool returned);
+- `cancel(room)` drops the room's queued jobs, stops a running one at the
+  next frame boundary and refuses later submits, so after `cancel` and a
+  successful `drain` nothing of that room is written any more;
+- a failed frame fails its room once, through `on_failure(room, generation,
+  reason)`, and cancels the room's remaining work.
+
+Callbacks (`on_complete`, `on_failure`) run on the sender's worker thread or
+on the transport's I/O thread: they must return quickly and not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import msgspec
+import torch
+
+from pdcluster.runtime.engine.kv_pool import KVPool
+from pdcluster.runtime.transfer.checksum import compute_checksum
+from pdcluster.runtime.transfer.frames import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MIN_FRAME_BYTES,
+    DEFAULT_PIPELINE_DEPTH,
+    KVFrameHeader,
+    PoolGeometry,
+    plan_frames,
+)
+from pdcluster.runtime.transfer.job import TransferJob, check_job
+from pdcluster.runtime.transfer.staging import (
+    StagingClosed,
+    StagingPool,
+    StagingTimeout,
+    frame_view,
+    gather_into,
+)
+
+log = logging.getLogger(__name__)
+
+FrameDone = Callable[[str | None], None]  # None, or why the frame was not delivered
+CompleteCallback = Callable[[TransferJob], None]
+FailureCallback = Callable[[int, int, str], None]  # (room, generation, reason)
+
+
+class Transport(Protocol):
+    """Moves one gathered frame to a job's destination."""
+
+    wants_checksum: bool
+
+    def check(self, job: TransferJob, src: PoolGeometry) -> None:
+        """Raise ValueError if this transport cannot run `job` from a pool of `src`."""
+
+    def send_frame(
+        self, job: TransferJob, header: KVFrameHeader, payload: torch.Tensor, on_done: FrameDone
+    ) -> None:
+        """Start moving `payload` ([L, 2, n, h, D], CPU); call `on_done` exactly once."""
+
+    def notify(self, peer: str, data: bytes) -> None:
+        """Send a control message to `peer`, after every frame already sent to it."""
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    """Sender settings. Sizes in bytes, times in seconds."""
+
+    src_rank: int = 0  # this rank's id, stamped on every frame
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    min_frame_bytes: int = DEFAULT_MIN_FRAME_BYTES
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH  # frames a medium job is split into
+    staging_buffers: int = 4  # frames gathered but not yet released by the transport
+    staging_timeout: float = 30.0  # longest wait for a free staging buffer
+    checksum: bool = False  # stamp a CRC-32 on frames (if the transport checks them)
+    max_closed_rooms: int = 65536  # remembered cancelled/failed rooms (oldest forgotten)
+
+
+@dataclass
+class _Run:
+    """One job being executed; guarded by the sender's condition."""
+
+    job: TransferJob
+    pending: int = 1  # frames not yet done, +1 while the worker still plans frames
+    error: str | None = None
+    stopped: bool = False  # cancelled between frames
+
+
+class KVSender:
+    """Executes TransferJobs from a local pool through one transport."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        transport: Transport,
+        config: SenderConfig | None = None,
+        *,
+        on_complete: CompleteCallback | None = None,
+        on_failure: FailureCallback | None = None,
+    ) -> None:
+        self.pool = pool
+        self.transport = transport
+        self.config = config or SenderConfig()
+        self.on_complete = on_complete
+        self.on_failure = on_failure
+        plan_frames(1, 1, self.config.max_frame_bytes, self.config.min_frame_bytes)  # validates
+        self._staging = StagingPool(
+            self.config.staging_buffers, pin_memory=pool.device.type == "cuda"
+        )
+        self._scratch: torch.Tensor | None = None  # device-side gather target (GPU pools)
+        self._cond = threading.Condition()
+        self._queue: deque[TransferJob] = deque()
+        self._in_flight: dict[int, int] = {}
+        self._closed_rooms: OrderedDict[int, str] = OrderedDict()  # room -> why
+        self._state = "new"
+        self._thread: threading.Thread | None = None
+        self.num_refused = 0  # submits refused because their room was closed
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._state != "new":
+                raise RuntimeError(f"sender already {self._state}")
+            self._state = "running"
+        self._thread = threading.Thread(target=self._work, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker; queued jobs fail their rooms with "sender_closed"."""
+        with self._cond:
+            if self._state in ("closing", "closed"):
+                return
+            was_new = self._state == "new"
+            self._state = "closing"
+            dropped = list(self._queue)
+            self._queue.clear()
+            for job in dropped:
+                self._in_flight_done(job.room)
+            self._cond.notify_all()
+        self._staging.close()
+        for job in dropped:
+            self._fail_room(job, "sender_closed")
+        if self._thread is not None and not was_new:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"KV sender worker still busy after {timeout}s")
+        with self._cond:
+            self._state = "closed"
+
+    # ---- control-plane API -----------------------------------------------
+
+    def submit(self, job: TransferJob) -> bool:
+        """Queue `job`. False (nothing queued) if its room was cancelled or failed.
+
+        Raises ValueError for a job that cannot run, RuntimeError if closed.
+        """
+        check_job(job, self.pool.shape)
+        self.transport.check(job, self.pool.shape)
+        with self._cond:
+            if self._state != "running":
+                raise RuntimeError(f"sender is {self._state}")
+            if job.room in self._closed_rooms:
+                self.num_refused += 1
+                return False
+            self._in_flight[job.room] = self._in_flight.get(job.room, 0) + 1
+            self._queue.append(job)
+            self._cond.notify_all()
+        return True
+
+    def in_flight(self, room: int) -> int:
+        with self._cond:
+            return self._in_flight.get(room, 0)
+
+    def drain(self, room: int, timeout: float | None = None) -> bool:
+        """Wait until no job of `room` can move data any more; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: room not in self._in_flight, timeout)
+
+    def cancel(self, room: int) -> None:
+        """Stop sending `room`: drop its queued jobs, stop its running one, refuse more."""
+        with self._cond:
+            self._close_room(room, "cancelled")
+            kept: deque[TransferJob] = deque()
+            for job in self._queue:
+                if job.room == room:
+                    self._in_flight_done(room)
+                else:
+                    kept.append(job)
+            self._queue = kept
+            self._cond.notify_all()
+
+    def forget(self, room: int) -> None:
+        """Accept jobs for `room` again (the control plane retired it)."""
+        with self._cond:
+            self._closed_rooms.pop(room, None)
+
+    def is_closed_room(self, room: int) -> bool:
+        with self._cond:
+            return room in self._closed_rooms
+
+    # ---- worker ----------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._state != "running")
+                if self._state != "running":
+                    return
+                job = self._queue.popleft()
+                run = _Run(job)
+            try:
+                self._execute(run)
+            except Exception as exc:  # a bug must fail the room, not kill the worker
+                log.exception("KV sender: job for room %d failed", job.room)
+                self._frame_done(run, None, f"internal_error: {exc}")
+                continue
+            self._frame_done(run, None, None)  # the worker's own hold on the run
+
+    def _execute(self, run: _Run) -> None:
+        job, cfg, pool = run.job, self.config, self.pool
+        shape = pool.shape
+        heads = slice(*job.src_heads)
+        if job.src_heads == (0, shape.num_kv_heads):
+            heads = slice(None)  # lets the pool take its whole-row fast path
+        frame_shape = (len(job.src_layers), 2, 0, job.num_heads, shape.head_dim)
+        bytes_per_token = (
+            len(job.src_layers) * 2 * job.num_heads * shape.head_dim * pool.buffer.element_size()
+        )
+        plan = plan_frames(
+            job.num_tokens,
+            bytes_per_token,
+            cfg.max_frame_bytes,
+            cfg.min_frame_bytes,
+            cfg.pipeline_depth,
+        )
+        slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
+        for index, (start, end) in enumerate(plan):
+            with self._cond:
+                if self._state != "running":
+                    run.error = run.error or "sender_closed"
+                    return
+                if job.room in self._closed_rooms:
+                    run.stopped = True
+                    return
+            n = end - start
+            shape_n = (*frame_shape[:2], n, *frame_shape[3:])
+            try:
+                buf = self._staging.acquire(n * bytes_per_token, cfg.staging_timeout)
+            except StagingTimeout:
+                self._fail_run(run, "staging_timeout")
+                return
+            except StagingClosed:
+                self._fail_run(run, "sender_closed")
+                return
+            try:
+                payload = frame_view(buf, pool.dtype, shape_n)  # [L, 2, n, h, D]
+                self._gather(job, slots[start:end], heads, payload)
+            except BaseException:
+                self._staging.release(buf)
+                raise
+            header = KVFrameHeader(
+                room=job.room,
+                generation=job.generation,
+                src_rank=cfg.src_rank,
+                layers=job.dst_layers,
+                token_start=job.token_start + start,
+                token_end=job.token_start + end,
+                head_start=job.dst_heads[0],
+                head_end=job.dst_heads[1],
+                dtype=shape.dtype,
+                shape=shape_n,
+                is_last=job.is_last and index == len(plan) - 1,
+            )
+            if cfg.checksum and self.transport.wants_checksum:
+                raw = buf[: payload.numel() * payload.element_size()].numpy()
+                header = msgspec.structs.replace(header, checksum=compute_checksum(memoryview(raw)))
+            with self._cond:
+                run.pending += 1
+            try:
+                self.transport.send_frame(job, header, payload, partial(self._frame_done, run, buf))
+            except Exception as exc:
+                self._frame_done(run, buf, f"send_failed: {exc}")
+                return
+
+    def _gather(
+        self, job: TransferJob, slots: torch.Tensor, heads: slice, out: torch.Tensor
+    ) -> None:
+        if self.pool.device.type == "cpu":
+            gather_into(self.pool, job.src_layers, slots, heads, out)
+            return
+        numel = out.numel()
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = torch.empty(numel, dtype=self.pool.dtype, device=self.pool.device)
+        on_device = self._scratch[:numel].view(out.shape)
+        gather_into(self.pool, job.src_layers, slots, heads, on_device)
+        out.copy_(on_device)  # device -> pinned host; synchronous, so `out` is complete
+
+    # ---- completion ------------------------------------------------------
+
+    def _fail_run(self, run: _Run, reason: str) -> None:
+        with self._cond:
+            if run.error is None:
+                run.error = reason
+
+    def _frame_done(self, run: _Run, buf: torch.Tensor | None, error: str | None) -> None:
+        if buf is not None:
+            self._staging.release(buf)
+        with self._cond:
+            if error is not None and run.error is None:
+                run.error = error
+            run.pending -= 1
+            if run.pending:
+                return
+        self._finish(run)
+
+    def _finish(self, run: _Run) -> None:
+        job = run.job
+        error = run.error
+        if error is None and not run.stopped and job.notify is not None:
+            try:
+                self.transport.notify(job.peer, job.notify)
+            except Exception as exc:
+                error = f"notify_failed: {exc}"
+        with self._cond:
+            self._in_flight_done(job.room)
+            cancelled = run.stopped or self._closed_rooms.get(job.room) == "cancelled"
+            self._cond.notify_all()
+        if error is not None and not cancelled:
+            self._fail_room(job, error)
+        elif error is None and not cancelled and self.on_complete is not None:
+            self._call(self.on_complete, job)
+
+    def _fail_room(self, job: TransferJob, reason: str) -> None:
+        with self._cond:
+            if job.room in self._closed_rooms:
+                return  # already cancelled or failed: report a room once
+            self._close_room(job.room, "failed")
+            kept = deque(j for j in self._queue if j.room != job.room)
+            for _ in range(len(self._queue) - len(kept)):
+                self._in_flight_done(job.room)
+            self._queue = kept
+            self._cond.notify_all()
+        log.warning("KV transfer of room %d failed: %s", job.room, reason)
+        if self.on_failure is not None:
+            self._call(self.on_failure, job.room, job.generation, reason)
+
+    def _close_room(self, room: int, why: str) -> None:
+        self._closed_rooms[room] = why
+        self._closed_rooms.move_to_end(room)
+        while len(self._closed_rooms) > self.config.max_closed_rooms:
+            self._closed_rooms.popitem(last=False)
+
+    def _in_flight_done(self, room: int) -> None:
+        left = self._in_flight.get(room, 0) - 1
+        if left > 0:
+            self._in_flight[room] = left
+        else:
+            self._in_flight.pop(room, None)
+
+    @staticmethod
+    def _call(callback: Callable[..., None], *args: object) -> None:
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("KV sender callback %r failed", callback)

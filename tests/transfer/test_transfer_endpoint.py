@@ -1,0 +1,260 @@
+"""The ZMQ endpoint: real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+from transfer_helpers import Inbox, wait_until
+
+from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig, check_address
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Endpoint, Endpoint, Inbox]]:
+    inbox = Inbox()
+    server = Endpoint(EndpointConfig(max_control_bytes=1024, max_kv_bytes=4096), on_control=inbox)
+    client = Endpoint()
+    server.start()
+    client.start()
+    yield server, client, inbox
+    client.close()
+    server.close()
+
+
+@pytest.fixture
+def raw_dealer(pair: tuple[Endpoint, Endpoint, Inbox]) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pair[0].address)
+    yield sock
+    sock.close(0)
+    ctx.term()
+
+
+def dead_address() -> str:
+    """An address where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_control_messages_arrive_in_order_with_their_sender(pair):
+    server, client, inbox = pair
+    for i in range(200):
+        client.send_control(server.address, b"msg-%d" % i)
+    inbox.wait_for(b"msg-199")
+    assert [d for _, d in inbox.messages] == [b"msg-%d" % i for i in range(200)]
+    assert {s for s, _ in inbox.messages} == {client.address}
+
+
+def test_a_reply_to_the_sender_address_comes_back(pair):
+    server, client, inbox = pair
+    back = Inbox()
+    client.on_control = back
+    server.on_control = lambda sender, data: server.send_control(sender, b"re:" + data)
+    client.send_control(server.address, b"ping")
+    assert back.wait_for(b"re:ping") == server.address
+
+
+def test_kv_payload_is_received_intact_and_on_sent_fires(pair):
+    server, client, _ = pair
+    got: list[tuple[bytes, bytes]] = []
+    server.on_kv = lambda header, payload: got.append((header, bytes(payload)))
+    payload = np.arange(1024, dtype=np.uint8) % 251
+    sent = threading.Event()
+    errors: list[str | None] = []
+    client.send_kv(server.address, b"hdr", payload, lambda err: (errors.append(err), sent.set()))
+    assert sent.wait(5)
+    wait_until(lambda: bool(got), what="kv frame")
+    assert got == [(b"hdr", payload.tobytes())]
+    assert errors == [None]
+
+
+@pytest.mark.parametrize(
+    ("parts", "reason"),
+    [
+        ([b"C"], "bad_frame_count"),
+        ([b"K", b"hdr"], "bad_frame_count"),
+        ([b"C", b"tcp://127.0.0.1:1", b"x", b"extra"], "bad_frame_count"),
+        ([b"Z", b"a", b"b"], "unknown_kind"),
+        ([b"C", b"tcp://127.0.0.1:1", b"x" * 2048], "oversized"),
+        ([b"K", b"hdr", b"x" * 5000], "oversized"),
+        ([b"C", b"not-an-address", b"x"], "bad_sender"),
+        ([b"C", b"\xff\xfe", b"x"], "bad_sender"),
+        ([b"C", b"tcp://" + b"h" * 300 + b":1", b"x"], "bad_sender"),
+    ],
+)
+def test_malformed_messages_are_dropped_counted_and_serving_continues(
+    pair, raw_dealer, parts, reason
+):
+    server, client, inbox = pair
+    raw_dealer.send_multipart(parts)
+    wait_until(lambda: server.stats.get(reason) == 1, what=f"{reason} counted")
+    client.send_control(server.address, b"still-alive")
+    inbox.wait_for(b"still-alive")
+    assert inbox.messages == [(client.address, b"still-alive")]
+
+
+def test_a_frame_over_the_socket_cap_disconnects_only_that_peer(pair, raw_dealer):
+    server, client, inbox = pair
+    frames: list[bytes] = []
+    server.on_kv = lambda header, payload: frames.append(header)
+    raw_dealer.send_multipart([b"K", b"hdr", b"x" * (200 * 1024)])  # above libzmq's cap
+    client.send_control(server.address, b"after")
+    inbox.wait_for(b"after")
+    time.sleep(0.05)
+    assert frames == []  # dropped by libzmq before it was allocated, never delivered
+
+
+def test_garbage_bytes_on_the_tcp_port_do_not_stop_the_endpoint(pair):
+    server, client, inbox = pair
+    host, port = server.address.removeprefix("tcp://").rsplit(":", 1)
+    for junk in (b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 40):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(junk)
+    client.send_control(server.address, b"ok")
+    inbox.wait_for(b"ok")
+
+
+def test_callback_errors_are_counted_and_do_not_kill_the_thread(pair):
+    server, client, inbox = pair
+
+    def boom(sender: str, data: bytes) -> None:
+        if data == b"bad":
+            raise RuntimeError("handler bug")
+        inbox(sender, data)
+
+    server.on_control = boom
+    client.send_control(server.address, b"bad")
+    client.send_control(server.address, b"good")
+    inbox.wait_for(b"good")
+    assert server.stats["callback_error"] == 1
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1:5", "tcp://127.0.0.1", "tcp://:5", "tcp://h:0", "tcp://h:99999", "tcp://h:x", 5],
+)
+def test_bad_peer_addresses_are_refused(pair, address):
+    _, client, _ = pair
+    with pytest.raises(ValueError, match="peer"):
+        check_address(address)
+    with pytest.raises(ValueError):
+        client.send_control(address, b"x")
+
+
+def test_oversized_sends_are_refused_before_queueing(pair):
+    server, client, inbox = pair
+    with pytest.raises(ValueError, match="control message"):
+        client.send_control(server.address, b"x" * (client.config.max_control_bytes + 1))
+    with pytest.raises(ValueError, match="KV payload"):
+        client.send_kv(server.address, b"h", bytes(client.config.max_kv_bytes + 1))
+    client.send_control(server.address, b"fine")
+    inbox.wait_for(b"fine")
+
+
+def test_dropping_a_dead_peer_fails_its_pending_sends():
+    client = Endpoint()
+    client.start()
+    dead = dead_address()
+    results: list[str | None] = []
+    done = threading.Event()
+
+    def on_sent(err: str | None) -> None:
+        results.append(err)
+        if len(results) == 3:
+            done.set()
+
+    for _ in range(3):
+        client.send_kv(dead, b"h", np.zeros(100_000, dtype=np.uint8), on_sent)
+    time.sleep(0.05)
+    assert results == []  # nobody listens: libzmq still holds them
+    client.drop_peer(dead)
+    assert done.wait(5)
+    assert results == ["peer_dropped"] * 3
+    client.close()
+
+
+def test_close_with_sends_queued_to_a_dead_peer_returns_promptly():
+    client = Endpoint()
+    client.start()
+    results: list[str | None] = []
+    for _ in range(20):
+        client.send_kv(dead_address(), b"h", np.zeros(200_000, dtype=np.uint8), results.append)
+    started = time.monotonic()
+    client.close(timeout=5)
+    assert time.monotonic() - started < 3
+    assert results == ["endpoint_closed"] * 20
+    with pytest.raises(RuntimeError, match="clos"):
+        client.send_control(dead_address(), b"x")
+
+
+def test_close_is_idempotent_and_safe_before_start():
+    never_started = Endpoint()
+    never_started.close()
+    never_started.close()
+    with pytest.raises(RuntimeError):
+        never_started.start()
+    ep = Endpoint()
+    ep.start()
+    ep.close()
+    ep.close()
+    assert not ep.is_running
+
+
+def test_close_while_a_peer_floods_us_returns_promptly():
+    server = Endpoint()
+    server.start()
+    client = Endpoint()
+    client.start()
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                client.send_control(server.address, b"x" * 1000)
+            except RuntimeError:
+                return
+            time.sleep(0)
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    server.close(timeout=5)
+    assert time.monotonic() - started < 3
+    stop.set()
+    thread.join(5)
+    client.close(timeout=5)
+
+
+def test_a_blocking_callback_makes_close_raise_instead_of_hanging(pair):
+    server, client, inbox = pair
+    release = threading.Event()
+    server.on_control = lambda sender, data: release.wait(10)
+    client.send_control(server.address, b"x")
+    time.sleep(0.1)
+    with pytest.raises(TimeoutError, match="callback"):
+        server.close(timeout=0.2)
+    release.set()
+    server.close(timeout=5)
+
+
+def test_port_in_use_is_a_clear_error(pair):
+    server, _, _ = pair
+    port = int(server.address.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match="cannot bind"):
+        Endpoint(EndpointConfig(port=port)).start()
+
+
+def test_wildcard_bind_needs_an_advertised_host():
+    with pytest.raises(ValueError, match="advertise_host"):
+        Endpoint(EndpointConfig(host="0.0.0.0"))

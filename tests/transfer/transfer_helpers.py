@@ -1,0 +1,171 @@
+"""Shared helpers for the transfer tests: pools, page tables, a resolver, waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape, slots_for_positions
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.tcp import KVReceiver
+
+
+def make_shape(
+    *,
+    num_layers: int = 3,
+    num_pages: int = 32,
+    page_size: int = 4,
+    num_kv_heads: int = 4,
+    head_dim: int = 8,
+    dtype: str = "float32",
+    layout: KVLayout = KVLayout.NHD,
+) -> KVPoolShape:
+    return KVPoolShape(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, layout)
+
+
+def random_pool(shape: KVPoolShape, seed: int, shm_path: str | None = None) -> KVPool:
+    pool = KVPool(shape, shm_path=shm_path)
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randn(shape.dims(), generator=gen).to(DTYPES[shape.dtype]))
+    return pool
+
+
+def random_table(num_pages: int, pool_pages: int, seed: int) -> list[int]:
+    """A page table of `num_pages` distinct, shuffled pages of a pool."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(pool_pages, generator=gen)[:num_pages].tolist()
+
+
+def slots(table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
+    positions = torch.arange(start, end)
+    return slots_for_positions(table, positions, page_size).tolist()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of a tensor, so comparisons are bit-exact (NaN-proof)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def expected_pool(
+    src: KVPool,
+    dst: KVPool,
+    src_slots: Sequence[int],
+    dst_slots: Sequence[int],
+    src_layers: Sequence[int],
+    dst_layers: Sequence[int],
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> torch.Tensor:
+    """The destination buffer after a correct transfer, computed with the pool's own API."""
+    ref = KVPool(dst.shape)
+    ref.buffer.copy_(dst.buffer)
+    frame = src.gather_tokens(src_layers, torch.tensor(src_slots), slice(*src_heads))
+    ref.scatter_tokens(dst_layers, torch.tensor(dst_slots), frame, slice(*dst_heads))
+    return ref.buffer
+
+
+@dataclass
+class Rooms:
+    """A stand-in control plane: which (room, generation) may receive where."""
+
+    tables: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open(self, room: int, generation: int, table: list[int]) -> None:
+        with self.lock:
+            self.tables[room] = (generation, table)
+
+    def clear(self, room: int) -> None:
+        with self.lock:
+            self.tables.pop(room, None)
+
+    def __call__(self, room: int, generation: int) -> list[int] | None:
+        with self.lock:
+            entry = self.tables.get(room)
+        if entry is None or entry[0] != generation:
+            return None
+        return entry[1]
+
+
+class Inbox:
+    """Collects control messages an endpoint received."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, bytes]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, sender: str, data: bytes) -> None:
+        with self.cond:
+            self.messages.append((sender, data))
+            self.cond.notify_all()
+
+    def wait_for(self, data: bytes, timeout: float = 10.0) -> str:
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: any(d == data for _, d in self.messages), timeout=timeout
+            )
+            assert ok, f"no control message {data!r} within {timeout}s: {self.messages}"
+            return next(s for s, d in self.messages if d == data)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+@dataclass
+class Link:
+    """A prefill-side and a decode-side endpoint on 127.0.0.1."""
+
+    prefill: Endpoint
+    decode: Endpoint
+    inbox: Inbox
+
+    @classmethod
+    def open(cls) -> Link:
+        inbox = Inbox()
+        decode = Endpoint(on_control=inbox)
+        prefill = Endpoint()
+        decode.start()
+        prefill.start()
+        return cls(prefill, decode, inbox)
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+def decode_rank_main(
+    shape: KVPoolShape, table: list[int], room: int, generation: int, queue: Any
+) -> None:
+    """A decode rank in its own process: receive one room, report its bytes, exit."""
+    pool = KVPool(shape)
+    rooms = Rooms()
+    rooms.open(room, generation, table)
+    receiver = KVReceiver(pool, rooms)
+    finished = threading.Event()
+
+    def on_control(sender: str, data: bytes) -> None:
+        if data == b"finished":
+            n = len(table) * shape.page_size
+            got = pool.gather_tokens(
+                range(shape.num_layers), torch.tensor(slots(table, 0, n, shape.page_size))
+            )
+            queue.put(bits(got).numpy().tobytes())
+            finished.set()
+
+    endpoint = Endpoint(on_control=on_control, on_kv=receiver.on_kv)
+    endpoint.start()
+    queue.put(endpoint.address)
+    ok = finished.wait(60)
+    endpoint.close()
+    raise SystemExit(0 if ok else 1)

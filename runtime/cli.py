@@ -1,0 +1,233 @@
+"""`pdcluster` command line: local mode (up/ps/down) and the pod entry points.
+
+pdcluster up -f examples/pd-1p1d.yaml [--demo] [--port 8000]
+pdcluster ps | down
+pdcluster worker -f M --role prefill|decode|colocated --instance N --port P ...
+pdcluster router -f M --port P --prefill URL --decode URL | --colocated URL
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from pdcluster.runtime.spec import PDCluster, SpecError, load_manifest_text
+
+DEFAULT_STATE_DIR = ".pdcluster"
+DEMO_PROMPT = "The capital of France is"
+
+
+def load_manifest(path: str) -> PDCluster:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise SystemExit(f"pdcluster: cannot read manifest {path}: {err.strerror}") from None
+    try:
+        return load_manifest_text(text)
+    except SpecError as err:
+        raise SystemExit(f"pdcluster: {path}: {err}") from None
+
+
+# ---------------------------------------------------------------- local mode
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdcluster.runtime.local.launcher import LocalCluster, format_state, free_ports, read_state
+    from pdcluster.runtime.local.plan import build_local_plan, count_ports
+
+    manifest = load_manifest(args.file)
+    state_dir = Path(args.state_dir) / manifest.metadata.name
+    existing = read_state(state_dir)
+    if existing and any(p["alive"] for p in existing["processes"]):
+        raise SystemExit(
+            f"pdcluster: cluster {manifest.metadata.name!r} is already running "
+            f"(pdcluster down -f {args.file} to stop it)"
+        )
+    router_port = None if args.port == 0 else args.port
+    if router_port is not None and not _port_free(router_port):
+        raise SystemExit(f"pdcluster: port {router_port} is in use; pick another with --port")
+    plan = build_local_plan(
+        manifest,
+        str(Path(args.file).resolve()),
+        free_ports(count_ports(manifest)),
+        python=sys.executable,
+        router_port=router_port,
+    )
+    cluster = LocalCluster(plan, state_dir)
+    stop_requested = False
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(
+            f"starting {len(plan.processes)} processes for {manifest.metadata.name} ...", flush=True
+        )
+        cluster.start()
+        cluster.wait_ready(args.ready_timeout)
+        state = read_state(state_dir)
+        assert state is not None
+        print(format_state(state), flush=True)
+        if args.demo or args.demo_only:
+            _demo(plan.endpoint, manifest.spec.model.name)
+        if args.demo_only:
+            return 0
+        print(f"\nserving on {plan.endpoint}/v1 — press Ctrl-C to stop", flush=True)
+        while True:
+            for name, proc in cluster.procs.items():
+                if proc.poll() is not None:
+                    print(f"warning: {name} exited with code {proc.returncode}", flush=True)
+                    print(cluster.log_tail(name, 10), flush=True)
+                    raise SystemExit(1)
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        if not stop_requested:
+            print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _demo(endpoint: str, model: str) -> None:
+    import httpx
+
+    body = {"model": model, "prompt": DEMO_PROMPT, "max_tokens": 24, "temperature": 0}
+    resp = httpx.post(f"{endpoint}/v1/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    text = resp.json()["choices"][0]["text"]
+    print(f"\nPOST {endpoint}/v1/completions {json.dumps(body)}")
+    print(f"→ {DEMO_PROMPT!r} + {text!r}", flush=True)
+    print(
+        "\ntry it:  curl -s "
+        f"{endpoint}/v1/completions -H 'content-type: application/json' "
+        f"-d '{json.dumps(body)}'",
+        flush=True,
+    )
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from pdcluster.runtime.local.launcher import format_state, read_state
+
+    base = Path(args.state_dir)
+    dirs = [base / load_manifest(args.file).metadata.name] if args.file else sorted(base.glob("*"))
+    found = False
+    for d in dirs:
+        state = read_state(d)
+        if state is not None:
+            found = True
+            print(format_state(state))
+    if not found:
+        print("no local cluster is running")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from pdcluster.runtime.local.launcher import STATE_FILE, read_state, stop_pids
+
+    base = Path(args.state_dir)
+    dirs = [base / load_manifest(args.file).metadata.name] if args.file else sorted(base.glob("*"))
+    for d in dirs:
+        state = read_state(d)
+        if state is None:
+            continue
+        pids = [p["pid"] for p in state["processes"]]
+        launcher = state.get("launcher_pid")
+        if launcher and launcher != os.getpid():
+            try:
+                os.kill(launcher, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        stop_pids(pids)
+        (d / STATE_FILE).unlink(missing_ok=True)
+        print(f"stopped {state['cluster']}")
+    return 0
+
+
+# ---------------------------------------------------------------- pod entry points
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdcluster.runtime.worker_main import run_worker
+
+    manifest = load_manifest(args.file)
+    return run_worker(manifest, args)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from pdcluster.runtime.router_main import run_router_from_cli
+
+    manifest = load_manifest(args.file) if args.file else None
+    return run_router_from_cli(manifest, args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdcluster", description=__doc__.split("\n")[0])
+    p.add_argument("--log-level", default=os.environ.get("PDCLUSTER_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a PDCluster manifest locally on 127.0.0.1")
+    up.add_argument("-f", "--file", required=True)
+    up.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
+    up.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+    up.add_argument("--ready-timeout", type=float, default=300.0)
+    up.add_argument("--demo", action="store_true", help="send a sample request once ready")
+    up.add_argument("--demo-only", action="store_true", help="send a sample request, then stop")
+    up.set_defaults(fn=cmd_up)
+
+    for name, fn, help_ in (("ps", cmd_ps, "list local clusters"), ("down", cmd_down, "stop")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("-f", "--file")
+        sp.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+        sp.set_defaults(fn=fn)
+
+    w = sub.add_parser("worker", help="run one instance of a role (all its ranks)")
+    w.add_argument("-f", "--file", required=True)
+    w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    w.add_argument("--instance", type=int, default=0)
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, required=True)
+    w.add_argument("--dist-port", type=int, required=True)
+    w.add_argument("--bootstrap-port", type=int)
+    w.set_defaults(fn=cmd_worker)
+
+    r = sub.add_parser("router", help="run the OpenAI-compatible router")
+    r.add_argument("-f", "--file")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--prefill", action="append", default=[])
+    r.add_argument("--decode", action="append", default=[])
+    r.add_argument("--colocated", action="append", default=[])
+    r.set_defaults(fn=cmd_router)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    result: int = args.fn(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Worker HTTP server: API models, engine thread bridge, response shapes."""

@@ -1,0 +1,272 @@
+"""Runs an engine on its own thread and serves it to asyncio callers.
+
+The engine is single-threaded by design: only the engine thread touches it.
+Callers (HTTP handlers on the event loop) talk to it through a command queue;
+results come back through per-request asyncio queues, fed with
+`loop.call_soon_threadsafe`. Other layers (the PD roles) plug in with
+`add_tick`: a callable run on the engine thread before every step, so they
+can poll transfers and admit requests without locking the engine.
+
+Invariants:
+- every submitted request gets exactly one terminal event (finished or error),
+  also when it is aborted or the service stops;
+- an abort names an exact rid; unknown rids change nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger("pdcluster.engine")
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class TokenEvent:
+    """One update for a request: new tokens and text, or the end of it."""
+
+    token_ids: list[int]
+    text: str  # text delta since the previous event
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done" | error reason
+    error: str | None = None  # set when the request failed; `status` says which HTTP code fits
+    status: int = 200
+
+
+@dataclass
+class _Tracked:
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[TokenEvent]
+    stop_strings: list[str]
+    prompt_len: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text emitted so far (never includes a stop string)
+    done: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class EngineService:
+    """Owns the engine thread. `engine` follows the LLMEngine contract."""
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer, *, idle_wait_s: float = 0.002) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._wakeup = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ticks: list[Callable[[], None]] = []
+        self._idle_wait_s = idle_wait_s
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_step_at = time.monotonic()
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_tick(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread before every step (must not block)."""
+        self._ticks.append(fn)
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` on the engine thread; await its result from the event loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as err:  # noqa: BLE001 - handed back to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, err)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._post(run)
+        return fut
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Fire-and-forget: run `fn` on the engine thread."""
+        self._post(fn)
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wakeup.set()
+
+    # ---------------------------------------------------------------- requests
+    def track(
+        self, rid: str, prompt_len: int, stop_strings: list[str]
+    ) -> asyncio.Queue[TokenEvent]:
+        """Register a request's output queue (call from the event loop)."""
+        if rid in self._tracked:
+            raise ValueError(f"duplicate rid {rid!r}")
+        out: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._tracked[rid] = _Tracked(
+            rid, asyncio.get_running_loop(), out, stop_strings, prompt_len
+        )
+        return out
+
+    def is_tracked(self, rid: str) -> bool:
+        return rid in self._tracked
+
+    async def generate(self, request: Any, stop_strings: list[str]) -> AsyncIterator[TokenEvent]:
+        """Add an EngineRequest and yield its events until the terminal one."""
+        out = self.track(request.rid, len(request.prompt_token_ids), stop_strings)
+        fut = self.call(lambda: self.engine.add_request(request))
+        try:
+            await fut
+        except Exception:
+            self._tracked.pop(request.rid, None)
+            raise
+        async for event in self.events(request.rid, out):
+            yield event
+
+    async def events(self, rid: str, out: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        try:
+            while True:
+                event = await out.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None and not tracked.done:
+                # The consumer went away (client disconnect): free the request.
+                self._post(lambda: self._abort_now(rid))
+
+    def abort(self, rid: str) -> None:
+        """Abort by exact rid (thread-safe; unknown rid is a no-op)."""
+        self._post(lambda: self._abort_now(rid))
+
+    def abort_all(self) -> None:
+        self._post(lambda: [self._abort_now(r) for r in list(self._tracked)])
+
+    def fail(self, rid: str, reason: str, status: int = 500) -> None:
+        """Engine thread: end a tracked request with an error event."""
+        self.emit(rid, TokenEvent([], "", True, reason, error=reason, status=status))
+
+    def _abort_now(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.emit(rid, TokenEvent([], "", True, "abort"))
+
+    def emit(self, rid: str, event: TokenEvent) -> None:
+        """Engine thread: hand an event to the request's asyncio queue."""
+        tracked = self._tracked.get(rid)
+        if tracked is None or tracked.done:
+            return
+        if event.finished:
+            tracked.done = True
+        tracked.loop.call_soon_threadsafe(tracked.out.put_nowait, event)
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                for tick in self._ticks:
+                    tick()
+                if self.engine.has_work():
+                    outputs = self.engine.step()
+                    self.num_steps += 1
+                    self.last_step_at = time.monotonic()
+                    for output in outputs:
+                        self._on_output(output)
+                else:
+                    self.last_step_at = time.monotonic()
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
+        except Exception:
+            log.exception("engine thread crashed")
+            raise
+        finally:
+            for rid in list(self._tracked):
+                self.emit(
+                    rid, TokenEvent([], "", True, "shutdown", error="engine stopped", status=503)
+                )
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fn()
+
+    def _on_output(self, output: Any) -> None:
+        tracked = self._tracked.get(output.rid)
+        if tracked is None or tracked.done:
+            return
+        new_ids = list(output.new_token_ids)
+        finished, reason = bool(output.finished), output.finish_reason
+        visible = [t for t in new_ids if not (finished and t == self.tokenizer.eos_token_id)]
+        tracked.output_ids.extend(visible)
+        full = self.tokenizer.decode(tracked.output_ids)
+        hit = _find_stop(full, tracked.stop_strings, len(tracked.text))
+        if hit is not None:
+            full = full[:hit]
+            if not finished:
+                self.engine.abort(output.rid)
+            finished, reason = True, "stop"
+        # Hold back an incomplete UTF-8 tail (shown as U+FFFD) until it completes,
+        # and a possible stop-string prefix until it is ruled out.
+        emit_upto = len(full) if finished else _safe_prefix_len(full, tracked.stop_strings)
+        delta = full[len(tracked.text) : emit_upto] if emit_upto > len(tracked.text) else ""
+        tracked.text += delta
+        self.emit(output.rid, TokenEvent(new_ids, delta, finished, reason))
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    best: int | None = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s)))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _safe_prefix_len(text: str, stops: list[str]) -> int:
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

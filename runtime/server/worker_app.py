@@ -1,0 +1,394 @@
+"""The worker HTTP API (SGLang-compatible), for every role.
+
+One FastAPI app serves colocated, prefill and decode workers; what differs is
+the `Backend` that turns a validated request into token events. The HTTP
+layer validates, tokenizes, checks capacity (400 before anything is
+reserved) and formats; it never touches the engine directly.
+
+Endpoints: POST /generate, /v1/completions, /v1/chat/completions,
+GET /v1/models, /health, /health_generate, /get_model_info, /model_info,
+/get_server_info, /server_info, POST /abort_request, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from pdcluster.runtime.metrics import WorkerMetrics
+from pdcluster.runtime.server import responses as R
+from pdcluster.runtime.server.api_models import (
+    AbortRequest,
+    BootstrapFields,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    normalize_stop,
+)
+from pdcluster.runtime.server.engine_service import TokenEvent
+
+log = logging.getLogger("pdcluster.worker")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+class BadRequest(ValueError):
+    """A request the worker refuses with a 4xx; nothing was reserved."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class PreparedRequest:
+    rid: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]  # keyword arguments of engine SamplingParams
+    stop_strings: list[str]
+    bootstrap: BootstrapFields
+
+
+class Backend(Protocol):
+    role: str  # "null" (colocated) | "prefill" | "decode"
+
+    def check(self, req: PreparedRequest) -> None:
+        """Raise BadRequest when the request can never be served (capacity, ids)."""
+
+    def events(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def server_info(self) -> dict[str, Any]: ...
+
+    def is_healthy(self) -> bool: ...
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+
+@dataclass
+class WorkerInfo:
+    model_name: str
+    model_path: str
+    max_prompt_tokens: int
+    max_new_tokens: int
+    vocab_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def create_worker_app(
+    backend: Backend,
+    tokenizer: TextTokenizer,
+    info: WorkerInfo,
+    metrics: WorkerMetrics,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    extra_routes: Callable[[FastAPI], None] | None = None,
+) -> FastAPI:
+    app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
+    in_flight: set[str] = set()
+
+    @app.middleware("http")
+    async def limit_body(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            metrics.rejected.labels(reason="body_too_large").inc()
+            return JSONResponse(
+                R.error_body(f"request body over {max_body_bytes} bytes", code=413), 413
+            )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels(reason="invalid_body").inc()
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg')}")
+        return JSONResponse(R.error_body("; ".join(parts), code=422), 422)
+
+    @app.exception_handler(BadRequest)
+    async def on_bad(_: Request, exc: BadRequest) -> JSONResponse:
+        metrics.rejected.labels(reason="bad_request").inc()
+        return JSONResponse(R.error_body(str(exc), code=exc.status), exc.status)
+
+    def sampling_of(
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        max_tokens: int | None,
+        seed: int | None,
+        ignore_eos: bool,
+        stop_token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        limit = info.max_new_tokens
+        mt = limit if max_tokens is None else max_tokens
+        if mt > limit:
+            raise BadRequest(f"max_tokens {mt} exceeds this server's limit {limit}")
+        return {
+            "temperature": 1.0 if temperature is None else temperature,
+            "top_p": 1.0 if top_p is None else top_p,
+            "top_k": -1 if top_k is None or top_k == 0 else top_k,
+            "max_tokens": mt,
+            "seed": seed,
+            "ignore_eos": ignore_eos,
+            "stop_token_ids": list(stop_token_ids or []),
+        }
+
+    def prepare(
+        rid: str | None,
+        prompt: str | list[int],
+        sampling: dict[str, Any],
+        stop: str | list[str] | None,
+        bootstrap: BootstrapFields,
+    ) -> PreparedRequest:
+        if isinstance(prompt, str):
+            if len(prompt) > info.max_prompt_tokens * 8:
+                raise BadRequest(f"prompt is over {info.max_prompt_tokens} tokens")
+            ids = tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise BadRequest(f"token ids out of range [0, {info.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise BadRequest("prompt is empty")
+        if len(ids) > info.max_prompt_tokens:
+            raise BadRequest(
+                f"prompt has {len(ids)} tokens; "
+                f"this server accepts at most {info.max_prompt_tokens}"
+            )
+        try:
+            stops = normalize_stop(stop)
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        rid = rid or uuid.uuid4().hex
+        if rid in in_flight:
+            raise BadRequest(f"rid {rid!r} is already in flight", status=409)
+        req = PreparedRequest(rid, ids, sampling, stops, bootstrap)
+        backend.check(req)
+        return req
+
+    async def run(req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        in_flight.add(req.rid)
+        metrics.requests_in_flight.inc()
+        try:
+            async for event in backend.events(req):
+                yield event
+        finally:
+            in_flight.discard(req.rid)
+            metrics.requests_in_flight.dec()
+
+    async def collect(req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
+        text, ids = "", []
+        last = TokenEvent([], "", True, "abort")
+        async for event in run(req):
+            text += event.text
+            ids.extend(event.token_ids)
+            last = event
+        return text, ids, last
+
+    def error_response(event: TokenEvent) -> JSONResponse:
+        metrics.failures.labels(reason=event.finish_reason or "error").inc()
+        return JSONResponse(
+            R.error_body(event.error or "request failed", type_="server_error", code=event.status),
+            event.status,
+        )
+
+    def stream(
+        gen: AsyncIterator[TokenEvent], fmt: Callable[[TokenEvent], list[str]]
+    ) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            async for event in gen:
+                if event.error is not None:
+                    metrics.failures.labels(reason=event.finish_reason or "error").inc()
+                    yield R.sse(R.error_body(event.error, type_="server_error", code=event.status))
+                    break
+                for line in fmt(event):
+                    yield line
+            yield R.DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/generate")
+    async def generate(body: GenerateRequest) -> Response:
+        sp = body.sampling_params
+        sampling = sampling_of(
+            sp.temperature,
+            sp.top_p,
+            sp.top_k,
+            sp.max_new_tokens,
+            sp.seed,
+            sp.ignore_eos,
+            sp.stop_token_ids,
+        )
+        prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
+        req = prepare(body.rid, prompt, sampling, sp.stop, body)
+        if body.stream:
+            text, ids = "", []
+
+            def fmt(event: TokenEvent) -> list[str]:
+                nonlocal text
+                text += event.text
+                ids.extend(event.token_ids)
+                fin = event.finish_reason if event.finished else None
+                return [R.sse(R.generate_body(req.rid, text, list(ids), len(req.prompt_ids), fin))]
+
+            return stream(run(req), fmt)
+        text, ids, last = await collect(req)
+        if last.error is not None:
+            return error_response(last)
+        return JSONResponse(
+            R.generate_body(req.rid, text, ids, len(req.prompt_ids), last.finish_reason)
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        prompt: str | list[int]
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+            prompt = str(body.prompt[0])
+        else:
+            prompt = body.prompt  # type: ignore[assignment]
+        sampling = sampling_of(
+            body.temperature, body.top_p, body.top_k, body.max_tokens, body.seed, body.ignore_eos
+        )
+        req = prepare(body.rid, prompt, sampling, body.stop, body)
+        model = body.model or info.model_name
+        if body.stream:
+
+            def fmt(event: TokenEvent) -> list[str]:
+                fin = event.finish_reason if event.finished else None
+                if not event.text and fin is None:
+                    return []
+                return [R.sse(R.completion_chunk(req.rid, model, event.text, fin))]
+
+            return stream(run(req), fmt)
+        text, ids, last = await collect(req)
+        if last.error is not None:
+            return error_response(last)
+        return JSONResponse(
+            R.completion_body(
+                req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids)
+            )
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = tokenizer.apply_chat_template(messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        sampling = sampling_of(
+            body.temperature, body.top_p, body.top_k, max_tokens, body.seed, body.ignore_eos
+        )
+        req = prepare(body.rid, prompt, sampling, body.stop, body)
+        model = body.model or info.model_name
+        if body.stream:
+            first = True
+
+            def fmt(event: TokenEvent) -> list[str]:
+                nonlocal first
+                out = []
+                if first:
+                    out.append(R.sse(R.chat_chunk(req.rid, model, {"role": "assistant"}, None)))
+                    first = False
+                if event.text:
+                    out.append(R.sse(R.chat_chunk(req.rid, model, {"content": event.text}, None)))
+                if event.finished:
+                    out.append(R.sse(R.chat_chunk(req.rid, model, {}, event.finish_reason)))
+                return out
+
+            return stream(run(req), fmt)
+        text, ids, last = await collect(req)
+        if last.error is not None:
+            return error_response(last)
+        return JSONResponse(
+            R.chat_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
+        )
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        try:
+            body = AbortRequest.model_validate_json(await request.body())
+        except ValidationError as err:
+            msg = "; ".join(str(e["msg"]) for e in err.errors())
+            return JSONResponse(R.error_body(msg, code=422), 422)
+        if body.abort_all:
+            backend.abort_all()
+            return JSONResponse({"aborted": "all"})
+        # Exact match only: "req-1" must never abort "req-10".
+        found = body.rid in in_flight
+        if found:
+            backend.abort(body.rid)
+        return JSONResponse({"rid": body.rid, "found": found})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if backend.is_healthy():
+            return Response(status_code=200)
+        return Response(status_code=503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return await health()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": info.model_name, "object": "model", "owned_by": "pdcluster"}],
+            }
+        )
+
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": info.model_path,
+            "tokenizer_path": info.model_path,
+            "is_generation": True,
+            "model_name": info.model_name,
+        }
+
+    app.get("/get_model_info")(lambda: model_info())
+    app.get("/model_info")(lambda: model_info())
+
+    def server_info() -> dict[str, Any]:
+        return {
+            "disaggregation_mode": backend.role,
+            "max_prompt_tokens": info.max_prompt_tokens,
+            "max_new_tokens": info.max_new_tokens,
+            **info.extra,
+            **backend.server_info(),
+        }
+
+    app.get("/get_server_info")(lambda: server_info())
+    app.get("/server_info")(lambda: server_info())
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if extra_routes is not None:
+        extra_routes(app)
+    return app

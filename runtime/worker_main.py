@@ -1,0 +1,234 @@
+"""`pdcluster worker`: one instance of a role — its ranks, engine and HTTP server.
+
+Process layout of an instance with dp × cp × tp × pp ranks:
+- this process is global rank 0: the leader of dp group 0, the HTTP server
+  (and, for prefill, the bootstrap server);
+- every other rank of the instance is a child process started here;
+- each dp group is its own torch.distributed world (dp groups never run a
+  collective together), so a group's ranks are `cp × tp × pp` processes.
+
+The process exits non-zero when a rank dies: an instance is a gang, its
+peers cannot continue alone (the launcher or Kubernetes restarts it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import uvicorn
+
+from pdcluster.runtime.spec import PDCluster, RoleSpec
+
+log = logging.getLogger("pdcluster.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What one rank process needs to start (picklable: handed to children)."""
+
+    manifest: PDCluster
+    role: str
+    instance: int
+    host: str
+    advertise_host: str
+    port: int
+    dist_port: int  # first torch.distributed port; dp group d uses dist_port + d
+    bootstrap_port: int | None
+    token: str
+    shm_dir: str | None
+
+    @property
+    def role_spec(self) -> RoleSpec:
+        spec = self.manifest.spec
+        rs = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated}[
+            self.role
+        ]
+        assert rs is not None, f"manifest has no {self.role} role"
+        return rs
+
+
+def engine_config(settings: WorkerSettings) -> Any:
+    from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+    from pdcluster.runtime.engine.topology import ParallelConfig
+
+    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, settings.shm_dir)
+    topo = settings.role_spec.topology
+    # One torch world per dp group: see the module docstring.
+    return replace(cfg, parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp))
+
+
+def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
+    from pdcluster.runtime.engine.parallel import init_distributed
+
+    cfg = engine_config(settings)
+    if cfg.parallel.world_size == 1:
+        return cfg, None
+    dist = init_distributed(
+        cfg.parallel, group_rank, "127.0.0.1", settings.dist_port + dp_rank, cfg.device
+    )
+    return cfg, dist
+
+
+def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
+    """Entry of a non-leader rank: run the forward passes the leader plans."""
+    import torch
+
+    from pdcluster.runtime.engine.runner import ModelRunner, run_follower
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    cfg, dist = _init_group(settings, dp_rank, group_rank)
+    runner = ModelRunner.build(cfg, dist)
+    agent = _attach_rank_agent(settings, runner, dp_rank, group_rank, leader=False)
+    try:
+        run_follower(runner)
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def _attach_rank_agent(
+    settings: WorkerSettings, runner: Any, dp_rank: int, group_rank: int, leader: bool
+) -> Any:
+    """PD roles: the per-rank transfer agent (None when colocated)."""
+    if settings.role == "colocated":
+        return None
+    from pdcluster.runtime.pd_worker.agent import start_rank_agent
+
+    return start_rank_agent(settings, runner, dp_rank, group_rank, leader)
+
+
+def _start_children(settings: WorkerSettings) -> list[multiprocessing.process.BaseProcess]:
+    topo = settings.role_spec.topology
+    group = topo.cp * topo.tp * topo.pp
+    ctx = multiprocessing.get_context("spawn")
+    children = []
+    for dp_rank in range(topo.dp):
+        for group_rank in range(group):
+            if dp_rank == 0 and group_rank == 0:
+                continue  # this process
+            target = follower_main if group_rank else dp_leader_main
+            p = ctx.Process(target=target, args=(settings, dp_rank, group_rank), daemon=False)
+            p.start()
+            children.append(p)
+    return children
+
+
+def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
+    """Leader of dp group d > 0: its own engine and an internal HTTP port."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    serve_leader(settings, dp_rank, port=settings.port + 100 + dp_rank, host="127.0.0.1")
+
+
+def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -> None:
+    import torch
+
+    from pdcluster.runtime.engine.engine import LLMEngine
+    from pdcluster.runtime.engine.runner import ModelRunner
+    from pdcluster.runtime.engine.tokenizer import load_tokenizer
+    from pdcluster.runtime.metrics import WorkerMetrics
+    from pdcluster.runtime.server.engine_service import EngineService
+    from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    cfg, dist = _init_group(settings, dp_rank, 0)
+    runner = ModelRunner.build(cfg, dist)
+    engine = LLMEngine(cfg, runner=runner, dist=dist)
+    tokenizer = load_tokenizer(cfg.model, engine.model_config.eos_token_id)
+    service = EngineService(engine, tokenizer)
+    metrics = WorkerMetrics(settings.role)
+    metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
+    model = settings.manifest.spec.model
+    info = WorkerInfo(
+        model_name=model.name,
+        model_path=model.path or model.name,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_new_tokens=cfg.max_new_tokens,
+        vocab_size=engine.model_config.vocab_size,
+        extra={
+            "dp_size": settings.role_spec.topology.dp,
+            "dp_rank": dp_rank,
+            "instance": settings.instance,
+            "page_size": cfg.page_size,
+        },
+    )
+    extra_routes = None
+    servers: list[uvicorn.Server] = []
+    if settings.role == "colocated":
+        from pdcluster.runtime.server.colocated import ColocatedBackend
+
+        backend: Any = ColocatedBackend(service)
+    else:
+        from pdcluster.runtime.pd_worker.backends import build_pd_backend
+
+        backend, extra_routes, extra_servers = build_pd_backend(
+            settings, service, runner, metrics, dp_rank
+        )
+        servers.extend(extra_servers)
+    app = create_worker_app(backend, tokenizer, info, metrics, extra_routes=extra_routes)
+    servers.insert(
+        0, uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    )
+    service.start()
+    try:
+        asyncio.run(_serve_all(servers))
+    finally:
+        service.stop()
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+        engine.shutdown()
+
+
+async def _serve_all(servers: list[uvicorn.Server]) -> None:
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
+    settings = WorkerSettings(
+        manifest=manifest,
+        role=args.role,
+        instance=args.instance,
+        host=args.host,
+        advertise_host=os.environ.get("POD_IP") or args.host,
+        port=args.port,
+        dist_port=args.dist_port,
+        bootstrap_port=args.bootstrap_port,
+        token=os.environ.get("PDCLUSTER_TOKEN", ""),
+        shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
+    )
+    if settings.role == "prefill" and settings.bootstrap_port is None:
+        raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
+    children = _start_children(settings)
+    if children:
+        _watch_children(children)
+    serve_leader(settings, 0, port=settings.port, host=settings.host)
+    for child in children:
+        child.terminate()
+    return 0
+
+
+def _watch_children(children: list[multiprocessing.process.BaseProcess]) -> None:
+    """Exit the whole instance when any rank dies (gang semantics)."""
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([c.sentinel for c in children])
+        dead = [c for c in children if c.exitcode is not None]
+        log.error(
+            "rank process %s exited (code %s); stopping the instance",
+            dead[0].name if dead else "?",
+            dead[0].exitcode if dead else "?",
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rank-watch", daemon=True).start()

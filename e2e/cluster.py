@@ -15,6 +15,7 @@ pid; `down` stops exactly those (and their process groups).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -327,10 +328,10 @@ def _start_components(starter: _Starter) -> ClusterInfo:
     )
     for name, port in (("kube-controller-manager", cm_port), ("kube-scheduler", sched_port)):
         processes.wait_until(
-            lambda port=port: processes.https_get_ok(f"https://127.0.0.1:{port}/healthz", None),
+            functools.partial(processes.https_get_ok, f"https://127.0.0.1:{port}/healthz", None),
             timeout,
             f"{name} /healthz",
-            alive=lambda name=name: starter.exited(name),
+            alive=functools.partial(starter.exited, name),
         )
 
     agent_port = processes.free_port()

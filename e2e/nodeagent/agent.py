@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from e2e.nodeagent.container import environ_for_pods
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.nodeagent.network import MAX_BLOCK, MIN_BLOCK, PodAddressPool, node_address
-from e2e.nodeagent.pod import PodEnvironment, PodWorker, environ_for_pods, pod_key
+from e2e.nodeagent.pod import PodEnvironment, PodWorker, pod_key
+from e2e.nodeagent.podapi import delete_pod_object
 from e2e.nodeagent.settings import AgentSettings
 
 log = logging.getLogger("nodeagent")
@@ -229,7 +231,11 @@ class NodeAgent:
             return  # finished before this agent started: nothing to run
         if pod["metadata"].get("deletionTimestamp"):
             # Nothing of it runs here, so there is nothing to wait for.
-            PodWorker(pod, self._environment(node))._delete_object()
+            metadata = pod["metadata"]
+            try:
+                delete_pod_object(self.api, metadata["namespace"], metadata["name"], uid)
+            except ApiError as exc:
+                log.warning("pod %s: delete failed: %s", pod_key(pod), exc)
             return
         worker = PodWorker(pod, self._environment(node))
         with self._lock:

@@ -11,17 +11,14 @@ starts (it stops them before it returns) and the agent's death kills them.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from subprocess import Popen
 from typing import Any
 
 from e2e import processes
@@ -31,13 +28,13 @@ from e2e.nodeagent.backoff import (
     count_consecutive_crashes,
     should_restart,
 )
+from e2e.nodeagent.container import ContainerRun, has_succeeded
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
+from e2e.nodeagent.podapi import delete_pod_object, issue_service_account_env, read_object_data
 from e2e.nodeagent.prober import run_probe
 from e2e.nodeagent.probes import ProbeError, ProbeTracker, parse_probe
 from e2e.nodeagent.settings import AgentSettings
 from e2e.nodeagent.status import (
-    ContainerState,
-    ContainerView,
     PodView,
     Running,
     Terminated,
@@ -45,8 +42,6 @@ from e2e.nodeagent.status import (
     build_pod_status,
     terminated_reason,
 )
-from e2e.pki import render_kubeconfig
-from e2e.processes import ProcessRecord
 
 log = logging.getLogger("nodeagent.pod")
 
@@ -67,52 +62,6 @@ class PodEnvironment:
 def pod_key(pod: Mapping[str, Any]) -> str:
     metadata = pod["metadata"]
     return f"{metadata['namespace']}/{metadata['name']}"
-
-
-class ContainerRun:
-    """One container of a pod: its current process and its history."""
-
-    def __init__(self, spec: Mapping[str, Any], is_init: bool, directory: Path) -> None:
-        self.spec = spec
-        self.name = str(spec["name"])
-        self.is_init = is_init
-        self.directory = directory
-        self.proc: Popen[bytes] | None = None
-        self.record: ProcessRecord | None = None
-        self.env: dict[str, str] = {}
-        self.state: ContainerState = Waiting("ContainerCreating")
-        self.last_state: Terminated | None = None
-        self.num_runs = 0
-        self.num_consecutive_crashes = 0
-        self.run_started = 0.0
-        self.not_before = 0.0
-        self.finished = False  # exited and will not run again
-        self.started = False
-        self.ready = False
-        self.startup: ProbeTracker | None = None
-        self.liveness: ProbeTracker | None = None
-        self.readiness: ProbeTracker | None = None
-        self.kill_at: float | None = None  # SIGKILL if still alive then
-        self.frozen = False
-
-    @property
-    def is_running(self) -> bool:
-        return self.proc is not None
-
-    def log_path(self, run: int) -> Path:
-        return self.directory / f"{run}.log"
-
-    def view(self) -> ContainerView:
-        return ContainerView(
-            name=self.name,
-            image=str(self.spec.get("image") or ""),
-            state=self.state,
-            last_state=self.last_state,
-            restart_count=max(self.num_runs - 1, 0),
-            ready=self.ready and self.is_running,
-            started=self.started and self.is_running,
-            container_id=f"pdcluster://{self.record.pid}" if self.record else "",
-        )
 
 
 class PodWorker(threading.Thread):
@@ -251,7 +200,7 @@ class PodWorker(threading.Thread):
         return False
 
     def _start_due(self, now: float) -> None:
-        pending_init = [r for r in self.init_containers if not _succeeded(r)]
+        pending_init = [r for r in self.init_containers if not has_succeeded(r)]
         if pending_init:
             first = pending_init[0]
             if not first.is_running and not first.finished and now >= first.not_before:
@@ -362,79 +311,21 @@ class PodWorker(threading.Thread):
         namespace = pod["metadata"]["namespace"]
         objects: dict[podspec.ObjectKey, Mapping[str, str] | None] = {}
         for kind, name in podspec.referenced_objects(run.spec):
-            objects[(kind, name)] = self._read_object_data(namespace, kind, name)
+            objects[(kind, name)] = read_object_data(self.env.api, namespace, kind, name)
         assert self.pod_ip is not None
         own = podspec.resolve_environment(
             pod, run.spec, pod_ip=self.pod_ip, host_ip=self.env.host_ip, objects=objects
         )
         env = dict(self.env.base_env)
         env["HOSTNAME"] = pod["metadata"]["name"]
-        env.update(self._service_account_env(pod))
+        if podspec.wants_service_account_token(pod):
+            if not self._service_env:
+                self._service_env = issue_service_account_env(
+                    self.env.api, pod, self.directory, self.env.settings.token_expiration_s
+                )
+            env.update(self._service_env)
         env.update(own)
         return env
-
-    def _read_object_data(self, namespace: str, kind: str, name: str) -> dict[str, str] | None:
-        plural = "secrets" if kind == "Secret" else "configmaps"
-        obj = self.env.api.get(f"/api/v1/namespaces/{namespace}/{plural}/{name}")
-        if obj is None:
-            return None
-        if kind == "Secret":
-            return {
-                k: base64.b64decode(v).decode(errors="replace")
-                for k, v in (obj.get("data") or {}).items()
-            }
-        data = dict(obj.get("data") or {})
-        data.update(
-            {
-                k: base64.b64decode(v).decode(errors="replace")
-                for k, v in (obj.get("binaryData") or {}).items()
-            }
-        )
-        return data
-
-    def _service_account_env(self, pod: Mapping[str, Any]) -> dict[str, str]:
-        """A per-pod kubeconfig with a token bound to this pod, in place of the token volume."""
-        if not podspec.wants_service_account_token(pod):
-            return {}
-        if self._service_env:
-            return self._service_env
-        metadata, spec = pod["metadata"], pod["spec"]
-        account = spec.get("serviceAccountName") or "default"
-        request = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": self.env.settings.token_expiration_s,
-                "boundObjectRef": {
-                    "apiVersion": "v1",
-                    "kind": "Pod",
-                    "name": metadata["name"],
-                    "uid": self.uid,
-                },
-            },
-        }
-        answer = self.env.api.create(
-            f"/api/v1/namespaces/{metadata['namespace']}/serviceaccounts/{account}/token", request
-        )
-        token = answer["status"]["token"]
-        account_dir = self.directory / "serviceaccount"
-        account_dir.mkdir(parents=True, exist_ok=True)
-        (account_dir / "token").write_text(token)
-        (account_dir / "namespace").write_text(metadata["namespace"])
-        (account_dir / "ca.crt").write_bytes(self.env.api.ca_file.read_bytes())
-        kubeconfig = self.directory / "kubeconfig"
-        kubeconfig.write_text(
-            render_kubeconfig(
-                self.env.api.server, self.env.api.ca_file, f"system:serviceaccount:{account}", token
-            )
-        )
-        host, _, port = self.env.api.server.removeprefix("https://").partition(":")
-        self._service_env = {
-            "KUBECONFIG": str(kubeconfig),
-            "KUBERNETES_SERVICE_HOST": host,
-            "KUBERNETES_SERVICE_PORT": port,
-        }
-        return self._service_env
 
     def _probe(self, run: ContainerRun, now: float) -> None:
         assert self.pod_ip is not None
@@ -531,26 +422,7 @@ class PodWorker(threading.Thread):
 
     def _delete_object(self) -> None:
         namespace, name = self.key.split("/")
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
-                "preconditions": {"uid": self.uid}}  # fmt: skip
         try:
-            self.env.api.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", body)
+            delete_pod_object(self.env.api, namespace, name, self.uid)
         except ApiError as exc:
-            # 409: a new pod of the same name already replaced ours; it is not ours to delete.
-            if exc.status != 409:
-                log.warning("pod %s: final delete failed: %s", self.key, exc)
-
-
-def _succeeded(run: ContainerRun) -> bool:
-    return isinstance(run.state, Terminated) and run.state.exit_code == 0 and run.finished
-
-
-def pid_files(state_dir: Path) -> list[Path]:
-    return sorted((state_dir / "pods").glob("*/*/pid.json"))
-
-
-def environ_for_pods(venv_bin: Path) -> dict[str, str]:
-    """The inherited environment of every pod: the venv's commands first on PATH."""
-    env = podspec.build_base_environment(os.environ, [str(venv_bin)])
-    env["VIRTUAL_ENV"] = str(venv_bin.parent)
-    return env
+            log.warning("pod %s: final delete failed: %s", self.key, exc)

@@ -10,7 +10,7 @@ TCP, exec) is the caller's job.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -60,16 +60,18 @@ def _resolve_port(value: object, container: Mapping[str, Any], where: str) -> in
 
 def parse_probe(raw: Mapping[str, Any], container: Mapping[str, Any], where: str) -> ProbeSpec:
     """Read a probe from its API form (camelCase dict); `where` names it in errors."""
-    timing = {
-        "initial_delay_s": float(raw.get("initialDelaySeconds") or 0),
-        "period_s": float(raw.get("periodSeconds") or 10),
-        "timeout_s": float(raw.get("timeoutSeconds") or 1),
-        "success_threshold": int(raw.get("successThreshold") or 1),
-        "failure_threshold": int(raw.get("failureThreshold") or 3),
-    }
-    if timing["period_s"] <= 0 or timing["timeout_s"] <= 0:
+    # The kind is a placeholder until the handler below is known.
+    timing = ProbeSpec(
+        ProbeKind.EXEC,
+        initial_delay_s=float(raw.get("initialDelaySeconds") or 0),
+        period_s=float(raw.get("periodSeconds") or 10),
+        timeout_s=float(raw.get("timeoutSeconds") or 1),
+        success_threshold=int(raw.get("successThreshold") or 1),
+        failure_threshold=int(raw.get("failureThreshold") or 3),
+    )
+    if timing.period_s <= 0 or timing.timeout_s <= 0:
         raise ProbeError(f"{where}: periodSeconds and timeoutSeconds must be positive")
-    if timing["success_threshold"] < 1 or timing["failure_threshold"] < 1:
+    if timing.success_threshold < 1 or timing.failure_threshold < 1:
         raise ProbeError(f"{where}: thresholds must be >= 1")
     if "httpGet" in raw and raw["httpGet"] is not None:
         http = raw["httpGet"]
@@ -77,28 +79,28 @@ def parse_probe(raw: Mapping[str, Any], container: Mapping[str, Any], where: str
         if scheme not in ("HTTP", "HTTPS"):
             raise ProbeError(f"{where}.httpGet.scheme: {scheme!r} is not HTTP or HTTPS")
         headers = tuple((str(h["name"]), str(h["value"])) for h in http.get("httpHeaders") or [])
-        return ProbeSpec(
-            ProbeKind.HTTP_GET,
+        return replace(
+            timing,
+            kind=ProbeKind.HTTP_GET,
             port=_resolve_port(http.get("port"), container, f"{where}.httpGet"),
             host=str(http.get("host") or ""),
             path=str(http.get("path") or "/"),
             scheme=scheme,
             headers=headers,
-            **timing,  # type: ignore[arg-type]
         )
     if "tcpSocket" in raw and raw["tcpSocket"] is not None:
         tcp = raw["tcpSocket"]
-        return ProbeSpec(
-            ProbeKind.TCP_SOCKET,
+        return replace(
+            timing,
+            kind=ProbeKind.TCP_SOCKET,
             port=_resolve_port(tcp.get("port"), container, f"{where}.tcpSocket"),
             host=str(tcp.get("host") or ""),
-            **timing,  # type: ignore[arg-type]
         )
     if "exec" in raw and raw["exec"] is not None:
         command = tuple(str(c) for c in raw["exec"].get("command") or [])
         if not command:
             raise ProbeError(f"{where}.exec.command is empty")
-        return ProbeSpec(ProbeKind.EXEC, command=command, **timing)  # type: ignore[arg-type]
+        return replace(timing, command=command)
     raise ProbeError(f"{where}: only httpGet, tcpSocket and exec probes are supported")
 
 

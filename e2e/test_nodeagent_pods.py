@@ -1,0 +1,264 @@
+"""Pods as local processes: restarts and back-off, probes, environment, fault
+hooks and graceful termination, observed through the API as a user would."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e.kubetest import (
+    POD_IP_ENV,
+    PYTHON_HTTP_SERVER,
+    container_status,
+    is_ready,
+    make_pod,
+    wait_for_object,
+)
+from e2e.nodeagent.client import NodeAgentClient, NodeAgentError
+from e2e.nodeagent.kubeapi import KubeApi
+from e2e.processes import wait_until
+
+pytestmark = pytest.mark.k8s
+
+
+def test_crashing_container_restarts_with_growing_back_off(
+    kube: KubeApi, namespace: str, tmp_path: Path
+) -> None:
+    starts = tmp_path / "starts"
+    script = (
+        f"import sys, time; open({str(starts)!r}, 'a').write(f'{{time.time()}}\\n'); sys.exit(3)"
+    )
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", make_pod("crash", ["python", "-c", script]))
+    pod = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/crash",
+        lambda p: container_status(p).get("restartCount", 0) >= 3,
+        60,
+        "3 restarts",
+    )
+    status = container_status(pod)
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    assert pod["status"]["phase"] == "Running"  # restartPolicy Always: it keeps coming back
+    # restartCount counts a run as soon as it is spawned; wait for its own timestamp.
+    wait_until(lambda: len(starts.read_text().split()) >= 4, 10, "the fourth start")
+    times = [float(line) for line in starts.read_text().split()]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    # Back-off is a floor that doubles: 1 s, 2 s, 4 s (plus start-up time).
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.8 and gaps[2] >= 3.6, gaps
+    assert gaps[2] > 2 * gaps[0], gaps
+    waiting = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/crash",
+        lambda p: "waiting" in container_status(p).get("state", {}),
+        30,
+        "the container waiting in back-off",
+    )
+    assert container_status(waiting)["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+
+
+def test_restart_policy_never_fails_the_pod_with_the_exit_code(
+    kube: KubeApi, namespace: str
+) -> None:
+    pod = make_pod("once", ["python", "-c", "raise SystemExit(7)"], restartPolicy="Never")
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    done = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/once",
+        lambda p: p.get("status", {}).get("phase") == "Failed",
+        30,
+        "phase Failed",
+    )
+    terminated = container_status(done)["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (7, "Error")
+    assert container_status(done)["restartCount"] == 0
+
+
+def test_downward_api_and_secret_reach_the_process_environment(
+    kube: KubeApi, namespace: str, node_agent: NodeAgentClient
+) -> None:
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "token"},
+            "stringData": {"value": "s3cret"},
+        },
+    )
+    env = [
+        POD_IP_ENV,
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "token", "key": "value"}}},
+        {"name": "GREETING", "value": "hello from $(POD_NAME)"},
+    ]
+    script = "import json, os; print(json.dumps(dict(os.environ)))"
+    pod = make_pod("env", ["python", "-c", script], restartPolicy="Never", container={"env": env})
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    done = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/env",
+        lambda p: p.get("status", {}).get("phase") == "Succeeded",
+        30,
+        "phase Succeeded",
+    )
+    seen = json.loads(node_agent.pod_log(namespace, "env"))
+    assert seen["POD_IP"] == done["status"]["podIP"]
+    assert (seen["POD_NAME"], seen["POD_NS"], seen["APP"]) == ("env", namespace, "env")
+    assert seen["TOKEN"] == "s3cret"
+    assert seen["GREETING"] == "hello from env"
+    assert Path(seen["KUBECONFIG"]).is_file()  # the pod's service account, bound to this pod
+
+
+def test_missing_secret_is_reported_then_picked_up_once_created(
+    kube: KubeApi, namespace: str
+) -> None:
+    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "later", "key": "value"}}}]
+    pod = make_pod("waits", ["python", "-c", "import time; time.sleep(60)"], container={"env": env})
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/waits"
+    stuck = wait_for_object(
+        kube,
+        path,
+        lambda p: "waiting" in container_status(p).get("state", {}),
+        30,
+        "a waiting container",
+    )
+    waiting = container_status(stuck)["state"]["waiting"]
+    assert waiting["reason"] == "CreateContainerConfigError"
+    assert "later" in waiting["message"]
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "later"},
+            "stringData": {"value": "x"},
+        },
+    )
+    wait_for_object(kube, path, is_ready, 30, "the pod to start once the Secret exists")
+
+
+def test_kill_freeze_and_thaw_hooks(
+    kube: KubeApi, namespace: str, node_agent: NodeAgentClient
+) -> None:
+    pod = make_pod(
+        "victim",
+        PYTHON_HTTP_SERVER,
+        container={
+            "env": [POD_IP_ENV],
+            "readinessProbe": {
+                "httpGet": {"path": "/", "port": 8080},
+                "periodSeconds": 1,
+                "failureThreshold": 1,
+            },
+        },
+    )
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/victim"
+    wait_for_object(kube, path, is_ready, 30, "Ready")
+
+    assert node_agent.freeze_pod(namespace, "victim") == ["main"]
+    wait_for_object(kube, path, lambda p: not is_ready(p), 15, "a frozen pod to turn unready")
+    node_agent.thaw_pod(namespace, "victim")
+    wait_for_object(kube, path, is_ready, 15, "a thawed pod to turn ready again")
+
+    node_agent.kill_pod(namespace, "victim")
+    killed = wait_for_object(
+        kube,
+        path,
+        lambda p: container_status(p).get("restartCount") == 1,
+        30,
+        "a restart after the kill",
+    )
+    assert container_status(killed)["lastState"]["terminated"]["exitCode"] == 137
+    wait_for_object(kube, path, is_ready, 30, "Ready after the restart")
+
+    with pytest.raises(NodeAgentError, match="no container"):
+        node_agent.kill_pod(namespace, "victim", container="nope")
+    with pytest.raises(NodeAgentError, match="not running"):
+        node_agent.kill_pod(namespace, "no-such-pod")
+
+
+def test_liveness_failure_restarts_the_container(kube: KubeApi, namespace: str) -> None:
+    pod = make_pod(
+        "hangs",
+        ["python", "-c", "import time; time.sleep(600)"],
+        container={
+            "livenessProbe": {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2}
+        },
+        terminationGracePeriodSeconds=1,
+    )
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    restarted = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/hangs",
+        lambda p: container_status(p).get("restartCount", 0) >= 1,
+        30,
+        "a restart after failed liveness probes",
+    )
+    # The process was asked to stop with SIGTERM, which Python's default handler obeys.
+    assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == 128 + 15
+
+
+def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_path: Path) -> None:
+    marker = tmp_path / "stopped"
+    polite = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        def stop(*_):
+            open({str(marker)!r}, "w").write("sigterm")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        time.sleep(600)
+        """
+    )
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/pods", make_pod("polite", ["python", "-c", polite])
+    )
+    stubborn_pod = make_pod("stubborn", ["python", "-c", stubborn], terminationGracePeriodSeconds=2)
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", stubborn_pod)
+    for name in ("polite", "stubborn"):
+        wait_for_object(
+            kube, f"/api/v1/namespaces/{namespace}/pods/{name}", is_ready, 30, f"{name} Ready"
+        )
+
+    time.sleep(0.5)  # let the polite one install its handler
+    started = time.monotonic()
+    for name in ("polite", "stubborn"):
+        kube.delete(f"/api/v1/namespaces/{namespace}/pods/{name}")
+    wait_until(
+        lambda: kube.get(f"/api/v1/namespaces/{namespace}/pods/polite") is None,
+        15,
+        "polite pod gone",
+    )
+    assert marker.read_text() == "sigterm"
+    wait_until(
+        lambda: kube.get(f"/api/v1/namespaces/{namespace}/pods/stubborn") is None,
+        15,
+        "stubborn gone",
+    )
+    elapsed = time.monotonic() - started
+    assert 1.5 <= elapsed < 10, elapsed  # SIGKILL came after the 2 s grace period, not 30 s
+
+
+def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -> None:
+    pod = make_pod("nocmd", [])
+    del pod["spec"]["containers"][0]["command"]
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    stuck = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/nocmd",
+        lambda p: "waiting" in container_status(p).get("state", {}),
+        30,
+        "a waiting container",
+    )
+    waiting = container_status(stuck)["state"]["waiting"]
+    assert waiting["reason"] == "CreateContainerConfigError"
+    assert "set `command`" in waiting["message"]

@@ -256,8 +256,10 @@ class BootstrapServer:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving (idempotent; also fine if never started)."""
         self._server.should_exit = True
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
         self._sock.close()
 
     def __enter__(self) -> BootstrapServer:

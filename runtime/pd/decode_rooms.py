@@ -139,7 +139,8 @@ class DecodeRoomTable:
         self._layout = info.layout_message()
         self._next_generation = first_generation
         self._rooms: dict[int, DecodeRoom] = {}
-        self._registered: set[str] = set()  # prefill endpoints sent our layout
+        # Prefill endpoints we sent our layout to → their instance's bootstrap address.
+        self._registered: dict[str, str] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -241,7 +242,7 @@ class DecodeRoomTable:
         acts: list[Action] = []
         for endpoint in dict.fromkeys(s.endpoint for s in sources):
             if endpoint not in self._registered:
-                self._registered.add(endpoint)
+                self._registered[endpoint] = r.peer
                 acts.append(Send(endpoint, self._layout))
         if self.policy == PREFILL_COMPLETE:
             for state in r.sources.values():
@@ -303,7 +304,9 @@ class DecodeRoomTable:
 
     def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
         """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`."""
-        self._registered = {e for e in self._registered if not peer_matches(peer, e)}
+        self._registered = {
+            e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
+        }
         acts: list[Action] = []
         for r in list(self._rooms.values()):
             sources = list(r.sources.values()) if r.sources else []
@@ -354,7 +357,7 @@ class DecodeRoomTable:
     def _on_layout_ack(self, msg: LayoutAck, now: float) -> list[Action]:
         if msg.accepted:
             return []
-        self._registered.discard(msg.endpoint)
+        self._registered.pop(msg.endpoint, None)
         reason = msg.reason or "layout_rejected"
         acts: list[Action] = []
         for r in list(self._rooms.values()):
@@ -378,7 +381,9 @@ class DecodeRoomTable:
                 r, f"protocol_violation: {msg.state.name} from {msg.rank} before metadata", now
             )
         s.poll = (s.poll or Poll(KVPoll.WaitingForInput)).update(msg.state)
-        if msg.state is KVPoll.Success and s.first_token is None:
+        if msg.state is KVPoll.Success and not s.drained:
+            # Prefill reports Success only once its writes drained.
+            s.drained = True
             s.first_token, s.checksum = msg.first_token, msg.checksum
         assert r.sources is not None
         states = [x.poll.state if x.poll else KVPoll.WaitingForInput for x in r.sources.values()]

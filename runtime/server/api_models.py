@@ -39,7 +39,7 @@ class GenerateSamplingParams(_Lenient):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    max_new_tokens: int = Field(default=128, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)  # None: min(128, server limit)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -39,6 +39,7 @@ from pdcluster.runtime.server.engine_service import TokenEvent
 log = logging.getLogger("pdcluster.worker")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 class BadRequest(ValueError):
@@ -143,7 +144,7 @@ def create_worker_app(
         stop_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
         limit = info.max_new_tokens
-        mt = limit if max_tokens is None else max_tokens
+        mt = min(DEFAULT_MAX_NEW_TOKENS, limit) if max_tokens is None else max_tokens
         if mt > limit:
             raise BadRequest(f"max_tokens {mt} exceeds this server's limit {limit}")
         return {

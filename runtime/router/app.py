@@ -251,6 +251,9 @@ class RouterState:
         except ClientDisconnected:
             request.scope[DISCONNECT_SCOPE_KEY] = True
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except RouterError as err:
+            err.rid = relay.rid
+            raise
         finally:
             if not handed_off:
                 await relay.aclose()
@@ -295,7 +298,8 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
 
     @app.exception_handler(RouterError)
     async def on_router_error(_: Request, exc: RouterError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"x-request-id": exc.rid} if exc.rid else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -125,16 +125,20 @@ _UNION_HINTS = {
 }
 
 
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict["))
+
+
 def _validation_error(err: ValidationError) -> RouterError:
     errors = err.errors()
     first = errors[0]
     loc = [str(p) for p in first["loc"]]
     field = loc[0] if loc else None
     hint = _UNION_HINTS.get(field or "")
-    if hint is not None and len(loc) <= 3:
+    if hint is not None and first["type"] != "missing" and len(loc) <= 3:
         message = f"`{field}` must be {hint}"
     else:
-        where = ".".join(p for p in loc if not p.startswith(("str", "list[", "int", "float")))
+        where = ".".join(p for p in loc if not _is_union_tag(p))
         message = f"`{where}`: {first['msg']}" if where else str(first["msg"])
         others = len({tuple(e["loc"][:1]) for e in errors}) - 1
         if others > 0:

@@ -63,6 +63,8 @@ class RouterError(Exception):
         self.param = param
         # Short, low-cardinality label for metrics and logs ("prefill_failed").
         self.reason = reason or f"http_{status}"
+        # The request's rid once one was minted (sent as x-request-id).
+        self.rid: str | None = None
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, code=self.code, param=self.param)

@@ -37,6 +37,11 @@ async def serve_router(
     port: int = 8000,
     log_level: str = "warning",
 ) -> None:
-    """Serve inside a running event loop; ``sock`` (already bound) wins over host/port."""
+    """Serve inside a running event loop; ``sock`` (already bound) wins over host/port.
+
+    Create ``sock`` with ``proto=socket.IPPROTO_TCP``: asyncio turns on
+    TCP_NODELAY for accepted connections only when the listening socket says
+    TCP, and without it keep-alive answers stall ~40 ms on delayed ACKs.
+    """
     server = uvicorn.Server(_uvicorn_config(config, host, port, log_level))
     await server.serve(sockets=[sock] if sock is not None else None)

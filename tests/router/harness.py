@@ -12,13 +12,14 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import openai
 import uvicorn
 from fastapi import FastAPI
 
@@ -65,6 +66,14 @@ class Served:
         self.done.result(START_TIMEOUT_S)
 
 
+def stop_all(served: list[Served]) -> None:
+    """Stop servers together (each takes up to uvicorn's 0.1 s tick)."""
+    for s in served:
+        s.server.should_exit = True
+    for s in served:
+        s.done.result(START_TIMEOUT_S)
+
+
 def free_port() -> int:
     """A port with nothing listening (connections to it are refused)."""
     with socket.socket() as sock:
@@ -73,7 +82,9 @@ def free_port() -> int:
 
 
 def serve(loop: LoopThread, app: FastAPI) -> Served:
-    sock = socket.socket()
+    # proto must say TCP: asyncio enables TCP_NODELAY on accepted sockets only
+    # then, and without it every keep-alive answer waits ~40 ms for an ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -102,6 +113,8 @@ class Cluster:
     router_url: str = ""
     router_app: FastAPI | None = None
     _served: list[Served] = field(default_factory=list)
+    # Clients a test opened through the cluster, closed with it.
+    _clients: list[Any] = field(default_factory=list)
 
     @property
     def state(self) -> RouterState:
@@ -112,12 +125,24 @@ class Cluster:
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.router_url, trust_env=False, timeout=10, **kwargs)
 
+    def openai(self, api_key: str = "unused") -> openai.OpenAI:
+        """The official client, unchanged, pointed at the router."""
+        client = openai.OpenAI(
+            base_url=f"{self.router_url}/v1",
+            api_key=api_key,
+            max_retries=0,
+            http_client=httpx.Client(trust_env=False, timeout=10),
+        )
+        self._clients.append(client)
+        return client
+
     def workers(self) -> list[StandinWorker]:
         return [*self.prefill, *self.decode, *self.colocated]
 
     def stop(self) -> None:
-        for served in reversed(self._served):
-            served.stop()
+        for client in self._clients:
+            client.close()
+        stop_all(self._served)
 
 
 def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.005) -> None:
@@ -137,6 +162,7 @@ def start_cluster(
     colocated: int = 0,
     prefill_dp: int = 1,
     extra_urls: dict[str, list[str]] | None = None,
+    prepare: Callable[[Cluster], None] | None = None,
     seed: int = 7,
     **router_settings: Any,
 ) -> Iterator[Cluster]:
@@ -161,6 +187,8 @@ def start_cluster(
             "decode_urls": [w.url for w in cluster.decode],
             "colocated_urls": [w.url for w in cluster.colocated],
         }
+        if prepare is not None:
+            prepare(cluster)
         for key, extra in (extra_urls or {}).items():
             urls[key] = urls[key] + extra
         settings: dict[str, Any] = {"health_check_interval_s": 60.0, **router_settings}

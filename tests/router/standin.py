@@ -70,13 +70,19 @@ class Rendezvous:
     def _event(self, room: int, role: str) -> asyncio.Event:
         return self._arrived.setdefault((room, role), asyncio.Event())
 
-    async def meet(self, room: int, role: str, peer: str) -> bool:
+    async def meet(self, room: int, role: str, peer: str, aborted: asyncio.Event) -> bool:
+        """Wait for the peer leg; False when it never came or the rid was aborted."""
         self._event(room, role).set()
+        arrived = asyncio.ensure_future(self._event(room, peer).wait())
+        stop = asyncio.ensure_future(aborted.wait())
         try:
-            await asyncio.wait_for(self._event(room, peer).wait(), RENDEZVOUS_TIMEOUT_S)
-        except TimeoutError:
-            return False
-        return True
+            await asyncio.wait(
+                {arrived, stop}, timeout=RENDEZVOUS_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            arrived.cancel()
+            stop.cancel()
+        return self._event(room, peer).is_set() and not aborted.is_set()
 
 
 @dataclass
@@ -114,8 +120,9 @@ class StandinWorker:
         if not isinstance(room, int):
             return "missing bootstrap_room"
         peer = "decode" if self.role == "prefill" else "prefill"
-        if not await self.rendezvous.meet(room, self.role, peer):
-            return f"{peer} leg for room {room} never arrived"
+        aborted = self._running[body["rid"]]
+        if not await self.rendezvous.meet(room, self.role, peer, aborted):
+            return f"{peer} leg for room {room} never arrived (or was aborted)"
         return None
 
     async def _tokens(self, rid: str, count: int) -> AsyncIterator[tuple[int, str | None]]:

@@ -1,0 +1,3 @@
+from pdcluster.runtime.router.cli import main
+
+main()

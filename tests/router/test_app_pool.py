@@ -1,0 +1,190 @@
+"""Worker pool behaviour seen through the router: health, policies, modes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from .harness import Cluster, LoopThread, free_port, start_cluster, wait_until
+from .standin import words
+
+
+def served_by(workers: list[Any], path: str = "/generate") -> list[int]:
+    return [len(w.bodies(path)) for w in workers]
+
+
+def healthy_urls(cluster: Cluster) -> set[str]:
+    with cluster.client() as http:
+        return {w["url"] for w in http.get("/health").json()["workers"] if w["healthy"]}
+
+
+def test_round_robin_spreads_both_roles_evenly(loop: LoopThread) -> None:
+    with start_cluster(loop, prefill=2, decode=3) as cluster, cluster.client() as http:
+        for _ in range(12):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.prefill) == [6, 6]
+        assert served_by(cluster.decode) == [4, 4, 4]
+
+
+def test_random_policy_is_seeded_and_uses_every_worker(loop: LoopThread) -> None:
+    picks = []
+    for _ in range(2):
+        settings = {"prefill_policy": "random", "decode_policy": "random", "policy_seed": 11}
+        with start_cluster(loop, prefill=2, decode=2, **settings) as cluster:
+            with cluster.client() as http:
+                for _ in range(12):
+                    assert http.post("/generate", json={"text": "a"}).status_code == 200
+            picks.append((served_by(cluster.prefill), served_by(cluster.decode)))
+    assert picks[0] == picks[1]
+    assert all(count > 0 for count in picks[0][0] + picks[0][1])
+
+
+def test_least_outstanding_avoids_a_busy_decode_worker(loop: LoopThread) -> None:
+    with start_cluster(loop, decode=2, decode_policy="least_outstanding") as cluster:
+        busy = cluster.decode[0]
+        busy.behaviour.hang = True
+        with cluster.client() as http:
+            with http.stream("POST", "/generate", json={"text": "long", "stream": True}) as long:
+                assert long.status_code == 200
+                assert len(busy.received) == 1
+                for _ in range(4):
+                    assert http.post("/generate", json={"text": "a"}).status_code == 200
+                assert served_by(cluster.decode) == [1, 4]
+            # The stream's client left: its legs are aborted and released.
+            wait_until(lambda: len(busy.aborts) == 1)
+            busy.behaviour.hang = False
+            for _ in range(2):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.decode) == [2, 5]
+
+
+def test_unhealthy_worker_leaves_the_pool_and_comes_back(loop: LoopThread) -> None:
+    settings: dict[str, Any] = {"health_check_interval_s": 0.05, "health_failure_threshold": 2}
+    with start_cluster(loop, decode=2, **settings) as cluster:
+        sick, well = cluster.decode
+        sick.behaviour.healthy = False
+        wait_until(lambda: sick.url not in healthy_urls(cluster))
+        with cluster.client() as http:
+            for _ in range(4):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+            assert served_by(cluster.decode) == [0, 4]
+            sick.behaviour.healthy = True
+            wait_until(lambda: sick.url in healthy_urls(cluster))
+            for _ in range(4):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+            assert served_by(cluster.decode) == [2, 6]
+            metrics = http.get("/metrics").text
+        assert (
+            'pdcluster_router_worker_health_transitions_total{role="decode",to="unhealthy"} 1.0'
+            in metrics
+        )
+        # Two joins at startup, one return.
+        assert (
+            'pdcluster_router_worker_health_transitions_total{role="decode",to="healthy"} 3.0'
+            in metrics
+        )
+        del well
+
+
+def test_last_worker_of_a_role_gone_means_503_then_recovery(loop: LoopThread) -> None:
+    with start_cluster(loop, health_check_interval_s=0.05, health_failure_threshold=1) as cluster:
+        prefill = cluster.prefill[0]
+        prefill.behaviour.healthy = False
+        wait_until(lambda: prefill.url not in healthy_urls(cluster))
+        with cluster.client() as http:
+            resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+            assert resp.status_code == 503
+            assert resp.json()["error"]["message"] == "no healthy prefill worker is available"
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["missing_roles"] == ["prefill"]
+            prefill.behaviour.healthy = True
+            wait_until(lambda: prefill.url in healthy_urls(cluster))
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        # The refused request never reached decode.
+        assert len(cluster.decode[0].received) == 1
+
+
+def test_dead_worker_at_startup_stays_out_and_the_rest_serve(loop: LoopThread) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with start_cluster(loop, decode=1, extra_urls={"decode_urls": [dead]}) as cluster:
+        with cluster.client() as http:
+            workers = {w["url"]: w for w in http.get("/health").json()["workers"]}
+            assert not workers[dead]["healthy"] and workers[dead]["last_error"]
+            for _ in range(3):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.decode) == [3]
+
+
+def test_worker_with_the_wrong_role_is_never_a_candidate(loop: LoopThread) -> None:
+    def misconfigure(cluster: Cluster) -> None:
+        cluster.prefill[0].behaviour.mode_override = "decode"
+
+    with start_cluster(loop, prefill=2, prepare=misconfigure) as cluster:
+        impostor, real = cluster.prefill
+        with cluster.client() as http:
+            workers = {w["url"]: w for w in http.get("/health").json()["workers"]}
+            assert "listed as prefill" in workers[impostor.url]["last_error"]
+            assert not workers[impostor.url]["healthy"]
+            for _ in range(3):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.prefill) == [0, 3]
+
+
+def test_rooms_follow_the_dp_rank_of_the_prefill_instance(loop: LoopThread) -> None:
+    with start_cluster(loop, prefill_dp=4) as cluster, cluster.client() as http:
+        for _ in range(8):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        rooms = [b["bootstrap_room"] for b in cluster.prefill[0].bodies()]
+        assert [room % 4 for room in rooms] == [0, 1, 2, 3, 0, 1, 2, 3]
+        assert len(set(rooms)) == 8
+
+
+def test_colocated_mode_sends_one_leg_without_bootstrap_fields(loop: LoopThread) -> None:
+    with start_cluster(loop, prefill=0, decode=0, colocated=2) as cluster:
+        client = cluster.openai()
+        out = client.completions.create(model="tiny", prompt="a b", max_tokens=2)
+        assert out.choices[0].text == "".join(words(2))
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=3
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == "".join(words(3))
+        bodies = [b for w in cluster.colocated for b in w.bodies()]
+        assert len(bodies) == 2
+        for body in bodies:
+            assert "rid" in body
+            assert not any(key.startswith("bootstrap") for key in body)
+        assert served_by(cluster.colocated, "/v1/completions") == [1, 0]
+        # Batches are the worker's business in colocated mode.
+        with cluster.client() as http:
+            resp = http.post("/generate", json={"text": ["a", "b"]})
+        assert resp.status_code == 200
+
+
+def test_parallel_requests_all_complete_and_leave_no_legs(loop: LoopThread) -> None:
+    with start_cluster(loop, prefill=2, decode=2) as cluster:
+        for worker in cluster.workers():
+            worker.behaviour.token_delay_s = 0.005
+
+        def one(i: int) -> str:
+            with cluster.client() as http:
+                resp = http.post(
+                    "/generate", json={"text": f"p{i}", "sampling_params": {"max_new_tokens": 3}}
+                )
+                assert resp.status_code == 200
+                return str(resp.json()["text"])
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(one, range(12)))
+        assert Counter(texts) == {"".join(words(3)): 12}
+        state = cluster.state
+        assert cluster.loop.call(lambda: sum(w.outstanding for w in state.pool.all())) == 0
+
+
+def test_free_port_is_refused() -> None:
+    port = free_port()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+        pass

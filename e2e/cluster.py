@@ -270,6 +270,8 @@ def _start_components(starter: _Starter) -> ClusterInfo:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # Endpoints may not hold loopback addresses, and 127.0.0.1 is all we have.
             "--endpoint-reconciler-type=none",
+            # Nodes have no resolvable host name: reach the agent's kubelet port by address.
+            "--kubelet-preferred-address-types=InternalIP",
             "--allow-privileged=true",
             "--profiling=false",
             "--v=1",

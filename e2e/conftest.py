@@ -23,7 +23,7 @@ import pytest
 
 from e2e import cluster as cluster_mod
 from e2e.cluster import ClusterInfo, ClusterSettings
-from e2e.controlplane.build import ensure_binaries
+from e2e.controlplane.build import BuildError, ensure_binaries
 from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import KubeApi
 from e2e.processes import wait_until
@@ -34,7 +34,13 @@ EXISTING_CLUSTER_ENV = "PDCLUSTER_E2E_CLUSTER"
 def pytest_collection_finish(session: pytest.Session) -> None:
     if any(item.get_closest_marker("k8s") for item in session.items):
         if not os.environ.get(EXISTING_CLUSTER_ENV):
-            ensure_binaries()
+            try:
+                ensure_binaries()
+            except BuildError as exc:
+                raise pytest.UsageError(
+                    f"cannot build the Kubernetes control plane for the k8s tests: {exc}\n"
+                    'Deselect them with -m "not k8s".'
+                ) from exc
 
 
 @pytest.fixture(scope="session")

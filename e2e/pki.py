@@ -98,6 +98,21 @@ def make_pki(directory: Path) -> Pki:
     return pki
 
 
+def make_self_signed(directory: Path, name: str, sans: list[str]) -> tuple[Path, Path]:
+    """A self-signed serving certificate and key (for endpoints nobody verifies, such as
+    the node agent's kubelet port: the apiserver skips kubelet verification unless told)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", key.name, "-out", cert.name, "-days", "3650", "-subj", f"/CN={name}",
+        "-addext", f"subjectAltName={','.join(sans)}",
+        cwd=directory,
+    )  # fmt: skip
+    key.chmod(0o600)
+    return cert, key
+
+
 def make_identities() -> dict[str, Identity]:
     """Fresh random tokens: the admin, the two controllers and the node agent."""
 

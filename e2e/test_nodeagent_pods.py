@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e.conftest import KubectlRunner
 from e2e.kubetest import (
     POD_IP_ENV,
     PYTHON_HTTP_SERVER,
@@ -262,3 +263,33 @@ def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
     assert "set `command`" in waiting["message"]
+
+
+def test_kubectl_logs_reads_current_and_previous_runs(
+    kubectl: KubectlRunner, kube: KubeApi, namespace: str, node_agent: NodeAgentClient
+) -> None:
+    script = "import time, uuid; print('run', uuid.uuid4(), flush=True); time.sleep(600)"
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/pods", make_pod("talker", ["python", "-c", script])
+    )
+    path = f"/api/v1/namespaces/{namespace}/pods/talker"
+    wait_for_object(kube, path, is_ready, 30, "Ready")
+
+    def logs(*extra: str) -> str:
+        return kubectl("kubectl", "logs", "-n", namespace, "talker", *extra).stdout
+
+    wait_until(lambda: logs().startswith("run "), 10, "the first line in the log")
+    first = logs()
+    node_agent.kill_pod(namespace, "talker")
+    wait_for_object(
+        kube,
+        path,
+        lambda p: container_status(p).get("restartCount") == 1 and is_ready(p),
+        30,
+        "restart",
+    )
+    wait_until(lambda: logs().startswith("run "), 10, "the second run's line")
+    assert logs("--previous") == first
+    assert logs() != first
+    missing = kubectl("kubectl", "logs", "-n", namespace, "talker", "-c", "nope", check=False)
+    assert missing.returncode != 0 and "nope" in missing.stderr

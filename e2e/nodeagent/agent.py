@@ -20,10 +20,13 @@ from typing import IO, Any
 
 from e2e.nodeagent.container import environ_for_pods
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
+from e2e.nodeagent.kubeletapi import serve_kubelet_api
 from e2e.nodeagent.network import MAX_BLOCK, MIN_BLOCK, PodAddressPool, node_address
 from e2e.nodeagent.pod import PodEnvironment, PodWorker, pod_key
 from e2e.nodeagent.podapi import delete_pod_object
 from e2e.nodeagent.settings import AgentSettings
+from e2e.pki import make_self_signed
+from e2e.processes import free_port
 
 log = logging.getLogger("nodeagent")
 
@@ -73,6 +76,7 @@ class NodeAgent:
             name: node_address(settings.address_block, index)
             for index, name in enumerate(settings.node_names, start=1)
         }
+        self.kubelet_port = 0  # set by run(), advertised in each node's daemonEndpoints
         venv_bin = Path(sys.executable).parent
         self._base_env = environ_for_pods(venv_bin)
 
@@ -141,6 +145,7 @@ class NodeAgent:
                     },
                 )
             status = self._node_status(time.time())
+            status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": self.kubelet_port}}
             status["addresses"] = [
                 {"type": "InternalIP", "address": self._node_ips[name]},
                 {"type": "Hostname", "address": name},
@@ -284,8 +289,18 @@ class NodeAgent:
 
     # ------------------------------------------------------------ lifecycle and hooks
 
+    def serve_kubelet_api(self) -> None:
+        """Serve pod logs on every node address (what `kubectl logs` reaches through the API)."""
+        addresses = list(self._node_ips.values())
+        cert, key = make_self_signed(
+            self.settings.state_dir / "pki", "kubelet", [f"IP:{a}" for a in addresses]
+        )
+        self.kubelet_port = free_port(addresses[0])
+        serve_kubelet_api(self, addresses, self.kubelet_port, cert, key)
+
     def run(self) -> None:
         """Register, then serve until stop_event is set; stops every pod before returning."""
+        self.serve_kubelet_api()
         self.register_nodes()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeat.start()

@@ -130,11 +130,14 @@ class PodWorker(threading.Thread):
         self._wake.set()
         return signalled
 
-    def log_text(self, container: str | None, previous: bool) -> str:
+    def log_file(self, container: str | None, previous: bool) -> tuple[Path, Callable[[], bool]]:
+        """The log of a container's current (or previous) run, and whether that run still
+        runs (a follower stops reading once it does not)."""
         runs = self.init_containers + self.containers
         if container is None:
             if len(self.containers) != 1:
-                raise KeyError(f"pod {self.key} has several containers: name one")
+                names = [r.name for r in self.containers]
+                raise KeyError(f"pod {self.key} has several containers {names}: name one")
             run = self.containers[0]
         else:
             matching = [r for r in runs if r.name == container]
@@ -143,10 +146,17 @@ class PodWorker(threading.Thread):
             run = matching[0]
         index = run.num_runs - (2 if previous else 1)
         if index < 0:
-            raise KeyError(
-                f"container {run.name!r} of {self.key} has no {'previous ' if previous else ''}run"
-            )
-        return run.log_path(index).read_text(errors="replace")
+            which = "previous run" if previous else "run yet"
+            raise KeyError(f"container {run.name!r} of {self.key} has no {which}")
+
+        def is_live() -> bool:
+            return not previous and run.num_runs == index + 1 and run.is_running
+
+        return run.log_path(index), is_live
+
+    def log_text(self, container: str | None, previous: bool) -> str:
+        path, _ = self.log_file(container, previous)
+        return path.read_text(errors="replace")
 
     # ------------------------------------------------------------ the worker thread
 

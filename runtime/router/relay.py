@@ -62,16 +62,18 @@ class LegError(Exception):
         return RouterError(status, f"{role} worker failed: {self.message}", reason=self.reason)
 
 
-def _transport_error(worker: Worker, err: httpx.TransportError, pool: WorkerPool) -> LegError:
+def _http_error(worker: Worker, err: httpx.HTTPError, pool: WorkerPool) -> LegError:
     role = worker.role.value
+    text = str(err) or type(err).__name__
     if isinstance(err, httpx.ConnectError | httpx.ConnectTimeout):
-        if pool.mark_unreachable(worker, str(err) or type(err).__name__):
+        if pool.mark_unreachable(worker, text):
             log.warning("worker %s (%s) unreachable, left the pool", worker.url, role)
         return LegError(worker, 502, "worker unreachable", f"{role}_unreachable")
-    text = str(err) or type(err).__name__
-    return LegError(
-        worker, 502, f"connection lost: {text}", f"{role}_connection_lost", may_run=True
-    )
+    if isinstance(err, httpx.TransportError):
+        reason, message = f"{role}_connection_lost", f"connection lost: {text}"
+    else:
+        reason, message = f"{role}_bad_response", f"bad response: {text}"
+    return LegError(worker, 502, message, reason, may_run=True)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -211,10 +213,18 @@ class Relay:
                         failure = payload_error(_json_or_none(raw))
                         if failure is not None:
                             raise LegError(worker, 502, failure, "prefill_error_payload")
-        except httpx.TransportError as err:
-            raise _transport_error(worker, err, self.ctx.pool) from None
+        except httpx.HTTPError as err:
+            raise _http_error(worker, err, self.ctx.pool) from None
         except TimeoutError:
             raise LegError(worker, 504, "timed out", "prefill_timeout", may_run=True) from None
+        except (LegError, asyncio.CancelledError):
+            raise
+        except Exception as err:
+            # Whatever broke, the decode leg must hear of it, or it waits for
+            # KV until the deadline.
+            raise LegError(
+                worker, 502, f"unexpected error: {err!r}", "prefill_internal", may_run=True
+            ) from err
         finally:
             self.ctx.pool.release(worker)
         self._prefill_ok = True
@@ -317,8 +327,8 @@ class Relay:
                     raw = await self._race(resp.aread())
                     message = error_message_of(raw, resp.status_code)
                     raise LegError(main, resp.status_code, message, f"{main.role}_error_status")
-            except httpx.TransportError as err:
-                raise _transport_error(main, err, self.ctx.pool) from None
+            except httpx.HTTPError as err:
+                raise _http_error(main, err, self.ctx.pool) from None
         except LegError as err:
             raise self._on_leg_error(err) from None
         except TimeoutError:
@@ -332,8 +342,8 @@ class Relay:
         try:
             try:
                 raw = await self._race(resp.aread())
-            except httpx.TransportError as err:
-                raise _transport_error(main, err, self.ctx.pool) from None
+            except httpx.HTTPError as err:
+                raise _http_error(main, err, self.ctx.pool) from None
             payload = _json_or_none(raw)
             if payload is None:
                 raise LegError(main, 502, "answered with a body that is not JSON", "bad_payload")
@@ -362,8 +372,8 @@ class Relay:
             try:
                 try:
                     line = await self._race(_next_line(lines))
-                except httpx.TransportError as err:
-                    raise _transport_error(main, err, self.ctx.pool) from None
+                except httpx.HTTPError as err:
+                    raise _http_error(main, err, self.ctx.pool) from None
                 if line is None:
                     raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
             except LegError as err:

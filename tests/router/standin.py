@@ -50,6 +50,8 @@ class Behaviour:
     token_delay_s: float = 0.0
     # Delay before the response headers (a slow prefill, a slow decode).
     start_delay_s: float = 0.0
+    # End a stream without `data: [DONE]` (a truncated stream).
+    omit_done: bool = False
     # Report this as disaggregation_mode instead of the real role.
     mode_override: str | None = None
 
@@ -301,7 +303,8 @@ class StandinWorker:
             chunk["choices"] = []
             chunk["usage"] = final["usage"]
             yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        if not self.behaviour.omit_done:
+            yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> FastAPI:

@@ -217,6 +217,36 @@ def test_decode_error_event_mid_stream_reaches_the_client_and_aborts_prefill(
     assert_idle(cluster)
 
 
+def test_prefill_failing_mid_stream_ends_the_stream_with_an_error_and_aborts_decode(
+    cluster: Cluster,
+) -> None:
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    prefill.behaviour.hang = True
+    prefill.behaviour.token_delay_s = 0.02
+    prefill.behaviour.error_after_tokens = 3
+    prefill.behaviour.fail_message = "prefill rank crashed"
+    decode.behaviour.hang = True
+    decode.behaviour.token_delay_s = 0.01
+    body = {"text": "x", "stream": True}
+    with cluster.client() as http, http.stream("POST", "/generate", json=body) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["code"] == 502 and "prefill rank crashed" in error["message"]
+    assert len(events) > 3  # decode tokens reached the client before the failure
+    rid = decode.bodies()[0]["rid"]
+    wait_until(lambda: rid in decode.aborted_rids())
+    assert_idle(cluster)
+
+
+def test_truncated_decode_stream_is_an_error_not_a_short_answer(cluster: Cluster) -> None:
+    cluster.decode[0].behaviour.omit_done = True
+    with pytest.raises(openai.APIError, match="ended before"):
+        list(cluster.openai().completions.create(model="tiny", prompt="x", stream=True))
+    assert_idle(cluster)
+
+
 def test_deadline_aborts_both_legs_with_504(loop: LoopThread) -> None:
     with start_cluster(loop, request_timeout_s=0.3) as cluster:
         cluster.prefill[0].behaviour.hang = True

@@ -44,7 +44,14 @@ class KVPoolShape:
 
     @property
     def numel(self) -> int:
-        return self.num_layers * 2 * self.num_pages * self.page_size * self.num_kv_heads * self.head_dim
+        return (
+            self.num_layers
+            * 2
+            * self.num_pages
+            * self.page_size
+            * self.num_kv_heads
+            * self.head_dim
+        )
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +163,9 @@ class KVPool:
         t[pages, heads, offs] = src
 
 
-def slots_for_positions(page_table: Sequence[int], positions: torch.Tensor, page_size: int) -> torch.Tensor:
+def slots_for_positions(
+    page_table: Sequence[int], positions: torch.Tensor, page_size: int
+) -> torch.Tensor:
     """Map token positions to slots through a request's page table."""
     table = torch.as_tensor(page_table, dtype=torch.int64)
     return table[positions // page_size] * page_size + positions % page_size

@@ -170,6 +170,33 @@ def _rank_main(
     results.put((rank, True, value))
 
 
+def _collect(
+    procs: list[Any], results: Any, values: dict[int, Any], deadline: float, timeout_s: float
+) -> str | None:
+    """Gather every rank's result into `values`; the first failure as text, or None."""
+    dead_since: float | None = None
+    while len(values) < len(procs):
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            now = time.monotonic()
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            # A rank that raised puts its traceback on the queue before it
+            # exits; give that report a moment to arrive before settling for
+            # the bare exit code.
+            if dead and dead_since is None:
+                dead_since = now
+            if dead_since is not None and now - dead_since > 1.0:
+                return f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}"
+            if now > deadline:
+                return f"ranks did not finish within {timeout_s:.0f}s"
+            continue
+        if not ok:
+            return f"rank {rank} failed:\n{value}"
+        values[rank] = value
+    return None
+
+
 def spawn_ranks(
     target: Callable[..., Any],
     world_size: int,
@@ -177,7 +204,7 @@ def spawn_ranks(
     timeout_s: float = 120.0,
     num_threads: int = 1,
 ) -> list[Any]:
-    """Run `target(rank, world_size, master_port, *args)` in one fresh process per rank.
+    """Run `target(rank, world_size, master_port, *args)` in one process per rank.
 
     Returns every rank's return value (index = rank). If any rank fails, dies
     or the timeout passes, all ranks are stopped and RuntimeError carries the
@@ -203,27 +230,9 @@ def spawn_ranks(
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     error: str | None = None
     try:
-        while len(values) < world_size and error is None:
-            try:
-                rank, ok, value = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and i not in values
-                ]
-                if dead:
-                    error = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}"
-                elif time.monotonic() > deadline:
-                    error = f"ranks did not finish within {timeout_s:.0f}s"
-                continue
-            if ok:
-                values[rank] = value
-            else:
-                error = f"rank {rank} failed:\n{value}"
+        error = _collect(procs, results, values, time.monotonic() + timeout_s, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=5.0 if error is None else 0.5)

@@ -106,7 +106,10 @@ def write_random_hf_dir(
 def generate(
     engine: LLMEngine, requests: Sequence[EngineRequest], max_steps: int = 100_000
 ) -> dict[str, tuple[list[int], str | None]]:
-    """Add `requests`, step until the engine is idle; rid → (tokens, finish reason)."""
+    """Add `requests`, step until the engine is idle; rid → (tokens, finish reason).
+
+    Requests added to the engine earlier are collected too.
+    """
     for req in requests:
         engine.add_request(req)
     out: dict[str, tuple[list[int], str | None]] = {r.rid: ([], None) for r in requests}
@@ -114,7 +117,7 @@ def generate(
         if not engine.has_work():
             return out
         for o in engine.step():
-            tokens, _ = out[o.rid]
+            tokens, _ = out.setdefault(o.rid, ([], None))
             tokens.extend(o.new_token_ids)
             out[o.rid] = (tokens, o.finish_reason if o.finished else None)
     raise RuntimeError(f"requests did not finish within {max_steps} steps")
@@ -150,3 +153,11 @@ def run_rank(
             engine.shutdown()
     finally:
         dist.close()
+
+
+def sleep_rank(rank: int, world_size: int, port: int, seconds: float) -> int:
+    """A `spawn_ranks` target that only sleeps (for timeout tests)."""
+    import time
+
+    time.sleep(seconds)
+    return rank

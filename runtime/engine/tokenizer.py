@@ -224,11 +224,17 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         text = self._text
         search_from = max(0, self._emitted - max((len(s) for s in self._stop), default=0))
-        cut = -1
+        # The stop that completes first wins (ties: the one starting first):
+        # generation halts there, so a longer stop that would have started
+        # earlier never gets the chance to complete.
+        cut, cut_end = -1, -1
         for s in self._stop:
             at = text.find(s, search_from)
-            if at != -1 and (cut == -1 or at < cut):
-                cut, self.stop_reason = at, s
+            if at == -1:
+                continue
+            end = at + len(s)
+            if cut == -1 or (end, at) < (cut_end, cut):
+                cut, cut_end, self.stop_reason = at, end, s
         if cut != -1:
             self.stopped = True
             out = text[self._emitted : cut]

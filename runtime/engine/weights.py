@@ -198,7 +198,7 @@ def tiny_tensors(
             head[TINY_EOS_ID + 1 :] = 0.0
             head[TINY_BOS_ID] = 0.0
             # A damped EOS row: sequences do end, but rarely after one token.
-            head[TINY_EOS_ID] *= 0.6
+            head[TINY_EOS_ID] *= 0.9
         out["lm_head.weight"] = head
     return out
 

@@ -52,10 +52,16 @@ class KubernetesDiscovery:
         settings: KubernetesDiscoverySettings,
         publish: Callable[[list[WorkerTarget]], None],
         loop: asyncio.AbstractEventLoop,
+        *,
+        api: Any = None,
+        new_watch: Callable[[], Any] | None = None,
     ) -> None:
+        """``api`` (a CoreV1Api) and ``new_watch`` default to the real client's."""
         self.settings = settings
         self._publish = publish
         self._loop = loop
+        self._api = api
+        self._new_watch = new_watch
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: Any = None
@@ -75,10 +81,14 @@ class KubernetesDiscovery:
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._publish, targets)
 
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def _run(self) -> None:
-        watch = _kube("watch")
+        new_watch = self._new_watch or _kube("watch").Watch
         cache = PodCache()
-        api = None
+        api = self._api
         while not self._stop.is_set():
             try:
                 if api is None:
@@ -89,7 +99,7 @@ class KubernetesDiscovery:
                 serialize = api.api_client.sanitize_for_serialization
                 cache.replace(serialize(p) for p in listed.items)
                 self._emit(cache)
-                self._watch = watch.Watch()
+                self._watch = new_watch()
                 for event in self._watch.stream(
                     api.list_namespaced_pod,
                     self.settings.namespace,

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from pdcluster.runtime.router.workers import WorkerRole, WorkerTarget
+
 from .harness import Cluster, LoopThread, free_port, start_cluster, wait_until
 from .standin import words
 
@@ -188,3 +190,28 @@ def test_free_port_is_refused() -> None:
     port = free_port()
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
         pass
+
+
+def test_discovery_changes_take_effect_without_restart(loop: LoopThread) -> None:
+    """What Kubernetes discovery publishes: new workers are probed, gone ones leave."""
+    with start_cluster(loop, decode=2) as cluster:
+        first, second = cluster.decode
+        prefill = cluster.prefill[0]
+        state = cluster.state
+
+        def publish(decode_urls: list[str]) -> None:
+            targets = [WorkerTarget(prefill.url, WorkerRole.prefill)]
+            targets += [WorkerTarget(url, WorkerRole.decode) for url in decode_urls]
+            cluster.loop.call(state.apply_targets, targets)
+
+        publish([first.url])
+        with cluster.client() as http:
+            for _ in range(2):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+            assert served_by(cluster.decode) == [2, 0]
+            publish([first.url, second.url])
+            # A new worker serves only after its probe succeeded.
+            wait_until(lambda: second.url in healthy_urls(cluster))
+            for _ in range(2):
+                assert http.post("/generate", json={"text": "a"}).status_code == 200
+            assert served_by(cluster.decode) == [3, 1]

@@ -1,0 +1,84 @@
+"""What a reconcile decided to do: plain values the executor carries out in order.
+
+Cluster-wide children are *applied* (server-side apply: idempotent, updates
+in place). Instance members — pods and bootstrap Services — are *created*:
+pods are immutable, a template change rolls the instance instead, and a
+plain create fails on an existing name rather than taking over an object
+someone else made. Deletes carry the uid the planner saw, so a delete never
+hits a newer object that reused the name.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+
+
+class EventType(StrEnum):
+    Normal = "Normal"
+    Warning = "Warning"
+
+
+class Reason(StrEnum):
+    """Event reasons on the PDCluster (also condition reasons where they fit)."""
+
+    InstanceCreated = "InstanceCreated"
+    InstanceReplaced = "InstanceReplaced"
+    InstanceRemoved = "InstanceRemoved"
+    InstanceRestarted = "InstanceRestarted"
+    RestartBudgetExhausted = "RestartBudgetExhausted"
+    ForeignObject = "ForeignObject"
+    InvalidSpec = "InvalidSpec"
+    TokenSecretMissing = "TokenSecretMissing"
+    ApplyFailed = "ApplyFailed"
+    # Failover fast path (pod watch); emitted by the failover module.
+    PrefillInstanceLost = "PrefillInstanceLost"
+    DecodeInstanceLost = "DecodeInstanceLost"
+    RoomsFailed = "RoomsFailed"
+
+
+@dataclass(frozen=True)
+class Apply:
+    manifest: Manifest
+
+    @property
+    def key(self) -> ObjectKey:
+        return object_key(self.manifest)
+
+
+@dataclass(frozen=True)
+class Create:
+    manifest: Manifest
+
+    @property
+    def key(self) -> ObjectKey:
+        return object_key(self.manifest)
+
+
+@dataclass(frozen=True)
+class CreateTokenSecret:
+    """Create the cluster token Secret with a fresh random token (the executor draws it)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: ObjectKey
+    uid: str
+
+
+@dataclass(frozen=True)
+class Emit:
+    type: EventType
+    reason: Reason
+    message: str
+    # The role concerned, for metrics labels; None for cluster-wide events.
+    role: str | None = None
+
+
+Action = Apply | Create | CreateTokenSecret | Delete | Emit

@@ -1,0 +1,148 @@
+"""The PDCluster API as the operator serves it: resource identity and status models.
+
+The spec models live in `pdcluster.runtime.spec` (local mode and pods read
+them too); the status is the operator's alone and lives here. Both feed the
+CRD generator, so the schema the apiserver enforces is the schema the code
+reads.
+
+Status times are RFC 3339 strings with whole seconds (what Kubernetes
+writes), so a status computed twice in the same second is byte-identical
+and is not written again.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from pdcluster.runtime.spec import API_GROUP, API_VERSION, KIND
+
+GROUP = API_GROUP
+VERSION = API_VERSION
+PLURAL = "pdclusters"
+SINGULAR = "pdcluster"
+SHORT_NAMES = ("pdc",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
+API_VERSION_FULL = f"{GROUP}/{VERSION}"
+__all__ = [
+    "GROUP",
+    "VERSION",
+    "KIND",
+    "PLURAL",
+    "Condition",
+    "ConditionType",
+    "Phase",
+    "PDClusterStatus",
+    "RoleStatus",
+    "RouterStatus",
+    "InstanceBackoff",
+]
+
+
+class _StatusModel(BaseModel):
+    # Unknown status fields (another writer's) are ignored when read back.
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
+
+
+class ConditionType(StrEnum):
+    Ready = "Ready"
+    Progressing = "Progressing"
+    Degraded = "Degraded"
+
+
+class Phase(StrEnum):
+    """One-word summary shown by `kubectl get pdc`."""
+
+    Pending = "Pending"
+    Progressing = "Progressing"
+    Ready = "Ready"
+    Degraded = "Degraded"
+    Failed = "Failed"
+
+
+class Condition(_StatusModel):
+    type: ConditionType
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = Field(min_length=1, max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(description="RFC 3339, when status last changed")
+    observed_generation: int = Field(default=0, ge=0)
+
+
+class InstanceBackoff(_StatusModel):
+    """Restart bookkeeping of one instance that failed since it was last Ready."""
+
+    index: int = Field(ge=0)
+    consecutive_restarts: int = Field(ge=1, description="restarts since the instance was Ready")
+    last_restart_time: str = Field(description="RFC 3339")
+
+
+class RoleStatus(_StatusModel):
+    desired: int = Field(default=0, ge=0, description="instances asked for")
+    ready: int = Field(default=0, ge=0, description="instance slots served by a Ready instance")
+    updated: int = Field(default=0, ge=0, description="Ready instances at the current template")
+    summary: str = Field(default="0/0", description="ready/desired, for printer columns")
+    template_hash: str = ""
+    restarts: int = Field(default=0, ge=0, description="gang restarts since creation")
+    restarts_in_window: int = Field(default=0, ge=0, description="restarts in the budget window")
+    budget_window_start: str | None = Field(default=None, description="RFC 3339")
+    backoff: list[InstanceBackoff] = Field(default_factory=list)
+
+
+class RouterStatus(_StatusModel):
+    desired: int = Field(default=0, ge=0)
+    ready: int = Field(default=0, ge=0)
+    summary: str = "0/0"
+
+
+class PDClusterStatus(_StatusModel):
+    observed_generation: int = Field(default=0, ge=0)
+    phase: Phase = Phase.Pending
+    revision: str = Field(default="", description="compatibility revision of the current spec")
+    conditions: list[Condition] = Field(default_factory=list)
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+    colocated: RoleStatus | None = None
+    router: RouterStatus | None = None
+    # The scale subresource reads these (kubectl scale acts on decode).
+    replicas: int = Field(default=0, ge=0, description="decode instances that exist")
+    selector: str = Field(default="", description="label selector of the decode pods")
+
+    def condition(self, kind: ConditionType) -> Condition | None:
+        return next((c for c in self.conditions if c.type == kind), None)
+
+    def role(self, name: str) -> RoleStatus | None:
+        value: RoleStatus | None = getattr(self, name)
+        return value
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def parse_status(raw: Any) -> PDClusterStatus:
+    """Read a stored status; anything unreadable counts as no status at all."""
+    if not isinstance(raw, dict):
+        return PDClusterStatus()
+    try:
+        return PDClusterStatus.model_validate(raw)
+    except ValueError:
+        return PDClusterStatus()
+
+
+def format_time(epoch_seconds: float) -> str:
+    moment = dt.datetime.fromtimestamp(int(epoch_seconds), tz=dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float:
+    """Inverse of `format_time`; raises ValueError on anything else."""
+    moment = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+    return moment.timestamp()

@@ -1,0 +1,45 @@
+"""Pure manifest builders: one typed `Cluster` in, plain dicts out.
+
+No client, no I/O, no clock: the same cluster always yields the same
+manifests, which is what makes server-side apply idempotent and the planner
+able to compare desired with observed by hash.
+"""
+
+from pdcluster.operator.builders.config import (
+    build_config_map,
+    build_runtime_rbac,
+    build_token_secret,
+    render_manifest_yaml,
+)
+from pdcluster.operator.builders.desired import DesiredRole, DesiredState, build_desired
+from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+from pdcluster.operator.builders.router import build_router_deployment, build_router_service
+from pdcluster.operator.builders.workers import (
+    BuildError,
+    InstanceKey,
+    InstanceManifests,
+    build_bootstrap_service,
+    build_instance,
+    build_worker_pod,
+)
+
+__all__ = [
+    "BuildError",
+    "DesiredRole",
+    "DesiredState",
+    "InstanceKey",
+    "InstanceManifests",
+    "Manifest",
+    "ObjectKey",
+    "build_bootstrap_service",
+    "build_config_map",
+    "build_desired",
+    "build_instance",
+    "build_router_deployment",
+    "build_router_service",
+    "build_runtime_rbac",
+    "build_token_secret",
+    "build_worker_pod",
+    "object_key",
+    "render_manifest_yaml",
+]

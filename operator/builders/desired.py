@@ -1,0 +1,93 @@
+"""Everything a PDCluster should own, in one value the planner compares with
+what it observes.
+
+Instances are described, not expanded: a role with 1,000 replicas is one
+`DesiredRole`, and the planner builds only the instances it has to create.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcluster.operator import names
+from pdcluster.operator.builders.config import build_config_map, build_runtime_rbac
+from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.builders.router import build_router_deployment, build_router_service
+from pdcluster.operator.builders.workers import (
+    InstanceManifests,
+    build_instance,
+    build_resources,
+    token_secret_for,
+)
+from pdcluster.operator.cluster import Cluster
+from pdcluster.operator.names import Role
+from pdcluster.operator.revision import compute_cluster_revision, compute_template_hash, role_spec
+from pdcluster.runtime.spec import RestartPolicySpec
+
+
+@dataclass(frozen=True)
+class DesiredRole:
+    role: Role
+    replicas: int
+    template_hash: str
+    pods_per_instance: int
+    restart: RestartPolicySpec
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    cluster: Cluster
+    revision: str
+    # Cluster-wide children in apply order (RBAC and config before pods use them).
+    objects: tuple[Manifest, ...]
+    token_secret: str
+    # False when the user names their own Secret: the operator then only checks it exists.
+    owns_token_secret: bool
+    roles: tuple[DesiredRole, ...]
+
+    def role(self, role: Role) -> DesiredRole | None:
+        return next((r for r in self.roles if r.role == role), None)
+
+    def instance(self, role: Role, index: int) -> InstanceManifests:
+        return build_instance(self.cluster, role, index)
+
+
+def roles_of(cluster: Cluster) -> tuple[Role, ...]:
+    if cluster.spec.is_disaggregated:
+        return (Role.prefill, Role.decode)
+    return (Role.colocated,)
+
+
+def build_desired(cluster: Cluster) -> DesiredState:
+    """Raises BuildError when the spec cannot produce valid objects."""
+    roles: list[DesiredRole] = []
+    for role in roles_of(cluster):
+        spec = role_spec(cluster.spec, role)
+        assert spec is not None  # roles_of only names roles the spec has
+        build_resources(spec, role)  # surface resource errors before anything is applied
+        roles.append(
+            DesiredRole(
+                role=role,
+                replicas=spec.replicas,
+                template_hash=compute_template_hash(cluster.spec, role),
+                pods_per_instance=spec.pods_per_instance,
+                restart=spec.restart,
+            )
+        )
+    objects: list[Manifest] = [
+        *build_runtime_rbac(cluster),
+        build_config_map(cluster),
+        build_router_deployment(cluster),
+        build_router_service(cluster),
+    ]
+    secret = token_secret_for(cluster)
+    return DesiredState(
+        cluster=cluster,
+        revision=compute_cluster_revision(cluster.spec),
+        objects=tuple(objects),
+        token_secret=secret,
+        owns_token_secret=secret == names.token_secret_name(cluster.name),
+        roles=tuple(roles),
+    )

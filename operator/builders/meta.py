@@ -1,0 +1,95 @@
+"""Object metadata shared by every child: labels, owner reference, identity key.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from pdcluster.operator import names
+from pdcluster.operator.cluster import ClusterRef
+
+Manifest = dict[str, Any]
+
+# The pod contract: ports every worker and router container listens on.
+HTTP_PORT = 8000
+DIST_PORT = 29500
+BOOTSTRAP_PORT = 8998
+MANIFEST_DIR = "/etc/pdcluster"
+MANIFEST_KEY = "manifest.yaml"
+MANIFEST_PATH = f"{MANIFEST_DIR}/{MANIFEST_KEY}"
+TOKEN_KEY = "token"
+ROUTER_API_KEYS_KEY = "keys"
+
+
+class ObjectKey(NamedTuple):
+    """Identity of a namespaced child: kind plus name (the namespace is the cluster's)."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+
+def object_key(manifest: Mapping[str, Any]) -> ObjectKey:
+    return ObjectKey(str(manifest["kind"]), str(manifest["metadata"]["name"]))
+
+
+def object_meta(
+    ref: ClusterRef,
+    name: str,
+    component: str,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Metadata of a child: deterministic name, cluster labels, controller owner reference."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {
+            **names.cluster_labels(ref.name),
+            names.LABEL_COMPONENT: component,
+            **(labels or {}),
+        },
+        "ownerReferences": [ref.owner_reference()],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def env_value(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def env_field(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def env_secret(name: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+
+def http_probe(period_s: int, failure_threshold: int, timeout_s: int = 2) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period_s,
+        "timeoutSeconds": timeout_s,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def config_volume(config_map: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest ConfigMap as (volume, mount) at /etc/pdcluster."""
+    volume = {
+        "name": "manifest",
+        "configMap": {"name": config_map, "items": [{"key": MANIFEST_KEY, "path": MANIFEST_KEY}]},
+    }
+    mount = {"name": "manifest", "mountPath": MANIFEST_DIR, "readOnly": True}
+    return volume, mount

@@ -1,0 +1,122 @@
+"""The router: a Deployment (stateless, the kubelet may restart it freely) and
+its Service. The router finds workers by pod labels through the API, so it
+needs no per-instance configuration and does not change when roles scale.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.builders import meta
+from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.builders.workers import token_secret_for
+from pdcluster.operator.cluster import Cluster
+from pdcluster.operator.revision import compute_cluster_revision, compute_router_hash
+
+ROUTER_ROLE = "router"
+ANNOTATION_ROUTER_HASH = "pdcluster.io/router-hash"
+
+
+def router_selector(cluster: Cluster) -> dict[str, str]:
+    selector: dict[str, str] = names.role_selector(cluster.name, ROUTER_ROLE)
+    return selector
+
+
+def build_router_deployment(cluster: Cluster) -> Manifest:
+    spec = cluster.spec
+    volume, mount = meta.config_volume(names.config_map_name(cluster.name))
+    env: list[dict[str, Any]] = [
+        meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
+        meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+        meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
+    ]
+    if spec.auth.router_api_key_secret_name:
+        env.append(
+            meta.env_secret(
+                "PDCLUSTER_ROUTER_API_KEYS",
+                spec.auth.router_api_key_secret_name,
+                meta.ROUTER_API_KEYS_KEY,
+            )
+        )
+    labels = {
+        **names.cluster_labels(cluster.name),
+        names.LABEL_COMPONENT: ROUTER_ROLE,
+        names.LABEL_ROLE: ROUTER_ROLE,
+        names.LABEL_REVISION: compute_cluster_revision(spec),
+    }
+    container = {
+        "name": "router",
+        "image": spec.image,
+        "command": ["pdcluster"],
+        "args": [
+            "router",
+            "-f",
+            meta.MANIFEST_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(meta.HTTP_PORT),
+            "--kubernetes",
+            "--namespace",
+            cluster.namespace,
+            "--cluster",
+            cluster.name,
+        ],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
+        "volumeMounts": [mount],
+        "readinessProbe": meta.http_probe(5, 3),
+        "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta.object_meta(
+            cluster.ref,
+            names.router_name(cluster.name),
+            component=ROUTER_ROLE,
+            labels={names.LABEL_ROLE: ROUTER_ROLE},
+        ),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": router_selector(cluster)},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    # The router reads the manifest once at start; a change of
+                    # what it reads must roll it.
+                    "annotations": {ANNOTATION_ROUTER_HASH: compute_router_hash(spec)},
+                },
+                "spec": {
+                    "serviceAccountName": names.runtime_account_name(cluster.name),
+                    "enableServiceLinks": False,
+                    "containers": [container],
+                    "volumes": [volume],
+                },
+            },
+        },
+    }
+
+
+def build_router_service(cluster: Cluster) -> Manifest:
+    service = cluster.spec.router.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta.object_meta(
+            cluster.ref,
+            names.router_name(cluster.name),
+            component=ROUTER_ROLE,
+            labels={names.LABEL_ROLE: ROUTER_ROLE},
+        ),
+        "spec": {
+            "type": service.type,
+            "selector": router_selector(cluster),
+            "ports": [
+                {"name": "http", "port": service.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,0 +1,290 @@
+"""Worker pods of one role instance, and the bootstrap Service of a prefill instance.
+
+An instance of a role has `ranks / gpusPerPod` pods; pod k runs ranks
+[k * gpusPerPod, (k + 1) * gpusPerPod). The pods form a gang: the operator
+manages them directly (no StatefulSet), with `restartPolicy: Never`, so a
+crashed rank turns its pod Failed and the planner restarts the whole
+instance instead of the kubelet restarting one rank its peers cannot rejoin.
+
+Pod names carry the role template hash, so during a rollout the new
+instance i can run beside the old one (surge) without a name clash.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.builders import meta
+from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.cluster import Cluster
+from pdcluster.operator.names import Role
+from pdcluster.operator.revision import (
+    compute_cluster_revision,
+    compute_template_hash,
+    role_spec,
+)
+from pdcluster.runtime.spec import RoleSpec
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# A model may take minutes to load; liveness only starts once /health answered.
+STARTUP_PROBE_PERIOD_S = 5
+STARTUP_PROBE_FAILURES = 120
+
+
+class BuildError(ValueError):
+    """The spec cannot be turned into valid Kubernetes objects; the message says why."""
+
+
+@dataclass(frozen=True, order=True)
+class InstanceKey:
+    """One instance generation: role, index and the template it was built from."""
+
+    role: Role
+    index: int
+    template_hash: str
+
+    def __str__(self) -> str:
+        return f"{self.role.value}-{self.index}@{self.template_hash}"
+
+
+@dataclass(frozen=True)
+class InstanceManifests:
+    key: InstanceKey
+    pods: tuple[Manifest, ...]  # ordered by pod index
+    bootstrap_service: Manifest | None
+
+    @property
+    def pod_names(self) -> tuple[str, ...]:
+        return tuple(str(p["metadata"]["name"]) for p in self.pods)
+
+
+def _role(cluster: Cluster, role: Role) -> RoleSpec:
+    spec = role_spec(cluster.spec, role)
+    if spec is None:
+        raise BuildError(f"cluster {cluster.name} has no {role.value} role")
+    return spec
+
+
+def token_secret_for(cluster: Cluster) -> str:
+    """The Secret whose key `token` pods read: the user's, or the one the operator creates."""
+    name: str = cluster.spec.auth.token_secret_name or names.token_secret_name(cluster.name)
+    return name
+
+
+def build_resources(spec: RoleSpec, role: Role) -> dict[str, Any]:
+    """The role's resources, plus `nvidia.com/gpu: gpusPerPod` when the device is cuda."""
+    unknown = set(spec.resources) - {"limits", "requests", "claims"}
+    if unknown:
+        raise BuildError(
+            f"{role.value}.resources: unknown keys {sorted(unknown)} "
+            "(expected limits, requests, claims)"
+        )
+    resources: dict[str, Any] = {}
+    for key, value in spec.resources.items():
+        if key in ("limits", "requests") and not isinstance(value, dict):
+            raise BuildError(f"{role.value}.resources.{key} must be a mapping")
+        resources[key] = dict(value) if isinstance(value, dict) else value
+    if spec.device == "cuda":
+        for key in ("limits", "requests"):
+            given = resources.get(key, {}).get(GPU_RESOURCE)
+            if given is not None and str(given) != str(spec.gpus_per_pod):
+                raise BuildError(
+                    f"{role.value}.resources.{key}.{GPU_RESOURCE} is {given} but gpusPerPod "
+                    f"is {spec.gpus_per_pod}; leave it out, the operator sets it"
+                )
+        limits = resources.setdefault("limits", {})
+        limits[GPU_RESOURCE] = spec.gpus_per_pod
+        if GPU_RESOURCE in resources.get("requests", {}):
+            resources["requests"][GPU_RESOURCE] = spec.gpus_per_pod
+    else:
+        for key in ("limits", "requests"):
+            if GPU_RESOURCE in resources.get(key, {}):
+                raise BuildError(
+                    f"{role.value}.resources.{key} asks for {GPU_RESOURCE} but device is cpu; "
+                    "set device: cuda"
+                )
+    return resources
+
+
+def _worker_args(role: Role, index: int, pod_index: int) -> list[str]:
+    args = [
+        "worker",
+        "-f",
+        meta.MANIFEST_PATH,
+        "--role",
+        role.value,
+        "--instance",
+        str(index),
+        "--pod-index",
+        str(pod_index),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(meta.HTTP_PORT),
+        "--dist-port",
+        str(meta.DIST_PORT),
+    ]
+    if role == Role.prefill:
+        args += ["--bootstrap-port", str(meta.BOOTSTRAP_PORT)]
+    return args
+
+
+def _worker_env(
+    cluster: Cluster, spec: RoleSpec, key: InstanceKey, pod_index: int, leader: str, revision: str
+) -> list[dict[str, Any]]:
+    return [
+        meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
+        meta.env_field("POD_IP", "status.podIP"),
+        meta.env_field("POD_NAME", "metadata.name"),
+        meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+        meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
+        meta.env_value("PDCLUSTER_LEADER_POD", leader),
+        meta.env_value("PDCLUSTER_ROLE", key.role.value),
+        meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
+        meta.env_value("PDCLUSTER_POD_INDEX", str(pod_index)),
+        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(spec.pods_per_instance)),
+        meta.env_value("PDCLUSTER_RANKS_PER_POD", str(spec.gpus_per_pod)),
+        meta.env_value("PDCLUSTER_FIRST_RANK", str(pod_index * spec.gpus_per_pod)),
+        meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
+        meta.env_value("PDCLUSTER_REVISION", revision),
+    ]
+
+
+def _instance_key(cluster: Cluster, role: Role, index: int) -> InstanceKey:
+    if index < 0:
+        raise BuildError(f"instance index must be >= 0, got {index}")
+    return InstanceKey(role, index, compute_template_hash(cluster.spec, role))
+
+
+def worker_labels(key: InstanceKey, pod_index: int, revision: str) -> dict[str, str]:
+    return {
+        names.LABEL_ROLE: key.role.value,
+        names.LABEL_INSTANCE_INDEX: str(key.index),
+        names.LABEL_POD_INDEX: str(pod_index),
+        names.LABEL_REVISION: revision,
+        names.LABEL_TEMPLATE: key.template_hash,
+    }
+
+
+def build_worker_pod(cluster: Cluster, role: Role, index: int, pod_index: int) -> Manifest:
+    """Pod `pod_index` of instance `index` of `role`."""
+    spec = _role(cluster, role)
+    if not 0 <= pod_index < spec.pods_per_instance:
+        raise BuildError(
+            f"{role.value} has {spec.pods_per_instance} pods per instance; "
+            f"pod index {pod_index} is out of range"
+        )
+    key = _instance_key(cluster, role, index)
+    revision = compute_cluster_revision(cluster.spec)
+    name = names.pod_name(cluster.name, role, index, key.template_hash, pod_index)
+    leader = names.pod_name(cluster.name, role, index, key.template_hash, 0)
+    annotations = {
+        names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
+        names.ANNOTATION_DIST_PORT: str(meta.DIST_PORT),
+        names.ANNOTATION_INSTANCE_SIZE: str(spec.pods_per_instance),
+    }
+    ports = [
+        {"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"},
+        {"name": "dist", "containerPort": meta.DIST_PORT, "protocol": "TCP"},
+    ]
+    if role == Role.prefill:
+        annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(meta.BOOTSTRAP_PORT)
+        ports.append({"name": "bootstrap", "containerPort": meta.BOOTSTRAP_PORT, "protocol": "TCP"})
+    volume, mount = meta.config_volume(names.config_map_name(cluster.name))
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": cluster.spec.image,
+        "command": ["pdcluster"],
+        "args": _worker_args(role, index, pod_index),
+        "env": _worker_env(cluster, spec, key, pod_index, leader, revision),
+        "ports": ports,
+        "volumeMounts": [mount],
+        "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
+        "readinessProbe": meta.http_probe(5, 3),
+        "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+    }
+    resources = build_resources(spec, role)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        # A rank that dies must fail the pod so the whole gang restarts.
+        "restartPolicy": "Never",
+        "serviceAccountName": names.runtime_account_name(cluster.name),
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": [volume],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta.object_meta(
+            cluster.ref,
+            name,
+            component="worker",
+            labels=worker_labels(key, pod_index, revision),
+            annotations=annotations,
+        ),
+        "spec": pod_spec,
+    }
+
+
+def build_bootstrap_service(cluster: Cluster, index: int) -> Manifest:
+    """Headless Service naming the bootstrap server (pod 0) of prefill instance `index`."""
+    _role(cluster, Role.prefill)
+    key = _instance_key(cluster, Role.prefill, index)
+    selector = {
+        names.LABEL_CLUSTER: cluster.name,
+        names.LABEL_ROLE: Role.prefill.value,
+        names.LABEL_INSTANCE_INDEX: str(index),
+        names.LABEL_TEMPLATE: key.template_hash,
+        names.LABEL_POD_INDEX: "0",
+    }
+    labels = {
+        names.LABEL_ROLE: Role.prefill.value,
+        names.LABEL_INSTANCE_INDEX: str(index),
+        names.LABEL_TEMPLATE: key.template_hash,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta.object_meta(
+            cluster.ref,
+            names.bootstrap_service_name(cluster.name, index, key.template_hash),
+            component="bootstrap",
+            labels=labels,
+        ),
+        "spec": {
+            "clusterIP": "None",
+            # Ranks register with the bootstrap server before the leader is Ready.
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "bootstrap",
+                    "port": meta.BOOTSTRAP_PORT,
+                    "targetPort": "bootstrap",
+                    "protocol": "TCP",
+                },
+                {"name": "http", "port": meta.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_instance(cluster: Cluster, role: Role, index: int) -> InstanceManifests:
+    """Every object of one instance: its pods and, for prefill, its bootstrap Service."""
+    spec = _role(cluster, role)
+    key = _instance_key(cluster, role, index)
+    pods = tuple(build_worker_pod(cluster, role, index, k) for k in range(spec.pods_per_instance))
+    service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
+    return InstanceManifests(key=key, pods=pods, bootstrap_service=service)

@@ -1,0 +1,109 @@
+"""CEL rules the apiserver checks before a PDCluster is stored.
+
+They mirror the cross-field validators of `pdcluster.runtime.spec`, so
+`kubectl apply` rejects the same manifests `pdcluster up` rejects, with the
+same words. Messages are fixed text: the apiserver's cost estimate treats
+`string(int)` as unbounded, so a messageExpression that prints numbers is
+refused. Each rule is attached to the schema node it reads; the
+apiserver evaluates it against the object after defaulting, which is why
+rules may read defaulted fields (e.g. `topology.cp`) without `has()`.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CelRule:
+    rule: str
+    message: str
+    # Evaluated for the message when the rule fails; falls back to `message`.
+    message_expression: str | None = None
+    reason: str = "FieldValueInvalid"
+
+    def to_schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.rule, "message": self.message}
+        if self.message_expression:
+            out["messageExpression"] = self.message_expression
+        if self.reason != "FieldValueInvalid":
+            out["reason"] = self.reason
+        return out
+
+
+def _get(path: str, default: int) -> str:
+    """`self.<path>`, or `default` when any part is absent.
+
+    Defaults are normally filled before CEL runs, but not on every path (a
+    `kubectl scale` on a cluster without `decode` creates `{replicas: N}`
+    bare), and reading a missing key is an error rather than a failed rule.
+    """
+    parts = path.split(".")
+    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return f"({guards} ? self.{path} : {default})"
+
+
+def _ranks(role: str) -> str:
+    prefix = f"{role}." if role else ""
+    return " * ".join(_get(f"{prefix}topology.{axis}", 1) for axis in ("dp", "tp", "cp", "pp"))
+
+
+ROOT_RULES = (
+    CelRule(
+        rule="size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')",
+        message="metadata.name must be a DNS label: at most 63 characters and no dots",
+    ),
+)
+
+SPEC_RULES = (
+    CelRule(
+        rule="!(has(self.colocated) && (has(self.prefill) || has(self.decode)))",
+        message="use either `colocated` or `prefill`+`decode`, not both",
+    ),
+    CelRule(
+        rule="has(self.colocated) || has(self.prefill) || has(self.decode)",
+        message="spec needs `prefill` and `decode` roles (or a `colocated` role)",
+    ),
+    CelRule(
+        rule="has(self.colocated) || !has(self.decode) || has(self.prefill)",
+        message="a disaggregated cluster needs a `prefill` role",
+    ),
+    CelRule(
+        rule="has(self.colocated) || !has(self.prefill) || has(self.decode)",
+        message="a disaggregated cluster needs a `decode` role",
+    ),
+    CelRule(
+        rule=f"!has(self.decode) || {_get('decode.topology.cp', 1)} == 1",
+        message="decode.topology.cp must be 1: cp is prefill-only",
+    ),
+    CelRule(
+        rule=(
+            f"!has(self.decode) || !has(self.prefill) || {_get('decode.topology.pp', 1)} == 1"
+            f" || {_get('decode.topology.pp', 1)} == {_get('prefill.topology.pp', 1)}"
+        ),
+        message="decode.topology.pp must be 1 or equal prefill.topology.pp",
+    ),
+)
+
+ROLE_RULES = (
+    CelRule(
+        rule=f"({_ranks('')}) % {_get('gpusPerPod', 1)} == 0",
+        message="ranks per instance (dp*tp*cp*pp) must be divisible by gpusPerPod",
+    ),
+)
+
+MODEL_RULES = (
+    CelRule(
+        rule="(has(self.name) ? self.name : 'tiny') == 'tiny' || "
+        "(has(self.path) && size(self.path) > 0)",
+        message="a model other than tiny needs `path` (only tiny is built in)",
+        message_expression="'model ' + self.name + ' needs `path` (only tiny is built in)'",
+    ),
+)
+
+
+def rules_schema(rules: tuple[CelRule, ...]) -> list[dict[str, Any]]:
+    return [r.to_schema() for r in rules]

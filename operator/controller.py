@@ -1,0 +1,162 @@
+"""One reconcile pass of one PDCluster: read, build, plan, act, report.
+
+    body      <- GET the PDCluster (gone or being deleted: nothing to do;
+                 owner references let the garbage collector remove children)
+    desired   <- build_desired(validated spec)      (pure)
+    observed  <- LIST children by label, GET the names we need but did not see
+    plan      <- plan_reconcile(desired, observed)   (pure)
+    execute the plan; status <- compute_status(...)  (pure); write it if changed
+
+The pass returns when it wants to run again: at the earliest back-off or
+budget deadline the plan names, soon after a failed write, and at the
+resync interval otherwise. It never sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.actions import EventType, Reason
+from pdcluster.operator.api import PDClusterStatus, parse_status
+from pdcluster.operator.builders.desired import DesiredState, build_desired
+from pdcluster.operator.builders.meta import ObjectKey, object_key
+from pdcluster.operator.builders.workers import BuildError
+from pdcluster.operator.cluster import Cluster, cluster_from_body, ref_from_body
+from pdcluster.operator.executor import Executor
+from pdcluster.operator.kube import KubeApi
+from pdcluster.operator.metrics import OperatorMetrics
+from pdcluster.operator.names import InvalidNameError, Role
+from pdcluster.operator.observed import Observed, observe
+from pdcluster.operator.planner import MANAGED_KINDS, Plan, plan_reconcile
+from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.restarts import ledger_from_status
+from pdcluster.operator.settings import OperatorSettings
+from pdcluster.operator.status import (
+    compute_invalid_status,
+    compute_status,
+    status_changed,
+    status_patch,
+)
+from pdcluster.runtime.spec import SpecError
+
+log = logging.getLogger(__name__)
+
+# Listed by label each pass. Secrets are only ever read by name, so the
+# operator needs no permission to list the namespace's secrets.
+LISTED_KINDS = tuple(k for k in MANAGED_KINDS if k != "Secret")
+# After a failed write, try again this soon (the work queue backs off on exceptions).
+RETRY_AFTER_WRITE_ERROR_S = 2.0
+
+
+class Controller:
+    def __init__(
+        self,
+        api: KubeApi,
+        settings: OperatorSettings,
+        metrics: OperatorMetrics,
+        recorder: EventRecorder,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.metrics = metrics
+        self.recorder = recorder
+        self.executor = Executor(api, recorder, metrics)
+        self._clock = clock
+        # Last plan per cluster, for logs, probes and tests.
+        self.last_plans: dict[tuple[str, str], Plan] = {}
+
+    async def reconcile(self, key: tuple[str, str]) -> float | None:
+        """One pass for (namespace, name); returns seconds until the next wanted pass."""
+        namespace, name = key
+        started = time.monotonic()
+        try:
+            return await self._reconcile(namespace, name)
+        except Exception:
+            self.metrics.reconciles.labels(result="error").inc()
+            raise
+        finally:
+            self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    async def _reconcile(self, namespace: str, name: str) -> float | None:
+        body = await self.api.get("PDCluster", namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            self.last_plans.pop((namespace, name), None)
+            return None
+        now = self._clock()
+        prev = parse_status(body.get("status"))
+        try:
+            cluster = cluster_from_body(body)
+            desired = build_desired(cluster)
+        except (SpecError, BuildError, InvalidNameError) as err:
+            await self._report_invalid(body, prev, str(err), now)
+            self.metrics.reconciles.labels(result="invalid").inc()
+            return None
+
+        observed = await self.observe(desired)
+        ledgers = {
+            role.role: ledger_from_status(prev.role(role.role.value)) for role in desired.roles
+        }
+        plan = plan_reconcile(desired, observed, ledgers, now)
+        self.last_plans[(namespace, name)] = plan
+        result = await self.executor.run(cluster, plan.actions)
+        await self._write_status(cluster, desired, plan, body.get("status"), prev, now)
+        self.metrics.reconciles.labels(result="ok" if not result.errors else "error").inc()
+        if result.errors:
+            return RETRY_AFTER_WRITE_ERROR_S
+        delay: float = self.settings.resync_interval_s
+        if plan.wake_at is not None:
+            delay = min(delay, max(0.0, plan.wake_at - self._clock()))
+        return delay
+
+    async def observe(self, desired: DesiredState) -> Observed:
+        cluster = desired.cluster
+        selector = names.format_selector(names.cluster_selector(cluster.name))
+        raw: list[dict[str, Any]] = []
+        for kind in LISTED_KINDS:
+            raw.extend(await self.api.list(kind, cluster.namespace, selector))
+        seen = {object_key(o) for o in raw if "metadata" in o}
+        # Objects with our names but without our labels are someone else's;
+        # look them up so the planner refuses them instead of clobbering them.
+        wanted = [object_key(m) for m in desired.objects]
+        wanted.append(ObjectKey("Secret", desired.token_secret))
+        for key in wanted:
+            if key not in seen:
+                found = await self.api.get(key.kind, cluster.namespace, key.name)
+                if found is not None:
+                    raw.append(found)
+        return observe(raw, cluster.ref.uid, names.router_name(cluster.name))
+
+    async def _write_status(
+        self,
+        cluster: Cluster,
+        desired: DesiredState,
+        plan: Plan,
+        stored: Any,
+        prev: PDClusterStatus,
+        now: float,
+    ) -> None:
+        hashes: dict[Role, str] = {r.role: r.template_hash for r in desired.roles}
+        status = compute_status(cluster, plan, hashes, desired.revision, prev, now)
+        if status_changed(stored, status):
+            await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))
+            self.metrics.status_writes.inc()
+
+    async def _report_invalid(
+        self, body: dict[str, Any], prev: PDClusterStatus, message: str, now: float
+    ) -> None:
+        try:
+            ref = ref_from_body(body)
+        except SpecError:
+            log.warning("ignoring a PDCluster without identity: %s", message)
+            return
+        log.warning("PDCluster %s/%s is invalid: %s", ref.namespace, ref.name, message)
+        await self.recorder.record(ref, EventType.Warning.value, Reason.InvalidSpec.value, message)
+        status = compute_invalid_status(ref, message, prev, now)
+        if status_changed(body.get("status"), status):
+            await self.api.patch_status(ref.namespace, ref.name, status_patch(status))
+            self.metrics.status_writes.inc()

@@ -1,0 +1,91 @@
+"""Descriptions for spec fields whose model gives none, for `kubectl explain`
+and docs/reference.md.
+
+A description written on the model itself (`Field(description=...)`) wins;
+these fill the gaps. Keys are dotted paths below `spec`; `<role>` stands for
+`prefill`, `decode` and `colocated`.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+ROLE_PLACEHOLDER = "<role>"
+ROLES = ("prefill", "decode", "colocated")
+
+FIELD_DOCS: dict[str, str] = {
+    "model.name": "Model name; `tiny` is the built-in deterministic model (no download).",
+    "model.path": "Directory of a Hugging Face-style model inside the image; required unless "
+    "`name` is `tiny`.",
+    "model.computeDtype": "Dtype the engine computes in.",
+    "image": "Container image of every worker and router pod.",
+    "kvCache": "Paged KV cache of every rank; prefill and decode must agree on it.",
+    "kvCache.dtype": "Element type of the KV cache.",
+    "kvCache.layout": "Page layout: NHD = [pages, page_size, heads, head_dim], HND = [pages, "
+    "heads, page_size, head_dim].",
+    "transfer": "How KV moves from prefill to decode, and when a transfer counts as failed.",
+    "transfer.backend": "tcp (ZMQ over the pod network) or shm (same node, one-sided writes).",
+    "transfer.allocationPolicy": "early: decode reserves pages before prefill computes; "
+    "prefill_complete: prefill computes first, decode reserves when told the KV is ready.",
+    "transfer.bootstrapTimeoutSeconds": "Prefill gives up on a room whose decode metadata has "
+    "not arrived within this time.",
+    "transfer.waitingTimeoutSeconds": "Decode fails a room whose KV has not fully arrived "
+    "within this time.",
+    "transfer.abortReleaseTimeoutSeconds": "After an abort, decode frees the room's pages once "
+    "every prefill rank acknowledged or this time passed.",
+    "transfer.heartbeat": "Decode's health polling of each prefill instance it talks to.",
+    "transfer.heartbeat.intervalSeconds": "Seconds between two polls.",
+    "transfer.heartbeat.failureThreshold": "Consecutive failed polls that fail every room "
+    "tied to that prefill.",
+    "transfer.checksum": "Verify a checksum of each received page range before decoding.",
+    "transfer.failurePolicy": "On a failed transfer, fail the request with a clear error or "
+    "recompute the prompt on decode.",
+    "<role>.topology": "Ranks of one instance: dp x tp x cp x pp processes.",
+    "<role>.topology.dp": "Data-parallel engine groups sharing the instance's bootstrap server.",
+    "<role>.topology.tp": "Tensor-parallel ranks; KV heads are split evenly across them.",
+    "<role>.topology.cp": "Context-parallel ranks, each owning a token range (prefill only).",
+    "<role>.topology.pp": "Pipeline stages, each owning a contiguous layer range.",
+    "<role>.gpusPerPod": "Ranks per pod (one GPU each when device is cuda); an instance has "
+    "ranks / gpusPerPod pods.",
+    "<role>.device": "cuda requests `nvidia.com/gpu: gpusPerPod` per pod; cpu requests none.",
+    "<role>.resources": "Container resources (requests/limits) of each pod of this role.",
+    "<role>.nodeSelector": "Node labels each pod of this role must match.",
+    "<role>.tolerations": "Tolerations of each pod of this role.",
+    "<role>.affinity": "Affinity of each pod of this role.",
+    "<role>.restart": "Gang restarts of a failed instance: exponential back-off and a budget.",
+    "<role>.restart.backoffSeconds": "Delay before recreating an instance after its first "
+    "failure; doubles with each consecutive failure.",
+    "<role>.restart.maxBackoffSeconds": "Upper bound of the back-off delay.",
+    "<role>.engine": "Engine limits of each rank.",
+    "<role>.engine.maxRunningRequests": "Requests decoded together in one batch.",
+    "<role>.engine.maxBatchTokens": "Tokens computed in one engine step.",
+    "<role>.engine.maxPromptTokens": "Longest prompt accepted; longer ones get a 400 at once.",
+    "<role>.engine.maxNewTokens": "Most tokens one request may generate.",
+    "router": "The OpenAI-compatible router in front of the workers.",
+    "router.replicas": "Router pods.",
+    "router.policy": "How the router picks a worker of each role.",
+    "router.policy.prefill": "Prefill selection policy.",
+    "router.policy.decode": "Decode selection policy.",
+    "router.service": "The Service that exposes the router.",
+    "router.service.type": "Service type of the router.",
+    "router.service.port": "Service port of the router (the pods listen on 8000).",
+    "router.healthCheckIntervalSeconds": "Seconds between the router's worker health checks.",
+    "router.requestTimeoutSeconds": "Deadline of one request through the router.",
+    "auth": "Cluster token and optional router API keys.",
+    "auth.tokenSecretName": "Secret (key `token`) guarding bootstrap, ZMQ registration and "
+    "admin endpoints; empty: the operator creates `<cluster>-token` once.",
+    "auth.routerApiKeySecretName": "Secret whose key `keys` lists the API keys the router "
+    "requires (the router pods get it as PDCLUSTER_ROUTER_API_KEYS); empty: the router API "
+    "is open.",
+    "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
+}
+
+
+def lookup(path: str) -> str | None:
+    """Description of a dotted spec path, e.g. `decode.topology.tp`."""
+    if path in FIELD_DOCS:
+        return FIELD_DOCS[path]
+    head, _, rest = path.partition(".")
+    if head in ROLES and rest:
+        return FIELD_DOCS.get(f"{ROLE_PLACEHOLDER}.{rest}")
+    return None

@@ -1,0 +1,169 @@
+"""Every kopf handler of the operator, registered in one place.
+
+    kopf run --standalone --all-namespaces -m pdcluster.operator.handlers \
+        --liveness=http://0.0.0.0:8080/healthz
+
+Handlers only translate kopf's triggers into work-queue keys; the
+reconcile itself lives in `controller.py`. Triggers:
+- PDCluster created, changed or found at start-up → reconcile it;
+- a labelled child (pod, service, deployment, configmap) changed or was
+  deleted → reconcile its cluster (deleted children come back);
+- the queue re-runs every cluster at the resync interval and at the
+  deadlines the planner names (back-off ends, budget windows).
+
+The failover fast path (pod lost → tell the peers' admin endpoints at once)
+slots in at `on_child_pod`, before the reconcile is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from pdcluster.operator import crdgen
+from pdcluster.operator.api import GROUP, PLURAL, VERSION
+from pdcluster.operator.controller import Controller
+from pdcluster.operator.kube import ApiError, KubeClient, load_credentials
+from pdcluster.operator.metrics import OperatorMetrics
+from pdcluster.operator.names import LABEL_CLUSTER
+from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.settings import OperatorSettings
+from pdcluster.operator.workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+ANNOTATION_PREFIX = "pdcluster.io"
+CHILD_LABELS: dict[str, Any] = {LABEL_CLUSTER: kopf.PRESENT}
+
+
+@dataclass
+class Runtime:
+    """What the handlers share; created at start-up, kept in kopf's memo."""
+
+    settings: OperatorSettings
+    client: KubeClient
+    controller: Controller
+    queue: WorkQueue[tuple[str, str]]
+    flusher: asyncio.Task[None]
+
+
+def _runtime(memo: kopf.Memo) -> Runtime:
+    runtime = memo.get("pdcluster")
+    if not isinstance(runtime, Runtime):
+        raise kopf.TemporaryError("operator is still starting", delay=1)
+    return runtime
+
+
+async def apply_crd(client: KubeClient) -> None:
+    """Server-side apply of the CRD this operator was built with (Helm does not
+    upgrade CRDs, so the operator does)."""
+    await client.apply(crdgen.build_crd())
+
+
+async def _flush_events(recorder: EventRecorder, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await recorder.flush()
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    op = OperatorSettings.from_env(os.environ)
+    # Handler progress lives in annotations: the status belongs to the operator's
+    # own schema, which has no room for kopf's bookkeeping.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # Our own Events and logs say what happened; kopf's per-handler ones and a
+    # line per HTTP request would drown them.
+    settings.posting.level = logging.WARNING
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    client = KubeClient(load_credentials(op.kubeconfig))
+    if op.apply_crds:
+        try:
+            await apply_crd(client)
+        except ApiError as err:
+            raise kopf.PermanentError(f"could not apply the PDCluster CRD: {err}") from err
+    metrics = OperatorMetrics()
+    if op.metrics_port:
+        start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
+    recorder = EventRecorder(client, clock=time.time, min_interval_s=op.event_min_interval_s)
+    controller = Controller(client, op, metrics, recorder)
+    queue: WorkQueue[tuple[str, str]] = WorkQueue(
+        controller.reconcile,
+        num_workers=op.num_workers,
+        retry_delay_s=op.retry_delay_s,
+        max_retry_delay_s=op.max_retry_delay_s,
+    )
+    queue.start()
+    flusher = asyncio.create_task(_flush_events(recorder, op.event_min_interval_s))
+    memo["pdcluster"] = Runtime(op, client, controller, queue, flusher)
+    log.info("pdcluster operator started (metrics port %s)", op.metrics_port or "off")
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    runtime = memo.get("pdcluster")
+    if isinstance(runtime, Runtime):
+        runtime.flusher.cancel()
+        await runtime.queue.stop()
+        await runtime.client.aclose()
+
+
+@kopf.on.probe(id="queue_depth")
+def queue_depth(memo: kopf.Memo, **_: Any) -> int:
+    return len(_runtime(memo).queue)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def on_cluster(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if namespace:
+        _runtime(memo).queue.add((namespace, name))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def on_cluster_deleted(
+    namespace: str | None, name: str, uid: str, memo: kopf.Memo, **_: Any
+) -> None:
+    # Owner references hand the children to the garbage collector; only the
+    # operator's own memory of the cluster needs forgetting.
+    if not namespace:
+        return
+    runtime = _runtime(memo)
+    runtime.queue.forget((namespace, name))
+    runtime.controller.recorder.forget(uid)
+    runtime.controller.last_plans.pop((namespace, name), None)
+
+
+def _enqueue_parent(memo: kopf.Memo, namespace: str | None, labels: Mapping[str, str]) -> None:
+    cluster = labels.get(LABEL_CLUSTER)
+    if namespace and cluster:
+        _runtime(memo).queue.add((namespace, cluster))
+
+
+@kopf.on.event("v1", "pods", labels=CHILD_LABELS)
+async def on_child_pod(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
+) -> None:
+    _enqueue_parent(memo, namespace, labels)
+
+
+@kopf.on.event("v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+async def on_child(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
+) -> None:
+    _enqueue_parent(memo, namespace, labels)

@@ -1,0 +1,99 @@
+"""Group worker pods into instances and judge each instance as a gang.
+
+Health of one instance (role, index, template hash), first match wins:
+- `terminating`: a member is being deleted — wait until all are gone before
+  the same names can be created again;
+- `broken`: a member ended (Failed/Succeeded), or a member is missing while
+  another is Ready (the gang had formed, so the survivors cannot go on);
+- `incomplete`: members are missing but none is Ready yet — the gang is
+  still forming (e.g. a create call failed half-way), so the missing pods
+  are simply created;
+- `ready`: every member exists, is Running and Ready;
+- `starting`: otherwise.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pdcluster.operator.builders.workers import InstanceKey
+from pdcluster.operator.observed import ObservedPod
+
+
+class Health(StrEnum):
+    terminating = "terminating"
+    broken = "broken"
+    incomplete = "incomplete"
+    ready = "ready"
+    starting = "starting"
+
+
+@dataclass(frozen=True)
+class ObservedInstance:
+    key: InstanceKey
+    size: int
+    pods: Mapping[int, ObservedPod]  # by pod index
+    health: Health
+    reason: str
+
+    @property
+    def missing_pod_indexes(self) -> tuple[int, ...]:
+        return tuple(k for k in range(self.size) if k not in self.pods)
+
+    @property
+    def is_serving(self) -> bool:
+        return self.health == Health.ready
+
+    @property
+    def is_alive(self) -> bool:
+        """Ready or on its way there: counts as the slot's occupant during a rollout."""
+        return self.health in (Health.ready, Health.starting)
+
+
+def judge(key: InstanceKey, size: int, pods: Mapping[int, ObservedPod]) -> ObservedInstance:
+    def result(health: Health, reason: str) -> ObservedInstance:
+        return ObservedInstance(key=key, size=size, pods=pods, health=health, reason=reason)
+
+    members = [pods[k] for k in sorted(pods)]
+    if any(p.obj.terminating for p in members):
+        return result(Health.terminating, "pods are being deleted")
+    ended = [p for p in members if p.has_ended]
+    if ended:
+        first = ended[0]
+        return result(Health.broken, f"pod {first.name} is {first.phase}")
+    missing = [k for k in range(size) if k not in pods]
+    if missing and any(p.ready for p in members):
+        return result(Health.broken, f"pod index {missing[0]} of a running gang is gone")
+    if missing:
+        return result(Health.incomplete, f"{len(missing)} of {size} pods not created yet")
+    if all(p.ready for p in members):
+        return result(Health.ready, "all pods ready")
+    waiting = sum(1 for p in members if not p.ready)
+    return result(Health.starting, f"{waiting} of {size} pods not ready")
+
+
+def group_instances(
+    pods: Iterable[ObservedPod], sizes_by_template: Mapping[str, int] | None = None
+) -> list[ObservedInstance]:
+    """Instances sorted by key. The size of an instance comes from its pods'
+    annotation; `sizes_by_template` fills in when no pod carries one."""
+    groups: dict[InstanceKey, dict[int, ObservedPod]] = defaultdict(dict)
+    sizes: dict[InstanceKey, int] = {}
+    for pod in pods:
+        key = InstanceKey(pod.role, pod.instance, pod.template_hash)
+        groups[key][pod.pod_index] = pod
+        if pod.instance_size is not None:
+            sizes[key] = max(sizes.get(key, 0), pod.instance_size)
+    out: list[ObservedInstance] = []
+    for key in sorted(groups):
+        members = groups[key]
+        size = sizes.get(key) or (sizes_by_template or {}).get(key.template_hash) or 0
+        # Never smaller than the highest index seen, whatever the annotation says.
+        size = max(size, max(members) + 1)
+        out.append(judge(key, size, members))
+    return out

@@ -1,0 +1,144 @@
+"""Deterministic names, labels and selectors of every object a PDCluster owns.
+
+Every child name comes from this module, so the planner can find an object
+by name without listing, and two reconciles of the same spec agree.
+
+Invariants:
+- every name is a valid DNS-1035 label (lowercase alphanumerics and '-',
+  starts with a letter, ends with an alphanumeric, at most 63 characters),
+  which is the strictest rule among the kinds we create (Services);
+- a name that would be too long keeps its distinguishing suffix and replaces
+  the tail of the cluster part with a short hash of the whole cluster name,
+  so two different clusters never collide by truncation;
+- label values are the cluster name, role, decimal indexes and hex hashes,
+  all of which are valid label values (<= 63 characters).
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+
+MAX_NAME = 63
+_HASH_CHARS = 5
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+# Label keys. The router's Kubernetes discovery reads ROLE, POD_INDEX and the
+# HTTP port annotation; keep them in step with runtime/router/discovery.py.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_CLUSTER = "pdcluster.io/cluster"
+LABEL_ROLE = "pdcluster.io/role"
+LABEL_INSTANCE_INDEX = "pdcluster.io/instance"
+LABEL_POD_INDEX = "pdcluster.io/pod-index"
+# Compatibility revision: prefill and decode pods pair only when equal.
+LABEL_REVISION = "pdcluster.io/revision"
+# Hash of one role's pod template: a change rolls that role's instances.
+LABEL_TEMPLATE = "pdcluster.io/template-hash"
+
+ANNOTATION_HTTP_PORT = "pdcluster.io/http-port"
+ANNOTATION_BOOTSTRAP_PORT = "pdcluster.io/bootstrap-port"
+ANNOTATION_DIST_PORT = "pdcluster.io/dist-port"
+# Pods in the instance the pod belongs to, so a gang is judged complete or
+# not even after the spec (and with it the instance size) changed.
+ANNOTATION_INSTANCE_SIZE = "pdcluster.io/pods-per-instance"
+# Hash of the manifest the operator last applied; equal hashes skip the write.
+ANNOTATION_APPLIED_HASH = "pdcluster.io/applied-hash"
+
+APP_NAME = "pdcluster"
+MANAGED_BY = "pdcluster-operator"
+
+
+class Role(StrEnum):
+    """A worker role; every instance of a role runs the same pod template."""
+
+    prefill = "prefill"
+    decode = "decode"
+    colocated = "colocated"
+
+
+class InvalidNameError(ValueError):
+    """A cluster name cannot produce valid child names."""
+
+
+def short_hash(text: str, chars: int = 8) -> str:
+    """Stable lowercase hex digest prefix of `text`."""
+    return hashlib.sha256(text.encode()).hexdigest()[:chars]
+
+
+def _cluster_part(cluster: str) -> str:
+    # Services need a leading letter; a cluster named "1a" gets "c1a".
+    return cluster if cluster[:1].isalpha() else f"c{cluster}"
+
+
+def fit_name(cluster: str, suffix: str) -> str:
+    """`<cluster>-<suffix>`, shortened to a valid DNS-1035 label when needed."""
+    if not cluster:
+        raise InvalidNameError("cluster name must not be empty")
+    head = _cluster_part(cluster)
+    name = f"{head}-{suffix}" if suffix else head
+    if len(name) > MAX_NAME:
+        tag = short_hash(cluster, _HASH_CHARS)
+        room = MAX_NAME - len(suffix) - len(tag) - 2
+        if room < 1:
+            raise InvalidNameError(f"name suffix {suffix!r} leaves no room for the cluster name")
+        name = f"{head[:room].rstrip('-')}-{tag}-{suffix}"
+    if not _DNS_LABEL.match(name):
+        raise InvalidNameError(
+            f"cluster name {cluster!r} does not give a valid object name ({name!r})"
+        )
+    return name
+
+
+def pod_name(cluster: str, role: Role, instance: int, template_hash: str, pod_index: int) -> str:
+    return fit_name(cluster, f"{role.value}-{instance}-{template_hash}-{pod_index}")
+
+
+def bootstrap_service_name(cluster: str, instance: int, template_hash: str) -> str:
+    return fit_name(cluster, f"prefill-{instance}-{template_hash}-bs")
+
+
+def router_name(cluster: str) -> str:
+    return fit_name(cluster, "router")
+
+
+def config_map_name(cluster: str) -> str:
+    return fit_name(cluster, "config")
+
+
+def token_secret_name(cluster: str) -> str:
+    return fit_name(cluster, "token")
+
+
+def runtime_account_name(cluster: str) -> str:
+    """ServiceAccount, Role and RoleBinding of the cluster's pods share it."""
+    return fit_name(cluster, "runtime")
+
+
+def cluster_labels(cluster: str) -> dict[str, str]:
+    """Labels every child carries; `LABEL_CLUSTER` is what the operator lists by."""
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: cluster,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_CLUSTER: cluster,
+    }
+
+
+def cluster_selector(cluster: str) -> dict[str, str]:
+    return {LABEL_CLUSTER: cluster}
+
+
+def role_selector(cluster: str, role: Role | str) -> dict[str, str]:
+    return {LABEL_CLUSTER: cluster, LABEL_ROLE: str(role)}
+
+
+def format_selector(labels: Mapping[str, str]) -> str:
+    """A label selector string, keys sorted so it is stable."""
+    return ",".join(f"{k}={labels[k]}" for k in sorted(labels))

@@ -1,0 +1,170 @@
+"""What the operator found in the cluster, as typed read-only views.
+
+The I/O layer lists objects and hands the raw dicts here; the planner only
+ever sees these views. Parsing is lenient about what other controllers
+write (a missing status, an unknown phase) and strict about ownership: an
+object is ours only when its *controller* owner reference carries our
+PDCluster's uid — a matching name or label is never enough.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.builders.meta import ObjectKey
+from pdcluster.operator.names import Role
+
+
+@dataclass(frozen=True)
+class ObservedObject:
+    key: ObjectKey
+    uid: str
+    controller_uid: str | None
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    terminating: bool
+
+    def is_owned_by(self, owner_uid: str) -> bool:
+        return self.controller_uid == owner_uid
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    obj: ObservedObject
+    role: Role
+    instance: int
+    pod_index: int
+    template_hash: str
+    instance_size: int | None
+    phase: str
+    ready: bool
+
+    @property
+    def name(self) -> str:
+        name: str = self.obj.key.name
+        return name
+
+    @property
+    def has_ended(self) -> bool:
+        """The container exited for good (restartPolicy Never): the rank is gone."""
+        return self.phase in ("Failed", "Succeeded")
+
+
+@dataclass(frozen=True)
+class Observed:
+    objects: Mapping[ObjectKey, ObservedObject]
+    # Worker pods owned by this cluster whose identity labels parse.
+    pods: tuple[ObservedPod, ...]
+    router_ready_replicas: int = 0
+
+    def get(self, key: ObjectKey) -> ObservedObject | None:
+        return self.objects.get(key)
+
+
+def _str_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _controller_uid(meta: Mapping[str, Any]) -> str | None:
+    refs = meta.get("ownerReferences")
+    if not isinstance(refs, list):
+        return None
+    for ref in refs:
+        if isinstance(ref, Mapping) and ref.get("controller") is True:
+            uid = ref.get("uid")
+            return uid if isinstance(uid, str) else None
+    return None
+
+
+def parse_object(raw: Mapping[str, Any]) -> ObservedObject | None:
+    """A view of any object; None when it lacks kind or name."""
+    meta = raw.get("metadata")
+    kind = raw.get("kind")
+    if not isinstance(meta, Mapping) or not isinstance(kind, str):
+        return None
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    uid = meta.get("uid")
+    return ObservedObject(
+        key=ObjectKey(kind, name),
+        uid=uid if isinstance(uid, str) else "",
+        controller_uid=_controller_uid(meta),
+        labels=_str_map(meta.get("labels")),
+        annotations=_str_map(meta.get("annotations")),
+        terminating=meta.get("deletionTimestamp") is not None,
+    )
+
+
+def _int_label(labels: Mapping[str, str], key: str) -> int | None:
+    value = labels.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def _is_ready(status: Mapping[str, Any]) -> bool:
+    conditions = status.get("conditions")
+    if not isinstance(conditions, list):
+        return False
+    return any(
+        isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
+        for c in conditions
+    )
+
+
+def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None:
+    """A worker pod view; None when its identity labels are missing or malformed."""
+    labels = obj.labels
+    try:
+        role = Role(labels.get(names.LABEL_ROLE, ""))
+    except ValueError:
+        return None
+    instance = _int_label(labels, names.LABEL_INSTANCE_INDEX)
+    pod_index = _int_label(labels, names.LABEL_POD_INDEX)
+    template_hash = labels.get(names.LABEL_TEMPLATE, "")
+    if instance is None or pod_index is None or not template_hash:
+        return None
+    size_text = obj.annotations.get(names.ANNOTATION_INSTANCE_SIZE, "")
+    status = raw.get("status")
+    status = status if isinstance(status, Mapping) else {}
+    phase = status.get("phase")
+    return ObservedPod(
+        obj=obj,
+        role=role,
+        instance=instance,
+        pod_index=pod_index,
+        template_hash=template_hash,
+        instance_size=int(size_text) if size_text.isdigit() and int(size_text) > 0 else None,
+        phase=phase if isinstance(phase, str) else "Pending",
+        ready=phase == "Running" and _is_ready(status),
+    )
+
+
+def observe(raw_objects: Iterable[Mapping[str, Any]], owner_uid: str, router_name: str) -> Observed:
+    """Build the planner's view from raw API objects (any kinds, any owners)."""
+    objects: dict[ObjectKey, ObservedObject] = {}
+    pods: list[ObservedPod] = []
+    router_ready = 0
+    for raw in raw_objects:
+        obj = parse_object(raw)
+        if obj is None:
+            continue
+        objects[obj.key] = obj
+        if not obj.is_owned_by(owner_uid):
+            continue
+        if obj.key.kind == "Pod":
+            pod = parse_pod(obj, raw)
+            if pod is not None:
+                pods.append(pod)
+        elif obj.key == ObjectKey("Deployment", router_name):
+            status = raw.get("status")
+            ready = status.get("readyReplicas") if isinstance(status, Mapping) else None
+            router_ready = ready if isinstance(ready, int) else 0
+    pods.sort(key=lambda p: (p.role.value, p.instance, p.template_hash, p.pod_index))
+    return Observed(objects=objects, pods=tuple(pods), router_ready_replicas=router_ready)

@@ -1,0 +1,74 @@
+"""Operator settings: one dataclass, read from the environment once at start-up.
+
+Every value has its unit in the name and its default here; nothing below
+the handlers module reads the environment.
+
+Environment (all optional):
+    PDCLUSTER_OPERATOR_METRICS_PORT       Prometheus port, 0 disables (9090)
+    PDCLUSTER_OPERATOR_APPLY_CRDS         apply the CRD at start-up: true/false (true)
+    PDCLUSTER_OPERATOR_RESYNC_SECONDS     reconcile every cluster at least this often (60)
+    PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS  least time between writes of one Event (30)
+    PDCLUSTER_OPERATOR_WORKERS            clusters reconciled at once (4)
+    KUBECONFIG                            used when not running in a pod
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    metrics_port: int = 9090
+    metrics_host: str = "0.0.0.0"
+    apply_crds: bool = True
+    resync_interval_s: float = 60.0
+    event_min_interval_s: float = 30.0
+    num_workers: int = 4
+    # First retry after a failed reconcile; doubles per failure up to the max.
+    retry_delay_s: float = 1.0
+    max_retry_delay_s: float = 60.0
+    kubeconfig: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be 0..65535, got {self.metrics_port}")
+        for name in ("resync_interval_s", "event_min_interval_s", "retry_delay_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retry_delay_s < self.retry_delay_s:
+            raise ValueError("max_retry_delay_s must be >= retry_delay_s")
+        if not 1 <= self.num_workers <= 64:
+            raise ValueError(f"num_workers must be 1..64, got {self.num_workers}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OperatorSettings:
+        """Parse the environment; raises ValueError naming the bad variable."""
+        kwargs: dict[str, object] = {}
+        numbers = (
+            ("PDCLUSTER_OPERATOR_METRICS_PORT", "metrics_port", int),
+            ("PDCLUSTER_OPERATOR_RESYNC_SECONDS", "resync_interval_s", float),
+            ("PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS", "event_min_interval_s", float),
+            ("PDCLUSTER_OPERATOR_WORKERS", "num_workers", int),
+        )
+        for var, field, kind in numbers:
+            if var in env:
+                try:
+                    kwargs[field] = kind(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} is not a number") from None
+        if "PDCLUSTER_OPERATOR_APPLY_CRDS" in env:
+            value = env["PDCLUSTER_OPERATOR_APPLY_CRDS"].strip().lower()
+            if value not in _TRUE | _FALSE:
+                raise ValueError(f"PDCLUSTER_OPERATOR_APPLY_CRDS={value!r} is not true/false")
+            kwargs["apply_crds"] = value in _TRUE
+        if env.get("KUBECONFIG"):
+            kwargs["kubeconfig"] = env["KUBECONFIG"]
+        try:
+            return cls(**kwargs)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise ValueError(f"operator settings: {err}") from None

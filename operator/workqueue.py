@@ -1,0 +1,147 @@
+"""A coalescing, delaying work queue for reconcile keys (asyncio).
+
+Every trigger — the PDCluster changed, a child changed, a back-off ended,
+the periodic resync — adds the cluster's key; the queue turns a burst of
+triggers into one reconcile. Guarantees:
+- a key is never processed by two workers at once; a key added while it is
+  being processed runs once more afterwards (nothing is lost);
+- a key added with a delay runs at the earliest of its pending due times;
+- the handler returns the delay until the key wants to run again (None:
+  only when triggered); a handler that raises is retried with per-key
+  exponential back-off, reset by the next success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+log = logging.getLogger(__name__)
+
+
+class WorkQueue(Generic[K]):
+    def __init__(
+        self,
+        handler: Callable[[K], Awaitable[float | None]],
+        num_workers: int = 4,
+        retry_delay_s: float = 1.0,
+        max_retry_delay_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self._handler = handler
+        self._num_workers = num_workers
+        self._retry_delay_s = retry_delay_s
+        self._max_retry_delay_s = max_retry_delay_s
+        self._clock = clock
+        self._due: dict[K, float] = {}
+        self._running: set[K] = set()
+        self._rerun: set[K] = set()
+        self._failures: dict[K, int] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Condition()
+
+    def add(self, key: K, delay_s: float = 0.0) -> None:
+        due = self._clock() + max(0.0, delay_s)
+        if key in self._running and delay_s <= 0:
+            self._rerun.add(key)
+            return
+        current = self._due.get(key)
+        if current is None or due < current:
+            self._due[key] = due
+            self._wake.set()
+
+    def forget(self, key: K) -> None:
+        """Drop pending runs and back-off of `key` (its object was deleted)."""
+        self._due.pop(key, None)
+        self._rerun.discard(key)
+        self._failures.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def is_pending(self, key: K) -> bool:
+        return key in self._due or key in self._rerun
+
+    def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._num_workers)]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Wait until nothing is due now and nothing runs (tests, shutdown)."""
+
+        def idle() -> bool:
+            now = self._clock()
+            return not self._running and all(d > now for d in self._due.values())
+
+        async with self._idle:
+            await asyncio.wait_for(self._idle.wait_for(idle), timeout_s)
+
+    def _take(self) -> tuple[K | None, float | None]:
+        """The next due key not running, or the time until the earliest due."""
+        now = self._clock()
+        best: tuple[float, K] | None = None
+        for key, due in self._due.items():
+            if key in self._running:
+                continue
+            if best is None or due < best[0]:
+                best = (due, key)
+        if best is None:
+            return None, None
+        if best[0] <= now:
+            del self._due[best[1]]
+            return best[1], None
+        return None, best[0] - now
+
+    async def _worker(self) -> None:
+        while True:
+            key, wait = self._take()
+            if key is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                except TimeoutError:
+                    pass
+                continue
+            self._running.add(key)
+            try:
+                await self._run(key)
+            finally:
+                self._running.discard(key)
+                if key in self._rerun:
+                    self._rerun.discard(key)
+                    self.add(key)
+                self._wake.set()
+                async with self._idle:
+                    self._idle.notify_all()
+
+    async def _run(self, key: K) -> None:
+        try:
+            again = await self._handler(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            failures = self._failures.get(key, 0) + 1
+            self._failures[key] = failures
+            delay = min(self._retry_delay_s * 2 ** (failures - 1), self._max_retry_delay_s)
+            log.exception(
+                "reconcile of %s failed (%d in a row); retrying in %.1fs", key, failures, delay
+            )
+            self.add(key, delay)
+            return
+        self._failures.pop(key, None)
+        if again is not None:
+            self.add(key, again)

@@ -197,9 +197,11 @@ def up(settings: ClusterSettings) -> ClusterInfo:
     )
     if is_running(state_dir):
         raise ClusterError(f"a cluster is already running in {state_dir}; run `down` first")
+    _check_ours(state_dir)
     _stop_recorded(state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     state_dir.mkdir(parents=True)
+    (state_dir / "pids.json").write_text("[]")  # marks the folder as a cluster's from the start
     try:
         binaries = ensure_binaries()
     except BuildError as exc:
@@ -416,11 +418,22 @@ def _stop_orphan_pods(state_dir: Path) -> None:
         processes.stop(record, grace_s=2.0)
 
 
+def _check_ours(state_dir: Path) -> None:
+    """Refuse to take over (and later delete) a folder that is not a cluster's state."""
+    if not state_dir.exists() or not any(state_dir.iterdir()):
+        return
+    if not ((state_dir / STATE_FILE).exists() or (state_dir / "pids.json").exists()):
+        raise ClusterError(
+            f"{state_dir} exists and is not a cluster state folder; pick an empty or new one"
+        )
+
+
 def down(state_dir: Path) -> list[str]:
     """Stop everything recorded in state_dir and remove the folder. Returns what was running."""
     state_dir = state_dir.resolve()
     if not state_dir.exists():
         return []
+    _check_ours(state_dir)
     stopped = _stop_recorded(state_dir)
     shutil.rmtree(state_dir, ignore_errors=True)
     return stopped

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.runtime.router.bodies import Bootstrap, ClientRequest, build_leg_body
-from pdcluster.runtime.router.errors import RouterError
+from pdcluster.runtime.router.errors import NoHealthyWorkerError, RouterError
 from pdcluster.runtime.router.policies import Policy
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
 from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole
@@ -51,6 +51,11 @@ class Planner:
             rid = self.rids.mint()
             body = build_leg_body(request.body, rid, None)
             return LegPlan(path=path, body=body, rid=rid, stream=request.stream, main=worker)
+        # Check both roles before either policy moves its state, so a refused
+        # request leaves round-robin positions and dp ranks where they were.
+        for role in (WorkerRole.prefill, WorkerRole.decode):
+            if not self.pool.healthy(role):
+                raise NoHealthyWorkerError(role.value)
         prefill = self.prefill_policy.select(
             self.pool.of_role(WorkerRole.prefill), WorkerRole.prefill.value
         )

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e import pki, processes
+from e2e import cluster, pki, processes
+from e2e.cluster import ClusterError, ClusterSettings
 from e2e.controlplane import build
 from e2e.nodeagent.kubeapi import KubeApi
 
@@ -154,3 +155,18 @@ def _group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def test_up_and_down_refuse_a_folder_that_is_not_a_cluster_state(tmp_path: Path) -> None:
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    with pytest.raises(ClusterError, match="not a cluster state folder"):
+        cluster.up(ClusterSettings(state_dir=tmp_path))
+    with pytest.raises(ClusterError, match="not a cluster state folder"):
+        cluster.down(tmp_path)
+    assert precious.read_text() == "keep me"
+
+
+def test_cluster_settings_refuse_impossible_node_counts() -> None:
+    with pytest.raises(ValueError, match="num_nodes"):
+        ClusterSettings(num_nodes=0)

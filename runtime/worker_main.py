@@ -110,7 +110,7 @@ def _start_children(settings: WorkerSettings) -> list[multiprocessing.process.Ba
     topo = settings.role_spec.topology
     group = topo.cp * topo.tp * topo.pp
     ctx = multiprocessing.get_context("spawn")
-    children = []
+    children: list[multiprocessing.process.BaseProcess] = []
     for dp_rank in range(topo.dp):
         for group_rank in range(group):
             if dp_rank == 0 and group_rank == 0:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,11 +28,10 @@ log = logging.getLogger("pdcluster.engine")
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int | None
+    @property
+    def eos_token_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass
@@ -165,7 +164,11 @@ class EngineService:
         self._post(lambda: self._abort_now(rid))
 
     def abort_all(self) -> None:
-        self._post(lambda: [self._abort_now(r) for r in list(self._tracked)])
+        def abort_tracked() -> None:
+            for rid in list(self._tracked):
+                self._abort_now(rid)
+
+        self._post(abort_tracked)
 
     def fail(self, rid: str, reason: str, status: int = 500) -> None:
         """Engine thread: end a tracked request with an error event."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,13 +77,9 @@ class Backend(Protocol):
 
 
 class TextTokenizer(Protocol):
-    vocab_size: int
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
 
 
 @dataclass

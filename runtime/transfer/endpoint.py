@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ class EndpointConfig:
     advertise_host: str | None = None  # address peers dial, when host is a wildcard
     max_control_bytes: int = 1 * MiB
     max_kv_bytes: int = 64 * MiB  # must exceed the senders' max frame size
-    send_hwm: int = 1000  # queued messages per peer before sends wait
+    send_hwm: int = 1000  # messages libzmq queues per connected peer
+    send_timeout: float = 30.0  # seconds a message may wait for its peer before it fails
     recv_hwm: int = 64  # buffered messages per peer before TCP pushes back
     io_threads: int = 1  # libzmq I/O threads
 
@@ -76,10 +78,19 @@ def check_address(address: str) -> str:
 
 
 @dataclass
+class _Outgoing:
+    parts: list[Any]
+    on_sent: SentCallback | None
+    tag: int | None
+    queued_at: float
+
+
+@dataclass
 class _Peer:
     socket: zmq.Socket[Any]
-    # Messages libzmq refused (high-water mark); flushed in order on POLLOUT.
-    outbox: deque[tuple[list[Any], SentCallback | None]] = field(default_factory=deque)
+    # Messages libzmq refused (peer not connected, or high-water mark); flushed
+    # in order on POLLOUT, failed with "send_timeout" when they waited too long.
+    outbox: deque[_Outgoing] = field(default_factory=deque)
 
 
 @dataclass
@@ -217,18 +228,28 @@ class Endpoint:
         header: bytes,
         payload: Any,
         on_sent: SentCallback | None = None,
+        tag: int | None = None,
     ) -> None:
         """Queue a KV frame; `payload` (buffer protocol) is sent without a copy.
 
         The caller must keep `payload`'s memory unchanged until `on_sent`
-        fires; a reference is held until then.
+        fires; a reference is held until then. `tag` (e.g. the room) lets
+        `discard` withdraw the frame while it still waits for its peer.
         """
         if len(header) > MAX_HEADER_BYTES:
             raise ValueError(f"header of {len(header)} bytes > {MAX_HEADER_BYTES}")
         nbytes = memoryview(payload).nbytes
         if nbytes > self.config.max_kv_bytes:
             raise ValueError(f"KV payload of {nbytes} bytes > {self.config.max_kv_bytes}")
-        self._submit(("send", check_address(peer), [KIND_KV, header, payload], on_sent))
+        self._submit(("send", check_address(peer), [KIND_KV, header, payload], on_sent, tag))
+
+    def discard(self, tag: int) -> None:
+        """Withdraw queued frames tagged `tag` that no peer took yet (on_sent: "discarded").
+
+        Frames libzmq already accepted are beyond recall: they are sent, or
+        dropped with their peer.
+        """
+        self._submit(("discard", tag))
 
     def drop_peer(self, peer: str) -> None:
         """Close the connection to `peer` (e.g. declared dead); queued sends fail."""
@@ -264,7 +285,11 @@ class Endpoint:
     def _step(self) -> bool:
         # Poll briefly while libzmq still holds tracked payloads, so their owners
         # get them back promptly; otherwise sleep until something happens.
-        timeout = 1 if self._trackers else None
+        timeout: int | None = None
+        if self._trackers:
+            timeout = 1
+        elif any(peer.outbox for peer in self._peers.values()):
+            timeout = 100  # to expire messages whose peer never shows up
         events = dict(self._poller.poll(timeout))
         if self._wake_r in events:
             try:
@@ -277,14 +302,18 @@ class Endpoint:
             if cmd[0] == "close":
                 return False
             if cmd[0] == "send":
-                self._send(cmd[1], cmd[2], cmd[3] if len(cmd) > 3 else None)
+                self._send(cmd[1], cmd[2], *cmd[3:])
             elif cmd[0] == "drop":
                 self._drop(cmd[1], cmd[2])
+            elif cmd[0] == "discard":
+                self._discard(cmd[1])
         if self._router in events:
             self._receive_batch()
         for addr, peer in list(self._peers.items()):
             if peer.outbox and events.get(peer.socket, 0) & zmq.POLLOUT:
                 self._flush(addr, peer)
+            if peer.outbox:
+                self._expire(peer)
         self._reap_trackers()
         return True
 
@@ -293,19 +322,43 @@ class Endpoint:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+        # Queue nothing inside libzmq for a peer that is not connected: such
+        # messages wait in our outbox, where they can time out or be dropped.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(addr)
         peer = _Peer(sock)
         self._peers[addr] = peer
         return peer
 
-    def _send(self, addr: str, parts: list[Any], on_sent: SentCallback | None) -> None:
+    def _send(
+        self,
+        addr: str,
+        parts: list[Any],
+        on_sent: SentCallback | None = None,
+        tag: int | None = None,
+    ) -> None:
         peer = self._peers.get(addr) or self._connect(addr)
         if peer.outbox:
-            peer.outbox.append((parts, on_sent))
+            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
             return
         if not self._try_send(addr, peer, parts, on_sent):
-            peer.outbox.append((parts, on_sent))
+            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
             self._poller.register(peer.socket, zmq.POLLOUT)
+
+    def _discard(self, tag: int) -> None:
+        for peer in self._peers.values():
+            if not any(item.tag == tag for item in peer.outbox):
+                continue
+            kept: deque[_Outgoing] = deque()
+            for item in peer.outbox:
+                if item.tag == tag:
+                    self._stats["send_discarded"] += 1
+                    self._notify(item.on_sent, "discarded")
+                else:
+                    kept.append(item)
+            peer.outbox = kept
+            if not kept:
+                self._poller.unregister(peer.socket)
 
     def _try_send(
         self, addr: str, peer: _Peer, parts: list[Any], on_sent: SentCallback | None
@@ -327,11 +380,20 @@ class Endpoint:
 
     def _flush(self, addr: str, peer: _Peer) -> None:
         while peer.outbox:
-            parts, on_sent = peer.outbox[0]
-            if not self._try_send(addr, peer, parts, on_sent):
+            item = peer.outbox[0]
+            if not self._try_send(addr, peer, item.parts, item.on_sent):
                 return
             peer.outbox.popleft()
         self._poller.unregister(peer.socket)
+
+    def _expire(self, peer: _Peer) -> None:
+        # Oldest first: failing only from the front keeps the rest in order.
+        deadline = time.monotonic() - self.config.send_timeout
+        while peer.outbox and peer.outbox[0].queued_at < deadline:
+            self._stats["send_timeout"] += 1
+            self._notify(peer.outbox.popleft().on_sent, "send_timeout")
+        if not peer.outbox:
+            self._poller.unregister(peer.socket)
 
     def _drop(self, addr: str, reason: str) -> None:
         peer = self._peers.pop(addr, None)
@@ -346,9 +408,8 @@ class Endpoint:
             if tracked.peer == addr and tracked.error is None:
                 tracked.error = reason
         while peer.outbox:
-            _, on_sent = peer.outbox.popleft()
             self._stats["send_dropped"] += 1
-            self._notify(on_sent, reason)
+            self._notify(peer.outbox.popleft().on_sent, reason)
 
     def _reap_trackers(self) -> None:
         if not self._trackers:

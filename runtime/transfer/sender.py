@@ -16,7 +16,8 @@ Per-room accounting is what the control plane relies on for aborts:
   reason)`, and cancels the room's remaining work.
 
 Callbacks (`on_complete`, `on_failure`) run on the sender's worker thread or
-on the transport's I/O thread: they must return quickly and not block.
+on the transport's I/O thread, before the job leaves `in_flight`: they must
+return quickly and must not call `drain` (it would wait for themselves).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class Transport(Protocol):
 
     def notify(self, peer: str, data: bytes) -> None:
         """Send a control message to `peer`, after every frame already sent to it."""
+
+    def discard(self, room: int) -> None:
+        """Withdraw `room`'s frames that wait for their peer (their on_done still fires)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,7 @@ class KVSender:
                     kept.append(job)
             self._queue = kept
             self._cond.notify_all()
+        self._discard(room)
 
     def forget(self, room: int) -> None:
         """Accept jobs for `room` again (the control plane retired it)."""
@@ -250,12 +255,18 @@ class KVSender:
         slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
         for index, (start, end) in enumerate(plan):
             with self._cond:
+                if run.error is not None:
+                    return  # a frame failed: the room is lost, send nothing more
                 if self._state != "running":
-                    run.error = run.error or "sender_closed"
-                    return
-                if job.room in self._closed_rooms:
+                    closing = True
+                elif job.room in self._closed_rooms:
                     run.stopped = True
                     return
+                else:
+                    closing = False
+            if closing:
+                self._fail_run(run, "sender_closed")
+                return
             n = end - start
             shape_n = (*frame_shape[:2], n, *frame_shape[3:])
             try:
@@ -295,6 +306,13 @@ class KVSender:
             except Exception as exc:
                 self._frame_done(run, buf, f"send_failed: {exc}")
                 return
+            with self._cond:
+                withdrawn = run.error is not None or job.room in self._closed_rooms
+            if withdrawn:
+                # The room closed while this frame was being queued, maybe after
+                # its discard: discard again, now that the frame is in the queue.
+                self._discard(job.room)
+                return
 
     def _gather(
         self, job: TransferJob, slots: torch.Tensor, heads: slice, out: torch.Tensor
@@ -312,37 +330,46 @@ class KVSender:
     # ---- completion ------------------------------------------------------
 
     def _fail_run(self, run: _Run, reason: str) -> None:
+        """Record the run's first error and report it now, not when its frames return."""
         with self._cond:
-            if run.error is None:
-                run.error = reason
+            if run.error is not None:
+                return
+            run.error = reason
+        self._fail_room(run.job, reason)
 
     def _frame_done(self, run: _Run, buf: torch.Tensor | None, error: str | None) -> None:
+        # Error first: the worker, woken by the released buffer, must see it.
+        if error is not None:
+            self._fail_run(run, error)
         if buf is not None:
             self._staging.release(buf)
         with self._cond:
-            if error is not None and run.error is None:
-                run.error = error
             run.pending -= 1
             if run.pending:
                 return
         self._finish(run)
 
     def _finish(self, run: _Run) -> None:
+        # Callbacks run before the job leaves in_flight, so once drain(room)
+        # returns, the room's outcome has been reported.
         job = run.job
-        error = run.error
-        if error is None and not run.stopped and job.notify is not None:
-            try:
-                self.transport.notify(job.peer, job.notify)
-            except Exception as exc:
-                error = f"notify_failed: {exc}"
-        with self._cond:
-            self._in_flight_done(job.room)
-            cancelled = run.stopped or self._closed_rooms.get(job.room) == "cancelled"
-            self._cond.notify_all()
-        if error is not None and not cancelled:
-            self._fail_room(job, error)
-        elif error is None and not cancelled and self.on_complete is not None:
-            self._call(self.on_complete, job)
+        try:
+            with self._cond:
+                ok = run.error is None and not run.stopped and job.room not in self._closed_rooms
+            if not ok:
+                return
+            if job.notify is not None:
+                try:
+                    self.transport.notify(job.peer, job.notify)
+                except Exception as exc:
+                    self._fail_run(run, f"notify_failed: {exc}")
+                    return
+            if self.on_complete is not None:
+                self._call(self.on_complete, job)
+        finally:
+            with self._cond:
+                self._in_flight_done(job.room)
+                self._cond.notify_all()
 
     def _fail_room(self, job: TransferJob, reason: str) -> None:
         with self._cond:
@@ -355,8 +382,15 @@ class KVSender:
             self._queue = kept
             self._cond.notify_all()
         log.warning("KV transfer of room %d failed: %s", job.room, reason)
+        self._discard(job.room)
         if self.on_failure is not None:
             self._call(self.on_failure, job.room, job.generation, reason)
+
+    def _discard(self, room: int) -> None:
+        try:
+            self.transport.discard(room)
+        except RuntimeError:
+            pass  # the endpoint is closed: it failed every queued frame itself
 
     def _close_room(self, room: int, why: str) -> None:
         self._closed_rooms[room] = why

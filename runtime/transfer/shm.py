@@ -85,5 +85,8 @@ class ShmTransport:
         dst.scatter_tokens(header.layers, slots, payload, heads)
         on_done(None)
 
+    def discard(self, room: int) -> None:
+        """Nothing to withdraw: every write finished inside send_frame."""
+
     def notify(self, peer: str, data: bytes) -> None:
         self.endpoint.send_control(peer, data)

@@ -72,7 +72,10 @@ class TcpTransport:
         self, job: TransferJob, header: KVFrameHeader, payload: torch.Tensor, on_done: FrameDone
     ) -> None:
         raw = payload.reshape(-1).view(torch.uint8).numpy()  # shares the staging memory
-        self.endpoint.send_kv(job.peer, encode_header(header), raw, on_done)
+        self.endpoint.send_kv(job.peer, encode_header(header), raw, on_done, tag=job.room)
+
+    def discard(self, room: int) -> None:
+        self.endpoint.discard(room)
 
     def notify(self, peer: str, data: bytes) -> None:
         self.endpoint.send_control(peer, data)

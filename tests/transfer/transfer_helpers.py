@@ -145,23 +145,32 @@ class Link:
 
 
 def decode_rank_main(
-    shape: KVPoolShape, table: list[int], room: int, generation: int, queue: Any
+    shape: KVPoolShape, shm_path: str, tables: dict[bytes, list[int]], queue: Any
 ) -> None:
-    """A decode rank in its own process: receive one room, report its bytes, exit."""
-    pool = KVPool(shape)
+    """A decode rank in its own process.
+
+    Its pool lives in `shm_path`. It receives room 1 over tcp into
+    `tables[b"tcp-done"]` and lets a peer write `tables[b"shm-done"]` directly;
+    on each completion message it reports that table's bytes, then exits.
+    """
+    pool = KVPool(shape, shm_path=shm_path)
     rooms = Rooms()
-    rooms.open(room, generation, table)
+    rooms.open(1, 0, tables[b"tcp-done"])
     receiver = KVReceiver(pool, rooms)
+    pending = set(tables)
     finished = threading.Event()
 
     def on_control(sender: str, data: bytes) -> None:
-        if data == b"finished":
+        if data in pending:
+            table = tables[data]
             n = len(table) * shape.page_size
-            got = pool.gather_tokens(
-                range(shape.num_layers), torch.tensor(slots(table, 0, n, shape.page_size))
+            idx = torch.tensor(slots(table, 0, n, shape.page_size))
+            queue.put(
+                (data, bits(pool.gather_tokens(range(shape.num_layers), idx)).numpy().tobytes())
             )
-            queue.put(bits(got).numpy().tobytes())
-            finished.set()
+            pending.discard(data)
+            if not pending:
+                finished.set()
 
     endpoint = Endpoint(on_control=on_control, on_kv=receiver.on_kv)
     endpoint.start()

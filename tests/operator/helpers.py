@@ -1,0 +1,200 @@
+"""Test helpers: clusters from dicts, and an in-memory namespace that plays
+the API server's part for the planner (synchronously) and the controller
+(through the async `KubeApi` methods).
+
+The store keeps the behaviours the operator relies on: names are unique per
+kind, create fails with 409 on an existing name, deletes honour the uid
+precondition, list filters by label selector, and list items carry their
+kind only because `KubeClient.list` adds it (the store returns it directly).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pdcluster.operator.actions import (
+    Action,
+    Apply,
+    Create,
+    CreateTokenSecret,
+    Delete,
+    Emit,
+)
+from pdcluster.operator.builders.config import build_token_secret
+from pdcluster.operator.builders.desired import DesiredState, build_desired
+from pdcluster.operator.cluster import Cluster, cluster_from_body
+from pdcluster.operator.kube import ApiError
+from pdcluster.operator.names import router_name
+from pdcluster.operator.observed import Observed, observe
+from pdcluster.operator.planner import Plan, plan_reconcile
+from pdcluster.operator.restarts import RestartLedger
+
+NS = "team-a"
+UID = "uid-cluster-1"
+
+
+def body(spec: Mapping[str, Any], name: str = "demo", generation: int = 1) -> dict[str, Any]:
+    return {
+        "apiVersion": "pdcluster.io/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": name, "namespace": NS, "uid": UID, "generation": generation},
+        "spec": copy.deepcopy(dict(spec)),
+    }
+
+
+def make_cluster(spec: Mapping[str, Any], name: str = "demo", generation: int = 1) -> Cluster:
+    return cluster_from_body(body(spec, name, generation))
+
+
+PD = {"prefill": {}, "decode": {}}
+
+
+def _matches(labels: Mapping[str, str], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class Store:
+    """One namespace of objects, keyed by (kind, name)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._uids = itertools.count(1)
+        self.writes: list[tuple[str, str, str]] = []  # (op, kind, name)
+        self.status_writes: list[dict[str, Any]] = []
+
+    # --- what the controller's API calls do ---------------------------------
+    def get_obj(self, kind: str, name: str) -> dict[str, Any] | None:
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def list_objs(self, kind: str, selector: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(o)
+            for (k, _), o in sorted(self.objects.items())
+            if k == kind and _matches(o["metadata"].get("labels", {}), selector)
+        ]
+
+    def put(self, manifest: Mapping[str, Any], *, create_only: bool) -> dict[str, Any]:
+        kind, name = str(manifest["kind"]), str(manifest["metadata"]["name"])
+        existing = self.objects.get((kind, name))
+        if existing is not None and create_only:
+            raise ApiError(409, "AlreadyExists", f"{kind} {name} already exists")
+        obj = copy.deepcopy(dict(manifest))
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", NS)
+        if existing is None:
+            meta["uid"] = f"uid-{next(self._uids)}"
+            if kind == "Pod":
+                obj["status"] = {"phase": "Pending"}
+        else:
+            meta["uid"] = existing["metadata"]["uid"]
+            if "status" in existing:
+                obj["status"] = existing["status"]
+        self.objects[(kind, name)] = obj
+        self.writes.append(("create" if create_only else "apply", kind, name))
+        return copy.deepcopy(obj)
+
+    def remove(self, kind: str, name: str, uid: str = "") -> bool:
+        obj = self.objects.get((kind, name))
+        if obj is None:
+            return False
+        if uid and obj["metadata"]["uid"] != uid:
+            raise ApiError(409, "Conflict", "uid precondition failed")
+        del self.objects[(kind, name)]
+        self.writes.append(("delete", kind, name))
+        return True
+
+    # --- what happens in a real cluster between passes -----------------------
+    def pods(self, **labels: str) -> list[dict[str, Any]]:
+        sel = ",".join(f"pdcluster.io/{k.replace('_', '-')}={v}" for k, v in labels.items())
+        return self.list_objs("Pod", sel)
+
+    def set_pod(self, name: str, phase: str, ready: bool) -> None:
+        pod = self.objects[("Pod", name)]
+        pod["status"] = {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+
+    def make_all_ready(self) -> None:
+        for (kind, name), obj in self.objects.items():
+            if kind == "Pod" and obj.get("status", {}).get("phase") == "Pending":
+                self.set_pod(name, "Running", True)
+            if kind == "Deployment":
+                obj["status"] = {"readyReplicas": obj["spec"]["replicas"]}
+
+    def foreign(self, kind: str, name: str, labels: Mapping[str, str] | None = None) -> None:
+        self.objects[(kind, name)] = {
+            "apiVersion": "v1",
+            "kind": kind,
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "uid": f"foreign-{name}",
+                "labels": dict(labels or {}),
+            },
+        }
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(n for k, n in self.objects if k == kind)
+
+
+def observe_store(store: Store, cluster: Cluster) -> Observed:
+    # Like the controller: everything labelled, plus the names we look up.
+    return observe(
+        [copy.deepcopy(o) for o in store.objects.values()],
+        cluster.ref.uid,
+        router_name(cluster.name),
+    )
+
+
+def execute(store: Store, cluster: Cluster, actions: Iterable[Action]) -> list[Emit]:
+    """Carry out a plan on the store (synchronously); returns the events."""
+    events: list[Emit] = []
+    for action in actions:
+        try:
+            if isinstance(action, Apply):
+                store.put(action.manifest, create_only=False)
+            elif isinstance(action, Create):
+                store.put(action.manifest, create_only=True)
+            elif isinstance(action, CreateTokenSecret):
+                store.put(build_token_secret(cluster, "test-token"), create_only=True)
+            elif isinstance(action, Delete):
+                store.remove(action.key.kind, action.key.name, action.uid)
+            else:
+                events.append(action)
+        except ApiError:
+            continue
+    return events
+
+
+class Sim:
+    """Plan and execute passes against a store, carrying the ledgers the way the
+    controller carries them through the status."""
+
+    def __init__(self, spec: Mapping[str, Any], store: Store | None = None) -> None:
+        self.store = store or Store()
+        self.now = 1_000_000.0
+        self.ledgers: dict[Any, RestartLedger] = {}
+        self.set_spec(spec)
+
+    def set_spec(self, spec: Mapping[str, Any]) -> None:
+        self.cluster = make_cluster(spec)
+        self.desired: DesiredState = build_desired(self.cluster)
+
+    def plan(self) -> Plan:
+        observed = observe_store(self.store, self.cluster)
+        return plan_reconcile(self.desired, observed, self.ledgers, self.now)
+
+    def step(self) -> tuple[Plan, list[Emit]]:
+        plan = self.plan()
+        events = execute(self.store, self.cluster, plan.actions)
+        self.ledgers = {r.role: r.ledger for r in plan.roles}
+        return plan, events

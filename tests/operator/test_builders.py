@@ -1,0 +1,325 @@
+"""Pure builders: every child manifest from the spec, without a cluster."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdcluster.operator import names
+from pdcluster.operator.builders import (
+    BuildError,
+    build_bootstrap_service,
+    build_config_map,
+    build_desired,
+    build_instance,
+    build_router_deployment,
+    build_router_service,
+    build_runtime_rbac,
+    build_token_secret,
+    build_worker_pod,
+)
+from pdcluster.operator.names import Role
+from pdcluster.runtime.spec import load_manifest_text
+
+from .helpers import NS, PD, UID, make_cluster
+
+K8S_VERSION = "1.37.0"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# Every (dp, tp, cp, pp) with axes in {1, 2} plus a few wider ones, with each
+# gpusPerPod that divides the rank count.
+TOPOLOGIES = [
+    (dp, tp, cp, pp, g)
+    for dp, tp, cp, pp in [*itertools.product((1, 2), repeat=4), (1, 4, 1, 2), (3, 1, 1, 1)]
+    for g in _divisors(dp * tp * cp * pp)
+]
+
+
+def role_cluster(role: Role, topo: tuple[int, int, int, int, int], **extra: Any):
+    dp, tp, cp, pp, gpus = topo
+    rs = {"topology": {"dp": dp, "tp": tp, "cp": cp, "pp": pp}, "gpusPerPod": gpus, **extra}
+    if role == Role.colocated:
+        return make_cluster({"colocated": rs})
+    if role == Role.prefill:
+        return make_cluster({"prefill": rs, "decode": {"topology": {"pp": pp}}})
+    # Decode: cp must be 1 and pp must match prefill's (or be 1).
+    rs["topology"]["cp"] = 1
+    rs["gpusPerPod"] = gpus if (dp * tp * pp) % gpus == 0 else 1
+    return make_cluster({"prefill": {"topology": {"pp": pp}}, "decode": rs})
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]
+    }
+
+
+def arg_after(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "dp{}tp{}cp{}pp{}g{}".format(*t))
+def test_instance_pods_cover_every_rank_once(role: Role, topo) -> None:
+    cluster = role_cluster(role, topo)
+    spec = getattr(cluster.spec, role.value)
+    inst = build_instance(cluster, role, 3)
+    ranks, gpus = spec.topology.num_ranks, spec.gpus_per_pod
+    assert len(inst.pods) == ranks // gpus
+    first_ranks = []
+    leader = inst.pods[0]["metadata"]["name"]
+    for k, pod in enumerate(inst.pods):
+        args = pod["spec"]["containers"][0]["args"]
+        env = env_of(pod)
+        assert arg_after(args, "--role") == role.value
+        assert arg_after(args, "--instance") == "3"
+        assert arg_after(args, "--pod-index") == str(k)
+        assert env["PDCLUSTER_LEADER_POD"] == leader
+        assert env["PDCLUSTER_NUM_RANKS"] == str(ranks)
+        first_ranks.append(int(env["PDCLUSTER_FIRST_RANK"]))
+        labels = pod["metadata"]["labels"]
+        assert labels[names.LABEL_POD_INDEX] == str(k)
+        assert labels[names.LABEL_INSTANCE_INDEX] == "3"
+        assert labels[names.LABEL_ROLE] == role.value
+        assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == str(len(inst.pods))
+    # Pods own disjoint, contiguous rank ranges that together cover the instance.
+    assert first_ranks == list(range(0, ranks, gpus))
+    assert len(set(inst.pod_names)) == len(inst.pods)
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_only_prefill_gets_bootstrap_port_and_service(role: Role) -> None:
+    cluster = role_cluster(role, (1, 2, 1, 1, 1))
+    inst = build_instance(cluster, role, 0)
+    args = inst.pods[0]["spec"]["containers"][0]["args"]
+    annotations = inst.pods[0]["metadata"]["annotations"]
+    if role == Role.prefill:
+        assert arg_after(args, "--bootstrap-port") == "8998"
+        assert annotations[names.ANNOTATION_BOOTSTRAP_PORT] == "8998"
+        assert inst.bootstrap_service is not None
+    else:
+        assert "--bootstrap-port" not in args
+        assert names.ANNOTATION_BOOTSTRAP_PORT not in annotations
+        assert inst.bootstrap_service is None
+    assert annotations[names.ANNOTATION_HTTP_PORT] == "8000"
+
+
+def test_bootstrap_service_selects_only_the_leader_of_its_instance() -> None:
+    cluster = make_cluster({"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {}})
+    svc = build_bootstrap_service(cluster, 1)
+    selector = svc["spec"]["selector"]
+    pods = [
+        *build_instance(cluster, Role.prefill, 0).pods,
+        *build_instance(cluster, Role.prefill, 1).pods,
+    ]
+    selected = [
+        p["metadata"]["name"] for p in pods if selector.items() <= p["metadata"]["labels"].items()
+    ]
+    assert selected == [build_instance(cluster, Role.prefill, 1).pods[0]["metadata"]["name"]]
+    assert svc["spec"]["clusterIP"] == "None"
+
+
+def test_every_child_carries_labels_and_a_controller_owner_reference() -> None:
+    cluster = make_cluster(
+        {"prefill": {"replicas": 2}, "decode": {"topology": {"tp": 2}, "gpusPerPod": 2}}
+    )
+    desired = build_desired(cluster)
+    children = [*desired.objects, build_token_secret(cluster, "t0k3n")]
+    for role in desired.roles:
+        inst = desired.instance(role.role, 0)
+        children += [*inst.pods, *([inst.bootstrap_service] if inst.bootstrap_service else [])]
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == NS
+        assert meta["labels"][names.LABEL_CLUSTER] == "demo"
+        assert meta["labels"][names.LABEL_NAME] == "pdcluster"
+        assert meta["labels"][names.LABEL_INSTANCE] == "demo"
+        (ref,) = meta["ownerReferences"]
+        assert ref == {
+            "apiVersion": "pdcluster.io/v1alpha1",
+            "kind": "PDCluster",
+            "name": "demo",
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def all_children(cluster) -> list[dict[str, Any]]:
+    desired = build_desired(cluster)
+    out = [*desired.objects, build_token_secret(cluster, "tok")]
+    for role in desired.roles:
+        inst = desired.instance(role.role, 0)
+        out += list(inst.pods)
+        if inst.bootstrap_service:
+            out.append(inst.bootstrap_service)
+    return out
+
+
+SCHEDULING = {
+    "device": "cuda",
+    "resources": {"limits": {"cpu": "4", "memory": "16Gi"}, "requests": {"cpu": "2"}},
+    "nodeSelector": {"gpu": "h100"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        PD,
+        {"colocated": {"replicas": 2}},
+        {
+            "prefill": {"topology": {"tp": 4, "pp": 2}, "gpusPerPod": 4, **SCHEDULING},
+            "decode": {"topology": {"tp": 2, "pp": 2}, "gpusPerPod": 2, **SCHEDULING},
+            "router": {"service": {"type": "LoadBalancer", "port": 443}, "replicas": 2},
+            "auth": {"tokenSecretName": "mine", "routerApiKeySecretName": "keys"},
+        },
+    ],
+    ids=["pd", "colocated", "scheduled"],
+)
+def test_every_child_is_valid_against_the_kubernetes_schema(spec) -> None:
+    for child in all_children(make_cluster(spec)):
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+
+
+def test_cuda_pods_request_gpus_and_scheduling_fields_pass_through() -> None:
+    cluster = make_cluster(
+        {"prefill": {"topology": {"tp": 4}, "gpusPerPod": 2, **SCHEDULING}, "decode": {}}
+    )
+    pod = build_worker_pod(cluster, Role.prefill, 0, 1)
+    spec = pod["spec"]
+    resources = spec["containers"][0]["resources"]
+    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 2}
+    assert resources["requests"] == {"cpu": "2"}
+    assert spec["nodeSelector"] == SCHEDULING["nodeSelector"]
+    assert spec["tolerations"] == SCHEDULING["tolerations"]
+    assert spec["affinity"] == SCHEDULING["affinity"]
+    assert spec["restartPolicy"] == "Never"
+
+
+def test_cpu_pods_request_no_gpus_and_leave_scheduling_unset() -> None:
+    pod = build_worker_pod(make_cluster(PD), Role.decode, 0, 0)
+    assert "resources" not in pod["spec"]["containers"][0]
+    assert not {"nodeSelector", "tolerations", "affinity"} & pod["spec"].keys()
+
+
+@pytest.mark.parametrize(
+    ("role_extra", "words"),
+    [
+        ({"device": "cuda", "resources": {"limits": {"nvidia.com/gpu": 3}}}, "gpusPerPod is 1"),
+        ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, "device is cpu"),
+        ({"resources": {"limit": {"cpu": 1}}}, "unknown keys ['limit']"),
+        ({"resources": {"limits": "4"}}, "must be a mapping"),
+    ],
+)
+def test_contradictory_resources_are_rejected_with_a_reason(role_extra, words) -> None:
+    cluster = make_cluster({"prefill": role_extra, "decode": {}})
+    with pytest.raises(BuildError, match="prefill.resources") as err:
+        build_desired(cluster)
+    assert words in str(err.value)
+
+
+def test_out_of_range_pod_index_is_an_error() -> None:
+    cluster = make_cluster({"prefill": {"topology": {"tp": 2}, "gpusPerPod": 1}, "decode": {}})
+    with pytest.raises(BuildError, match="pod index 2 is out of range"):
+        build_worker_pod(cluster, Role.prefill, 0, 2)
+    with pytest.raises(BuildError, match="no colocated role"):
+        build_instance(cluster, Role.colocated, 0)
+
+
+def test_pods_read_the_token_from_the_cluster_secret_or_the_users() -> None:
+    own = env_of(build_worker_pod(make_cluster(PD), Role.prefill, 0, 0))["PDCLUSTER_TOKEN"]
+    assert own == {"secretKeyRef": {"name": "demo-token", "key": "token"}}
+    mine = make_cluster({**PD, "auth": {"tokenSecretName": "mine"}})
+    assert env_of(build_worker_pod(mine, Role.decode, 0, 0))["PDCLUSTER_TOKEN"] == {
+        "secretKeyRef": {"name": "mine", "key": "token"}
+    }
+    assert build_desired(mine).owns_token_secret is False
+
+
+def test_config_map_holds_the_validated_manifest_the_pods_read() -> None:
+    cluster = make_cluster({**PD, "kvCache": {"pageSize": 32}, "decode": {"replicas": 2}})
+    text = build_config_map(cluster)["data"]["manifest.yaml"]
+    parsed = load_manifest_text(text)
+    assert parsed.spec == cluster.spec
+    assert parsed.metadata.name == "demo" and parsed.metadata.namespace == NS
+    assert "status" not in yaml.safe_load(text)
+
+
+def test_token_secret_encodes_the_token_and_rejects_empty_ones() -> None:
+    secret = build_token_secret(make_cluster(PD), "s3cret")
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cret"
+    for bad in ("", "tab\there", "é"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            build_token_secret(make_cluster(PD), bad)
+
+
+def test_router_discovers_its_cluster_by_labels_and_exposes_the_service_port() -> None:
+    cluster = make_cluster(
+        {**PD, "router": {"replicas": 3, "service": {"type": "NodePort", "port": 9000}}}
+    )
+    dep, svc = build_router_deployment(cluster), build_router_service(cluster)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert arg_after(args, "--namespace") == NS and arg_after(args, "--cluster") == "demo"
+    assert "--kubernetes" in args
+    assert dep["spec"]["replicas"] == 3
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"] == selector
+    assert svc["spec"]["type"] == "NodePort" and svc["spec"]["ports"][0]["port"] == 9000
+    # Worker discovery skips router pods: their role label is not a worker role.
+    assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_ROLE] == "router"
+
+
+def test_router_rolls_when_what_it_reads_changes_but_not_on_scaling() -> None:
+    def router_hash(spec):
+        dep = build_router_deployment(make_cluster(spec))
+        return dep["spec"]["template"]["metadata"]["annotations"]["pdcluster.io/router-hash"]
+
+    base = router_hash(PD)
+    assert router_hash({**PD, "decode": {"replicas": 5}}) == base
+    assert router_hash({**PD, "router": {"replicas": 4}}) == base
+    assert router_hash({**PD, "router": {"policy": {"decode": "random"}}}) != base
+    assert router_hash({**PD, "image": "pdcluster:0.2.0"}) != base
+
+
+def test_runtime_rbac_reads_pods_and_posts_events_in_its_namespace_only() -> None:
+    account, role, binding = build_runtime_rbac(make_cluster(PD))
+    assert role["kind"] == "Role"  # namespaced, never a ClusterRole
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == {
+        ("pods", "get"),
+        ("pods", "list"),
+        ("pods", "watch"),
+        ("events", "create"),
+        ("events", "patch"),
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NS}
+    ]
+    pod = build_worker_pod(make_cluster(PD), Role.prefill, 0, 0)
+    assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_builders_are_deterministic() -> None:
+    spec = {"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {}}
+    assert all_children(make_cluster(spec)) == all_children(make_cluster(spec))

@@ -1,0 +1,267 @@
+"""The CRD generated from the models: up to date, structural, and its CEL
+rules and defaults agree with the models the local mode uses."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdcluster.operator import cel_rules
+from pdcluster.operator.crdgen import build_crd, main, render_crd_yaml
+from pdcluster.operator.refdoc import render_reference
+from pdcluster.operator.structural import apply_defaults, check_structural, to_structural, walk
+from pdcluster.runtime.spec import SpecError, load_manifest_text, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = [
+    ROOT / "crds" / "pdcluster.io_pdclusters.yaml",
+    ROOT / "charts" / "pdcluster-operator" / "crds" / "pdcluster.io_pdclusters.yaml",
+]
+CRD = build_crd()
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+SPEC_SCHEMA = SCHEMA["properties"]["spec"]
+STATUS_SCHEMA = SCHEMA["properties"]["status"]
+CEL = celpy.Environment()
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_committed_crd_matches_a_fresh_generation(path: Path) -> None:
+    assert path.read_text() == render_crd_yaml(), (
+        f"{path.relative_to(ROOT)} is stale: run `python -m pdcluster.operator.crdgen "
+        "-o crds/pdcluster.io_pdclusters.yaml "
+        "-o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml`"
+    )
+
+
+def test_committed_reference_matches_a_fresh_generation() -> None:
+    path = ROOT / "docs" / "reference.md"
+    assert path.read_text() == render_reference(), (
+        "docs/reference.md is stale: run `python -m pdcluster.operator.refdoc > docs/reference.md`"
+    )
+
+
+def test_generator_writes_every_output(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.yaml", tmp_path / "sub" / "b.yaml"
+    assert main(["-o", str(a), "-o", str(b)]) == 0
+    assert a.read_text() == b.read_text() == render_crd_yaml()
+
+
+def test_crd_is_a_valid_apiextensions_object_with_a_structural_schema() -> None:
+    kubernetes_validate.validate(CRD, "1.37.0", strict=True)
+    problems = [p for p in check_structural(SCHEMA) if not p.startswith("<root>.metadata")]
+    assert problems == []
+
+
+def test_identity_subresources_and_columns() -> None:
+    spec = CRD["spec"]
+    assert spec["group"] == "pdcluster.io" and VERSION["name"] == "v1alpha1"
+    assert spec["names"]["shortNames"] == ["pdc"] and spec["scope"] == "Namespaced"
+    assert VERSION["subresources"]["status"] == {}
+    columns = {c["name"]: c["jsonPath"] for c in VERSION["additionalPrinterColumns"]}
+    assert list(columns) == ["Phase", "Prefill", "Decode", "Colocated", "Router", "Age"]
+    # Every column and scale path points at a field the schema has.
+    scale = VERSION["subresources"]["scale"]
+    assert scale["specReplicasPath"] == ".spec.decode.replicas"
+    paths = {p for p, _ in walk(SCHEMA, "")}
+    for json_path in [*columns.values(), *scale.values()]:
+        if json_path != ".metadata.creationTimestamp":
+            assert json_path in paths, json_path
+
+
+def test_conversion_rejects_what_kubernetes_cannot_express() -> None:
+    from pdcluster.operator.structural import SchemaConversionError
+
+    with pytest.raises(SchemaConversionError, match="Optional"):
+        to_structural({"anyOf": [{"type": "string"}, {"type": "integer"}]})
+    with pytest.raises(SchemaConversionError, match="unresolvable"):
+        to_structural({"$ref": "#/$defs/Missing"})
+    with pytest.raises(SchemaConversionError, match="needs a type"):
+        to_structural({"description": "no type"})
+    out = to_structural({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 5})
+    assert out == {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 5,
+        "exclusiveMaximum": True,
+    }
+
+
+def test_structural_check_flags_violations() -> None:
+    bad = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/x"}, "b": {"type": "array"}, "c": {"type": "object"}},
+    }
+    problems = check_structural(bad)
+    assert any("a: keys not allowed" in p for p in problems)
+    assert any("b: array without items" in p for p in problems)
+    assert any("c: object with no fields" in p for p in problems)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+        return out
+    if isinstance(value, list) and not value:
+        return {}
+    return {prefix: value}
+
+
+@pytest.mark.parametrize("spec", [{"prefill": {}, "decode": {}}, {"colocated": {}}])
+def test_crd_defaults_equal_the_model_defaults(spec: dict[str, Any]) -> None:
+    defaulted = apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec))
+    model = parse_spec(spec).model_dump(mode="json", by_alias=True, exclude_none=True)
+    assert _flatten(defaulted) == _flatten(model)
+
+
+def _to_json_schema(schema: Any) -> Any:
+    """The structural schema as draft-4 JSON Schema (nullable becomes a type union)."""
+    if isinstance(schema, dict):
+        out = {
+            k: _to_json_schema(v)
+            for k, v in schema.items()
+            if not k.startswith("x-kubernetes") and k != "nullable"
+        }
+        if schema.get("nullable"):
+            out["type"] = [schema["type"], "null"]
+        if schema.get("type") == "object" and "properties" in schema:
+            out["additionalProperties"] = False  # what pruning would silently drop
+        return out
+    if isinstance(schema, list):
+        return [_to_json_schema(v) for v in schema]
+    return schema
+
+
+SPEC_VALIDATOR = jsonschema.Draft4Validator(_to_json_schema(SPEC_SCHEMA))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_pass_the_crd_schema(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    load_manifest_text(path.read_text())
+    defaulted = apply_defaults(SPEC_SCHEMA, doc["spec"])
+    assert list(SPEC_VALIDATOR.iter_errors(defaulted)) == []
+    assert _failing_rules(defaulted) == []
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"kvCache": {"pageSize": 0}},
+        {"kvCache": {"dtype": "int8"}},
+        {"router": {"replicas": 65}},
+        {"transfer": {"heartbeat": {"intervalSeconds": 0}}},
+        {"prefill": {"bogus": 1}},
+    ],
+    ids=["page-size-0", "bad-dtype", "router-65", "heartbeat-0", "unknown-field"],
+)
+def test_schema_rejects_out_of_bounds_values_like_the_models(patch: dict[str, Any]) -> None:
+    spec = {"prefill": {}, "decode": {}}
+    for key, value in patch.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    with pytest.raises(SpecError):
+        parse_spec(spec)
+    assert list(SPEC_VALIDATOR.iter_errors(apply_defaults(SPEC_SCHEMA, spec)))
+
+
+@functools.cache
+def _program(text: str) -> Any:
+    return CEL.program(CEL.compile(text))
+
+
+def _eval(rule: cel_rules.CelRule, self_value: Any) -> bool:
+    return bool(_program(rule.rule).evaluate({"self": celpy.json_to_cel(self_value)}))
+
+
+def _failing_rules(spec: dict[str, Any]) -> list[str]:
+    failing = [r.message for r in cel_rules.SPEC_RULES if not _eval(r, spec)]
+    for role in ("prefill", "decode", "colocated"):
+        if role in spec:
+            failing += [r.message for r in cel_rules.ROLE_RULES if not _eval(r, spec[role])]
+    failing += [r.message for r in cel_rules.MODEL_RULES if not _eval(r, spec["model"])]
+    return failing
+
+
+# Phrases shared by a model error and the CEL message for the same rule.
+PHRASES = (
+    "divisible by gpusPerPod",
+    "cp must be 1",
+    "pp must be 1 or equal",
+    "not both",
+    "needs a `prefill` role",
+    "needs a `decode` role",
+    "needs `path`",
+    "needs `prefill` and `decode` roles",
+)
+
+axis = st.integers(min_value=1, max_value=4)
+roles = st.fixed_dictionaries(
+    {
+        "topology": st.fixed_dictionaries(
+            {}, optional={"dp": axis, "tp": axis, "cp": axis, "pp": axis}
+        )
+    },
+    optional={"gpusPerPod": st.sampled_from([1, 2, 3, 4, 8])},
+)
+specs = st.fixed_dictionaries(
+    {},
+    optional={
+        "prefill": roles,
+        "decode": roles,
+        "colocated": roles,
+        "model": st.fixed_dictionaries(
+            {"name": st.sampled_from(["tiny", "llama"])},
+            optional={"path": st.sampled_from(["", "/models/llama"])},
+        ),
+    },
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs)
+def test_cel_rules_accept_exactly_what_the_models_accept(spec: dict[str, Any]) -> None:
+    defaulted = apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec))
+    failing = _failing_rules(defaulted)
+    try:
+        parse_spec(spec)
+    except SpecError as err:
+        assert failing, f"models reject but CEL accepts: {err}"
+        model_phrases = {p for p in PHRASES if p in str(err)}
+        cel_phrases = {p for p in PHRASES if any(p in m for m in failing)}
+        assert model_phrases & cel_phrases, (str(err), failing)
+    else:
+        assert failing == []
+
+
+def test_cel_rules_hold_on_objects_the_apiserver_did_not_default() -> None:
+    # `kubectl scale` on a colocated cluster writes a bare `decode: {replicas: N}`.
+    bare = {"colocated": {"replicas": 1}, "decode": {"replicas": 2}, "model": {}}
+    assert _failing_rules(bare) == ["use either `colocated` or `prefill`+`decode`, not both"]
+
+
+def test_name_rule_rejects_names_child_objects_cannot_carry() -> None:
+    (rule,) = cel_rules.ROOT_RULES
+    assert _eval(rule, {"metadata": {"name": "a" * 63}})
+    assert not _eval(rule, {"metadata": {"name": "a" * 64}})
+    assert not _eval(rule, {"metadata": {"name": "my.cluster"}})
+
+
+def test_model_message_names_the_model() -> None:
+    (rule,) = cel_rules.MODEL_RULES
+    assert rule.message_expression is not None
+    program = CEL.program(CEL.compile(rule.message_expression))
+    text = program.evaluate({"self": celpy.json_to_cel({"name": "llama"})})
+    assert str(text) == "model llama needs `path` (only tiny is built in)"

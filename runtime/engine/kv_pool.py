@@ -112,6 +112,16 @@ class KVPool:
             self._gather(layer, 1, slots, slice(None)),
         )
 
+    def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of `slots` (any shape S) in one gather: [2, *S, H, D]."""
+        t = self.buffer[layer]  # [2, P, ...layout]
+        if self.shape.layout == KVLayout.NHD:
+            return t.view(2, -1, self.shape.num_kv_heads, self.shape.head_dim)[:, slots]
+        ps = self.shape.page_size
+        # Index tensors split by a slice put their dims first: [*S, 2, H, D].
+        out = t[:, slots // ps, :, slots % ps]
+        return out.movedim(-3, 0)
+
     def gather_tokens(
         self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)
     ) -> torch.Tensor:

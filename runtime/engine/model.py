@@ -36,7 +36,18 @@ class SeqSlice:
     offset: int  # first row of this sequence in the flattened batch
     num_tokens: int
     start_pos: int  # position of its first new token
-    context_slots: torch.Tensor  # [start_pos + num_tokens] int64: slots of positions 0..end-1
+    # [start_pos + num_tokens] int64: slots of positions 0..end-1 (on the batch
+    # device for multi-token sequences; single-token ones are padded into a group)
+    context_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SingleTokenGroup:
+    """Every sequence feeding one token this step, attended in one padded call."""
+
+    rows: torch.Tensor  # [B] int64: their rows in the flattened batch
+    context_slots: torch.Tensor  # [B, C] int64, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, C] bool: True for real context
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: where the new tokens' K/V go
     seqs: tuple[SeqSlice, ...]
+    single: SingleTokenGroup | None  # sequences with one new token (decode steps)
+    multi: tuple[SeqSlice, ...]  # sequences with several new tokens (prefill chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -82,15 +95,31 @@ def build_forward_batch(
         pages = torch.as_tensor(table[: (end + page_size - 1) // page_size], dtype=torch.int64)
         pos = torch.arange(end, dtype=torch.int64)
         ctx = pages[pos // page_size] * page_size + pos % page_size  # [end]
-        seqs.append(SeqSlice(len(ids), n, start, ctx.to(device)))
+        seqs.append(SeqSlice(len(ids), n, start, ctx if n == 1 else ctx.to(device)))
         slots.append(ctx[start:])
         ids.extend(token_ids)
         positions.extend(range(start, end))
+    singles = [s for s in seqs if s.num_tokens == 1]
+    single = None
+    if singles:
+        width = max(int(s.context_slots.shape[0]) for s in singles)
+        padded = torch.zeros(len(singles), width, dtype=torch.int64)
+        lengths = torch.tensor([int(s.context_slots.shape[0]) for s in singles])
+        for i, s in enumerate(singles):
+            padded[i, : s.context_slots.shape[0]] = s.context_slots.cpu()
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, C]
+        single = SingleTokenGroup(
+            rows=torch.tensor([s.offset for s in singles], dtype=torch.int64, device=device),
+            context_slots=padded.to(device),
+            mask=mask.view(len(singles), 1, 1, width).to(device),
+        )
     return ForwardBatch(
         token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slots=torch.cat(slots).to(device),
         seqs=tuple(seqs),
+        single=single,
+        multi=tuple(s for s in seqs if s.num_tokens > 1),
     )
 
 
@@ -209,10 +238,21 @@ class LlamaModel:
         k = apply_rope(k.view(-1, nkv, d), cos, sin)  # [T, nkv, D]
         pool.write(local, batch.slots, k, v.reshape(-1, nkv, d))
         out = torch.empty_like(q)  # [T, nq, D]
-        for seq in batch.seqs:
+        single = batch.single
+        if single is not None:
+            kv = pool.read_kv(local, single.context_slots).to(q.dtype)  # [2, B, C, nkv, D]
+            attended = F.scaled_dot_product_attention(
+                q[single.rows].unsqueeze(2),  # [B, nq, 1, D]
+                kv[0].transpose(1, 2),  # [B, nkv, C, D]
+                kv[1].transpose(1, 2),
+                attn_mask=single.mask,  # [B, 1, 1, C]
+                enable_gqa=True,
+            )  # [B, nq, 1, D]
+            out[single.rows] = attended.squeeze(2)
+        for seq in batch.multi:
             rows = slice(seq.offset, seq.offset + seq.num_tokens)
-            k_ctx, v_ctx = pool.read(local, seq.context_slots)  # each [ctx, nkv, D]
-            out[rows] = self._attend(q[rows], k_ctx.to(q.dtype), v_ctx.to(q.dtype), seq.start_pos)
+            kv = pool.read_kv(local, seq.context_slots).to(q.dtype)  # [2, ctx, nkv, D]
+            out[rows] = self._attend(q[rows], kv[0], kv[1], seq.start_pos)
         o: torch.Tensor = out.view(-1, nq * d) @ layer.o.T  # [T, hidden] (partial sum when tp > 1)
         if self.all_reduce is not None:
             self.all_reduce(o)
@@ -222,10 +262,8 @@ class LlamaModel:
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q: [n, nq, D] at positions start..start+n-1; k, v: [ctx, nkv, D] → [n, nq, D]."""
         n, ctx = q.shape[0], k.shape[0]
-        mask = None
-        if n > 1:
-            q_pos = torch.arange(start, start + n, device=q.device).unsqueeze(1)  # [n, 1]
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
+        q_pos = torch.arange(start, start + n, device=q.device).unsqueeze(1)  # [n, 1]
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos  # [n, ctx]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),  # [nq, n, D]
             k.transpose(0, 1),  # [nkv, ctx, D]

@@ -1,0 +1,87 @@
+"""The engine on a CUDA device (run where one is present; CI has none)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
+from pdcluster.runtime.engine.engine_config import EngineConfig
+from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
+from pdcluster.runtime.engine.model import LlamaModel, build_forward_batch
+from pdcluster.runtime.engine.sampling import SamplingParams
+from pdcluster.runtime.engine.testing import generate
+from pdcluster.runtime.engine.tokenizer import ByteTokenizer
+from pdcluster.runtime.engine.weights import load_tiny, tiny_tensors
+
+from .dense_reference import dense_logits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOK = ByteTokenizer()
+CPU64 = EngineConfig(compute_dtype="float64", kv_dtype="float64", page_size=8, num_pages=64)
+CUDA64 = dataclasses.replace(CPU64, device="cuda")
+REQUESTS = [
+    EngineRequest("g", TOK.encode("Hello from the GPU"), SamplingParams(max_tokens=16)),
+    EngineRequest(
+        "s", TOK.encode("seeded"), SamplingParams(max_tokens=16, temperature=1.0, seed=9)
+    ),
+]
+
+
+def test_cuda_float32_paged_model_matches_the_dense_reference() -> None:
+    model = LlamaModel(load_tiny(dtype=torch.float32, device="cuda"))
+    pool = KVPool(KVPoolShape(4, 16, 4, 4, 32, "float32"), device="cuda")
+    tokens = TOK.encode("paged attention on the device, in chunks")
+    table = list(range(15, 15 - (len(tokens) + 3) // 4, -1))
+    logits = []
+    for start in range(0, len(tokens), 7):
+        batch = build_forward_batch([(tokens[start : start + 7], start, table)], 4, "cuda")
+        hidden = model.forward(batch, pool, model.embed(batch.token_ids))
+        logits.append(model.logits(hidden).cpu())
+    got = torch.cat(logits).double()
+    want = dense_logits(tiny_tensors(), load_tiny().config, tokens, dtype=torch.float64)
+    assert (got - want).abs().max().item() < 1e-3
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_cuda_engine_gives_the_cpu_tokens_in_float64() -> None:
+    assert generate(LLMEngine(CUDA64), REQUESTS) == generate(LLMEngine(CPU64), REQUESTS)
+
+
+def test_prefill_on_cuda_decode_on_cpu_equals_a_cpu_run() -> None:
+    prompt = TOK.encode("KV pages cross from a GPU prefill to a CPU decode")
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=4, ignore_eos=True)
+    prefill, decode = LLMEngine(CUDA64), LLMEngine(CPU64)
+    prefill.add_request(EngineRequest("r", prompt, params, mode="prefill_only"))
+    (out,) = [o for _ in range(4) for o in prefill.step()]
+    held = prefill.scheduler.get("r")
+    assert held is not None and out.finish_reason == "prefill_done"
+    positions = torch.arange(len(prompt))
+    src = prefill.runner.pool
+    frame = src.gather_tokens(
+        range(4), slots_for_positions(held.page_table, positions, 8).to("cuda")
+    ).cpu()
+    pages = decode.allocator.allocate(-(-len(prompt) // 8))
+    decode.runner.pool.scatter_tokens(range(4), slots_for_positions(pages, positions, 8), frame)
+    prefill.release("r")
+    decode.add_request(
+        EngineRequest(
+            "r", prompt, params, mode="prefilled", page_table=pages,
+            first_token=out.new_token_ids[0],
+        )
+    )  # fmt: skip
+    normal = generate(LLMEngine(CPU64), [EngineRequest("r", prompt, params)])
+    assert generate(decode, []) == normal
+
+
+def test_bfloat16_on_cuda_is_deterministic() -> None:
+    config = dataclasses.replace(CUDA64, compute_dtype="bfloat16", kv_dtype="bfloat16")
+    first = generate(LLMEngine(config), REQUESTS)
+    assert first == generate(LLMEngine(config), REQUESTS)
+    assert all(len(tokens) == 16 for tokens, _ in first.values())

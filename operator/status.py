@@ -106,6 +106,8 @@ def _progressing(plan: Plan) -> tuple[bool, str, str]:
         return True, "RollingUpdate", f"replacing instances of {', '.join(rolling)} one at a time"
     if any(r.broken or r.waiting_backoff for r in plan.roles):
         return True, "Restarting", "restarting failed instances"
+    if all(r.existing == 0 for r in plan.roles) and any(r.desired for r in plan.roles):
+        return True, "Creating", "creating the instances"
     if any(r.existing != r.desired for r in plan.roles):
         return True, "Scaling", "creating or removing instances"
     if any(r.updated != r.desired for r in plan.roles) or plan.router_ready != plan.router_desired:

@@ -198,3 +198,65 @@ class Sim:
         events = execute(self.store, self.cluster, plan.actions)
         self.ledgers = {r.role: r.ledger for r in plan.roles}
         return plan, events
+
+
+class FakeApi:
+    """`KubeApi` over a Store, plus the PDCluster objects and Events."""
+
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = store or Store()
+        self.fail_next: dict[str, ApiError] = {}  # op -> error raised once
+
+    def _maybe_fail(self, op: str) -> None:
+        err = self.fail_next.pop(op, None)
+        if err is not None:
+            raise err
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self._maybe_fail("get")
+        return self.store.get_obj(kind, name)
+
+    async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self._maybe_fail("list")
+        return self.store.list_objs(kind, selector)
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        self._maybe_fail("apply")
+        return self.store.put(manifest, create_only=False)
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        self._maybe_fail("create")
+        return self.store.put(manifest, create_only=True)
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+        self._maybe_fail("delete")
+        try:
+            return self.store.remove(kind, name, uid)
+        except ApiError:
+            return False
+
+    async def patch_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        self._maybe_fail("patch_status")
+        obj = self.store.objects[("PDCluster", name)]
+        status = dict(obj.get("status") or {})
+        for key, value in patch["status"].items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = copy.deepcopy(value)
+        obj["status"] = status
+        self.store.status_writes.append(copy.deepcopy(status))
+        return copy.deepcopy(obj)
+
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        obj = self.store.objects[(kind, name)]
+        obj.update(copy.deepcopy(dict(patch)))
+        self.store.writes.append(("patch", kind, name))
+        return copy.deepcopy(obj)
+
+    def events(self) -> list[dict[str, Any]]:
+        return [o for (k, _), o in sorted(self.store.objects.items()) if k == "Event"]

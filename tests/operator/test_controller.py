@@ -1,0 +1,154 @@
+"""Controller passes against an in-memory API: the I/O glue around the pure planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.operator.controller import Controller
+from pdcluster.operator.kube import ApiError
+from pdcluster.operator.metrics import OperatorMetrics
+from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.settings import OperatorSettings
+
+from .helpers import NS, PD, FakeApi, body
+
+KEY = (NS, "demo")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(spec=PD, resync: float = 60.0) -> tuple[FakeApi, Controller, Clock]:
+    api, clock = FakeApi(), Clock()
+    api.store.objects[("PDCluster", "demo")] = body(spec)
+    settings = OperatorSettings(metrics_port=0, resync_interval_s=resync)
+    recorder = EventRecorder(api, clock=clock, min_interval_s=30, host="test")
+    return api, Controller(api, settings, OperatorMetrics(), recorder, clock=clock), clock
+
+
+def reasons(api: FakeApi) -> dict[str, int]:
+    return {e["reason"]: e["count"] for e in api.events()}
+
+
+async def test_pass_creates_children_writes_status_once_and_then_rests() -> None:
+    api, controller, clock = make()
+    assert await controller.reconcile(KEY) == 60.0
+    store = api.store
+    assert store.names("Secret") == ["demo-token"]
+    assert len(store.names("Pod")) == 2
+    assert len(store.status_writes) == 1
+    assert store.objects[("PDCluster", "demo")]["status"]["phase"] == "Pending"
+    # The next pass sees the pods it created (Creating -> Starting): one more status write.
+    clock.now += 1
+    await controller.reconcile(KEY)
+    assert len(store.status_writes) == 2
+    writes_before = len(store.writes)
+    clock.now += 1
+    await controller.reconcile(KEY)
+    # Nothing changed: no object writes, no status write.
+    assert len(store.writes) == writes_before
+    assert len(store.status_writes) == 2
+    store.make_all_ready()
+    await controller.reconcile(KEY)
+    status = store.objects[("PDCluster", "demo")]["status"]
+    assert status["phase"] == "Ready" and status["decode"]["summary"] == "1/1"
+    assert len(store.status_writes) == 3
+    assert reasons(api) == {"InstanceCreated": 1}
+
+
+async def test_deleted_children_come_back_on_the_next_pass() -> None:
+    api, controller, _ = make()
+    await controller.reconcile(KEY)
+    api.store.make_all_ready()
+    await controller.reconcile(KEY)
+    api.store.remove("ConfigMap", "demo-config")
+    (pod,) = api.store.pods(role="prefill")
+    api.store.remove("Pod", pod["metadata"]["name"])
+    await controller.reconcile(KEY)
+    assert api.store.get_obj("ConfigMap", "demo-config") is not None
+    assert api.store.get_obj("Pod", pod["metadata"]["name"]) is not None
+
+
+async def test_foreign_object_without_our_labels_is_found_by_name_and_refused() -> None:
+    api, controller, clock = make()
+    api.store.foreign("Service", "demo-router")  # no labels: only a GET by name finds it
+    await controller.reconcile(KEY)
+    assert api.store.get_obj("Service", "demo-router")["metadata"]["uid"] == "foreign-demo-router"
+    status = api.store.objects[("PDCluster", "demo")]["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ForeignObject"
+    # Every pass finds it again; the Event is counted, not repeated.
+    for _ in range(5):
+        clock.now += 40
+        await controller.reconcile(KEY)
+    foreign = [e for e in api.events() if e["reason"] == "ForeignObject"]
+    assert len(foreign) == 1 and foreign[0]["count"] == 6
+
+
+async def test_invalid_spec_changes_nothing_and_reports_why() -> None:
+    api, controller, _ = make()
+    await controller.reconcile(KEY)
+    children = {k: v for k, v in api.store.objects.items() if k[0] not in ("PDCluster", "Event")}
+    bad = body({"prefill": {}, "decode": {"topology": {"cp": 2}}}, generation=2)
+    api.store.objects[("PDCluster", "demo")]["spec"] = bad["spec"]
+    api.store.objects[("PDCluster", "demo")]["metadata"]["generation"] = 2
+    assert await controller.reconcile(KEY) is None
+    after = {k: v for k, v in api.store.objects.items() if k[0] not in ("PDCluster", "Event")}
+    assert after == children
+    status = api.store.objects[("PDCluster", "demo")]["status"]
+    assert status["phase"] == "Failed" and status["observedGeneration"] == 2
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "cp must be 1" in degraded["message"]
+    assert "InvalidSpec" in reasons(api)
+
+
+async def test_back_off_deadline_is_the_next_requested_pass() -> None:
+    api, controller, clock = make({"prefill": {"restart": {"backoffSeconds": 7}}, "decode": {}})
+    await controller.reconcile(KEY)
+    api.store.make_all_ready()
+    await controller.reconcile(KEY)
+    (pod,) = api.store.pods(role="prefill")
+    api.store.set_pod(pod["metadata"]["name"], "Failed", False)
+    delay = await controller.reconcile(KEY)
+    assert delay == pytest.approx(7.0, abs=1.0)
+    assert api.store.pods(role="prefill") == []
+    status = api.store.objects[("PDCluster", "demo")]["status"]
+    assert status["prefill"]["restarts"] == 1
+    assert {e["reason"] for e in api.events()} >= {"InstanceRestarted"}
+    clock.now += 8
+    await controller.reconcile(KEY)
+    assert len(api.store.pods(role="prefill")) == 1  # the ledger came back from the status
+
+
+async def test_failed_write_asks_for_a_quick_retry_and_other_writes_still_happen() -> None:
+    api, controller, _ = make()
+    api.fail_next["apply"] = ApiError(500, "InternalError", "etcd hiccup")
+    delay = await controller.reconcile(KEY)
+    assert delay is not None and delay < 5
+    assert len(api.store.names("Pod")) == 2  # creates went ahead
+    await controller.reconcile(KEY)
+    assert api.store.names("ServiceAccount") == ["demo-runtime"]
+
+
+async def test_read_failure_raises_for_the_queue_to_back_off() -> None:
+    api, controller, _ = make()
+    api.fail_next["list"] = ApiError(503, "ServiceUnavailable", "apiserver restarting")
+    with pytest.raises(ApiError):
+        await controller.reconcile(KEY)
+    assert api.store.names("Pod") == []
+
+
+async def test_deleted_or_deleting_cluster_is_left_to_the_garbage_collector() -> None:
+    api, controller, _ = make()
+    api.store.objects[("PDCluster", "demo")]["metadata"]["deletionTimestamp"] = (
+        "2026-01-01T00:00:00Z"
+    )
+    assert await controller.reconcile(KEY) is None
+    assert api.store.names("Pod") == []
+    del api.store.objects[("PDCluster", "demo")]
+    assert await controller.reconcile(KEY) is None

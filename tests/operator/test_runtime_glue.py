@@ -1,0 +1,145 @@
+"""The work queue, kopf registration, the operator's entry point and settings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kopf
+import pytest
+
+from pdcluster.operator.__main__ import build_kopf_args
+from pdcluster.operator.settings import OperatorSettings
+from pdcluster.operator.workqueue import WorkQueue
+
+
+async def test_burst_of_triggers_becomes_one_reconcile() -> None:
+    runs: list[str] = []
+
+    async def handler(key: str) -> float | None:
+        runs.append(key)
+        return None
+
+    queue: WorkQueue[str] = WorkQueue(handler, num_workers=2)
+    for _ in range(50):
+        queue.add("a")
+    queue.add("b")
+    queue.start()
+    await queue.wait_idle(5)
+    await queue.stop()
+    assert sorted(runs) == ["a", "b"]
+
+
+async def test_key_never_runs_twice_at_once_and_a_trigger_during_a_run_is_kept() -> None:
+    active, overlaps, runs = set(), 0, 0
+    gate = asyncio.Event()
+
+    async def handler(key: str) -> float | None:
+        nonlocal overlaps, runs
+        overlaps += key in active
+        active.add(key)
+        runs += 1
+        if runs == 1:
+            await gate.wait()
+        active.discard(key)
+        return None
+
+    queue: WorkQueue[str] = WorkQueue(handler, num_workers=4)
+    queue.start()
+    queue.add("a")
+    await asyncio.sleep(0.05)
+    queue.add("a")  # arrives while the first run is blocked
+    queue.add("a")
+    await asyncio.sleep(0.05)
+    gate.set()
+    await queue.wait_idle(5)
+    await queue.stop()
+    assert overlaps == 0 and runs == 2
+
+
+async def test_requested_delay_and_retry_back_off() -> None:
+    clock = [0.0]
+    calls: list[tuple[str, float]] = []
+
+    async def handler(key: str) -> float | None:
+        calls.append((key, clock[0]))
+        if key == "boom":
+            raise RuntimeError("transient")
+        return 10.0 if len(calls) < 3 else None
+
+    queue: WorkQueue[str] = WorkQueue(
+        handler, retry_delay_s=2, max_retry_delay_s=5, clock=lambda: clock[0]
+    )
+    queue.add("k")
+    queue.start()
+    await queue.wait_idle(5)
+    assert calls == [("k", 0.0)] and queue.is_pending("k")
+    clock[0] = 10.0
+    queue.add("other", 100)  # a later due time elsewhere does not block "k"
+    queue._wake.set()
+    await queue.wait_idle(5)
+    assert calls[-1] == ("k", 10.0)
+    queue.add("boom")
+    await queue.wait_idle(5)
+    queue.forget("other")
+    for expected_delay in (2.0, 4.0, 5.0):
+        clock[0] += expected_delay
+        queue._wake.set()
+        await queue.wait_idle(5)
+    boom_times = [t for k, t in calls if k == "boom"]
+    assert [b - a for a, b in zip(boom_times, boom_times[1:], strict=False)] == [2.0, 4.0, 5.0]
+    queue.forget("boom")
+    assert not queue.is_pending("boom")
+    await queue.stop()
+
+
+def test_handlers_register_every_trigger() -> None:
+    from pdcluster.operator import handlers
+
+    registry = kopf.get_default_registry()
+    changing = registry._changing.get_all_handlers()  # noqa: SLF001 - kopf exposes no public list
+    by_fn = {h.fn.__name__: h for h in changing}
+    assert {"on_cluster", "on_cluster_deleted"} <= set(by_fn)
+    assert by_fn["on_cluster_deleted"].requires_finalizer is False  # deletion never waits on us
+    watching = registry._watching.get_all_handlers()  # noqa: SLF001
+    watched = {(h.fn.__name__, h.selector.group, h.selector.any_name) for h in watching}
+    assert watched >= {
+        ("on_child_pod", "", "pods"),
+        ("on_child", "", "services"),
+        ("on_child", "", "configmaps"),
+        ("on_child", "apps", "deployments"),
+    }
+    assert handlers.CHILD_LABELS == {"pdcluster.io/cluster": kopf.PRESENT}
+
+
+def test_entry_point_watches_all_namespaces_unless_told_otherwise() -> None:
+    base = ["run", "--standalone", "-m", "pdcluster.operator.handlers"]
+    assert build_kopf_args([]) == [*base, "--all-namespaces"]
+    assert build_kopf_args(["-n", "team-a"]) == [*base, "-n", "team-a"]
+    assert build_kopf_args(["--namespace=team-*"]) == [*base, "--namespace=team-*"]
+
+
+def test_settings_from_environment() -> None:
+    s = OperatorSettings.from_env(
+        {
+            "PDCLUSTER_OPERATOR_METRICS_PORT": "0",
+            "PDCLUSTER_OPERATOR_APPLY_CRDS": "false",
+            "PDCLUSTER_OPERATOR_RESYNC_SECONDS": "15",
+        }
+    )
+    assert (s.metrics_port, s.apply_crds, s.resync_interval_s) == (0, False, 15.0)
+    assert OperatorSettings.from_env({}) == OperatorSettings()
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"PDCLUSTER_OPERATOR_METRICS_PORT": "http"}, "is not a number"),
+        ({"PDCLUSTER_OPERATOR_METRICS_PORT": "70000"}, "metrics port"),
+        ({"PDCLUSTER_OPERATOR_APPLY_CRDS": "maybe"}, "is not true/false"),
+        ({"PDCLUSTER_OPERATOR_RESYNC_SECONDS": "0"}, "resync_interval_s must be > 0"),
+        ({"PDCLUSTER_OPERATOR_WORKERS": "0"}, "num_workers"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_variable_named(env, words) -> None:
+    with pytest.raises(ValueError, match=words):
+        OperatorSettings.from_env(env)

@@ -1,0 +1,203 @@
+"""The Helm chart: values schema, `helm lint`, and rendered manifests that pass
+the Kubernetes schemas of the pinned version.
+
+`helm` is the binary the e2e control-plane build produces (or one on PATH);
+the lint/template tests are skipped, with the reason, when neither exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "pdcluster-operator"
+K8S_VERSION = "1.37.0"
+
+
+def find_helm() -> str | None:
+    try:
+        from e2e.controlplane.build import binaries_dir
+
+        built = binaries_dir() / "helm"
+        if built.is_file():
+            return str(built)
+    except Exception:  # the e2e build may be absent or unable to ask Go; fall back to PATH
+        pass
+    return shutil.which("helm")
+
+
+HELM = find_helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (python -m e2e.cluster build)")
+
+
+def values_schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_default_values_satisfy_the_values_schema() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.Draft7Validator(values_schema()).validate(values)
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"metrics": {"port": 0}},
+        {"watchNamespaces": ["Not_A_Namespace"]},
+        {"typo": 1},
+        {"operator": {"workers": 0}},
+        {"image": {"pullPolicy": "Sometimes"}},
+    ],
+    ids=["port-0", "bad-namespace", "unknown-key", "no-workers", "bad-pull-policy"],
+)
+def test_values_schema_rejects_mistakes(patch: dict[str, Any]) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key, value in patch.items():
+        values[key] = (
+            {**values[key], **value} if isinstance(value, dict) and key in values else value
+        )
+    assert list(jsonschema.Draft7Validator(values_schema()).iter_errors(values))
+
+
+def helm(*args: str) -> str:
+    assert HELM is not None
+    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", "ops", "--include-crds"]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args)) if d]
+
+
+VARIANTS = {
+    "defaults": (),
+    "namespaced": ("watchNamespaces={team-a,team-b}",),
+    "monitored": ("metrics.serviceMonitor.enabled=true",),
+    "minimal": (
+        "metrics.enabled=false",
+        "crds.applyOnStartup=false",
+        "serviceAccount.create=false",
+        "serviceAccount.name=existing",
+    ),
+}
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", VARIANTS.values(), ids=VARIANTS.keys())
+def test_chart_lints_clean(sets: tuple[str, ...]) -> None:
+    args = ["lint", str(CHART), "--strict"]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    assert "0 chart(s) failed" in out
+
+
+@needs_helm
+@pytest.mark.parametrize("sets", VARIANTS.values(), ids=VARIANTS.keys())
+def test_rendered_manifests_pass_the_kubernetes_schemas(sets: tuple[str, ...]) -> None:
+    docs = render(*sets)
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a Prometheus Operator CRD, not part of the Kubernetes schemas
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@needs_helm
+def test_cluster_wide_by_default_and_per_namespace_when_asked() -> None:
+    wide = render()
+    assert len(by_kind(wide, "Role")) == 0
+    assert {r["metadata"]["name"] for r in by_kind(wide, "ClusterRole")} == {
+        "rel-pdcluster-operator",
+        "rel-pdcluster-operator-crd",
+    }
+    (dep,) = by_kind(wide, "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--namespace") for a in args)
+
+    scoped = render(*VARIANTS["namespaced"])
+    assert {r["metadata"]["namespace"] for r in by_kind(scoped, "Role")} == {"team-a", "team-b"}
+    assert {r["metadata"]["name"] for r in by_kind(scoped, "ClusterRole")} == {
+        "rel-pdcluster-operator-crd"
+    }
+    (dep,) = by_kind(scoped, "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace")] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
+
+
+@needs_helm
+def test_rbac_is_least_privilege() -> None:
+    docs = render()
+    rules = [r for role in by_kind(docs, "ClusterRole") for r in role["rules"]]
+    grants = {(res, verb) for r in rules for res in r["resources"] for verb in r["verbs"]}
+    assert ("secrets", "list") not in grants and ("secrets", "watch") not in grants
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+    crd_rules = [r for r in rules if r["apiGroups"] == ["apiextensions.k8s.io"]]
+    assert all(
+        r.get("resourceNames") == ["pdclusters.pdcluster.io"] or r["verbs"] == ["create"]
+        for r in crd_rules
+    )
+    # The Role the operator hands to a cluster's pods must be a subset of its own grants.
+    from pdcluster.operator.builders import build_runtime_rbac
+
+    from .helpers import PD, make_cluster
+
+    _, pod_role, _ = build_runtime_rbac(make_cluster(PD))
+    for rule in pod_role["rules"]:
+        for res in rule["resources"]:
+            for verb in rule["verbs"]:
+                assert (res, verb) in grants, (res, verb)
+    # ... and so must every write the controller makes.
+    for res, verb in [
+        ("pods", "create"),
+        ("pods", "delete"),
+        ("services", "patch"),
+        ("deployments", "patch"),
+        ("secrets", "create"),
+        ("secrets", "get"),
+        ("pdclusters/status", "patch"),
+        ("events", "create"),
+        ("roles", "patch"),
+        ("rolebindings", "patch"),
+        ("serviceaccounts", "patch"),
+    ]:
+        assert (res, verb) in grants, (res, verb)
+
+
+@needs_helm
+def test_probes_use_kopf_liveness_and_crd_comes_with_the_chart() -> None:
+    docs = render()
+    (dep,) = by_kind(docs, "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "true"
+    (crd,) = by_kind(docs, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "pdclusters.pdcluster.io"
+    minimal = render(*VARIANTS["minimal"])
+    (dep,) = by_kind(minimal, "Deployment")
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PDCLUSTER_OPERATOR_METRICS_PORT"] == "0"
+    assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "false"
+    assert by_kind(minimal, "ServiceAccount") == [] and by_kind(minimal, "Service") == []
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "existing"

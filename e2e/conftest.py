@@ -33,6 +33,8 @@ EXISTING_CLUSTER_ENV = "PDCLUSTER_E2E_CLUSTER"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     if any(item.get_closest_marker("k8s") for item in session.items):
         if not os.environ.get(EXISTING_CLUSTER_ENV):
             try:

@@ -238,3 +238,12 @@ def test_kubectl_sees_pods_running_on_fake_nodes(
     out = kubectl("kubectl", "get", "pods", "-n", namespace, "-o", "wide").stdout
     assert "idle" in out and "Running" in out
     assert any(node in out for node in k8s_cluster.nodes)
+
+
+def test_the_kubernetes_client_works_with_the_written_kubeconfig(k8s_cluster: ClusterInfo) -> None:
+    from kubernetes import client, config
+
+    api_client = config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig))
+    with api_client:
+        nodes = client.CoreV1Api(api_client).list_node()
+    assert sorted(n.metadata.name for n in nodes.items) == sorted(k8s_cluster.nodes)

@@ -293,3 +293,60 @@ def test_kubectl_logs_reads_current_and_previous_runs(
     assert logs() != first
     missing = kubectl("kubectl", "logs", "-n", namespace, "talker", "-c", "nope", check=False)
     assert missing.returncode != 0 and "nope" in missing.stderr
+
+
+def test_pod_reaches_the_api_as_its_service_account_under_rbac(
+    kube: KubeApi, namespace: str, node_agent: NodeAgentClient
+) -> None:
+    script = textwrap.dedent(
+        """
+        from kubernetes import client, config
+        from kubernetes.client.exceptions import ApiException
+        config.load_config()
+        api = client.CoreV1Api()
+        try:
+            pods = api.list_namespaced_pod(NS)
+            print("listed", len(pods.items))
+        except ApiException as exc:
+            print("status", exc.status)
+        """
+    ).replace("NS", repr(namespace))
+
+    def run(name: str) -> str:
+        pod = make_pod(name, ["python", "-c", script], restartPolicy="Never")
+        kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+        wait_for_object(
+            kube,
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
+            60,
+            f"{name} to finish",
+        )
+        return node_agent.pod_log(namespace, name).strip().splitlines()[-1]
+
+    assert run("denied") == "status 403"  # the default account may not list pods
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+    kube.create(
+        f"{rbac}/roles",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": "pod-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+        },
+    )
+    kube.create(
+        f"{rbac}/rolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "default-reads-pods"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": "pod-reader",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+        },
+    )
+    assert run("allowed").startswith("listed ")

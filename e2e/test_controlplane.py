@@ -243,7 +243,9 @@ def test_kubectl_sees_pods_running_on_fake_nodes(
 def test_the_kubernetes_client_works_with_the_written_kubeconfig(k8s_cluster: ClusterInfo) -> None:
     from kubernetes import client, config
 
-    api_client = config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig))
+    kubeconfig = str(k8s_cluster.kubeconfig)
+    api_client = config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
     with api_client:
         nodes = client.CoreV1Api(api_client).list_node()
-    assert sorted(n.metadata.name for n in nodes.items) == sorted(k8s_cluster.nodes)
+    names = sorted(str(n.metadata.name) for n in nodes.items if n.metadata is not None)
+    assert names == sorted(k8s_cluster.nodes)

@@ -232,8 +232,6 @@ class NodeAgent:
             worker.update(pod)
             return
         phase = (pod.get("status") or {}).get("phase")
-        if phase in ("Succeeded", "Failed"):
-            return  # finished before this agent started: nothing to run
         if pod["metadata"].get("deletionTimestamp"):
             # Nothing of it runs here, so there is nothing to wait for.
             metadata = pod["metadata"]
@@ -242,6 +240,8 @@ class NodeAgent:
             except ApiError as exc:
                 log.warning("pod %s: delete failed: %s", pod_key(pod), exc)
             return
+        if phase in ("Succeeded", "Failed"):
+            return  # finished before this agent started: nothing to run
         worker = PodWorker(pod, self._environment(node))
         with self._lock:
             self._workers[uid] = worker

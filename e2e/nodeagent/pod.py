@@ -397,8 +397,10 @@ class PodWorker(threading.Thread):
                 self._kill_now(run)
         for run in self.init_containers + self.containers:
             if not run.is_running and not isinstance(run.state, Terminated):
-                # Never ran or waiting to restart: it will not run any more.
-                run.state = run.last_state or Terminated(0, "Completed", now, now)
+                # Waiting to restart: its last exit is its final state. One that never
+                # ran stays waiting, as the kubelet leaves it.
+                if run.last_state is not None:
+                    run.state = run.last_state
                 run.finished = True
         return not any(r.is_running for r in self.init_containers + self.containers)
 

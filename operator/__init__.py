@@ -1,1 +1,9 @@
-"""PDCluster operator (kopf)."""
+"""PDCluster operator (kopf).
+
+Pure (decide):  names, revision, api (status models), cluster, builders/,
+                observed, instances, restarts, rollout, planner, status,
+                events, structural, cel_rules, crdgen, refdoc, field_docs
+I/O (act):      kube (REST client), executor, recorder, controller (one
+                reconcile pass), workqueue, handlers (every kopf handler),
+                metrics, settings, __main__ (`python -m pdcluster.operator`)
+"""

@@ -27,7 +27,7 @@ from pdcluster.operator.builders.meta import ObjectKey, object_key
 from pdcluster.operator.builders.workers import BuildError
 from pdcluster.operator.cluster import Cluster, cluster_from_body, ref_from_body
 from pdcluster.operator.executor import Executor
-from pdcluster.operator.kube import KubeApi
+from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError, Role
 from pdcluster.operator.observed import Observed, observe
@@ -143,7 +143,12 @@ class Controller:
         hashes: dict[Role, str] = {r.role: r.template_hash for r in desired.roles}
         status = compute_status(cluster, plan, hashes, desired.revision, prev, now)
         if status_changed(stored, status):
-            await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))
+            try:
+                await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))
+            except ApiError as err:
+                if err.is_not_found:
+                    return  # deleted during the pass; the garbage collector takes it from here
+                raise
             self.metrics.status_writes.inc()
 
     async def _report_invalid(

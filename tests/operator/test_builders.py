@@ -6,7 +6,6 @@ import base64
 import itertools
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -26,7 +25,7 @@ from pdcluster.operator.builders import (
 from pdcluster.operator.names import Role
 from pdcluster.runtime.spec import load_manifest_text
 
-from .helpers import NS, PD, UID, make_cluster
+from .helpers import NS, PD, UID, make_cluster, need
 
 K8S_VERSION = "1.37.0"
 
@@ -197,8 +196,9 @@ SCHEDULING = {
     ids=["pd", "colocated", "scheduled"],
 )
 def test_every_child_is_valid_against_the_kubernetes_schema(spec) -> None:
+    validator = need("kubernetes_validate")
     for child in all_children(make_cluster(spec)):
-        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        validator.validate(child, K8S_VERSION, strict=True)
 
 
 def test_cuda_pods_request_gpus_and_scheduling_fields_pass_through() -> None:

@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
+
+from .helpers import need
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pdcluster-operator"
@@ -45,7 +45,7 @@ def values_schema() -> dict[str, Any]:
 
 def test_default_values_satisfy_the_values_schema() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    jsonschema.Draft7Validator(values_schema()).validate(values)
+    need("jsonschema").Draft7Validator(values_schema()).validate(values)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_values_schema_rejects_mistakes(patch: dict[str, Any]) -> None:
         values[key] = (
             {**values[key], **value} if isinstance(value, dict) and key in values else value
         )
-    assert list(jsonschema.Draft7Validator(values_schema()).iter_errors(values))
+    assert list(need("jsonschema").Draft7Validator(values_schema()).iter_errors(values))
 
 
 def helm(*args: str) -> str:
@@ -108,11 +108,12 @@ def test_chart_lints_clean(sets: tuple[str, ...]) -> None:
 @needs_helm
 @pytest.mark.parametrize("sets", VARIANTS.values(), ids=VARIANTS.keys())
 def test_rendered_manifests_pass_the_kubernetes_schemas(sets: tuple[str, ...]) -> None:
+    validator = need("kubernetes_validate")
     docs = render(*sets)
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
             continue  # a Prometheus Operator CRD, not part of the Kubernetes schemas
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        validator.validate(doc, K8S_VERSION, strict=True)
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -152,3 +152,10 @@ async def test_deleted_or_deleting_cluster_is_left_to_the_garbage_collector() ->
     assert api.store.names("Pod") == []
     del api.store.objects[("PDCluster", "demo")]
     assert await controller.reconcile(KEY) is None
+
+
+async def test_cluster_deleted_during_a_pass_ends_it_quietly() -> None:
+    api, controller, _ = make()
+    api.fail_next["patch_status"] = ApiError(404, "NotFound", "pdclusters demo not found")
+    assert await controller.reconcile(KEY) == 60.0
+    assert api.store.status_writes == []

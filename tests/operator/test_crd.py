@@ -8,9 +8,6 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import celpy
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +19,8 @@ from pdcluster.operator.refdoc import render_reference
 from pdcluster.operator.structural import apply_defaults, check_structural, to_structural, walk
 from pdcluster.runtime.spec import SpecError, load_manifest_text, parse_spec
 
+from .helpers import need
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = [
     ROOT / "crds" / "pdcluster.io_pdclusters.yaml",
@@ -32,7 +31,6 @@ VERSION = CRD["spec"]["versions"][0]
 SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
 STATUS_SCHEMA = SCHEMA["properties"]["status"]
-CEL = celpy.Environment()
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
@@ -58,7 +56,7 @@ def test_generator_writes_every_output(tmp_path: Path) -> None:
 
 
 def test_crd_is_a_valid_apiextensions_object_with_a_structural_schema() -> None:
-    kubernetes_validate.validate(CRD, "1.37.0", strict=True)
+    need("kubernetes_validate").validate(CRD, "1.37.0", strict=True)
     problems = [p for p in check_structural(SCHEMA) if not p.startswith("<root>.metadata")]
     assert problems == []
 
@@ -145,7 +143,9 @@ def _to_json_schema(schema: Any) -> Any:
     return schema
 
 
-SPEC_VALIDATOR = jsonschema.Draft4Validator(_to_json_schema(SPEC_SCHEMA))
+@functools.cache
+def spec_validator() -> Any:
+    return need("jsonschema").Draft4Validator(_to_json_schema(SPEC_SCHEMA))
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
@@ -153,7 +153,7 @@ def test_examples_pass_the_crd_schema(path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     load_manifest_text(path.read_text())
     defaulted = apply_defaults(SPEC_SCHEMA, doc["spec"])
-    assert list(SPEC_VALIDATOR.iter_errors(defaulted)) == []
+    assert list(spec_validator().iter_errors(defaulted)) == []
     assert _failing_rules(defaulted) == []
 
 
@@ -174,15 +174,17 @@ def test_schema_rejects_out_of_bounds_values_like_the_models(patch: dict[str, An
         spec[key] = {**spec.get(key, {}), **value}
     with pytest.raises(SpecError):
         parse_spec(spec)
-    assert list(SPEC_VALIDATOR.iter_errors(apply_defaults(SPEC_SCHEMA, spec)))
+    assert list(spec_validator().iter_errors(apply_defaults(SPEC_SCHEMA, spec)))
 
 
 @functools.cache
 def _program(text: str) -> Any:
-    return CEL.program(CEL.compile(text))
+    env = need("celpy").Environment()
+    return env.program(env.compile(text))
 
 
 def _eval(rule: cel_rules.CelRule, self_value: Any) -> bool:
+    celpy = need("celpy")
     return bool(_program(rule.rule).evaluate({"self": celpy.json_to_cel(self_value)}))
 
 
@@ -262,6 +264,6 @@ def test_name_rule_rejects_names_child_objects_cannot_carry() -> None:
 def test_model_message_names_the_model() -> None:
     (rule,) = cel_rules.MODEL_RULES
     assert rule.message_expression is not None
-    program = CEL.program(CEL.compile(rule.message_expression))
-    text = program.evaluate({"self": celpy.json_to_cel({"name": "llama"})})
+    program = _program(rule.message_expression)
+    text = program.evaluate({"self": need("celpy").json_to_cel({"name": "llama"})})
     assert str(text) == "model llama needs `path` (only tiny is built in)"

@@ -1,6 +1,9 @@
 """Kubernetes without a container runtime: fake Nodes whose pods run as local processes.
 
-Pure modules decide (`network`, `backoff`, `probes`, `podspec`, `status`);
-`pod` and `agent` act (processes, API calls); `control` and `client` expose
-the fault hooks (kill, freeze, thaw) over loopback HTTP.
+Pure modules decide: `network` (pod addresses), `backoff`, `probes`, `podspec`
+(argv, environment, refused features), `status` (phase and conditions).
+Modules that act: `agent` (nodes, leases, the pod watch), `pod` (one worker
+thread per pod) with `container`, `podapi` and `prober`; `kubeapi` (the REST
+client); `control` and `client` (the fault hooks over loopback HTTP);
+`kubeletapi` (the log endpoint `kubectl logs` reaches).
 """

@@ -313,6 +313,14 @@ class KVSender:
                 # its discard: discard again, now that the frame is in the queue.
                 self._discard(job.room)
                 return
+        if job.notify is not None:
+            # Transports deliver a notification after the frames already handed
+            # to them (tcp: same connection; shm: writes are done), so it need
+            # not wait for libzmq to release the staging buffers.
+            try:
+                self.transport.notify(job.peer, job.notify)
+            except Exception as exc:
+                self._fail_run(run, f"notify_failed: {exc}")
 
     def _gather(
         self, job: TransferJob, slots: torch.Tensor, heads: slice, out: torch.Tensor
@@ -358,12 +366,6 @@ class KVSender:
                 ok = run.error is None and not run.stopped and job.room not in self._closed_rooms
             if not ok:
                 return
-            if job.notify is not None:
-                try:
-                    self.transport.notify(job.peer, job.notify)
-                except Exception as exc:
-                    self._fail_run(run, f"notify_failed: {exc}")
-                    return
             if self.on_complete is not None:
                 self._call(self.on_complete, job)
         finally:

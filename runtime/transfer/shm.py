@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
@@ -24,6 +25,7 @@ from pdcluster.runtime.transfer.endpoint import Endpoint, check_address
 from pdcluster.runtime.transfer.frames import KVFrameHeader, PoolGeometry
 from pdcluster.runtime.transfer.job import TransferJob, check_job
 from pdcluster.runtime.transfer.sender import FrameDone
+from pdcluster.runtime.transfer.staging import scatter_bytes
 
 
 class ShmTransport:
@@ -78,11 +80,9 @@ class ShmTransport:
         assert job.dst_slots is not None  # check() guarantees it
         start = header.token_start - job.token_start
         end = header.token_end - job.token_start
-        slots = torch.as_tensor(list(job.dst_slots[start:end]), dtype=torch.int64)
-        heads = slice(header.head_start, header.head_end)
-        if header.head_start == 0 and header.head_end == dst.shape.num_kv_heads:
-            heads = slice(None)
-        dst.scatter_tokens(header.layers, slots, payload, heads)
+        slots = np.asarray(job.dst_slots[start:end], dtype=np.int64)
+        data = payload.view(torch.uint8).numpy()  # [L, 2, n, h, D * itemsize]
+        scatter_bytes(dst, header.layers, slots, (header.head_start, header.head_end), data)
         on_done(None)
 
     def discard(self, room: int) -> None:

@@ -6,8 +6,8 @@ copy; the staging buffer returns to the sender once libzmq released it.
 Receiver: `KVReceiver.on_kv` (wired as the endpoint's `on_kv`) reads the
 payload where libzmq received it, validates the header against the pool,
 asks the control plane where the room's tokens live (`resolve`), verifies an
-optional checksum and scatters the frame into those pages: the one copy on
-this side.
+optional checksum and scatters the frame into those pages: on a CPU pool the
+one copy on this side; a GPU pool gets one host-to-device copy first.
 
 Safety rule (DESIGN §5, §7): a frame is written only if `resolve(room,
 generation)` returns the room's page table at the moment of the write. A
@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool
@@ -46,6 +47,7 @@ from pdcluster.runtime.transfer.frames import (
 )
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import FrameDone
+from pdcluster.runtime.transfer.staging import scatter_bytes
 
 log = logging.getLogger(__name__)
 
@@ -186,23 +188,27 @@ class KVReceiver:
             return False
         ps = shape.page_size
         first_page = header.token_start // ps
-        pages = torch.as_tensor(
-            list(table[first_page : (header.token_end - 1) // ps + 1]), dtype=torch.int64
-        )
+        pages = np.asarray(table[first_page : (header.token_end - 1) // ps + 1], dtype=np.int64)
         if int(pages.min()) < 0 or int(pages.max()) >= shape.num_pages:
             self._drop("bad_page_table")
             self._fail(header, "bad_page_table")
             return False
-        positions = torch.arange(header.token_start, header.token_end)
+        positions = np.arange(header.token_start, header.token_end)
         slots = pages[positions // ps - first_page] * ps + positions % ps
+        if self.pool.device.type == "cpu":
+            # Straight from libzmq's receive buffer into the pages: the one copy.
+            data = np.frombuffer(payload, dtype=np.uint8).reshape(*header.shape[:4], -1)
+            scatter_bytes(
+                self.pool, header.layers, slots, (header.head_start, header.head_end), data
+            )
+            return True
         frame = torch.frombuffer(payload, dtype=torch.uint8).view(DTYPES[header.dtype])
-        frame = frame.view(tuple(header.shape))  # [L, 2, n, h, D]
-        if self.pool.device.type != "cpu":
-            frame, slots = frame.to(self.pool.device), slots.to(self.pool.device)
+        frame = frame.view(tuple(header.shape)).to(self.pool.device)  # [L, 2, n, h, D]
         heads = slice(header.head_start, header.head_end)
         if header.head_start == 0 and header.head_end == shape.num_kv_heads:
             heads = slice(None)  # whole rows: the pool's fast path
-        self.pool.scatter_tokens(header.layers, slots, frame, heads)
+        index = torch.from_numpy(slots).to(self.pool.device)
+        self.pool.scatter_tokens(header.layers, index, frame, heads)
         return True
 
     def _account(self, header: KVFrameHeader, nbytes: int) -> None:

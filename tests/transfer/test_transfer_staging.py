@@ -10,7 +10,13 @@ import torch
 from transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
 from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.staging import StagingPool, StagingTimeout, frame_view, gather_into
+from pdcluster.runtime.transfer.staging import (
+    StagingPool,
+    StagingTimeout,
+    frame_view,
+    gather_into,
+    scatter_bytes,
+)
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -96,3 +102,19 @@ def test_the_smallest_idle_buffer_that_fits_is_used():
     assert pool.acquire(3000, timeout=1).data_ptr() == held[0].data_ptr()
     assert pool.acquire(10, timeout=1).data_ptr() == held[1].data_ptr()
     assert pool.num_allocated == 3
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize(
+    ("layers", "heads"), [((0, 1, 2), (0, 4)), ((2, 0), (1, 3)), ((1,), (3, 4))]
+)
+def test_scatter_bytes_matches_the_pool_scatter(layout, dtype, layers, heads):
+    shape = make_shape(layout=layout, dtype=dtype, page_size=4)
+    want, got = random_pool(shape, seed=3), random_pool(shape, seed=3)
+    idx = torch.tensor(slots(random_table(6, shape.num_pages, seed=4), 2, 23, shape.page_size))
+    frame = random_pool(shape, seed=5).gather_tokens(layers, idx, slice(*heads))  # [l,2,n,h,D]
+    want.scatter_tokens(layers, idx, frame, slice(*heads))
+    data = frame.view(torch.uint8).numpy()  # [l, 2, n, h, D * itemsize]
+    scatter_bytes(got, layers, idx.numpy(), heads, data)
+    assert torch.equal(bits(got.buffer), bits(want.buffer))

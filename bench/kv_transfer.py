@@ -1,0 +1,296 @@
+"""KV transfer throughput: each transport next to its raw limit, in one run.
+
+    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256] [--repeats 5]
+
+For every size (MiB of KV moved for one request):
+- raw pyzmq: DEALER -> ROUTER on 127.0.0.1, zero-copy, the same number and
+  size of frames our sender would use; nothing else (no gather, no scatter);
+- tcp: KVSender (gather from shuffled pages into staging) -> Endpoint ->
+  KVReceiver (scatter into shuffled pages), timed from submit to the arrival
+  of the completion message, which travels behind the last frame;
+- memcpy: one torch copy of the same number of contiguous bytes;
+- shm: KVSender (gather) -> ShmTransport (scatter into the peer's pool file),
+  timed from submit to completion.
+Each cell is the median of `--repeats` runs after one warm-up; ratio = the
+transport's GiB/s over its raw limit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.frames import MiB, plan_frames
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class Row:
+    size_mib: int
+    frames: int
+    raw_zmq_gibs: float
+    tcp_gibs: float
+    tcp_ratio: float
+    memcpy_gibs: float
+    shm_gibs: float
+    shm_ratio: float
+
+
+def median_rate(nbytes: int, run: Callable[[], float], repeats: int) -> float:
+    run()  # warm-up: connections, staging buffers, page faults
+    return nbytes / statistics.median(run() for _ in range(repeats)) / GiB
+
+
+# ---- raw limits -------------------------------------------------------------
+
+
+def raw_zmq(frame_bytes: list[int]) -> Callable[[], float]:
+    """Seconds to push these frames DEALER -> ROUTER and receive them all."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    payloads = [torch.randn(n // 4).view(torch.uint8).numpy() for n in frame_bytes]
+
+    def run() -> float:
+        done = threading.Event()
+
+        def receive() -> None:
+            for _ in payloads:
+                router.recv_multipart(copy=False)
+            done.set()
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        start = time.perf_counter()
+        for payload in payloads:
+            dealer.send_multipart([b"K", b"h", payload], copy=False)
+        done.wait()
+        elapsed = time.perf_counter() - start
+        thread.join()
+        return elapsed
+
+    run.close = lambda: (dealer.close(0), router.close(0), ctx.term())  # type: ignore[attr-defined]
+    return run
+
+
+def memcpy(nbytes: int) -> Callable[[], float]:
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+
+    def run() -> float:
+        start = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - start
+
+    return run
+
+
+# ---- our transports ---------------------------------------------------------
+
+
+class Bench:
+    """One prefill pool and one decode pool (in a shared-memory file), both shuffled."""
+
+    def __init__(
+        self, shape: KVPoolShape, num_tokens: int, config: SenderConfig, device: str
+    ) -> None:
+        self.shape, self.num_tokens, self.config = shape, num_tokens, config
+        self.tmp = tempfile.TemporaryDirectory(
+            dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        self.src = KVPool(shape, device=device)
+        self.src.buffer.copy_(torch.randn(shape.dims()).to(self.src.dtype))
+        # tcp lands in a pool on the same kind of device; shm always in a host file.
+        self.dst_tcp = KVPool(shape, device=device)
+        self.dst_shm = KVPool(shape, shm_path=os.path.join(self.tmp.name, "decode.pool"))
+        pages = -(-num_tokens // shape.page_size)
+        gen = torch.Generator().manual_seed(0)
+        self.src_table = torch.randperm(shape.num_pages, generator=gen)[:pages].tolist()
+        self.dst_table = torch.randperm(shape.num_pages, generator=gen)[:pages].tolist()
+        positions = torch.arange(num_tokens)
+        self.src_slots = slots_for_positions(self.src_table, positions, shape.page_size).tolist()
+        self.dst_slots = slots_for_positions(self.dst_table, positions, shape.page_size).tolist()
+        self.arrived = threading.Condition()
+        self.notes: set[bytes] = set()
+        self.decode = Endpoint(on_control=self._on_control)
+        self.prefill = Endpoint()
+        self.decode.start()
+        self.prefill.start()
+        self.receiver = KVReceiver(self.dst_tcp, lambda room, gen: self.dst_table)
+        self.decode.on_kv = self.receiver.on_kv
+        self.counter = 0
+
+    def _on_control(self, sender: str, data: bytes) -> None:
+        with self.arrived:
+            self.notes.add(data)
+            self.arrived.notify_all()
+
+    def job(self, one_sided: bool) -> TransferJob:
+        self.counter += 1
+        layers = tuple(range(self.shape.num_layers))
+        return TransferJob(
+            room=self.counter,
+            generation=0,
+            peer=self.decode.address,
+            src_slots=self.src_slots,
+            dst_slots=self.dst_slots if one_sided else None,
+            token_start=0,
+            token_end=self.num_tokens,
+            src_layers=layers,
+            dst_layers=layers,
+            src_heads=(0, self.shape.num_kv_heads),
+            dst_heads=(0, self.shape.num_kv_heads),
+            is_last=True,
+            notify=b"done-%d" % self.counter,
+        )
+
+    def timed(self, sender: KVSender, one_sided: bool) -> Callable[[], float]:
+        def run() -> float:
+            job = self.job(one_sided)
+            start = time.perf_counter()
+            sender.submit(job)
+            with self.arrived:
+                assert self.arrived.wait_for(lambda: job.notify in self.notes, timeout=120)
+            return time.perf_counter() - start
+
+        return run
+
+    def check(self, dst: KVPool) -> None:
+        """The last transfer really landed: the decode pages equal the prefill pages."""
+        layers = range(self.shape.num_layers)
+        got = dst.gather_tokens(layers, torch.tensor(self.dst_slots, device=dst.device))
+        want = self.src.gather_tokens(layers, torch.tensor(self.src_slots, device=self.src.device))
+        if not torch.equal(got.cpu(), want.cpu()):
+            raise SystemExit("transfer corrupted the KV: benchmark numbers are void")
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+        self.tmp.cleanup()
+
+
+def run_size(size_mib: int, args: argparse.Namespace) -> Row:
+    dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    bytes_per_token = args.layers * 2 * args.heads * args.head_dim * dtype_bytes
+    num_tokens = size_mib * MiB // bytes_per_token
+    nbytes = num_tokens * bytes_per_token
+    pages = -(-num_tokens // args.page_size) + 8
+    shape = KVPoolShape(
+        args.layers, pages, args.page_size, args.heads, args.head_dim, args.dtype,
+        KVLayout(args.layout),
+    )  # fmt: skip
+    config = SenderConfig(max_frame_bytes=args.max_frame_mib * MiB, checksum=args.checksum)
+    plan = plan_frames(
+        num_tokens, bytes_per_token, config.max_frame_bytes, config.min_frame_bytes,
+        config.pipeline_depth,
+    )  # fmt: skip
+    repeats = args.repeats if size_mib < 256 else max(2, args.repeats // 2)
+
+    raw = raw_zmq([(e - s) * bytes_per_token for s, e in plan])
+    raw_rate = median_rate(nbytes, raw, repeats)
+    raw.close()  # type: ignore[attr-defined]
+    copy_rate = median_rate(nbytes, memcpy(nbytes), repeats)
+
+    bench = Bench(shape, num_tokens, config, args.device)
+    try:
+        tcp = KVSender(bench.src, TcpTransport(bench.prefill), config)
+        tcp.start()
+        tcp_rate = median_rate(nbytes, bench.timed(tcp, one_sided=False), repeats)
+        tcp.close()
+        bench.check(bench.dst_tcp)
+        shm_transport = ShmTransport(bench.prefill)
+        shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)
+        shm = KVSender(bench.src, shm_transport, config)
+        shm.start()
+        shm_rate = median_rate(nbytes, bench.timed(shm, one_sided=True), repeats)
+        shm.close()
+        bench.check(bench.dst_shm)
+    finally:
+        bench.close()
+    return Row(
+        size_mib=size_mib,
+        frames=len(plan),
+        raw_zmq_gibs=round(raw_rate, 2),
+        tcp_gibs=round(tcp_rate, 2),
+        tcp_ratio=round(tcp_rate / raw_rate, 2),
+        memcpy_gibs=round(copy_rate, 2),
+        shm_gibs=round(shm_rate, 2),
+        shm_ratio=round(shm_rate / copy_rate, 2),
+    )
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| KV size | frames | raw pyzmq GiB/s | tcp GiB/s | tcp / raw | memcpy GiB/s "
+        "| shm GiB/s | shm / memcpy |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.size_mib} MiB | {r.frames} | {r.raw_zmq_gibs:.2f} | {r.tcp_gibs:.2f} "
+            f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,16,256", help="MiB of KV per transfer")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=8, help="kv heads on this rank")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--layout", default="NHD", choices=["NHD", "HND"])
+    parser.add_argument("--max-frame-mib", type=int, default=16)
+    parser.add_argument("--checksum", action="store_true", help="stamp and verify CRC-32")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the prefill pool (and the tcp decode pool) live; shm always writes a host pool",
+    )
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    print(
+        f"# {args.layers} layers x {args.heads} kv heads x {args.head_dim} ({args.dtype}, "
+        f"{args.layout}, page {args.page_size}, pools on {args.device}); "
+        f"torch threads {torch.get_num_threads()}, "
+        f"cpus {os.cpu_count()}",
+        flush=True,
+    )
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        rows.append(run_size(size, args))
+        print(f"# {asdict(rows[-1])}", file=sys.stderr, flush=True)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Device pools: staging through pinned memory (tcp) and GPU -> shared-memory writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_helpers import Link, Rooms, bits, make_shape, random_table, slots
+
+from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+FRAMES = SenderConfig(max_frame_bytes=64 * 1024, min_frame_bytes=16 * 1024)
+
+
+def cuda_pool(shape, seed: int) -> KVPool:
+    pool = KVPool(shape, device="cuda")
+    gen = torch.Generator().manual_seed(seed)
+    pool.buffer.copy_(torch.randn(shape.dims(), generator=gen).to(DTYPES[shape.dtype]))
+    return pool
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_tcp_between_gpu_pools_is_bit_identical(layout):
+    # prefill tp=1 (8 heads) -> this decode rank owns heads 4..8 (decode tp=2).
+    src = cuda_pool(make_shape(num_kv_heads=8, dtype="bfloat16", layout=layout), seed=1)
+    dst = cuda_pool(make_shape(num_kv_heads=4, dtype="bfloat16", layout=layout), seed=2)
+    src_table, dst_table = random_table(8, 32, 3), random_table(8, 32, 4)
+    rooms = Rooms()
+    rooms.open(5, 0, dst_table)
+    link = Link.open()
+    try:
+        link.decode.on_kv = KVReceiver(dst, rooms).on_kv
+        sender = KVSender(src, TcpTransport(link.prefill), FRAMES)
+        sender.start()
+        job = TransferJob(
+            room=5, generation=0, peer=link.decode.address,
+            src_slots=slots(src_table, 0, 29, 4), token_start=0, token_end=29,
+            src_layers=(0, 1, 2), dst_layers=(0, 1, 2), src_heads=(4, 8), dst_heads=(0, 4),
+            notify=b"gpu-tcp",
+        )  # fmt: skip
+        assert sender.submit(job)
+        link.inbox.wait_for(b"gpu-tcp")
+        assert sender.drain(5, timeout=10)
+        sender.close()
+    finally:
+        link.close()
+    want = src.gather_tokens((0, 1, 2), torch.tensor(job.src_slots, device="cuda"), slice(4, 8))
+    got = dst.gather_tokens((0, 1, 2), torch.tensor(slots(dst_table, 0, 29, 4), device="cuda"))
+    assert torch.equal(bits(got.cpu()), bits(want.cpu()))
+
+
+def test_shm_from_a_gpu_pool_into_a_shared_memory_pool(tmp_path):
+    shape = make_shape(dtype="float16", layout=KVLayout.HND)
+    src = cuda_pool(shape, seed=5)
+    dst = KVPool(shape, shm_path=str(tmp_path / "decode.pool"))
+    src_table, dst_table = random_table(8, 32, 6), random_table(8, 32, 7)
+    link = Link.open()
+    try:
+        transport = ShmTransport(link.prefill)
+        transport.register_peer(link.decode.address, dst.shm_path, shape)
+        sender = KVSender(src, transport, FRAMES)
+        sender.start()
+        job = TransferJob(
+            room=6, generation=0, peer=link.decode.address,
+            src_slots=slots(src_table, 2, 31, 4), dst_slots=slots(dst_table, 2, 31, 4),
+            token_start=2, token_end=31, src_layers=(0, 1, 2), dst_layers=(0, 1, 2),
+            src_heads=(0, 4), dst_heads=(0, 4), notify=b"gpu-shm",
+        )  # fmt: skip
+        assert sender.submit(job)
+        link.inbox.wait_for(b"gpu-shm")
+        sender.close()
+    finally:
+        link.close()
+    want = src.gather_tokens((0, 1, 2), torch.tensor(job.src_slots, device="cuda")).cpu()
+    got = dst.gather_tokens((0, 1, 2), torch.tensor(job.dst_slots))
+    assert torch.equal(bits(got), bits(want))

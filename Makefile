@@ -39,5 +39,10 @@ fmt: setup
 	$(VENV)/bin/ruff format runtime operator tests e2e bench
 	$(VENV)/bin/ruff check --fix runtime operator tests e2e bench
 
+# CRD YAML and the PDCluster reference are generated from runtime/spec.py.
+crds: setup
+	$(PY) -m pdcluster.operator.crdgen -o crds/pdcluster.io_pdclusters.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
+	$(PY) -m pdcluster.operator.refdoc > docs/reference.md
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .pdcluster

@@ -18,7 +18,9 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,11 +57,15 @@ class WorkerSettings:
         return rs
 
 
-def engine_config(settings: WorkerSettings) -> Any:
+def engine_config(settings: WorkerSettings, dp_rank: int) -> Any:
     from pdcluster.runtime.engine.engine_config import engine_config_from_spec
     from pdcluster.runtime.engine.topology import ParallelConfig
 
-    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, settings.shm_dir)
+    shm_dir = None
+    if settings.shm_dir is not None:
+        shm_dir = os.path.join(settings.shm_dir, f"dp{dp_rank}")
+        os.makedirs(shm_dir, exist_ok=True)
+    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, shm_dir)
     topo = settings.role_spec.topology
     # One torch world per dp group: see the module docstring.
     return replace(cfg, parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp))
@@ -68,7 +74,7 @@ def engine_config(settings: WorkerSettings) -> Any:
 def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
     from pdcluster.runtime.engine.parallel import init_distributed
 
-    cfg = engine_config(settings)
+    cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
     dist = init_distributed(
@@ -101,7 +107,7 @@ def _attach_rank_agent(
     """PD roles: the per-rank transfer agent (None when colocated)."""
     if settings.role == "colocated":
         return None
-    from pdcluster.runtime.pd_worker.agent import start_rank_agent
+    from pdcluster.runtime.pd_worker.startup import start_rank_agent
 
     return start_rank_agent(settings, runner, dp_rank, group_rank, leader)
 
@@ -141,6 +147,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     cfg, dist = _init_group(settings, dp_rank, 0)
     runner = ModelRunner.build(cfg, dist)
+    agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)
     engine = LLMEngine(cfg, runner=runner, dist=dist)
     tokenizer = load_tokenizer(cfg.model, engine.model_config.eos_token_id)
     service = EngineService(engine, tokenizer)
@@ -170,7 +177,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
         from pdcluster.runtime.pd_worker.backends import build_pd_backend
 
         backend, extra_routes, extra_servers = build_pd_backend(
-            settings, service, runner, metrics, dp_rank
+            settings, service, agent, metrics, dp_rank
         )
         servers.extend(extra_servers)
     app = create_worker_app(backend, tokenizer, info, metrics, extra_routes=extra_routes)
@@ -182,9 +189,8 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
         asyncio.run(_serve_all(servers))
     finally:
         service.stop()
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
+        if agent is not None:
+            agent.close()
         engine.shutdown()
 
 
@@ -207,6 +213,25 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
     )
     if settings.role == "prefill" and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
+    owned_shm = None
+    spec = manifest.spec
+    if (
+        settings.role == "decode"
+        and settings.shm_dir is None
+        and str(spec.transfer.backend) == "shm"
+    ):
+        # Decode's KV pool lives in shared memory so same-node prefill ranks can write it.
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        owned_shm = tempfile.mkdtemp(prefix=f"pdcluster-{manifest.metadata.name}-", dir=base)
+        settings = replace(settings, shm_dir=owned_shm)
+    try:
+        return _run_instance(settings)
+    finally:
+        if owned_shm is not None:
+            shutil.rmtree(owned_shm, ignore_errors=True)
+
+
+def _run_instance(settings: WorkerSettings) -> int:
     children = _start_children(settings)
     if children:
         _watch_children(children)

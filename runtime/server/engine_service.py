@@ -74,6 +74,9 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self.last_step_at = time.monotonic()
         self.num_steps = 0
+        # PD coordinators claim the outputs and aborts of requests they drive.
+        self.output_hooks: list[Callable[[Any], bool]] = []
+        self.abort_hooks: list[Callable[[str], None]] = []
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -175,6 +178,8 @@ class EngineService:
         self.emit(rid, TokenEvent([], "", True, reason, error=reason, status=status))
 
     def _abort_now(self, rid: str) -> None:
+        for hook in self.abort_hooks:
+            hook(rid)
         self.engine.abort(rid)
         self.emit(rid, TokenEvent([], "", True, "abort"))
 
@@ -222,6 +227,8 @@ class EngineService:
             fn()
 
     def _on_output(self, output: Any) -> None:
+        if any(hook(output) for hook in self.output_hooks):
+            return
         tracked = self._tracked.get(output.rid)
         if tracked is None or tracked.done:
             return

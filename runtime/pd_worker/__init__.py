@@ -1,0 +1,1 @@
+"""PD roles inside a worker: per-rank agents, leader coordination, HTTP backends."""

@@ -1,0 +1,246 @@
+"""The per-rank PD agent: one rank's room table, transfer endpoint and loop.
+
+Threads of a rank process and what they may touch:
+- the agent thread owns the room table: every table call happens under
+  `self.lock`, fed from `self.inbox` (decoded peer messages, group
+  commands, transfer completions, HTTP results) and `tick()` every 50 ms;
+- the endpoint's I/O thread only decodes and queues (never blocks);
+- the runner (engine) thread calls the prefill chunk hook, which takes the
+  lock briefly to enqueue transfer jobs;
+- a small asyncio loop thread runs HTTP calls (bootstrap registration,
+  /route fetches, heartbeats) and posts their results back to the inbox.
+
+The leader of the group additionally runs a coordinator on the engine
+thread; this agent hands it its reports through `report_sink`, followers
+send theirs to the leader's endpoint (see `group.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.runtime.pd import messages as pdmsg
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.pd_worker.group import (
+    GroupMessage,
+    GroupProtocolError,
+    GroupReport,
+    ReportKind,
+    decode_group,
+    encode_group,
+    is_group_frame,
+)
+from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
+
+log = logging.getLogger("pdcluster.pd")
+
+TICK_S = 0.05
+
+
+@dataclass
+class AgentContext:
+    """Everything a rank agent needs to know about itself (built at start-up)."""
+
+    role: str  # "prefill" | "decode"
+    cluster: str
+    instance: int
+    coord: RankCoord
+    group_rank: int  # index inside the dp group (global rank order, dp excluded)
+    group_size: int
+    shape: InstanceShape  # the whole instance (all dp groups)
+    compat: CompatInfo
+    token: str
+    room_settings: RoomSettings
+    transfer: Any  # spec.transfer (TransferSpec)
+    layers: tuple[int, int]  # global layer range of this rank
+    heads: tuple[int, int]  # global kv-head range of this rank
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    host: str
+    advertise_host: str
+    bootstrap_address: str  # prefill: this instance's bootstrap server host:port
+    stats: Counter[str] = field(default_factory=Counter)
+
+
+def model_fingerprint(model_name: str, seed: int, config: Any) -> str:
+    """Identifies the weights both sides must share (name, seed, architecture)."""
+    text = f"{model_name}|{seed}|{config!r}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class AsyncRunner:
+    """An asyncio loop on its own thread for the agent's HTTP calls."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, coro: Coroutine[Any, Any, Any], done: Callable[[Any, BaseException | None], None]
+    ) -> Future[Any]:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+        def finish(f: Future[Any]) -> None:
+            err = f.exception()
+            done(None if err is not None else f.result(), err)
+
+        fut.add_done_callback(finish)
+        return fut
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class RankAgent:
+    """Shared machinery; `PrefillAgent` and `DecodeAgent` add the role's logic."""
+
+    def __init__(self, ctx: AgentContext, pool: Any) -> None:
+        self.ctx = ctx
+        self.pool = pool
+        self.lock = threading.RLock()
+        self.inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.endpoint = Endpoint(
+            EndpointConfig(host=ctx.host, advertise_host=ctx.advertise_host),
+            on_control=self._on_control,
+        )
+        self.endpoint.start()
+        self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
+        self.leader_address: str | None = None
+        self.follower_addresses: list[str] = []
+        # Leader only: where this rank's own reports go (the coordinator's queue).
+        self.report_sink: Callable[[GroupReport], None] | None = None
+        self.group_sink: Callable[[GroupReport], None] | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"pd-agent-{ctx.group_rank}", daemon=True
+        )
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self.inbox.put(lambda: None)
+        self._thread.join(5)
+        self.aio.close()
+        self.endpoint.close()
+
+    # ------------------------------------------------------------------ loop
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the agent thread (thread-safe)."""
+        self.inbox.put(fn)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stopping.is_set():
+            timeout = max(0.0, next_tick - time.monotonic())
+            try:
+                fn = self.inbox.get(timeout=timeout)
+            except queue.Empty:
+                fn = None
+            try:
+                with self.lock:
+                    if fn is not None:
+                        fn()
+                    while True:
+                        try:
+                            self.inbox.get_nowait()()
+                        except queue.Empty:
+                            break
+                    if time.monotonic() >= next_tick:
+                        self.tick(time.monotonic())
+                        next_tick = time.monotonic() + TICK_S
+            except Exception:
+                log.exception("rank %s: agent step failed", self.ctx.coord)
+
+    def tick(self, now: float) -> None:
+        """Role hook: timeouts, drains; called under the lock every TICK_S."""
+
+    # ------------------------------------------------------------ inbound
+    def _on_control(self, sender: str, data: bytes) -> None:
+        # Endpoint I/O thread: decode here (cheap), act on the agent thread.
+        if is_group_frame(data):
+            try:
+                group = decode_group(data)
+            except GroupProtocolError as err:
+                self.ctx.stats[f"group_reject:{err}"] += 1
+                return
+            self.post(lambda: self._on_group_checked(group))
+            return
+        try:
+            msg = pdmsg.decode(data)
+        except pdmsg.ProtocolError as err:
+            self.ctx.stats[f"reject:{err.reason}"] += 1
+            log.debug("rank %s: dropped frame from %s: %s", self.ctx.coord, sender, err)
+            return
+        self.post(lambda: self.on_message(msg, time.monotonic()))
+
+    def _on_group_checked(self, msg: GroupMessage) -> None:
+        if isinstance(msg, GroupReport):
+            if self.group_sink is None:
+                self.ctx.stats["group_reject:not_leader"] += 1
+                return
+            self.group_sink(msg)
+            return
+        self.on_group(msg, time.monotonic())
+
+    def on_message(self, msg: Any, now: float) -> None:
+        raise NotImplementedError
+
+    def on_group(self, msg: GroupMessage, now: float) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ outbound
+    def send(self, endpoint: str, message: Any) -> None:
+        self.endpoint.send_control(endpoint, pdmsg.encode(message))
+
+    def report(
+        self,
+        room: int,
+        kind: ReportKind,
+        reason: str | None = None,
+        first_token: int | None = None,
+    ) -> None:
+        rep = GroupReport(room, self.ctx.group_rank, kind, reason, first_token)
+        if self.report_sink is not None:
+            self.report_sink(rep)
+        elif self.leader_address is not None:
+            self.endpoint.send_control(self.leader_address, encode_group(rep))
+        else:
+            log.error("rank %s: no leader to report %s for room %s", self.ctx.coord, kind, room)
+
+    def broadcast(self, msg: GroupMessage) -> None:
+        """Leader: a group command to every follower and to this rank itself."""
+        data = encode_group(msg)
+        for addr in self.follower_addresses:
+            self.endpoint.send_control(addr, data)
+        self.post(lambda: self.on_group(msg, time.monotonic()))
+
+    def room_views(self, now: float) -> list[dict[str, Any]]:
+        with self.lock:
+            views = self.table_views(now)
+        return views
+
+    def table_views(self, now: float) -> list[dict[str, Any]]:
+        raise NotImplementedError

@@ -1,0 +1,201 @@
+"""HTTP backends of the prefill and decode roles, plus their admin and bootstrap servers.
+
+A PD worker receives the same body as its peer leg, with `bootstrap_host`,
+`bootstrap_port` and `bootstrap_room`. The prefill leg answers once every
+rank's KV reached decode (or with an error); the decode leg streams tokens
+once the KV arrived. A request without bootstrap fields is refused with 400:
+a PD worker cannot serve it alone.
+
+Admin API (token-protected; the operator's fast path):
+- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str}` —
+  fail every room tied to that peer on every rank of this group now;
+- `GET /admin/rooms` — rooms with state, age and peers (this rank's view);
+- `GET /admin/failures` — failure counts by reason, for the operator's Events.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd_worker.coordinator import (
+    DecodeCoordinator,
+    PrefillCoordinator,
+    RoomConflict,
+)
+from pdcluster.runtime.pd_worker.group import GroupFailPeer
+from pdcluster.runtime.server.colocated import check_capacity, engine_request
+from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+
+log = logging.getLogger("pdcluster.pd")
+
+
+class _PDBackend:
+    role = ""
+
+    def __init__(self, service: EngineService, agent: Any, coordinator: Any, info: dict[str, Any]):
+        self.service = service
+        self.agent = agent
+        self.coordinator = coordinator
+        self.info = info
+
+    def check(self, req: PreparedRequest) -> None:
+        if req.bootstrap.bootstrap_room is None:
+            raise BadRequest(
+                f"a {self.role} worker needs bootstrap_host, bootstrap_port and bootstrap_room "
+                "(send requests through a PD router)"
+            )
+        check_capacity(self.service.engine, req)
+        engine_request(req)
+
+    async def events(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        out = self.service.track(req.rid, len(req.prompt_ids), req.stop_strings)
+        try:
+            await self.service.call(lambda: self.open(req))
+        except RoomConflict as err:
+            self.service._tracked.pop(req.rid, None)
+            raise BadRequest(str(err), status=409) from None
+        except BaseException:
+            self.service._tracked.pop(req.rid, None)
+            raise
+        async for event in self.service.events(req.rid, out):
+            yield event
+
+    def open(self, req: PreparedRequest) -> None:
+        raise NotImplementedError
+
+    def abort(self, rid: str) -> None:
+        self.service.abort(rid)
+
+    def abort_all(self) -> None:
+        self.service.abort_all()
+
+    def server_info(self) -> dict[str, Any]:
+        engine = self.service.engine
+        return {
+            **self.info,
+            "num_free_pages": engine.num_free_pages,
+            "num_total_pages": engine.num_total_pages,
+            "num_rooms": len(self.coordinator.rooms),
+            "endpoint": self.agent.address,
+            "pd_stats": dict(self.agent.ctx.stats),
+        }
+
+    def is_healthy(self) -> bool:
+        return self.service.is_alive
+
+
+class PrefillBackend(_PDBackend):
+    role = "prefill"
+
+    def open(self, req: PreparedRequest) -> None:
+        sampling = engine_request(req).sampling
+        assert req.bootstrap.bootstrap_room is not None
+        self.coordinator.open(req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling)
+
+
+class DecodeBackend(_PDBackend):
+    role = "decode"
+
+    def open(self, req: PreparedRequest) -> None:
+        b = req.bootstrap
+        if b.bootstrap_host is None or b.bootstrap_port is None or b.bootstrap_room is None:
+            raise BadRequest("decode needs bootstrap_host, bootstrap_port and bootstrap_room")
+        peer = f"{b.bootstrap_host}:{b.bootstrap_port}"
+        sampling = engine_request(req).sampling
+        self.coordinator.open(
+            b.bootstrap_room, req.rid, req.prompt_ids, sampling, peer, b.data_parallel_rank
+        )
+
+
+def _admin_routes(
+    agent: Any, token: str, stats: Callable[[], dict[str, int]]
+) -> Callable[[FastAPI], None]:
+    def authorized(request: Request) -> JSONResponse | None:
+        if not token:
+            return None
+        got = request.headers.get("authorization", "")
+        if not got:
+            return JSONResponse({"error": {"message": "missing token", "code": 401}}, 401)
+        if got != f"Bearer {token}":
+            return JSONResponse({"error": {"message": "wrong token", "code": 403}}, 403)
+        return None
+
+    def add(app: FastAPI) -> None:
+        @app.post("/admin/fail_peer")
+        async def fail_peer(request: Request) -> JSONResponse:
+            denied = authorized(request)
+            if denied is not None:
+                return denied
+            try:
+                body = await request.json()
+                peer, reason = str(body["peer"]), str(body.get("reason", "peer_lost"))
+            except Exception:  # noqa: BLE001 - any malformed body is a 422
+                return JSONResponse(
+                    {"error": {"message": "body must be {peer, reason?}", "code": 422}}, 422
+                )
+            if not peer or len(peer) > 256 or len(reason) > 256:
+                return JSONResponse(
+                    {"error": {"message": "peer/reason too long or empty", "code": 422}}, 422
+                )
+            agent.broadcast(GroupFailPeer(peer, reason))
+            return JSONResponse({"peer": peer, "reason": reason})
+
+        @app.get("/admin/rooms")
+        async def rooms(request: Request) -> JSONResponse:
+            denied = authorized(request)
+            if denied is not None:
+                return denied
+            return JSONResponse({"rooms": agent.room_views(time.monotonic())})
+
+        @app.get("/admin/failures")
+        async def failures(request: Request) -> JSONResponse:
+            denied = authorized(request)
+            if denied is not None:
+                return denied
+            return JSONResponse({"failures": stats()})
+
+    return add
+
+
+def build_pd_backend(
+    settings: Any, service: EngineService, agent: Any, metrics: Any, dp_rank: int
+) -> tuple[Any, Callable[[FastAPI], None], list[uvicorn.Server]]:
+    spec = settings.manifest.spec
+    topo = settings.role_spec.topology
+    group_size = topo.cp * topo.tp * topo.pp
+    info: dict[str, Any] = {"dp_size": topo.dp, "dp_rank": dp_rank}
+    servers: list[uvicorn.Server] = []
+    backend: _PDBackend
+    if settings.role == "prefill":
+        coord: Any = PrefillCoordinator(agent, service, group_size, metrics)
+        backend = PrefillBackend(service, agent, coord, info)
+        info["bootstrap_port"] = settings.bootstrap_port
+        if dp_rank == 0:
+            from pdcluster.runtime.pd.bootstrap_server import create_bootstrap_app
+
+            shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
+            app = create_bootstrap_app(shape, settings.token or None)
+            servers.append(
+                uvicorn.Server(
+                    uvicorn.Config(
+                        app, host=settings.host, port=settings.bootstrap_port, log_level="warning"
+                    )
+                )
+            )
+    else:
+        coord = DecodeCoordinator(agent, service, group_size, metrics, spec)
+        backend = DecodeBackend(service, agent, coord, info)
+
+    def failure_counts() -> dict[str, int]:
+        return {k: v for k, v in agent.ctx.stats.items() if k.startswith("room_failed:")}
+
+    return backend, _admin_routes(agent, settings.token, failure_counts), servers

@@ -1,0 +1,321 @@
+"""Leader-side coordination of a PD dp group, run on the engine thread.
+
+The coordinator is the only code that lets the PD control plane touch the
+engine. It turns the ranks' reports into engine actions, and only on the
+agreement of every rank of the group:
+
+prefill:  all ranks `start`      → add the request (prefill_only)
+          engine sampled token 0 → the leader's agent may finish sending
+          all ranks `succeeded`  → the prefill leg answers 200
+          all ranks `released`   → free the request's prefill pages
+decode:   all ranks `complete`   → add the request (prefilled) with the pages
+          all ranks `released`   → (failed room) free the reserved pages
+either:   any rank `failed`      → fail the room on every rank, tell the client
+
+Reports arrive from the agent thread through a thread-safe queue and are
+drained in `tick()`, so engine and allocator calls stay on one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
+from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
+from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
+from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+
+log = logging.getLogger("pdcluster.pd")
+
+
+class RoomConflict(ValueError):
+    """A room or rid is already in use on this worker."""
+
+
+@dataclass
+class _Room:
+    rid: str
+    prompt: list[int]
+    sampling: Any
+    reports: dict[str, set[int]] = field(default_factory=lambda: collections.defaultdict(set))
+    failed: str | None = None
+    engine_added: bool = False
+    first_token: int | None = None
+    # decode only
+    num_pages: int = 0
+    pages: tuple[int, ...] | None = None
+    handed_off: bool = False
+    leg_done: bool = False
+
+
+class _Coordinator:
+    role = ""
+
+    def __init__(self, agent: Any, service: EngineService, group_size: int, metrics: Any) -> None:
+        self.agent = agent
+        self.service = service
+        self.engine = service.engine
+        self.group_size = group_size
+        self.metrics = metrics
+        self.rooms: dict[int, _Room] = {}
+        self.rid_room: dict[str, int] = {}
+        self._reports: collections.deque[GroupReport] = collections.deque()
+        self._lock = threading.Lock()
+        agent.report_sink = self._queue_report
+        agent.group_sink = self._queue_report
+        service.add_tick(self.tick)
+        service.output_hooks.append(self.on_output)
+        service.abort_hooks.append(self.on_abort)
+
+    def _queue_report(self, rep: GroupReport) -> None:
+        with self._lock:
+            self._reports.append(rep)
+        self.service._wakeup.set()
+
+    def tick(self) -> None:
+        while True:
+            with self._lock:
+                if not self._reports:
+                    break
+                rep = self._reports.popleft()
+            room = self.rooms.get(rep.room)
+            if room is None:
+                continue
+            room.reports[rep.kind].add(rep.rank)
+            if rep.first_token is not None and room.first_token is None:
+                room.first_token = rep.first_token
+            self.on_report(rep.room, room, rep)
+        self.metrics.rooms.labels(state="live").set(len(self.rooms))
+
+    def all_ranks(self, room: _Room, kind: str) -> bool:
+        return len(room.reports[kind]) >= self.group_size
+
+    def _register(self, room_id: int, room: _Room) -> None:
+        if room_id in self.rooms:
+            raise RoomConflict(f"room {room_id} is already in use on this worker")
+        if room.rid in self.rid_room:
+            raise RoomConflict(f"rid {room.rid!r} is already in flight")
+        self.rooms[room_id] = room
+        self.rid_room[room.rid] = room_id
+
+    def _forget(self, room_id: int) -> None:
+        room = self.rooms.pop(room_id, None)
+        if room is not None and self.rid_room.get(room.rid) == room_id:
+            del self.rid_room[room.rid]
+
+    def fail(self, room_id: int, reason: str) -> None:
+        room = self.rooms.get(room_id)
+        if room is None or room.failed is not None or room.handed_off:
+            return
+        room.failed = reason
+        log.warning("%s: room %s rid %s failed: %s", self.role, room_id, room.rid, reason)
+        self.metrics.failures.labels(reason=reason.split(":")[0]).inc()
+        self.agent.broadcast(GroupFail(room_id, reason))
+        self.on_failed(room_id, room)
+
+    def on_abort(self, rid: str) -> None:
+        room_id = self.rid_room.get(rid)
+        if room_id is not None:
+            self.fail(room_id, "aborted")
+
+    # role hooks
+    def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
+        raise NotImplementedError
+
+    def on_failed(self, room_id: int, room: _Room) -> None:
+        raise NotImplementedError
+
+    def on_output(self, output: Any) -> bool:
+        return False
+
+
+class PrefillCoordinator(_Coordinator):
+    role = "prefill"
+
+    def open(self, room_id: int, rid: str, prompt: list[int], sampling: Any) -> None:
+        """Engine thread: the prefill leg for `room_id` arrived."""
+        self._register(room_id, _Room(rid, prompt, sampling))
+        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt)))
+
+    def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
+        if rep.kind == "failed":
+            self.fail(room_id, rep.reason or "failed")
+        elif rep.kind == "start" and self.all_ranks(room, "start") and not room.engine_added:
+            if room.failed is not None:
+                return
+            try:
+                self.engine.add_request(
+                    EngineRequest(room.rid, room.prompt, room.sampling, mode="prefill_only")
+                )
+            except RequestRejected as err:
+                self.fail(room_id, f"rejected: {err}")
+                return
+            room.engine_added = True
+        elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
+            room.leg_done = True
+            first = [] if room.first_token is None else [room.first_token]
+            self.service.emit(room.rid, TokenEvent(first, "", True, "stop"))
+        elif rep.kind == "released":
+            self._maybe_free(room_id, room)
+
+    def _maybe_free(self, room_id: int, room: _Room) -> None:
+        if not self.all_ranks(room, "released"):
+            return
+        if room.engine_added:
+            # A running request stops and frees; a finished (held) one is released.
+            self.engine.abort(room.rid)
+            seq = self.engine.scheduler.get(room.rid)
+            if seq is not None:
+                self.engine.release(room.rid)
+        self._forget(room_id)
+
+    def on_failed(self, room_id: int, room: _Room) -> None:
+        self.service.fail(room.rid, f"prefill failed: {room.failed}", status=502)
+        if not room.engine_added:
+            # Nothing was computed: no rank holds pages of this room.
+            self._forget(room_id)
+
+    def on_output(self, output: Any) -> bool:
+        room_id = self.rid_room.get(output.rid)
+        if room_id is None:
+            return False
+        room = self.rooms[room_id]
+        if output.finished and output.finish_reason == "prefill_done" and output.new_token_ids:
+            first = int(output.new_token_ids[-1])
+            room.first_token = first
+            self.agent.post(lambda: self.agent.leader_first_token(room_id, first))
+        elif output.finished and output.finish_reason != "prefill_done":
+            self.fail(room_id, f"engine_{output.finish_reason}")
+        return True
+
+
+class DecodeCoordinator(_Coordinator):
+    role = "decode"
+
+    def __init__(
+        self, agent: Any, service: EngineService, group_size: int, metrics: Any, spec: Any
+    ) -> None:
+        super().__init__(agent, service, group_size, metrics)
+        self.policy = str(spec.transfer.allocation_policy)
+        self.recompute = str(spec.transfer.failure_policy) == "recompute"
+        self.page_size = spec.kv_cache.page_size
+        slots = max(1, spec.decode.engine.max_running_requests)
+        self.admission = DecodeAdmission(slots, self.engine.num_total_pages)
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def open(
+        self,
+        room_id: int,
+        rid: str,
+        prompt: list[int],
+        sampling: Any,
+        peer: str,
+        prefill_dp: int | None,
+    ) -> None:
+        """Engine thread: the decode leg for `room_id` arrived."""
+        room = _Room(rid, prompt, sampling, num_pages=self.num_pages_for(len(prompt)))
+        self._register(room_id, room)
+        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt), peer, prefill_dp))
+        if self.policy == "early":
+            self._enqueue(room_id, room)
+
+    def _enqueue(self, room_id: int, room: _Room) -> None:
+        try:
+            self.admission.enqueue(room_id, room.num_pages)
+        except AdmissionError as err:
+            self.fail(room_id, f"{err.reason}: {err}")
+
+    def tick(self) -> None:
+        super().tick()
+        allocator = self.engine.allocator
+
+        def allocate(n: int) -> list[int] | None:
+            return list(allocator.allocate(n)) if allocator.can_allocate(n) else None
+
+        for admitted in self.admission.admit(allocate):
+            room = self.rooms.get(admitted.room)
+            if room is None or room.failed is not None:
+                allocator.free(admitted.pages)
+                self.admission.release_slot(admitted.room)
+                continue
+            room.pages = admitted.pages
+            self.agent.broadcast(GroupPages(admitted.room, list(admitted.pages)))
+        self.metrics.queue_size.labels(stage="decode_admission").set(self.admission.num_waiting)
+
+    def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
+        if rep.kind == "failed":
+            self.fail(room_id, rep.reason or "failed")
+        elif rep.kind == "ready" and self.all_ranks(room, "ready") and room.failed is None:
+            self._enqueue(room_id, room)
+        elif rep.kind == "complete" and self.all_ranks(room, "complete"):
+            self._hand_off(room_id, room)
+        elif rep.kind == "released":
+            self._maybe_free(room_id, room)
+
+    def _hand_off(self, room_id: int, room: _Room) -> None:
+        if room.failed is not None or room.handed_off or room.pages is None:
+            return
+        self.admission.release_slot(room_id)
+        room.handed_off = True
+        if room.first_token is None:
+            room.handed_off = False
+            self.fail(room_id, "protocol_error: no first token from prefill")
+            return
+        try:
+            self.engine.add_request(
+                EngineRequest(
+                    room.rid,
+                    room.prompt,
+                    room.sampling,
+                    mode="prefilled",
+                    page_table=list(room.pages),
+                    first_token=room.first_token,
+                )
+            )
+        except RequestRejected as err:
+            room.handed_off = False
+            self.fail(room_id, f"rejected: {err}")
+            return
+        self._forget_if_released(room_id, room)
+
+    def _maybe_free(self, room_id: int, room: _Room) -> None:
+        if not self.all_ranks(room, "released"):
+            return
+        if room.handed_off:
+            self._forget(room_id)  # the pages belong to the engine request now
+            return
+        if room.failed is None:
+            return  # released without failing: a success hand-off is on its way
+        if room.pages is not None:
+            self.engine.allocator.free(room.pages)
+            room.pages = None
+        if self.admission.holds_slot(room_id):
+            self.admission.release_slot(room_id)
+        self._forget(room_id)
+
+    def _forget_if_released(self, room_id: int, room: _Room) -> None:
+        if self.all_ranks(room, "released"):
+            self._forget(room_id)
+
+    def on_failed(self, room_id: int, room: _Room) -> None:
+        self.admission.cancel(room_id)
+        if self.recompute:
+            # Decode holds the whole model: compute the prompt here instead.
+            try:
+                self.engine.add_request(EngineRequest(room.rid, room.prompt, room.sampling))
+                self.metrics.failures.labels(reason="recomputed").inc()
+                # The rid now belongs to the engine; the room only waits for its pages.
+                del self.rid_room[room.rid]
+                return
+            except RequestRejected as err:
+                room.failed = f"{room.failed}; recompute rejected: {err}"
+        self.service.fail(room.rid, f"kv transfer failed: {room.failed}", status=502)
+        if room.pages is None and self.all_ranks(room, "released"):
+            self._forget(room_id)

@@ -1,0 +1,286 @@
+"""Decode rank agent: finds the prefill ranks, receives KV, watches their health.
+
+Per room on this rank: the leader opens it (`GroupOpen`), this rank fetches
+the prefill instance's topology from its bootstrap server (async, cached —
+the scheduler never waits on it), checks compatibility, resolves its sources
+with `PDTopology`, and once the leader reserved pages (`GroupPages`) sends
+them to every source. KV frames land through `KVReceiver`, which writes only
+while `_receiving` maps the room to this exact generation: a late frame of a
+failed or finished room is dropped, never written.
+
+Every room this rank knew ends with exactly one `released` report, sent when
+the room leaves the table (after success, or after failure once every source
+is settled), so the leader frees pages only when no rank can still be written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdcluster.runtime.pd import actions as A
+from pdcluster.runtime.pd.bootstrap_client import BootstrapError, BootstrapPool
+from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo
+from pdcluster.runtime.pd.compat import CompatError, check_compat
+from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
+from pdcluster.runtime.pd.decode_sources import Source
+from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
+from pdcluster.runtime.pd.room_common import RoomError
+from pdcluster.runtime.pd.topology import ModelShape, PDTopology, TopologyError
+from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.group import (
+    GroupFail,
+    GroupFailPeer,
+    GroupMessage,
+    GroupOpen,
+    GroupPages,
+)
+from pdcluster.runtime.transfer.tcp import KVReceiver
+
+log = logging.getLogger("pdcluster.pd.decode")
+
+
+@dataclass
+class _Room:
+    rid: str
+    peer: str
+    prefill_dp: int | None
+    generation: int
+    resolved: bool = False
+    pending_pages: list[int] | None = None
+
+
+class DecodeAgent(RankAgent):
+    def __init__(self, ctx: AgentContext, pool: Any, shm_pool_path: str | None) -> None:
+        super().__init__(ctx, pool)
+        self.one_sided = str(ctx.transfer.backend) == "shm"
+        self.table = DecodeRoomTable(
+            DecodeRankInfo(
+                rank=ctx.coord,
+                endpoint=self.address,
+                compat=ctx.compat,
+                token=ctx.token,
+                num_pages=ctx.num_pages,
+                layers=ctx.layers,
+                heads=ctx.heads,
+                shm_pool_path=shm_pool_path if self.one_sided else None,
+                one_sided=self.one_sided,
+            ),
+            ctx.room_settings,
+        )
+        # room -> (generation, pages) while frames for it may be written here.
+        self._receiving: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.receiver = KVReceiver(
+            pool,
+            self._resolve,
+            on_failure=lambda room, gen, reason: self.post(
+                lambda: self._fail(room, f"transfer_failed: {reason}")
+            ),
+            require_checksum=bool(ctx.transfer.checksum),
+        )
+        self.endpoint.on_kv = self.receiver.on_kv
+        self.rooms: dict[int, _Room] = {}
+        self.bootstrap = BootstrapPool(ctx.token or None)
+        hb = ctx.transfer.heartbeat
+        self.heartbeat = HeartbeatTracker(hb.interval_seconds, hb.failure_threshold)
+        self._probing: set[str] = set()
+
+    def close(self) -> None:
+        super().close()
+
+    # ------------------------------------------------------------ KV in
+    def _resolve(self, room: int, generation: int) -> tuple[int, ...] | None:
+        entry = self._receiving.get(room)  # endpoint I/O thread; dict reads are atomic
+        if entry is None or entry[0] != generation:
+            return None
+        return entry[1]
+
+    def _stop_receiving(self, room: int) -> None:
+        if self._receiving.pop(room, None) is not None:
+            # A frame already past resolve may still be landing: let it finish.
+            self.receiver.quiesce(room, timeout=5.0)
+        self.receiver.clear(room)
+
+    # ------------------------------------------------------------ actions
+    def perform(self, acts: list[Any]) -> None:
+        for act in acts:
+            if isinstance(act, A.Send):
+                self.send(act.endpoint, act.message)
+            elif isinstance(act, A.TransferComplete):
+                self._stop_receiving(act.room)
+                first = act.first_token
+                self.report(act.room, "complete", first_token=first)
+            elif isinstance(act, A.RoomFailed):
+                log.warning(
+                    "decode rank %s: room %s rid %s failed: %s",
+                    self.ctx.coord,
+                    act.room,
+                    act.rid,
+                    act.reason,
+                )
+                self.ctx.stats[f"room_failed:{act.reason.split(':')[0]}"] += 1
+                self._receiving.pop(act.room, None)
+                self.report(act.room, "failed", act.reason)
+            elif isinstance(act, A.ReleasePages):
+                self._stop_receiving(act.room)
+            elif isinstance(act, A.PrefillReady):
+                self.report(act.room, "ready")
+            elif isinstance(act, A.Dropped):
+                self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _sweep(self, room: int) -> None:
+        """Report `released` once the room left this rank's table."""
+        if room in self.rooms and room not in self.table:
+            del self.rooms[room]
+            self._stop_receiving(room)
+            self.report(room, "released")
+
+    def _fail(self, room: int, reason: str) -> None:
+        if room in self.table:
+            self.perform(self.table.abort(room, reason, time.monotonic()))
+        self._sweep(room)
+
+    # ------------------------------------------------------------ events
+    def on_message(self, msg: Any, now: float) -> None:
+        self.perform(self.table.on_message(msg, now))
+        room = getattr(msg, "room", None)
+        if room is not None:
+            self._sweep(room)
+        else:
+            for r in list(self.rooms):
+                self._sweep(r)
+
+    def on_group(self, msg: GroupMessage, now: float) -> None:
+        if isinstance(msg, GroupOpen):
+            self._open(msg, now)
+        elif isinstance(msg, GroupPages):
+            r = self.rooms.get(msg.room)
+            if r is None or msg.room not in self.table:
+                self._sweep(msg.room)
+                return
+            if r.resolved:
+                self._assign(msg.room, list(msg.pages), now)
+            else:
+                r.pending_pages = list(msg.pages)
+        elif isinstance(msg, GroupFail):
+            self._fail(msg.room, msg.reason)
+        elif isinstance(msg, GroupFailPeer):
+            self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+            for room in list(self.rooms):
+                self._sweep(room)
+
+    def _open(self, msg: GroupOpen, now: float) -> None:
+        try:
+            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now)
+        except RoomError as err:
+            self.report(msg.room, "failed", f"rejected: {err}")
+            self.report(msg.room, "released")
+            return
+        self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen)
+        if msg.peer not in self.heartbeat.peers():
+            self.heartbeat.add(msg.peer, now)
+        client = self.bootstrap.get(msg.peer)
+        cached = client.cached_instance
+        if cached is not None:
+            self._resolve_room(msg.room, cached, None)
+            return
+        wait_s = self.ctx.room_settings.bootstrap_s
+
+        def done(info: Any, err: BaseException | None) -> None:
+            self.post(lambda: self._resolve_room(msg.room, info, err))
+
+        self.aio.submit(client.instance(wait_s=wait_s), done)
+
+    def _resolve_room(
+        self, room: int, info: InstanceInfo | None, err: BaseException | None
+    ) -> None:
+        r = self.rooms.get(room)
+        if r is None or room not in self.table:
+            self._sweep(room)
+            return
+        if err is not None or info is None:
+            reason = (
+                "bootstrap_unreachable" if isinstance(err, BootstrapError) else "bootstrap_error"
+            )
+            self._fail(room, f"{reason}: {err}")
+            return
+        try:
+            check_compat(info.compat, self.ctx.compat, ours_name="prefill", theirs_name="decode")
+            topo = PDTopology(
+                info.shape,
+                self.ctx.shape,
+                ModelShape(self.ctx.num_layers, self.ctx.num_kv_heads),
+            )
+            prefill_dp = (
+                r.prefill_dp if r.prefill_dp is not None else topo.prefill_dp_for_room(room)
+            )
+            slices = topo.sources(self.ctx.coord, prefill_dp)
+        except CompatError as err2:
+            self._fail(room, f"incompatible: {err2}")
+            return
+        except TopologyError as err3:
+            self._fail(room, f"unsupported_topology: {err3}")
+            return
+        endpoints = {a.rank: a.endpoint for a in info.ranks}
+        sources = []
+        for prefill_rank in dict.fromkeys(s.prefill_rank for s in slices):
+            endpoint = endpoints.get(prefill_rank)
+            if endpoint is None:
+                self._fail(room, f"bootstrap_error: no address for prefill rank {prefill_rank}")
+                return
+            sources.append(Source(prefill_rank, endpoint, topo.num_destinations(prefill_rank)))
+        now = time.monotonic()
+        self.perform(self.table.resolve(room, sources, now))
+        r.resolved = True
+        if r.pending_pages is not None and room in self.table:
+            pages, r.pending_pages = r.pending_pages, None
+            self._assign(room, pages, now)
+        self._sweep(room)
+
+    def _assign(self, room: int, pages: list[int], now: float) -> None:
+        r = self.rooms[room]
+        # Start accepting frames before any source can know the pages.
+        self._receiving[room] = (r.generation, tuple(pages))
+        try:
+            self.perform(self.table.assign_pages(room, pages, now))
+        except RoomError:
+            self._receiving.pop(room, None)
+        self._sweep(room)
+
+    # ------------------------------------------------------------ liveness
+    def tick(self, now: float) -> None:
+        self.perform(self.table.tick(now))
+        for room in list(self.rooms):
+            self._sweep(room)
+        for peer in self.heartbeat.due(now):
+            if peer in self._probing:
+                continue
+            self._probing.add(peer)
+            client = self.bootstrap.get(peer)
+            timeout = self.heartbeat.probe_timeout_s
+
+            def done(ok: Any, err: BaseException | None, peer: str = peer) -> None:
+                self.post(lambda: self._on_probe(peer, bool(ok) and err is None))
+
+            self.aio.submit(client.health(timeout), done)
+
+    def _on_probe(self, peer: str, ok: bool) -> None:
+        self._probing.discard(peer)
+        now = time.monotonic()
+        verdict = self.heartbeat.on_result(peer, ok, now)
+        if verdict is Verdict.DEAD:
+            log.warning(
+                "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
+            )
+            self.ctx.stats["peer_dead"] += 1
+            self.bootstrap.invalidate(peer)
+            self.perform(self.table.fail_peer(peer, "prefill_unreachable", now))
+            for room in list(self.rooms):
+                self._sweep(room)
+        elif verdict is Verdict.RECOVERED:
+            self.bootstrap.invalidate(peer)
+
+    def table_views(self, now: float) -> list[dict[str, Any]]:
+        return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]

@@ -1,0 +1,107 @@
+"""Messages between the ranks of one dp group of a PD instance.
+
+Every rank owns its room table and its transfer endpoint; only the group's
+leader (cp = tp = pp = 0) sees HTTP requests and drives the engine. The
+leader tells its followers about rooms (`GroupOpen`, `GroupPages`,
+`GroupFail`), and each rank reports what its table concluded
+(`GroupReport`), so the leader acts only on the agreement of all ranks:
+prefill computes once every rank knows its destinations, decode decodes
+once every rank received its KV, and pages are freed once every rank let go.
+
+These travel on the ranks' control endpoints next to the PD protocol; a
+distinct magic keeps the two apart. Pure module: msgspec structs only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+GROUP_MAGIC: Final = b"PDG\x01"
+MAX_GROUP_BYTES: Final = 1 << 20
+
+Room = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=True):
+    """A request for `room` arrived at the leader (prefill or decode leg)."""
+
+    room: Room
+    rid: str
+    num_tokens: int
+    # Decode only: the prefill instance's bootstrap address and dp group.
+    peer: str = ""
+    prefill_dp: int | None = None
+
+
+class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):
+    """Decode: the leader reserved these pages (same indices on every rank)."""
+
+    room: Room
+    pages: list[int]
+
+
+class GroupFail(msgspec.Struct, tag="fail", frozen=True, forbid_unknown_fields=True):
+    """Fail (abort) the room on this rank with a reason."""
+
+    room: Room
+    reason: str
+
+
+class GroupFailPeer(msgspec.Struct, tag="fail_peer", frozen=True, forbid_unknown_fields=True):
+    """Fail every room tied to a peer (a lost pod, reported by the operator)."""
+
+    peer: str
+    reason: str
+
+
+ReportKind = Literal["start", "ready", "complete", "failed", "released", "succeeded"]
+
+
+class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fields=True):
+    """A rank's table concluded something about a room.
+
+    start: (prefill) every destination of this rank is known: it may compute.
+    ready: (decode, prefill_complete) every source of this rank has its KV computed.
+    complete: (decode) every source of this rank sent Success.
+    failed: the room failed on this rank (first reason).
+    released: the room's pages on this rank may be reused.
+    succeeded: (prefill) every destination of this rank got its KV.
+    """
+
+    room: Room
+    rank: int  # rank index inside the group
+    kind: ReportKind
+    reason: str | None = None
+    first_token: int | None = None
+
+
+GroupMessage = GroupOpen | GroupPages | GroupFail | GroupFailPeer | GroupReport
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(GroupMessage)
+
+
+class GroupProtocolError(ValueError):
+    pass
+
+
+def is_group_frame(data: bytes) -> bool:
+    return data[: len(GROUP_MAGIC)] == GROUP_MAGIC
+
+
+def encode_group(msg: GroupMessage) -> bytes:
+    return GROUP_MAGIC + _encoder.encode(msg)
+
+
+def decode_group(data: bytes) -> GroupMessage:
+    if len(data) > MAX_GROUP_BYTES:
+        raise GroupProtocolError("oversized")
+    if not is_group_frame(data):
+        raise GroupProtocolError("bad_magic")
+    try:
+        msg: GroupMessage = _decoder.decode(data[len(GROUP_MAGIC) :])
+    except msgspec.DecodeError as err:
+        raise GroupProtocolError(f"malformed: {err}") from None
+    return msg

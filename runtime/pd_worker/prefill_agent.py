@@ -1,0 +1,314 @@
+"""Prefill rank agent: registers with the bootstrap server, streams KV out.
+
+Per room on this rank: the group leader opens it (`GroupOpen`), decode ranks
+send their page indices (`TransferMeta`), the table says `StartCompute` once
+every destination is known, and from then on each computed chunk's KV
+(this rank's layers, heads and cp token range) becomes transfer jobs. The
+last job is followed by `finish_sending`: the table sends Success only after
+every write drained, so Success is always the last thing decode sees.
+
+Write accounting: `jobs[room]` counts jobs this rank submitted and not yet
+reported done. Completions arrive from the sender thread through the inbox;
+a cancelled or failed room's leftovers are reported done (not ok) once the
+sender says nothing of the room can move any more (`in_flight == 0`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pdcluster.runtime.engine.kv_pool import KVPoolShape
+from pdcluster.runtime.pd import actions as A
+from pdcluster.runtime.pd.bootstrap_client import BootstrapClient
+from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
+from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
+from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
+from pdcluster.runtime.pd.room_common import RoomError
+from pdcluster.runtime.pd.topology import cp_token_range
+from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.tcp import TcpTransport
+
+log = logging.getLogger("pdcluster.pd.prefill")
+
+
+@dataclass
+class _Room:
+    rid: str
+    num_tokens: int
+    page_table: tuple[int, ...] = ()
+    computed: int = 0  # tokens whose KV exists on this rank
+    sent_upto: int = 0  # tokens already turned into jobs (early policy)
+    jobs: int = 0  # submitted, not yet reported done
+    kv_done: bool = False
+    first_token: int | None = None
+    finish_pending: bool = False  # leader: finish once the first token is known
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+class PrefillAgent(RankAgent):
+    def __init__(self, ctx: AgentContext, pool: Any, is_leader: bool) -> None:
+        super().__init__(ctx, pool)
+        self.is_leader = is_leader
+        self.table = PrefillRoomTable(
+            PrefillRankInfo(ctx.coord, self.address, ctx.compat, ctx.token or None),
+            ctx.room_settings,
+        )
+        self.one_sided = str(ctx.transfer.backend) == "shm"
+        self.transport: Any = (
+            ShmTransport(self.endpoint) if self.one_sided else TcpTransport(self.endpoint)
+        )
+        self.sender = KVSender(
+            pool,
+            self.transport,
+            SenderConfig(src_rank=ctx.group_rank, checksum=bool(ctx.transfer.checksum)),
+            on_complete=lambda job: self.post(lambda: self._job_done(job.room, ok=True)),
+            on_failure=lambda room, gen, reason: self.post(lambda: self._job_failed(room, reason)),
+        )
+        self.sender.start()
+        self.rooms: dict[int, _Room] = {}
+        self.rid_room: dict[str, int] = {}
+        self._shm_peers: set[str] = set()
+        self.registered = False
+
+    # ------------------------------------------------------------ start-up
+    def register(self) -> None:
+        """PUT /route with this rank's address; retried until the server answers."""
+        client = BootstrapClient(self.ctx.bootstrap_address, self.ctx.token or None)
+        reg = RankRegistration(
+            rank=self.ctx.coord, shape=self.ctx.shape, endpoint=self.address, compat=self.ctx.compat
+        )
+
+        async def go() -> bool:
+            try:
+                return await client.register(reg)
+            finally:
+                await client.aclose()
+
+        def done(_: Any, err: BaseException | None) -> None:
+            if err is not None:
+                log.error("rank %s: bootstrap registration failed: %s", self.ctx.coord, err)
+                self.ctx.stats["bootstrap_register_failed"] += 1
+            else:
+                self.registered = True
+
+        self.aio.submit(go(), done)
+
+    def close(self) -> None:
+        super().close()
+        self.sender.close()
+
+    # ------------------------------------------------------------ actions
+    def perform(self, acts: list[Any]) -> None:
+        for act in acts:
+            if isinstance(act, A.Send):
+                self.send(act.endpoint, act.message)
+            elif isinstance(act, A.StartCompute):
+                self.report(act.room, "start")
+            elif isinstance(act, A.SendHeldKV):
+                self._send_held(act.room)
+            elif isinstance(act, A.CancelWrites):
+                self.sender.cancel(act.room)
+            elif isinstance(act, A.ReleaseSource):
+                self.report(act.room, "released")
+            elif isinstance(act, A.RoomFailed):
+                log.warning(
+                    "prefill rank %s: room %s rid %s failed: %s",
+                    self.ctx.coord,
+                    act.room,
+                    act.rid,
+                    act.reason,
+                )
+                self.ctx.stats[f"room_failed:{act.reason.split(':')[0]}"] += 1
+                self.sender.cancel(act.room)
+                self.report(act.room, "failed", act.reason)
+            elif isinstance(act, A.RoomSucceeded):
+                self.report(act.room, "succeeded")
+            elif isinstance(act, A.Dropped):
+                self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _forget_if_done(self, room: int) -> None:
+        r = self.rooms.get(room)
+        if r is not None and room not in self.table and r.jobs == 0:
+            del self.rooms[room]
+            if self.rid_room.get(r.rid) == room:
+                del self.rid_room[r.rid]
+
+    # ------------------------------------------------------------ events
+    def on_message(self, msg: Any, now: float) -> None:
+        self.perform(self.table.on_message(msg, now))
+        room = getattr(msg, "room", None)
+        if room is not None:
+            self._maybe_send(room)
+            self._forget_if_done(room)
+
+    def on_group(self, msg: GroupMessage, now: float) -> None:
+        if isinstance(msg, GroupOpen):
+            self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
+            self.rid_room[msg.rid] = msg.room
+            try:
+                self.perform(self.table.open_room(msg.room, msg.rid, msg.num_tokens, now))
+            except RoomError as err:
+                self.rooms.pop(msg.room, None)
+                self.rid_room.pop(msg.rid, None)
+                self.report(msg.room, "failed", f"rejected: {err}")
+        elif isinstance(msg, GroupFail):
+            if msg.room in self.table:
+                self.perform(self.table.fail(msg.room, msg.reason, now))
+            self._forget_if_done(msg.room)
+        elif isinstance(msg, GroupFailPeer):
+            self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+
+    def tick(self, now: float) -> None:
+        self.perform(self.table.tick(now))
+        for room, r in list(self.rooms.items()):
+            # Jobs of a cancelled/failed room that will never complete: report
+            # them done once nothing of the room can move any more.
+            if r.jobs and self.sender.is_closed_room(room) and self.sender.in_flight(room) == 0:
+                n, r.jobs = r.jobs, 0
+                if room in self.table:
+                    self.perform(self.table.writes_done(room, n, False, now))
+            self._forget_if_done(room)
+
+    def _job_done(self, room: int, ok: bool) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.jobs == 0:
+            return
+        r.jobs -= 1
+        if room in self.table:
+            self.perform(self.table.writes_done(room, 1, ok, time.monotonic()))
+        self._forget_if_done(room)
+
+    def _job_failed(self, room: int, reason: str) -> None:
+        if room in self.table:
+            self.perform(self.table.fail(room, f"transfer_failed: {reason}", time.monotonic()))
+
+    # ------------------------------------------------------------ KV out
+    def on_chunk(self, rid: str, page_table: Any, start: int, end: int) -> None:
+        """Runner thread: KV of tokens [start, end) is now in this rank's pool."""
+        with self.lock:
+            room = self.rid_room.get(rid)
+            if room is None:
+                return
+            r = self.rooms[room]
+            r.page_table = tuple(page_table)
+            r.computed = max(r.computed, end)
+            now = time.monotonic()
+            if self.table.policy == "early":
+                self._maybe_send(room)
+            if r.computed >= r.num_tokens and not r.kv_done:
+                r.kv_done = True
+                if self.table.policy == "prefill_complete":
+                    if room in self.table:
+                        self.perform(self.table.kv_computed(room, now))
+                elif not self.is_leader:
+                    self._finish(room)
+
+    def leader_first_token(self, room: int, first_token: int) -> None:
+        """Leader (agent thread): the engine sampled the room's first token."""
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        r.first_token = first_token
+        if self.table.policy == "early" or r.finish_pending:
+            self._finish(room)
+
+    def _finish(self, room: int) -> None:
+        r = self.rooms[room]
+        if self.is_leader and r.first_token is None:
+            r.finish_pending = True
+            return
+        r.finish_pending = False
+        if room in self.table and self.table.can_send(room):
+            self.perform(self.table.finish_sending(room, r.first_token, None, time.monotonic()))
+
+    def _send_held(self, room: int) -> None:
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        r.sent_upto = 0
+        self._maybe_send(room)
+        self._finish(room)
+
+    def _maybe_send(self, room: int) -> None:
+        """Turn computed-but-unsent tokens into jobs for every known destination."""
+        r = self.rooms.get(room)
+        if r is None or not self.table.can_send(room) or r.computed <= r.sent_upto:
+            return
+        if self.table.policy == "prefill_complete" and not r.kv_done:
+            return
+        dests = self.table.destinations(room)
+        mine = cp_token_range(
+            r.num_tokens, self.ctx.page_size, self.ctx.shape.cp, self.ctx.coord.cp
+        )
+        t0, t1 = max(r.sent_upto, mine[0]), min(r.computed, mine[1])
+        r.sent_upto = r.computed
+        if t0 >= t1:
+            return
+        n = 0
+        for dest in dests:
+            job = self._job(room, r, dest, t0, t1)
+            if job is not None and self.sender.submit(job):
+                n += 1
+        if n:
+            r.jobs += n
+            self.perform(self.table.writes_enqueued(room, n, time.monotonic()))
+
+    def _job(
+        self, room: int, r: _Room, dest: DestinationView, t0: int, t1: int
+    ) -> TransferJob | None:
+        lay = dest.layout
+        layers = _overlap(self.ctx.layers, (lay.layer_start, lay.layer_end))
+        heads = _overlap(self.ctx.heads, (lay.head_start, lay.head_end))
+        if layers is None or heads is None:
+            return None
+        ps = self.ctx.page_size
+        src_slots = [r.page_table[t // ps] * ps + t % ps for t in range(t0, t1)]
+        dst_slots = None
+        if self.one_sided:
+            self._ensure_shm_peer(dest)
+            dst_slots = [dest.pages[t // ps] * ps + t % ps for t in range(t0, t1)]
+        return TransferJob(
+            room=room,
+            generation=dest.generation,
+            peer=dest.endpoint,
+            src_slots=src_slots,
+            token_start=t0,
+            token_end=t1,
+            src_layers=tuple(range(layers[0] - self.ctx.layers[0], layers[1] - self.ctx.layers[0])),
+            dst_layers=tuple(range(layers[0] - lay.layer_start, layers[1] - lay.layer_start)),
+            src_heads=(heads[0] - self.ctx.heads[0], heads[1] - self.ctx.heads[0]),
+            dst_heads=(heads[0] - lay.head_start, heads[1] - lay.head_start),
+            dst_slots=dst_slots,
+        )
+
+    def _ensure_shm_peer(self, dest: DestinationView) -> None:
+        if dest.endpoint in self._shm_peers:
+            return
+        lay = dest.layout
+        if not lay.shm_pool_path:
+            raise ValueError(f"decode rank {dest.decode_rank} offers no shared-memory pool")
+        shape = KVPoolShape(
+            num_layers=lay.layer_end - lay.layer_start,
+            num_pages=lay.num_pages,
+            page_size=self.ctx.page_size,
+            num_kv_heads=lay.head_end - lay.head_start,
+            head_dim=self.ctx.head_dim,
+            dtype=self.ctx.compat.kv_dtype,
+            layout=self.pool.shape.layout,
+        )
+        self.transport.register_peer(dest.endpoint, lay.shm_pool_path, shape)
+        self._shm_peers.add(dest.endpoint)
+
+    def table_views(self, now: float) -> list[dict[str, Any]]:
+        return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]

@@ -1,0 +1,90 @@
+"""Build and start the PD agent of one rank (leader or follower)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
+
+log = logging.getLogger("pdcluster.pd")
+
+
+def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
+    spec = settings.manifest.spec
+    topo = settings.role_spec.topology
+    info = runner.info
+    model = runner.weights.config
+    layers = info.layer_range(model.num_layers)
+    heads = info.kv_head_range(model.num_kv_heads)
+    cfg = runner.config
+    compat = CompatInfo(
+        page_size=cfg.page_size,
+        kv_dtype=str(cfg.kv_dtype),
+        kv_layout=str(cfg.kv_layout),
+        allocation_policy=str(spec.transfer.allocation_policy),
+        model_fingerprint=model_fingerprint(spec.model.name, spec.model.seed, model),
+    )
+    return AgentContext(
+        role=settings.role,
+        cluster=settings.manifest.metadata.name,
+        instance=settings.instance,
+        coord=RankCoord(dp=dp_rank, cp=info.cp_rank, tp=info.tp_rank, pp=info.pp_rank),
+        group_rank=info.rank,
+        group_size=topo.cp * topo.tp * topo.pp,
+        shape=InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
+        compat=compat,
+        token=settings.token,
+        room_settings=RoomSettings.from_spec(spec.transfer),
+        transfer=spec.transfer,
+        layers=(layers.start, layers.stop),
+        heads=(heads.start, heads.stop),
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        page_size=cfg.page_size,
+        num_pages=cfg.num_pages,
+        host=settings.host,
+        advertise_host=settings.advertise_host,
+        bootstrap_address=f"{settings.advertise_host}:{settings.bootstrap_port}",
+    )
+
+
+def start_rank_agent(
+    settings: Any, runner: Any, dp_rank: int, group_rank: int, leader: bool
+) -> RankAgent:
+    ctx = agent_context(settings, runner, dp_rank)
+    agent: Any
+    if settings.role == "prefill":
+        from pdcluster.runtime.pd_worker.prefill_agent import PrefillAgent
+
+        agent = PrefillAgent(ctx, runner.pool, is_leader=leader)
+        runner.on_prefill_chunk = agent.on_chunk
+    else:
+        from pdcluster.runtime.pd_worker.decode_agent import DecodeAgent
+
+        agent = DecodeAgent(ctx, runner.pool, runner.pool.shm_path)
+    _exchange_addresses(agent, runner, leader)
+    agent.start()
+    if settings.role == "prefill":
+        agent.register()
+    log.info("rank %s (%s) endpoint %s", ctx.coord, settings.role, agent.address)
+    return agent
+
+
+def _exchange_addresses(agent: Any, runner: Any, leader: bool) -> None:
+    """Every rank learns the group's endpoints (gloo all-gather, once at start-up)."""
+    dist_ctx = runner.dist
+    if dist_ctx is None:
+        return
+    import torch.distributed as dist
+
+    addresses: list[Any] = [None] * dist_ctx.world_size
+    dist.all_gather_object(addresses, agent.address, group=dist_ctx.control_group)
+    if leader:
+        agent.follower_addresses = [a for i, a in enumerate(addresses) if i != runner.info.rank]
+    else:
+        agent.leader_address = addresses[runner.info.leader_rank]

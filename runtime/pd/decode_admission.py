@@ -66,8 +66,12 @@ class DecodeAdmission:
     def holds_slot(self, room: int) -> bool:
         return room in self._holding
 
-    def enqueue(self, room: int, num_pages: int) -> None:
-        """Queue `room` for `num_pages` pages. Raises AdmissionError, queue unchanged."""
+    def check_fits(self, num_pages: int) -> None:
+        """Raise AdmissionError(prompt_too_long) for a prompt that can never be admitted.
+
+        Call it before creating the room, so an impossible request costs no
+        peer traffic at all.
+        """
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise AdmissionError(f"num_pages must be a positive int, got {num_pages!r}", "bad_size")
         if num_pages > self.capacity_pages:
@@ -76,6 +80,10 @@ class DecodeAdmission:
                 f"({self.capacity_pages})",
                 "prompt_too_long",
             )
+
+    def enqueue(self, room: int, num_pages: int) -> None:
+        """Queue `room` for `num_pages` pages. Raises AdmissionError, queue unchanged."""
+        self.check_fits(num_pages)
         if room in self._waiting or room in self._holding:
             raise AdmissionError(f"room {room} is already queued or admitted", "duplicate_room")
         self._waiting[room] = num_pages

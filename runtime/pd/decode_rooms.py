@@ -30,7 +30,10 @@ Rules (DESIGN §3, §5, §7, §8):
   `waiting_s`. `tick(now)` fails late rooms (and so sends ABORT);
 - `fail_peer(peer, reason)` fails every unfinished room tied to a prefill
   instance (bootstrap address), rank endpoint or host, marks those sources
-  dead and forgets their layout registration (re-sent on next use);
+  dead (which settles them) and forgets their layout registration (re-sent
+  on next use). It is idempotent — call it on every failed probe past the
+  threshold — and for `bootstrap_s` (or until `peer_recovered`) a room
+  resolved onto that peer fails at once;
 - a rejected `KVLayoutRegister` (LayoutAck) fails the rooms on that peer with
   the prefill's reason, which names the mismatched field and both values.
 
@@ -38,10 +41,14 @@ I/O contract: `add_room(room, rid, peer)` when the decode leg arrives; fetch
 /route, compute `Source`s from `topology`, `resolve(room, sources)`; queue the
 room for pages (`decode_admission`) — right away under `early`, on
 `PrefillReady` under `prefill_complete` — and `assign_pages(room, pages)`
-when admitted; feed prefill messages to `on_message`; `abort(room, reason)`
+when admitted (all ranks of a decode dp group take the same pages, chosen by
+the group leader; the leader frees them once every rank emitted
+`TransferComplete` or `ReleasePages`); feed prefill messages to `on_message`; `abort(room, reason)`
 on client disconnect / abort_request; `tick(now)` about every 100 ms. On
-`RoomFailed` also cancel the room's admission; on `ReleasePages` /
-`TransferComplete` release its transfer slot.
+`RoomFailed` also cancel the room's admission (and abort it on the other
+ranks of the group); on `ReleasePages` / `TransferComplete` release its
+transfer slot. After a `ReleasePages` with reason `release_timeout` (tcp
+only) the receiver must drop late KV frames of that (room, generation).
 
 Pure module.
 """
@@ -141,6 +148,8 @@ class DecodeRoomTable:
         self._rooms: dict[int, DecodeRoom] = {}
         # Prefill endpoints we sent our layout to → their instance's bootstrap address.
         self._registered: dict[str, str] = {}
+        # Peers declared dead → (until, reason): new rooms on them fail fast.
+        self._dead: dict[str, tuple[float, str]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -239,6 +248,9 @@ class DecodeRoomTable:
             if not s.endpoint or not 1 <= s.num_destinations <= 1 << 16:
                 raise RoomError(f"room {room}: bad source {s}", "bad_source")
         r.sources = {s.prefill_rank: SourceState(s) for s in sources}
+        dead_reason = self._declared_dead(r, now)
+        if dead_reason is not None:
+            return self._fail(r, dead_reason, now)
         acts: list[Action] = []
         for endpoint in dict.fromkeys(s.endpoint for s in sources):
             if endpoint not in self._registered:
@@ -303,7 +315,13 @@ class DecodeRoomTable:
         return self._fail(self._live(room), reason or "aborted", now)
 
     def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
-        """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`."""
+        """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`.
+
+        Idempotent: call it on every failed probe past the threshold. For
+        `bootstrap_s` (or until `peer_recovered`) a new room resolved onto
+        this peer fails at once instead of waiting for its timeouts.
+        """
+        self._dead[peer] = (now + self.settings.bootstrap_s, reason)
         self._registered = {
             e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
         }
@@ -321,6 +339,20 @@ class DecodeRoomTable:
             else:
                 acts.extend(self._fail(r, reason, now))
         return acts
+
+    def peer_recovered(self, peer: str) -> None:
+        """The heartbeat reaches `peer` again: new rooms may use it."""
+        self._dead.pop(peer, None)
+
+    def _declared_dead(self, r: DecodeRoom, now: float) -> str | None:
+        self._dead = {p: v for p, v in self._dead.items() if v[0] > now}
+        reason = None
+        for peer, (_, why) in self._dead.items():
+            for s in r.sources.values() if r.sources is not None else ():
+                if peer_matches(peer, r.peer, s.source.endpoint):
+                    s.dead = True
+                    reason = why
+        return reason
 
     def tick(self, now: float) -> list[Action]:
         acts: list[Action] = []
@@ -447,6 +479,7 @@ class DecodeRoomTable:
             abort = Abort(
                 room=r.room,
                 generation=r.generation,
+                rid=r.rid,
                 reason=reason,
                 decode_rank=self.info.rank,
                 decode_endpoint=self.info.endpoint,

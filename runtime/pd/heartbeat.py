@@ -9,9 +9,10 @@ used again (RECOVERED says probes succeed again).
 
 Timing: probes start on a fixed cadence (`interval_s` after the previous
 probe *started*), and each probe must be bounded by `probe_timeout_s`
-(default min(interval, 1 s)). A peer that hangs right after a good probe
-is therefore declared dead within `failure_threshold × interval_s +
-probe_timeout_s` — under the `interval × threshold + 1 s` bound of DESIGN §8.
+(default min(interval / 2, 1 s): a timed-out probe is over before the next
+one falls due). A peer that hangs right after a good probe is therefore
+declared dead within `failure_threshold × interval_s + probe_timeout_s` —
+under the `interval × threshold + 1 s` bound of DESIGN §8.
 
 I/O contract: `due(now)` returns the peers to probe now (and marks them in
 flight); the I/O loop probes them without blocking, with `probe_timeout_s`,
@@ -55,7 +56,7 @@ class HeartbeatTracker:
                 f"heartbeat needs interval_s > 0 and failure_threshold >= 1, "
                 f"got {interval_s}, {failure_threshold}"
             )
-        timeout = min(interval_s, 1.0) if probe_timeout_s is None else probe_timeout_s
+        timeout = min(interval_s / 2, 1.0) if probe_timeout_s is None else probe_timeout_s
         if not 0 < timeout <= interval_s:
             raise ValueError(f"probe_timeout_s must be in (0, interval_s], got {timeout}")
         self.interval_s = interval_s

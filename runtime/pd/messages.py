@@ -11,10 +11,13 @@ Decode rank → prefill rank:
   decode ranks this prefill rank must hear from for the room;
 - `Bootstrap` per room under the `prefill_complete` policy (endpoint first,
   pages later);
-- `Abort(room, generation)` once per notified prefill rank.
+- `Abort(room, generation, rid)` once per notified prefill rank (the rid
+  keeps an abort from touching another request that reuses the number).
 
 Prefill rank → decode rank:
-- `LayoutAck` answering a registration (accepted, or why not);
+- `LayoutAck` answering a registration (accepted, or why not) — also sent,
+  rejected, for a claim from an endpoint that is not registered, so decode
+  registers again instead of waiting on a silent drop;
 - `Ready` under `prefill_complete`: "the KV is computed", once per destination;
 - `Status` with the prefill rank's KVPoll for a room; the Success status is
   the last message of a transfer and carries the first sampled token (every
@@ -142,6 +145,7 @@ class Bootstrap(_Msg, tag="bootstrap", frozen=True):
 class Abort(_Msg, tag="abort", frozen=True):
     room: Room
     generation: Generation
+    rid: Rid  # a room number alone could name another request's room
     reason: Reason
     decode_rank: RankCoord
     decode_endpoint: Endpoint

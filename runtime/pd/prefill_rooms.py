@@ -14,8 +14,11 @@ Rules (DESIGN §5, §7):
   claim (metadata / BOOTSTRAP), whichever comes first; both create it in
   Bootstrapping. The first claim wins; a disagreeing later claim is refused
   with a Failed status and changes nothing (`prefill_claims`);
-- only registered decode endpoints (`prefill_peers`) may send metadata,
-  BOOTSTRAP or ABORT; anything else is dropped without reply;
+- only registered decode endpoints (`prefill_peers`) may claim a room; a
+  claim from an unregistered one is answered with a rejected `LayoutAck`
+  (decode fails the room and registers again). An ABORT fails a room only
+  if its rid matches and its sender is registered or bound to the room;
+  any other ABORT is simply acked — nothing of the sender's is in flight;
 - Failed is sticky (first reason kept). A Failed room accepts no new writes
   (`can_send` False), tells each destination once, and sends
   `AbortAck(room, rank, generation)` to each aborting decode rank only once
@@ -342,7 +345,7 @@ class PrefillRoomTable:
 
     def _on_meta(self, msg: TransferMeta, now: float) -> list[Action]:
         if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
-            return [Dropped(msg.room, "TransferMeta", "unregistered_peer")]
+            return self._unregistered(msg.room, msg.decode_endpoint, "TransferMeta")
         layout = self.peers.get(msg.decode_endpoint)
         assert layout is not None
         bad_pages = page_problem(msg.dst_pages, layout.num_pages)
@@ -392,7 +395,7 @@ class PrefillRoomTable:
 
     def _on_bootstrap(self, msg: Bootstrap, now: float) -> list[Action]:
         if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
-            return [Dropped(msg.room, "Bootstrap", "unregistered_peer")]
+            return self._unregistered(msg.room, msg.decode_endpoint, "Bootstrap")
         if self.policy != PREFILL_COMPLETE:
             mismatch = (
                 f"allocation_policy mismatch: prefill={self.policy}, decode={PREFILL_COMPLETE}"
@@ -418,17 +421,22 @@ class PrefillRoomTable:
         return self._ready(r, d) if r.computed else []
 
     def _on_abort(self, msg: Abort, now: float) -> list[Action]:
-        if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
-            return [Dropped(msg.room, "Abort", "unregistered_peer")]
+        ack = AbortAck(room=msg.room, rank=self.info.rank, generation=msg.generation)
         r = self._rooms.get(msg.room)
-        if r is None:
-            # Nothing of this room is in flight here. Remember it, so a
-            # prefill leg arriving after the abort is refused, then ack.
-            self._tombs.add(msg.room, now, f"aborted by decode: {msg.reason}")
-            ack = AbortAck(room=msg.room, rank=self.info.rank, generation=msg.generation)
-            return [Send(msg.decode_endpoint, ack)]
-        d = r.dests.get(msg.decode_rank)
-        if d is not None and d.endpoint == msg.decode_endpoint:
+        d = r.dests.get(msg.decode_rank) if r is not None else None
+        bound = d is not None and d.endpoint == msg.decode_endpoint
+        trusted = bound or self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank)
+        if r is None or r.rid != msg.rid or not trusted:
+            # Nothing of the sender's is in flight here, so the ack is true
+            # whoever asks; only a trusted sender may leave a tombstone (so a
+            # prefill leg arriving after the abort is refused).
+            acts: list[Action] = [Send(msg.decode_endpoint, ack)]
+            if r is None and trusted:
+                self._tombs.add(msg.room, now, f"aborted by decode: {msg.reason}")
+            elif r is not None:
+                acts.append(Dropped(msg.room, "Abort", "foreign_abort"))
+            return acts
+        if d is not None and bound:
             d.aborted = True
         r.acks[msg.decode_endpoint] = msg.generation
         if r.poll.state is not KVPoll.Failed:
@@ -442,6 +450,16 @@ class PrefillRoomTable:
         if r is None:
             raise UnknownRoom(f"room {room} is not live on this prefill rank")
         return r
+
+    def _unregistered(self, room: int, endpoint: str, what: str) -> list[Action]:
+        """A claim from an endpoint without a layout: say so, so decode re-registers."""
+        ack = LayoutAck(
+            rank=self.info.rank,
+            endpoint=self.info.endpoint,
+            accepted=False,
+            reason="unregistered_peer: send KVLayoutRegister first",
+        )
+        return [Send(endpoint, ack), Dropped(room, what, "unregistered_peer")]
 
     def _closed(self, room: int, now: float) -> str | None:
         tomb = self._tombs.get(room, now)
@@ -497,7 +515,8 @@ class PrefillRoomTable:
             state=KVPoll.Failed,
             reason=clip_reason(reason),
         )
-        return [Send(endpoint, status), Dropped(room, "claim", reason.split(":", 1)[0])]
+        code = reason.split(":", 1)[0].replace(" ", "_")
+        return [Send(endpoint, status), Dropped(room, "claim", code)]
 
     def _maybe_succeed(self, r: PrefillRoom, now: float) -> list[Action]:
         if not (r.finished and r.inflight == 0 and r.poll.state in _SENDING):

@@ -123,13 +123,16 @@ class Net:
     def channels(self) -> list[tuple[str, str]]:
         return sorted(k for k, q in self.wires.items() if q)
 
-    def deliver(self, channel: tuple[str, str], now: float) -> list[A.Action]:
-        origin, target = channel
+    def receive(self, channel: tuple[str, str], now: float) -> list[A.Action]:
+        """Hand the channel's next frame to its target; the raw actions, unhandled."""
+        _, target = channel
         frame = self.wires[channel].popleft()
         if target in self.dead:
             return []
-        table = self.by_endpoint[target]
-        return self.handle(target, table.on_message(decode(frame), now))
+        return self.by_endpoint[target].on_message(decode(frame), now)
+
+    def deliver(self, channel: tuple[str, str], now: float) -> list[A.Action]:
+        return self.handle(channel[1], self.receive(channel, now))
 
     def pump(self, now: float, limit: int = 10_000) -> None:
         """Deliver everything, in channel order, until the wires are quiet."""

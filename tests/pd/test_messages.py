@@ -74,7 +74,13 @@ messages = st.one_of(
         num_destinations=st.integers(1, 64),
     ),
     st.builds(
-        m.Abort, room=rooms, generation=rooms, reason=text, decode_rank=ranks, decode_endpoint=text
+        m.Abort,
+        room=rooms,
+        generation=rooms,
+        rid=text,
+        reason=text,
+        decode_rank=ranks,
+        decode_endpoint=text,
     ),
     st.builds(m.Ready, room=rooms, generation=rooms, rank=ranks),
     st.builds(

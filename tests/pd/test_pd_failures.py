@@ -211,11 +211,47 @@ def test_heartbeat_loss_fails_unfinished_rooms_and_forgets_registration() -> Non
     ]
     assert released(net) == [A.ReleasePages(ROOM, RID, (10, 11), "peer_dead")]
     assert not table.is_registered(p_endpoint(P0))
-    # The next room to that peer registers the layout again.
-    net.wires.clear()
-    net.decode[D0].add_room(ROOM + 1, "rid-2", "127.0.0.1:8998", 3.0)
+    # While the peer is known dead, a new room on it fails at once.
+    table.add_room(ROOM + 1, "rid-1", "127.0.0.1:8998", 3.0)
     acts = table.resolve(ROOM + 1, net.sources(D0, ROOM + 1), 3.0)
+    assert acts == [A.RoomFailed(ROOM + 1, "rid-1", "prefill_unreachable")]
+    assert ROOM + 1 not in table
+    # Once the heartbeat reaches it again, the next room registers the layout again.
+    table.peer_recovered("127.0.0.1:8998")
+    table.add_room(ROOM + 2, "rid-2", "127.0.0.1:8998", 4.0)
+    acts = table.resolve(ROOM + 2, net.sources(D0, ROOM + 2), 4.0)
     assert any(isinstance(a, A.Send) and b"layout" in encode(a.message)[:20] for a in acts)
+
+
+def test_dead_peer_memory_expires() -> None:
+    net = Net(settings=S)
+    table = net.decode[D0]
+    table.fail_peer(p_endpoint(P0), "peer_lost", 0.0)
+    table.add_room(ROOM, RID, "127.0.0.1:8998", S.bootstrap_s)
+    acts = table.resolve(ROOM, net.sources(D0, ROOM), S.bootstrap_s)
+    assert table.state(ROOM) is KVPoll.Bootstrapping and not any(
+        isinstance(a, A.RoomFailed) for a in acts
+    )
+
+
+def test_claims_from_an_unregistered_endpoint_make_decode_register_again() -> None:
+    net = started(Net(settings=S))
+    prefill, table = net.prefill[P0], net.decode[D0]
+    # The operator wrongly declared the decode pod dead: prefill forgot its layout.
+    net.handle(p_endpoint(P0), prefill.fail_peer(d_endpoint(D0), "peer_lost", 1.0))
+    net.pump(1.0)
+    net.log.clear()
+    table.add_room(ROOM + 1, "rid-1", "127.0.0.1:8998", 2.0)
+    net.handle(d_endpoint(D0), table.resolve(ROOM + 1, net.sources(D0, ROOM + 1), 2.0))
+    net.handle(d_endpoint(D0), table.assign_pages(ROOM + 1, [20, 21], 2.0))
+    net.pump(2.0)
+    # Both the new room and the one prefill silently dropped fail loudly...
+    failed = net.actions(d_endpoint(D0), A.RoomFailed)
+    assert {f.room for f in failed} == {ROOM, ROOM + 1}
+    assert all(f.reason.startswith("unregistered_peer") for f in failed)
+    # ...nothing of theirs is in flight on prefill, so the aborts are acked and pages return.
+    assert {(r.room, r.pages) for r in released(net)} == {(ROOM, (10, 11)), (ROOM + 1, (20, 21))}
+    assert not table.is_registered(p_endpoint(P0))
 
 
 def test_operator_fast_path_by_pod_ip_on_prefill_side() -> None:

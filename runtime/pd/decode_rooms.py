@@ -23,7 +23,9 @@ Rules (DESIGN §3, §5, §7, §8):
 - on failure: `RoomFailed` once, `Abort(room, generation)` once to every
   source that has not succeeded and is not dead; the pages stay until every
   source is settled, or `release_s` passed — never on timeout alone with a
-  one-sided transport (`one_sided`, i.e. shm writes into our memory);
+  one-sided transport (`one_sided`, i.e. shm writes into our memory): there
+  only an ack or `fail_peer` (heartbeat, or the operator's fast path for a
+  crashed or restarted pod) frees them;
 - deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
   `prefill_complete` Ready from every source within `prefill_wait_s`, then
   pages within `bootstrap_s`; WaitingForInput/Transferring within

@@ -285,7 +285,8 @@ class PrefillRoomTable:
                 continue
             for d in hit:
                 d.dead = True
-                r.acks.pop(d.endpoint, None)
+            # Owed AbortAcks stay owed: if the peer is in fact alive (a wrong
+            # verdict), a one-sided decode holds its pages until it gets one.
             if r.poll.state is not KVPoll.Failed:
                 acts.extend(self._fail(r, reason, now))
             # Writes to a dead peer never drain by themselves.

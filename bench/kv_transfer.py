@@ -54,22 +54,55 @@ class Row:
     memcpy_gibs: float
     shm_gibs: float
     shm_ratio: float
+    raw_zmq_cpu_s_per_gib: float
+    tcp_cpu_s_per_gib: float
 
 
-def median_rate(nbytes: int, run: Callable[[], float], repeats: int) -> float:
-    run()  # warm-up: connections, staging buffers, page faults
-    return nbytes / statistics.median(run() for _ in range(repeats)) / GiB
+Timed = Callable[[], float]  # runs once, returns wall seconds
+
+
+@dataclass
+class Rate:
+    gibs: float  # GiB/s, median over repeats
+    cpu_s_per_gib: float  # CPU seconds of this process (all threads) per GiB moved
+
+
+def measure(nbytes: int, runs: dict[str, Timed], repeats: int) -> dict[str, Rate]:
+    """Median wall-clock rate of each runner, and its CPU cost per GiB.
+
+    Runners take turns within every repeat, so a host whose load drifts
+    (other jobs on a shared machine) treats them alike. CPU seconds per GiB
+    (this process, all threads) is distorted less by such load than GiB/s.
+    """
+    for run in runs.values():
+        run()  # warm-up: connections, staging buffers, page faults
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            cpu = time.process_time()
+            walls[name].append(run())
+            cpus[name].append(time.process_time() - cpu)
+    gib = nbytes / GiB
+    return {
+        name: Rate(gib / statistics.median(walls[name]), statistics.median(cpus[name]) / gib)
+        for name in runs
+    }
 
 
 # ---- raw limits -------------------------------------------------------------
 
 
-def raw_zmq(frame_bytes: list[int]) -> Callable[[], float]:
-    """Seconds to push these frames DEALER -> ROUTER and receive them all."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
+def raw_zmq(frame_bytes: list[int]) -> Timed:
+    """Seconds to push these frames DEALER -> ROUTER and receive them all.
+
+    Two contexts, as two ranks have: each side gets its own libzmq I/O thread.
+    """
+    rx_ctx: zmq.Context[Any] = zmq.Context()
+    tx_ctx: zmq.Context[Any] = zmq.Context()
+    router = rx_ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer = ctx.socket(zmq.DEALER)
+    dealer = tx_ctx.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
     payloads = [torch.randn(n // 4).view(torch.uint8).numpy() for n in frame_bytes]
 
@@ -91,11 +124,17 @@ def raw_zmq(frame_bytes: list[int]) -> Callable[[], float]:
         thread.join()
         return elapsed
 
-    run.close = lambda: (dealer.close(0), router.close(0), ctx.term())  # type: ignore[attr-defined]
+    def close() -> None:
+        dealer.close(0)
+        router.close(0)
+        tx_ctx.term()
+        rx_ctx.term()
+
+    run.close = close  # type: ignore[attr-defined]
     return run
 
 
-def memcpy(nbytes: int) -> Callable[[], float]:
+def memcpy(nbytes: int) -> Timed:
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
 
@@ -166,7 +205,7 @@ class Bench:
             notify=b"done-%d" % self.counter,
         )
 
-    def timed(self, sender: KVSender, one_sided: bool) -> Callable[[], float]:
+    def timed(self, sender: KVSender, one_sided: bool) -> Timed:
         def run() -> float:
             job = self.job(one_sided)
             start = time.perf_counter()
@@ -209,48 +248,56 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     repeats = args.repeats if size_mib < 256 else max(2, args.repeats // 2)
 
     raw = raw_zmq([(e - s) * bytes_per_token for s, e in plan])
-    raw_rate = median_rate(nbytes, raw, repeats)
-    raw.close()  # type: ignore[attr-defined]
-    copy_rate = median_rate(nbytes, memcpy(nbytes), repeats)
-
     bench = Bench(shape, num_tokens, config, args.device)
+    tcp = KVSender(bench.src, TcpTransport(bench.prefill), config)
+    shm_transport = ShmTransport(bench.prefill)
+    shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)
+    shm = KVSender(bench.src, shm_transport, config)
     try:
-        tcp = KVSender(bench.src, TcpTransport(bench.prefill), config)
         tcp.start()
-        tcp_rate = median_rate(nbytes, bench.timed(tcp, one_sided=False), repeats)
-        tcp.close()
-        bench.check(bench.dst_tcp)
-        shm_transport = ShmTransport(bench.prefill)
-        shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)
-        shm = KVSender(bench.src, shm_transport, config)
         shm.start()
-        shm_rate = median_rate(nbytes, bench.timed(shm, one_sided=True), repeats)
-        shm.close()
+        rates = measure(
+            nbytes,
+            {
+                "raw": raw,
+                "tcp": bench.timed(tcp, one_sided=False),
+                "memcpy": memcpy(nbytes),
+                "shm": bench.timed(shm, one_sided=True),
+            },
+            repeats,
+        )
+        bench.check(bench.dst_tcp)
         bench.check(bench.dst_shm)
     finally:
+        tcp.close()
+        shm.close()
         bench.close()
+        raw.close()  # type: ignore[attr-defined]
     return Row(
         size_mib=size_mib,
         frames=len(plan),
-        raw_zmq_gibs=round(raw_rate, 2),
-        tcp_gibs=round(tcp_rate, 2),
-        tcp_ratio=round(tcp_rate / raw_rate, 2),
-        memcpy_gibs=round(copy_rate, 2),
-        shm_gibs=round(shm_rate, 2),
-        shm_ratio=round(shm_rate / copy_rate, 2),
+        raw_zmq_gibs=round(rates["raw"].gibs, 2),
+        tcp_gibs=round(rates["tcp"].gibs, 2),
+        tcp_ratio=round(rates["tcp"].gibs / rates["raw"].gibs, 2),
+        memcpy_gibs=round(rates["memcpy"].gibs, 2),
+        shm_gibs=round(rates["shm"].gibs, 2),
+        shm_ratio=round(rates["shm"].gibs / rates["memcpy"].gibs, 2),
+        raw_zmq_cpu_s_per_gib=round(rates["raw"].cpu_s_per_gib, 3),
+        tcp_cpu_s_per_gib=round(rates["tcp"].cpu_s_per_gib, 3),
     )
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| KV size | frames | raw pyzmq GiB/s | tcp GiB/s | tcp / raw | memcpy GiB/s "
-        "| shm GiB/s | shm / memcpy |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shm GiB/s | shm / memcpy | CPU s/GiB raw | CPU s/GiB tcp |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
             f"| {r.size_mib} MiB | {r.frames} | {r.raw_zmq_gibs:.2f} | {r.tcp_gibs:.2f} "
-            f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} |"
+            f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} "
+            f"| {r.raw_zmq_cpu_s_per_gib:.3f} | {r.tcp_cpu_s_per_gib:.3f} |"
         )
     return "\n".join(lines)
 

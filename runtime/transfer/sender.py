@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -77,6 +77,21 @@ class Transport(Protocol):
 
     def discard(self, room: int) -> None:
         """Withdraw `room`'s frames that wait for their peer (their on_done still fires)."""
+
+
+@runtime_checkable
+class DirectCopy(Protocol):
+    """A transport that reads a CPU pool itself (one copy, no staging buffer)."""
+
+    def copy_frame(
+        self,
+        job: TransferJob,
+        header: KVFrameHeader,
+        pool: KVPool,
+        slots: torch.Tensor,  # [n] int64: the frame's source slots
+        on_done: FrameDone,
+    ) -> None:
+        """Copy the frame's tokens from `pool` to the destination; call `on_done` once."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +268,7 @@ class KVSender:
             cfg.pipeline_depth,
         )
         slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
+        direct = isinstance(self.transport, DirectCopy) and pool.device.type == "cpu"
         for index, (start, end) in enumerate(plan):
             with self._cond:
                 if run.error is not None:
@@ -267,22 +283,6 @@ class KVSender:
             if closing:
                 self._fail_run(run, "sender_closed")
                 return
-            n = end - start
-            shape_n = (*frame_shape[:2], n, *frame_shape[3:])
-            try:
-                buf = self._staging.acquire(n * bytes_per_token, cfg.staging_timeout)
-            except StagingTimeout:
-                self._fail_run(run, "staging_timeout")
-                return
-            except StagingClosed:
-                self._fail_run(run, "sender_closed")
-                return
-            try:
-                payload = frame_view(buf, pool.dtype, shape_n)  # [L, 2, n, h, D]
-                self._gather(job, slots[start:end], heads, payload)
-            except BaseException:
-                self._staging.release(buf)
-                raise
             header = KVFrameHeader(
                 room=job.room,
                 generation=job.generation,
@@ -293,18 +293,14 @@ class KVSender:
                 head_start=job.dst_heads[0],
                 head_end=job.dst_heads[1],
                 dtype=shape.dtype,
-                shape=shape_n,
+                shape=(*frame_shape[:2], end - start, *frame_shape[3:]),
                 is_last=job.is_last and index == len(plan) - 1,
             )
-            if cfg.checksum and self.transport.wants_checksum:
-                raw = buf[: payload.numel() * payload.element_size()].numpy()
-                header = msgspec.structs.replace(header, checksum=compute_checksum(memoryview(raw)))
-            with self._cond:
-                run.pending += 1
-            try:
-                self.transport.send_frame(job, header, payload, partial(self._frame_done, run, buf))
-            except Exception as exc:
-                self._frame_done(run, buf, f"send_failed: {exc}")
+            if direct:
+                sent = self._send_direct(run, header, slots[start:end])
+            else:
+                sent = self._send_staged(run, header, slots[start:end], heads, bytes_per_token)
+            if not sent:
                 return
             with self._cond:
                 withdrawn = run.error is not None or job.room in self._closed_rooms
@@ -321,6 +317,56 @@ class KVSender:
                 self.transport.notify(job.peer, job.notify)
             except Exception as exc:
                 self._fail_run(run, f"notify_failed: {exc}")
+
+    def _send_staged(
+        self,
+        run: _Run,
+        header: KVFrameHeader,
+        slots: torch.Tensor,
+        heads: slice,
+        bytes_per_token: int,
+    ) -> bool:
+        """Gather into a staging buffer, hand it over; False if the job must stop."""
+        try:
+            buf = self._staging.acquire(
+                header.num_tokens * bytes_per_token, self.config.staging_timeout
+            )
+        except StagingTimeout:
+            self._fail_run(run, "staging_timeout")
+            return False
+        except StagingClosed:
+            self._fail_run(run, "sender_closed")
+            return False
+        try:
+            payload = frame_view(buf, self.pool.dtype, header.shape)  # [L, 2, n, h, D]
+            self._gather(run.job, slots, heads, payload)
+        except BaseException:
+            self._staging.release(buf)
+            raise
+        if self.config.checksum and self.transport.wants_checksum:
+            raw = buf[: payload.numel() * payload.element_size()].numpy()
+            header = msgspec.structs.replace(header, checksum=compute_checksum(memoryview(raw)))
+        with self._cond:
+            run.pending += 1
+        try:
+            self.transport.send_frame(run.job, header, payload, partial(self._frame_done, run, buf))
+        except Exception as exc:
+            self._frame_done(run, buf, f"send_failed: {exc}")
+            return False
+        return True
+
+    def _send_direct(self, run: _Run, header: KVFrameHeader, slots: torch.Tensor) -> bool:
+        assert isinstance(self.transport, DirectCopy)
+        with self._cond:
+            run.pending += 1
+        try:
+            self.transport.copy_frame(
+                run.job, header, self.pool, slots, partial(self._frame_done, run, None)
+            )
+        except Exception as exc:
+            self._frame_done(run, None, f"send_failed: {exc}")
+            return False
+        return True
 
     def _gather(
         self, job: TransferJob, slots: torch.Tensor, heads: slice, out: torch.Tensor

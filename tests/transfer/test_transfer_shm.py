@@ -6,8 +6,11 @@ import itertools
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transfer_helpers import (
     Link,
     bits,
@@ -23,7 +26,7 @@ from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
-from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.shm import ShmTransport, copy_runs
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
 _ids = itertools.count()
@@ -64,7 +67,8 @@ def decode_pool(tmp_path, shape, seed=2) -> KVPool:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("layouts", list(itertools.product(KVLayout, KVLayout)))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_round_trip_is_bit_identical(link, tmp_path, dtype, layouts, page_size):
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_round_trip_is_bit_identical(link, tmp_path, dtype, layouts, page_size, path):
     src = random_pool(
         make_shape(num_pages=64, page_size=page_size, dtype=dtype, layout=layouts[0]), 1
     )
@@ -77,7 +81,8 @@ def test_round_trip_is_bit_identical(link, tmp_path, dtype, layouts, page_size):
     want = expected_pool(
         src, dst, job.src_slots, job.dst_slots, (0, 1, 2), (0, 1, 2), (0, 4), (0, 4)
     )
-    transport = ShmTransport(link.prefill)
+    # min_run_bytes 0: copy run by run straight from the pool; huge: gather + scatter.
+    transport = ShmTransport(link.prefill, min_run_bytes=0 if path == "direct" else 1 << 40)
     transport.register_peer(link.decode.address, dst.shm_path, dst_shape)
     completed: list[TransferJob] = []
     sender = KVSender(src, transport, SMALL_FRAMES, on_complete=completed.append)
@@ -91,7 +96,11 @@ def test_round_trip_is_bit_identical(link, tmp_path, dtype, layouts, page_size):
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
-def test_head_slices_and_layer_ranges_land_in_place(link, tmp_path, layout):
+@pytest.mark.parametrize("dst_layers", [(1, 2), (2, 0)])
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40])
+def test_head_slices_and_layer_ranges_land_in_place(
+    link, tmp_path, layout, dst_layers, min_run_bytes
+):
     # prefill tp=1 (8 heads), pp stage holding global layers 1..2; decode tp=2 rank 1, pp=1.
     src = random_pool(make_shape(num_layers=2, num_kv_heads=8, layout=layout), 5)
     dst_shape = make_shape(num_layers=3, num_kv_heads=4, layout=layout)
@@ -99,10 +108,10 @@ def test_head_slices_and_layer_ranges_land_in_place(link, tmp_path, layout):
     src_table, dst_table = random_table(6, 32, 6), random_table(6, 32, 7)
     job = shm_job(
         src_table, dst_table, link, tokens=(0, 22),
-        src_layers=(0, 1), dst_layers=(1, 2), src_heads=(4, 8), dst_heads=(0, 4),
+        src_layers=(0, 1), dst_layers=dst_layers, src_heads=(4, 8), dst_heads=(0, 4),
     )  # fmt: skip
-    want = expected_pool(src, dst, job.src_slots, job.dst_slots, (0, 1), (1, 2), (4, 8), (0, 4))
-    transport = ShmTransport(link.prefill)
+    want = expected_pool(src, dst, job.src_slots, job.dst_slots, (0, 1), dst_layers, (4, 8), (0, 4))
+    transport = ShmTransport(link.prefill, min_run_bytes=min_run_bytes)
     transport.register_peer(link.decode.address, dst.shm_path, dst_shape)
     sender = KVSender(src, transport, SMALL_FRAMES)
     sender.start()
@@ -198,16 +207,14 @@ class GatedShm(ShmTransport):
     """Holds every frame write until the gate opens, as a slow copy would."""
 
     def __init__(self, endpoint):
-        super().__init__(endpoint)
+        super().__init__(endpoint, min_run_bytes=0)  # always the direct pool-to-pool copy
         self.gate = threading.Event()
         self.entered = threading.Event()
-        self.num_written = 0
 
-    def send_frame(self, job, header, payload, on_done):
+    def copy_frame(self, job, header, pool, slots, on_done):
         self.entered.set()
         assert self.gate.wait(10)
-        self.num_written += 1
-        super().send_frame(job, header, payload, on_done)
+        super().copy_frame(job, header, pool, slots, on_done)
 
 
 def test_cancel_stops_a_room_and_drain_waits_for_its_write_in_flight(link, tmp_path):
@@ -294,3 +301,36 @@ def test_a_failed_write_fails_the_room_once_and_refuses_more(link, tmp_path):
     link.inbox.wait_for(job.notify)
     sender.close()
     wait_until(lambda: sender.in_flight(21) == 0)
+
+
+# ---- copy runs ---------------------------------------------------------------
+
+
+@given(
+    src_page_size=st.sampled_from([1, 2, 4, 16]),
+    dst_page_size=st.sampled_from([1, 2, 4, 16]),
+    start=st.integers(0, 40),
+    length=st.integers(0, 60),
+    seed=st.integers(0, 1000),
+)
+def test_copy_runs_cover_tokens_in_order_within_pages(
+    src_page_size, dst_page_size, start, length, seed
+):
+    capacity = start + length + 1
+    src_table = random_table(-(-capacity // src_page_size), 4096, seed)
+    dst_table = random_table(-(-capacity // dst_page_size), 4096, seed + 1)
+    src = np.array(slots(src_table, start, start + length, src_page_size), dtype=np.int64)
+    dst = np.array(slots(dst_table, start, start + length, dst_page_size), dtype=np.int64)
+    runs = copy_runs(src, dst, src_page_size, dst_page_size)
+    assert sum(n for _, _, n in runs) == length
+    flat_src = [s + i for s, _, n in runs for i in range(n)]
+    flat_dst = [d + i for _, d, n in runs for i in range(n)]
+    assert flat_src == src.tolist() and flat_dst == dst.tolist()
+    for s, d, n in runs:
+        assert n > 0
+        assert s // src_page_size == (s + n - 1) // src_page_size
+        assert d // dst_page_size == (d + n - 1) // dst_page_size
+    # Maximal: with equal page sizes and aligned tables, runs are exactly the pages touched.
+    if src_page_size == dst_page_size and length:
+        pages_touched = len({p for p in (src // src_page_size).tolist()})
+        assert len(runs) == pages_touched

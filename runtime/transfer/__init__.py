@@ -1,7 +1,8 @@
 """KV transfer engine: moves KV pages between prefill and decode ranks.
 
 Modules: `frames` (pure: headers, planning, validation), `job` (pure: what
-to move), `checksum` (pure), `endpoint` (one ZMQ endpoint per rank),
+to move), `checksum` (pure), `endpoint` (one ZMQ endpoint per rank) and its sending
+half `outbound`,
 `staging` (reusable gather buffers), `sender` (`KVSender`, common to every
 transport), `tcp` (`TcpTransport`, `KVReceiver`), `shm` (`ShmTransport`).
 """

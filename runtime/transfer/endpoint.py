@@ -18,6 +18,9 @@ Zero-copy: a KV payload is handed to libzmq without a copy and tracked;
 `on_sent` fires once libzmq released the buffer (sent, or dropped with its
 peer), and only then may the caller reuse that memory.
 
+The sending half (one DEALER per peer, outboxes for peers not connected
+yet, tracked payloads) is `outbound.Outbound`, run by the same thread.
+
 Hostile input: a message with the wrong number of parts, an unknown kind or
 an oversized part is dropped and counted in `stats` by reason; libzmq itself
 disconnects a peer whose frame exceeds the socket's size cap. Nothing a
@@ -29,15 +32,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from pdcluster.runtime.transfer.frames import MAX_HEADER_BYTES, MiB
+from pdcluster.runtime.transfer.outbound import Outbound, SentCallback
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,6 @@ MAX_ADDRESS_BYTES = 256
 
 ControlHandler = Callable[[str, bytes], None]  # (sender address, data)
 KVHandler = Callable[[bytes, memoryview], None]  # (header, payload); payload valid during call
-SentCallback = Callable[[str | None], None]  # None, or why the payload was not sent
 
 
 @dataclass(frozen=True)
@@ -77,32 +79,6 @@ def check_address(address: str) -> str:
     return address
 
 
-@dataclass
-class _Outgoing:
-    parts: list[Any]
-    on_sent: SentCallback | None
-    tag: int | None
-    queued_at: float
-
-
-@dataclass
-class _Peer:
-    socket: zmq.Socket[Any]
-    # Messages libzmq refused (peer not connected, or high-water mark); flushed
-    # in order on POLLOUT, failed with "send_timeout" when they waited too long.
-    outbox: deque[_Outgoing] = field(default_factory=deque)
-
-
-@dataclass
-class _Tracked:
-    """A zero-copy payload libzmq may still read."""
-
-    tracker: zmq.MessageTracker
-    on_sent: SentCallback
-    peer: str
-    error: str | None = None  # set when its peer was dropped before it left
-
-
 class Endpoint:
     """A rank's ZMQ endpoint. `start()` binds and starts the I/O thread."""
 
@@ -128,9 +104,8 @@ class Endpoint:
         self._ctx: zmq.Context[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
         # Owned by the I/O thread only:
-        self._peers: dict[str, _Peer] = {}
-        self._trackers: list[_Tracked] = []
         self._poller = zmq.Poller()
+        self._out: Outbound | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -161,6 +136,13 @@ class Endpoint:
             port = bound.decode().rpartition(":")[2]
             self._address = f"tcp://{cfg.advertise_host or cfg.host}:{port}"
             self._ctx, self._router = ctx, router
+            self._out = Outbound(
+                ctx,
+                self._poller,
+                self._stats,
+                send_hwm=cfg.send_hwm,
+                send_timeout=cfg.send_timeout,
+            )
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
@@ -271,7 +253,7 @@ class Endpoint:
     # ---- I/O thread ------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._router is not None and self._ctx is not None
+        assert self._router is not None
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         try:
@@ -283,14 +265,9 @@ class Endpoint:
             self._shutdown()
 
     def _step(self) -> bool:
-        # Poll briefly while libzmq still holds tracked payloads, so their owners
-        # get them back promptly; otherwise sleep until something happens.
-        timeout: int | None = None
-        if self._trackers:
-            timeout = 1
-        elif any(peer.outbox for peer in self._peers.values()):
-            timeout = 100  # to expire messages whose peer never shows up
-        events = dict(self._poller.poll(timeout))
+        out = self._out
+        assert out is not None
+        events = dict(self._poller.poll(out.poll_timeout()))
         if self._wake_r in events:
             try:
                 while os.read(self._wake_r, 4096):
@@ -302,134 +279,15 @@ class Endpoint:
             if cmd[0] == "close":
                 return False
             if cmd[0] == "send":
-                self._send(cmd[1], cmd[2], *cmd[3:])
+                out.send(cmd[1], cmd[2], *cmd[3:])
             elif cmd[0] == "drop":
-                self._drop(cmd[1], cmd[2])
+                out.drop(cmd[1], cmd[2])
             elif cmd[0] == "discard":
-                self._discard(cmd[1])
+                out.discard(cmd[1])
         if self._router in events:
             self._receive_batch()
-        for addr, peer in list(self._peers.items()):
-            if peer.outbox and events.get(peer.socket, 0) & zmq.POLLOUT:
-                self._flush(addr, peer)
-            if peer.outbox:
-                self._expire(peer)
-        self._reap_trackers()
+        out.service(events)
         return True
-
-    def _connect(self, addr: str) -> _Peer:
-        assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self.config.send_hwm)
-        # Queue nothing inside libzmq for a peer that is not connected: such
-        # messages wait in our outbox, where they can time out or be dropped.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(addr)
-        peer = _Peer(sock)
-        self._peers[addr] = peer
-        return peer
-
-    def _send(
-        self,
-        addr: str,
-        parts: list[Any],
-        on_sent: SentCallback | None = None,
-        tag: int | None = None,
-    ) -> None:
-        peer = self._peers.get(addr) or self._connect(addr)
-        if peer.outbox:
-            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
-            return
-        if not self._try_send(addr, peer, parts, on_sent):
-            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
-            self._poller.register(peer.socket, zmq.POLLOUT)
-
-    def _discard(self, tag: int) -> None:
-        for peer in self._peers.values():
-            if not any(item.tag == tag for item in peer.outbox):
-                continue
-            kept: deque[_Outgoing] = deque()
-            for item in peer.outbox:
-                if item.tag == tag:
-                    self._stats["send_discarded"] += 1
-                    self._notify(item.on_sent, "discarded")
-                else:
-                    kept.append(item)
-            peer.outbox = kept
-            if not kept:
-                self._poller.unregister(peer.socket)
-
-    def _try_send(
-        self, addr: str, peer: _Peer, parts: list[Any], on_sent: SentCallback | None
-    ) -> bool:
-        try:
-            tracker = peer.socket.send_multipart(
-                parts, flags=zmq.NOBLOCK, copy=False, track=on_sent is not None
-            )
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            self._stats["send_failed"] += 1
-            self._notify(on_sent, f"send_failed: {exc}")
-            return True
-        if on_sent is not None:
-            assert isinstance(tracker, zmq.MessageTracker)
-            self._trackers.append(_Tracked(tracker, on_sent, addr))
-        return True
-
-    def _flush(self, addr: str, peer: _Peer) -> None:
-        while peer.outbox:
-            item = peer.outbox[0]
-            if not self._try_send(addr, peer, item.parts, item.on_sent):
-                return
-            peer.outbox.popleft()
-        self._poller.unregister(peer.socket)
-
-    def _expire(self, peer: _Peer) -> None:
-        # Oldest first: failing only from the front keeps the rest in order.
-        deadline = time.monotonic() - self.config.send_timeout
-        while peer.outbox and peer.outbox[0].queued_at < deadline:
-            self._stats["send_timeout"] += 1
-            self._notify(peer.outbox.popleft().on_sent, "send_timeout")
-        if not peer.outbox:
-            self._poller.unregister(peer.socket)
-
-    def _drop(self, addr: str, reason: str) -> None:
-        peer = self._peers.pop(addr, None)
-        if peer is None:
-            return
-        if peer.outbox:
-            self._poller.unregister(peer.socket)
-        # LINGER 0: libzmq discards what it still queues. Its trackers complete
-        # once libzmq let go of the payloads; report those as not delivered.
-        peer.socket.close(0)
-        for tracked in self._trackers:
-            if tracked.peer == addr and tracked.error is None:
-                tracked.error = reason
-        while peer.outbox:
-            self._stats["send_dropped"] += 1
-            self._notify(peer.outbox.popleft().on_sent, reason)
-
-    def _reap_trackers(self) -> None:
-        if not self._trackers:
-            return
-        pending = []
-        for tracked in self._trackers:
-            if tracked.tracker.done:
-                self._notify(tracked.on_sent, tracked.error)
-            else:
-                pending.append(tracked)
-        self._trackers = pending
-
-    def _notify(self, on_sent: SentCallback | None, error: str | None) -> None:
-        if on_sent is None:
-            return
-        try:
-            on_sent(error)
-        except Exception:
-            self._stats["callback_error"] += 1
-            log.exception("endpoint %s: on_sent callback failed", self._address)
 
     def _receive_batch(self, limit: int = 64) -> None:
         assert self._router is not None
@@ -485,19 +343,13 @@ class Endpoint:
             # After a crash the loop is gone: refuse new commands from here on.
             if self._state == "running":
                 self._state = "closing"
-        self._reap_trackers()  # payloads already sent are reported as sent
-        for addr in list(self._peers):
-            self._drop(addr, "endpoint_closed")
-        if self._router is not None:
-            self._router.close(0)
-        if self._ctx is not None:
-            # After term() libzmq holds no message, so no payload is read any more.
-            self._ctx.term()
-        trackers, self._trackers = self._trackers, []
-        for tracked in trackers:
-            # Not reaped before close: delivery is unknown, report it as not sent.
-            self._notify(tracked.on_sent, tracked.error or "endpoint_closed")
+        out = self._out
+        assert out is not None and self._router is not None and self._ctx is not None
+        out.close()
+        self._router.close(0)
+        self._ctx.term()  # afterwards libzmq holds no message, so reads no payload
+        out.abandon_trackers()
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "send" and len(cmd) > 3:
-                self._notify(cmd[3], "endpoint_closed")
+                out.notify(cmd[3], "endpoint_closed")

@@ -3,7 +3,10 @@
 `KVSender.submit(job)` queues a `TransferJob`; one worker thread plans it
 into frames, gathers each frame into a reusable staging buffer and hands it
 to the transport, so gathering the next frame overlaps moving the last one
-(and the engine keeps computing meanwhile).
+(and the engine keeps computing meanwhile). A transport that can read the
+pool itself (`DirectCopy`, e.g. shm from a CPU pool) skips the staging copy.
+Once every frame of a job was handed over, `job.notify` goes to the peer;
+transports deliver it behind those frames.
 
 Per-room accounting is what the control plane relies on for aborts:
 - `in_flight(room)` counts jobs queued or running whose data may still move;

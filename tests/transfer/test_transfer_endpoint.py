@@ -258,3 +258,30 @@ def test_port_in_use_is_a_clear_error(pair):
 def test_wildcard_bind_needs_an_advertised_host():
     with pytest.raises(ValueError, match="advertise_host"):
         Endpoint(EndpointConfig(host="0.0.0.0"))
+
+
+def test_a_message_whose_peer_never_shows_up_times_out():
+    client = Endpoint(EndpointConfig(send_timeout=0.2))
+    client.start()
+    results: list[str | None] = []
+    started = time.monotonic()
+    client.send_kv(dead_address(), b"h", np.zeros(100_000, dtype=np.uint8), results.append)
+    wait_until(lambda: results == ["send_timeout"], timeout=5, what="send_timeout")
+    assert time.monotonic() - started >= 0.2
+    assert client.stats["send_timeout"] == 1
+    client.close()
+
+
+def test_discard_withdraws_only_the_tagged_messages_still_waiting():
+    client = Endpoint()
+    client.start()
+    peer = dead_address()
+    results: dict[int, list[str | None]] = {1: [], 2: []}
+    for tag in (1, 2, 1):
+        client.send_kv(peer, b"h", np.zeros(100_000, dtype=np.uint8), results[tag].append, tag)
+    client.discard(1)
+    wait_until(lambda: results[1] == ["discarded", "discarded"], what="discarded")
+    time.sleep(0.05)
+    assert results[2] == []  # still waiting for its peer
+    client.close()
+    assert results[2] == ["endpoint_closed"]

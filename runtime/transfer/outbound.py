@@ -1,0 +1,223 @@
+"""The sending half of an endpoint: one DEALER per peer, owned by the I/O thread.
+
+Every method runs on the endpoint's I/O thread; nothing here is thread-safe
+and nothing needs to be.
+
+Invariants:
+- a message is handed to libzmq only if the peer is connected (IMMEDIATE):
+  otherwise it waits in that peer's outbox, in order, where it can fail
+  ("send_timeout"), be withdrawn by tag ("discarded") or fail with its peer
+  ("peer_dropped"); later messages to the peer never overtake it;
+- every `on_sent` fires exactly once: None when libzmq released a tracked
+  payload it took, else the reason the message did not leave.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+SentCallback = Callable[[str | None], None]  # None, or why the payload was not sent
+
+
+@dataclass
+class _Outgoing:
+    parts: list[Any]
+    on_sent: SentCallback | None
+    tag: int | None
+    queued_at: float
+
+
+@dataclass
+class _Peer:
+    socket: zmq.Socket[Any]
+    # Messages libzmq refused (peer not connected, or high-water mark); flushed
+    # in order on POLLOUT, failed with "send_timeout" when they waited too long.
+    outbox: deque[_Outgoing] = field(default_factory=deque)
+
+
+@dataclass
+class _Tracked:
+    """A zero-copy payload libzmq may still read."""
+
+    tracker: zmq.MessageTracker
+    on_sent: SentCallback
+    peer: str
+    error: str | None = None  # set when its peer was dropped before it left
+
+
+class Outbound:
+    """Connections to peers, their outboxes, and the payloads libzmq still holds."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        poller: zmq.Poller,
+        stats: Counter[str],
+        *,
+        send_hwm: int,
+        send_timeout: float,
+    ) -> None:
+        self._ctx = ctx
+        self._poller = poller
+        self._stats = stats
+        self._send_hwm = send_hwm
+        self._send_timeout = send_timeout
+        self._peers: dict[str, _Peer] = {}
+        self._trackers: list[_Tracked] = []
+
+    def poll_timeout(self) -> int | None:
+        """Milliseconds the I/O loop may sleep before `service` has work again."""
+        if self._trackers:
+            return 1  # owners want their payload buffers back promptly
+        if any(peer.outbox for peer in self._peers.values()):
+            return 100  # to expire messages whose peer never shows up
+        return None
+
+    def send(
+        self,
+        addr: str,
+        parts: list[Any],
+        on_sent: SentCallback | None = None,
+        tag: int | None = None,
+    ) -> None:
+        peer = self._peers.get(addr) or self._connect(addr)
+        if peer.outbox:
+            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
+            return
+        if not self._try_send(addr, peer, parts, on_sent):
+            peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
+            self._poller.register(peer.socket, zmq.POLLOUT)
+
+    def discard(self, tag: int) -> None:
+        for peer in self._peers.values():
+            if not any(item.tag == tag for item in peer.outbox):
+                continue
+            kept: deque[_Outgoing] = deque()
+            for item in peer.outbox:
+                if item.tag == tag:
+                    self._stats["send_discarded"] += 1
+                    self._notify(item.on_sent, "discarded")
+                else:
+                    kept.append(item)
+            peer.outbox = kept
+            if not kept:
+                self._poller.unregister(peer.socket)
+
+    def drop(self, addr: str, reason: str) -> None:
+        peer = self._peers.pop(addr, None)
+        if peer is None:
+            return
+        if peer.outbox:
+            self._poller.unregister(peer.socket)
+        # LINGER 0: libzmq discards what it still queues. Its trackers complete
+        # once libzmq let go of the payloads; report those as not delivered.
+        peer.socket.close(0)
+        for tracked in self._trackers:
+            if tracked.peer == addr and tracked.error is None:
+                tracked.error = reason
+        while peer.outbox:
+            self._stats["send_dropped"] += 1
+            self._notify(peer.outbox.popleft().on_sent, reason)
+
+    def service(self, events: dict[Any, int]) -> None:
+        """After a poll: flush writable outboxes, expire stale messages, reap trackers."""
+        for addr, peer in list(self._peers.items()):
+            if peer.outbox and events.get(peer.socket, 0) & zmq.POLLOUT:
+                self._flush(addr, peer)
+            if peer.outbox:
+                self._expire(peer)
+        self.reap()
+
+    def reap(self) -> None:
+        if not self._trackers:
+            return
+        pending = []
+        for tracked in self._trackers:
+            if tracked.tracker.done:
+                self._notify(tracked.on_sent, tracked.error)
+            else:
+                pending.append(tracked)
+        self._trackers = pending
+
+    def close(self) -> None:
+        """Drop every peer; call before terminating the context."""
+        self.reap()  # payloads already sent are reported as sent
+        for addr in list(self._peers):
+            self.drop(addr, "endpoint_closed")
+
+    def abandon_trackers(self) -> None:
+        """After the context terminated: libzmq reads no payload any more."""
+        trackers, self._trackers = self._trackers, []
+        for tracked in trackers:
+            # Not reaped before close: delivery is unknown, report it as not sent.
+            self._notify(tracked.on_sent, tracked.error or "endpoint_closed")
+
+    def notify(self, on_sent: SentCallback | None, error: str | None) -> None:
+        self._notify(on_sent, error)
+
+    # ---- internals -------------------------------------------------------
+
+    def _connect(self, addr: str) -> _Peer:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+        # Queue nothing inside libzmq for a peer that is not connected: such
+        # messages wait in our outbox, where they can time out or be dropped.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.connect(addr)
+        peer = _Peer(sock)
+        self._peers[addr] = peer
+        return peer
+
+    def _try_send(
+        self, addr: str, peer: _Peer, parts: list[Any], on_sent: SentCallback | None
+    ) -> bool:
+        try:
+            tracker = peer.socket.send_multipart(
+                parts, flags=zmq.NOBLOCK, copy=False, track=on_sent is not None
+            )
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            self._stats["send_failed"] += 1
+            self._notify(on_sent, f"send_failed: {exc}")
+            return True
+        if on_sent is not None:
+            assert isinstance(tracker, zmq.MessageTracker)
+            self._trackers.append(_Tracked(tracker, on_sent, addr))
+        return True
+
+    def _flush(self, addr: str, peer: _Peer) -> None:
+        while peer.outbox:
+            item = peer.outbox[0]
+            if not self._try_send(addr, peer, item.parts, item.on_sent):
+                return
+            peer.outbox.popleft()
+        self._poller.unregister(peer.socket)
+
+    def _expire(self, peer: _Peer) -> None:
+        # Oldest first: failing only from the front keeps the rest in order.
+        deadline = time.monotonic() - self._send_timeout
+        while peer.outbox and peer.outbox[0].queued_at < deadline:
+            self._stats["send_timeout"] += 1
+            self._notify(peer.outbox.popleft().on_sent, "send_timeout")
+        if not peer.outbox:
+            self._poller.unregister(peer.socket)
+
+    def _notify(self, on_sent: SentCallback | None, error: str | None) -> None:
+        if on_sent is None:
+            return
+        try:
+            on_sent(error)
+        except Exception:
+            self._stats["callback_error"] += 1
+            log.exception("on_sent callback failed")

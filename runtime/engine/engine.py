@@ -83,6 +83,8 @@ class LLMEngine:
         """`runner`: built from `config` when omitted. `dist`: required when the
         instance has more than one rank (then this must be a leader rank).
         `tokenizer`: enables text stop strings (`SamplingParams.stop`)."""
+        if runner is not None and dist is not None and runner.dist is not dist:
+            raise ValueError("pass the DistContext the runner was built with")
         if dist is not None and not dist.info.is_leader:
             raise ValueError("LLMEngine runs on the leader rank; other ranks use run_follower()")
         self.config = config
@@ -211,8 +213,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return self._outputs(self.scheduler.on_step_done({}))
-        plan = self._plan(batch)
         try:
+            plan = self._plan(batch)
             if self.dist is not None:
                 self.dist.broadcast_plan(plan)
             sampled = self.runner.execute(plan)

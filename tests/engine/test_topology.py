@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcluster.runtime.engine.topology import (
@@ -18,6 +18,7 @@ from pdcluster.runtime.engine.topology import (
 sizes = st.integers(1, 4)
 
 
+@settings(deadline=None)  # a loaded CI box must not turn slowness into failure
 @given(dp=sizes, cp=sizes, tp=sizes, pp=sizes)
 def test_ranks_and_coordinates_are_a_bijection(dp: int, cp: int, tp: int, pp: int) -> None:
     par = ParallelConfig(dp=dp, cp=cp, tp=tp, pp=pp)
@@ -47,6 +48,7 @@ def test_the_documented_rank_order() -> None:
     assert info.stage_rank(1) == 7 and info.sampler_rank == 5 and info.leader_rank == 4
 
 
+@settings(deadline=None)
 @given(total=st.integers(0, 100), parts=st.integers(1, 9))
 def test_split_range_tiles_the_whole_range(total: int, parts: int) -> None:
     ranges = [split_range(total, parts, i) for i in range(parts)]

@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, required=True)
     w.add_argument("--dist-port", type=int, required=True)
     w.add_argument("--bootstrap-port", type=int)
+    w.add_argument(
+        "--pod-index",
+        type=int,
+        default=0,
+        help="pod of a multi-pod instance (0 runs the leader ranks and the HTTP server)",
+    )
     w.set_defaults(fn=cmd_worker)
 
     r = sub.add_parser("router", help="run the OpenAI-compatible router")
@@ -214,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill", action="append", default=[])
     r.add_argument("--decode", action="append", default=[])
     r.add_argument("--colocated", action="append", default=[])
+    r.add_argument("--kubernetes", action="store_true", help="discover worker pods by label")
+    r.add_argument("--namespace", default="")
+    r.add_argument("--cluster", default="", help="PDCluster name (label pdcluster.io/cluster)")
     r.set_defaults(fn=cmd_router)
     return p
 

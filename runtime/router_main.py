@@ -1,29 +1,41 @@
-"""`pdcluster router`: the router process, configured from the manifest + flags."""
+"""`pdcluster router`: the router process, configured from the manifest + flags.
+
+A thin mapping onto the router's own command line (`python -m
+pdcluster.runtime.router`): static worker URLs in local mode, or Kubernetes
+discovery of the cluster's pods (`--kubernetes --namespace NS --cluster NAME`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 
-from pdcluster.runtime.spec import PDCluster, PDClusterSpec
+from pdcluster.runtime.spec import PDCluster
+
+
+def router_argv(manifest: PDCluster | None, args: argparse.Namespace) -> list[str]:
+    argv = ["--host", args.host, "--port", str(args.port), "--log-level", "warning"]
+    if args.file:
+        argv += ["--manifest", args.file]
+    for role in ("prefill", "decode", "colocated"):
+        for url in getattr(args, role):
+            argv += [f"--{role}", url]
+    if args.kubernetes:
+        if not args.namespace or not args.cluster:
+            raise SystemExit("pdcluster router: --kubernetes needs --namespace and --cluster")
+        disaggregated = manifest is None or manifest.spec.is_disaggregated
+        argv += [
+            "--k8s-namespace",
+            args.namespace,
+            "--k8s-selector",
+            f"pdcluster.io/cluster={args.cluster}",
+            "--k8s-mode",
+            "pd" if disaggregated else "colocated",
+        ]
+    return argv
 
 
 def run_router_from_cli(manifest: PDCluster | None, args: argparse.Namespace) -> int:
-    from pdcluster.runtime.router.config import RouterConfig
-    from pdcluster.runtime.router.server import run_router
+    from pdcluster.runtime.router.cli import main
 
-    spec = manifest.spec if manifest is not None else None
-    keys = [k for k in os.environ.get("PDCLUSTER_ROUTER_API_KEYS", "").split(",") if k]
-    if spec is None:
-        spec = PDClusterSpec.model_validate(
-            {"prefill": {}, "decode": {}} if args.prefill or args.decode else {"colocated": {}}
-        )
-    config = RouterConfig.from_spec(
-        spec,
-        prefill_urls=args.prefill,
-        decode_urls=args.decode,
-        colocated_urls=args.colocated,
-        api_keys=keys,
-    )
-    run_router(config, host=args.host, port=args.port, log_level="warning")
+    main(router_argv(manifest, args))
     return 0

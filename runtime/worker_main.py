@@ -46,6 +46,8 @@ class WorkerSettings:
     bootstrap_port: int | None
     token: str
     shm_dir: str | None
+    # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1).
+    dp_ports: tuple[int, ...] = ()
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -131,7 +133,7 @@ def _start_children(settings: WorkerSettings) -> list[multiprocessing.process.Ba
 def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
     """Leader of dp group d > 0: its own engine and an internal HTTP port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    serve_leader(settings, dp_rank, port=settings.port + 100 + dp_rank, host="127.0.0.1")
+    serve_leader(settings, dp_rank, port=settings.dp_ports[dp_rank - 1], host="127.0.0.1")
 
 
 def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -> None:
@@ -211,6 +213,12 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         token=os.environ.get("PDCLUSTER_TOKEN", ""),
         shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
     )
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and settings.role_spec.pods_per_instance > 1:
+        # All ranks of an instance run as processes of one pod for now.
+        raise SystemExit(
+            "pdcluster worker: an instance spread over several pods (gpusPerPod < dp*tp*cp*pp) "
+            "is not supported yet; set gpusPerPod to the instance's rank count"
+        )
     if settings.role == "prefill" and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
     owned_shm = None
@@ -232,6 +240,11 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
 
 
 def _run_instance(settings: WorkerSettings) -> int:
+    dp = settings.role_spec.topology.dp
+    if dp > 1:
+        from pdcluster.runtime.local.launcher import free_ports
+
+        settings = replace(settings, dp_ports=tuple(free_ports(dp - 1)))
     children = _start_children(settings)
     if children:
         _watch_children(children)

@@ -15,11 +15,14 @@ Admin API (token-protected; the operator's fast path):
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -46,6 +49,8 @@ class _PDBackend:
         self.agent = agent
         self.coordinator = coordinator
         self.info = info
+        self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
+        self._forwarded: dict[str, str] = {}
 
     def check(self, req: PreparedRequest) -> None:
         if req.bootstrap.bootstrap_room is None:
@@ -56,7 +61,16 @@ class _PDBackend:
         check_capacity(self.service.engine, req)
         engine_request(req)
 
+    def target_dp(self, req: PreparedRequest) -> int:
+        room = req.bootstrap.bootstrap_room or 0
+        return room % int(self.info["dp_size"])
+
     async def events(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        target = self.target_dp(req)
+        if target != self.info["dp_rank"]:
+            async for event in self._forward(target, req):
+                yield event
+            return
         out = self.service.track(req.rid, len(req.prompt_ids), req.stop_strings)
         try:
             await self.service.call(lambda: self.open(req))
@@ -72,7 +86,74 @@ class _PDBackend:
     def open(self, req: PreparedRequest) -> None:
         raise NotImplementedError
 
+    async def _forward(self, target: int, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        """Relay a request to the leader of dp group `target` (its own engine)."""
+        url = f"http://127.0.0.1:{self.dp_ports[target - 1]}"
+        self._forwarded[req.rid] = url
+        body = {
+            "input_ids": req.prompt_ids,
+            "rid": req.rid,
+            "stream": True,
+            "sampling_params": {
+                "temperature": req.sampling["temperature"],
+                "top_p": req.sampling["top_p"],
+                "top_k": req.sampling["top_k"],
+                "max_new_tokens": req.sampling["max_tokens"],
+                "seed": req.sampling["seed"],
+                "ignore_eos": req.sampling["ignore_eos"],
+                "stop_token_ids": req.sampling["stop_token_ids"],
+                "stop": req.stop_strings or None,
+            },
+            **req.bootstrap.model_dump(exclude_none=True),
+        }
+        text, n_ids = "", 0
+        try:
+            async with httpx.AsyncClient(timeout=None) as client:
+                async with client.stream("POST", url + "/generate", json=body) as resp:
+                    if resp.status_code != 200:
+                        detail = (await resp.aread()).decode(errors="replace")
+                        yield TokenEvent(
+                            [], "", True, "error", error=detail, status=resp.status_code
+                        )
+                        return
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            err = data["error"]
+                            yield TokenEvent(
+                                [],
+                                "",
+                                True,
+                                "error",
+                                error=err.get("message"),
+                                status=int(err.get("code", 502)),
+                            )
+                            return
+                        ids, full = data["output_ids"], data["text"]
+                        fin = (data["meta_info"].get("finish_reason") or {}).get("type")
+                        yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
+                        text, n_ids = full, len(ids)
+                        if fin is not None:
+                            return
+        except httpx.HTTPError as err:
+            yield TokenEvent([], "", True, "error", error=f"dp group {target}: {err}", status=502)
+        finally:
+            self._forwarded.pop(req.rid, None)
+
     def abort(self, rid: str) -> None:
+        url = self._forwarded.get(rid)
+        if url is not None:
+
+            def relay() -> None:
+                try:
+                    httpx.post(url + "/abort_request", json={"rid": rid}, timeout=2)
+                except httpx.HTTPError:
+                    pass
+
+            threading.Thread(target=relay, name="abort-relay", daemon=True).start()
+            return
         self.service.abort(rid)
 
     def abort_all(self) -> None:
@@ -172,7 +253,7 @@ def build_pd_backend(
     spec = settings.manifest.spec
     topo = settings.role_spec.topology
     group_size = topo.cp * topo.tp * topo.pp
-    info: dict[str, Any] = {"dp_size": topo.dp, "dp_rank": dp_rank}
+    info: dict[str, Any] = {"dp_size": topo.dp, "dp_rank": dp_rank, "dp_ports": settings.dp_ports}
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
     if settings.role == "prefill":

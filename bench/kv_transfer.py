@@ -1,6 +1,6 @@
 """KV transfer throughput: each transport next to its raw limit, in one run.
 
-    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256] [--repeats 5]
+    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256] [--repeats 5] [--threads 1]
 
 For every size (MiB of KV moved for one request):
 - raw pyzmq: DEALER -> ROUTER on 127.0.0.1, zero-copy, the same number and
@@ -319,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where the prefill pool (and the tcp decode pool) live; shm always writes a host pool",
     )
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(
         f"# {args.layers} layers x {args.heads} kv heads x {args.head_dim} ({args.dtype}, "
         f"{args.layout}, page {args.page_size}, pools on {args.device}); "

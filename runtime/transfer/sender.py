@@ -170,12 +170,15 @@ class KVSender:
             self._state = "closing"
             dropped = list(self._queue)
             self._queue.clear()
-            for job in dropped:
-                self._in_flight_done(job.room)
             self._cond.notify_all()
         self._staging.close()
         for job in dropped:
             self._fail_room(job, "sender_closed")
+            with self._cond:
+                self._in_flight_done(job.room)
+                self._cond.notify_all()
+        if self._thread is threading.current_thread():
+            return  # closed from a callback on the worker: it stops after returning
         if self._thread is not None and not was_new:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -207,6 +207,34 @@ def test_liveness_failure_restarts_the_container(kube: KubeApi, namespace: str) 
     assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == 128 + 15
 
 
+def test_liveness_failure_kills_a_process_that_ignores_sigterm_and_restarts_it(
+    kube: KubeApi, namespace: str
+) -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    pod = make_pod(
+        "deaf",
+        ["python", "-c", stubborn],
+        container={
+            "livenessProbe": {
+                "tcpSocket": {"port": 9},
+                "initialDelaySeconds": 2,  # time for Python to start ignoring SIGTERM
+                "periodSeconds": 1,
+                "failureThreshold": 1,
+            }
+        },
+        terminationGracePeriodSeconds=1,
+    )
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    restarted = wait_for_object(
+        kube,
+        f"/api/v1/namespaces/{namespace}/pods/deaf",
+        lambda p: container_status(p).get("restartCount", 0) >= 1,
+        30,
+        "a restart after SIGKILL at the end of the grace period",
+    )
+    assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == 128 + 9
+
+
 def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_path: Path) -> None:
     marker = tmp_path / "stopped"
     polite = textwrap.dedent(

@@ -204,7 +204,8 @@ class PodWorker(threading.Thread):
                 if run.is_running:
                     self._probe(run, now)
                     if run.kill_at is not None and now >= run.kill_at:
-                        self._kill_now(run)
+                        # Grace ran out after a failed probe: still restarted per policy.
+                        self._kill_now(run, restart_allowed=True)
         if not stopping_agent:
             self._sync_status(now)
         return False
@@ -375,11 +376,11 @@ class PodWorker(threading.Thread):
                 processes.signal_group(run.record, signal.SIGCONT)
         run.kill_at = now + self._grace_s(self._pod)
 
-    def _kill_now(self, run: ContainerRun) -> None:
+    def _kill_now(self, run: ContainerRun, restart_allowed: bool = False) -> None:
         if run.record is not None and run.proc is not None:
             processes.signal_group(run.record, signal.SIGKILL)
             run.proc.wait()
-            self._reap(run, time.time(), restart_allowed=False)
+            self._reap(run, time.time(), restart_allowed=restart_allowed)
 
     def _terminate(self, pod: Mapping[str, Any], now: float, stopping_agent: bool) -> bool:
         """Graceful stop of every container; True once none is running."""

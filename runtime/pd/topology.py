@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from pdcluster.runtime.engine import topology as engine_topology
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 
 Span = tuple[int, int]  # half-open [start, end)
@@ -80,12 +81,16 @@ class ModelShape:
 
 
 def split_span(total: int, parts: int, index: int) -> Span:
-    """Contiguous near-even split: the first `total % parts` parts get one more."""
-    if parts < 1 or not 0 <= index < parts or total < 0:
-        raise TopologyError(f"cannot take part {index} of {total} split {parts} ways")
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
+    """Contiguous near-even split: the first `total % parts` parts get one more.
+
+    The engine's own rule (`engine.topology.split_range`), so the layers and
+    heads a rank's KV pool holds and the slices mapped here cannot diverge.
+    """
+    try:
+        part = engine_topology.split_range(total, parts, index)
+    except engine_topology.TopologyError as err:
+        raise TopologyError(str(err)) from None
+    return part.start, part.stop
 
 
 def layer_range(num_layers: int, pp_size: int, pp_rank: int) -> Span:

@@ -95,6 +95,7 @@ from pdcluster.runtime.pd.room_common import (
     check_room,
     clip_reason,
     peer_matches,
+    reason_label,
 )
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.tombstones import Tombstones
@@ -516,8 +517,7 @@ class PrefillRoomTable:
             state=KVPoll.Failed,
             reason=clip_reason(reason),
         )
-        code = reason.split(":", 1)[0].replace(" ", "_")
-        return [Send(endpoint, status), Dropped(room, "claim", code)]
+        return [Send(endpoint, status), Dropped(room, "claim", reason_label(reason))]
 
     def _maybe_succeed(self, r: PrefillRoom, now: float) -> list[Action]:
         if not (r.finished and r.inflight == 0 and r.poll.state in _SENDING):

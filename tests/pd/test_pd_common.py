@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.runtime.pd.compat import CompatError, check_compat
-from pdcluster.runtime.pd.room_common import host_of, peer_matches
+from pdcluster.runtime.pd.room_common import host_of, peer_matches, reason_label
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.spec import TransferSpec
 
@@ -68,3 +68,28 @@ def test_compat_error_names_every_field_and_both_values() -> None:
     )
     assert err.value.field == "page_size" and len(err.value.mismatches) == 2
     check_compat(compat(), compat())
+
+
+@pytest.mark.parametrize(
+    ("reason", "label"),
+    [
+        ("bootstrap_timeout", "bootstrap_timeout"),
+        (
+            "page_size mismatch: prefill=16, decode=32; kv_dtype mismatch: a, b",
+            "page_size_mismatch",
+        ),
+        (
+            "allocation_policy mismatch: prefill=early, decode=prefill_complete",
+            "allocation_policy_mismatch",
+        ),
+        ("prefill dp0/cp0/tp1/pp0 failed: transfer_error", "prefill_failed"),
+        ("aborted by decode: client_disconnected", "aborted_by_decode"),
+        ("room_closed: bootstrap_timeout", "room_closed"),
+        ("Ünïcode & spaces!", "other"),
+        ("x" * 200, "other"),
+        ("", "unknown"),
+        (None, "unknown"),
+    ],
+)
+def test_reason_labels_are_bounded_codes(reason: str | None, label: str) -> None:
+    assert reason_label(reason) == label

@@ -25,10 +25,20 @@ DEMO_PROMPT = "The capital of France is"
 
 
 def load_manifest(path: str) -> PDCluster:
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise SystemExit(f"pdcluster: cannot read manifest {path}: {err.strerror}") from None
+    """Read a manifest from a file, or from an environment variable with `env:NAME`.
+
+    Pods get the manifest through an env var filled from the cluster's
+    ConfigMap, so no volume is needed.
+    """
+    if path.startswith("env:"):
+        text = os.environ.get(path[4:], "")
+        if not text:
+            raise SystemExit(f"pdcluster: environment variable {path[4:]} holds no manifest")
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise SystemExit(f"pdcluster: cannot read manifest {path}: {err.strerror}") from None
     try:
         return load_manifest_text(text)
     except SpecError as err:

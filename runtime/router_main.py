@@ -8,13 +8,21 @@ discovery of the cluster's pods (`--kubernetes --namespace NS --cluster NAME`).
 from __future__ import annotations
 
 import argparse
+import tempfile
+
+import yaml
 
 from pdcluster.runtime.spec import PDCluster
 
 
 def router_argv(manifest: PDCluster | None, args: argparse.Namespace) -> list[str]:
     argv = ["--host", args.host, "--port", str(args.port), "--log-level", "warning"]
-    if args.file:
+    if args.file and args.file.startswith("env:") and manifest is not None:
+        # The router reads a file: hand it the manifest that came by env var.
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(yaml.safe_dump(manifest.model_dump(by_alias=True, mode="json")))
+        argv += ["--manifest", f.name]
+    elif args.file:
         argv += ["--manifest", args.file]
     for role in ("prefill", "decode", "colocated"):
         for url in getattr(args, role):

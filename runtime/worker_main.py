@@ -59,6 +59,12 @@ class WorkerSettings:
         return rs
 
 
+def _torch_threads() -> int:
+    # One intra-op thread per rank by default: ranks of an instance share the
+    # host's cores, and oversubscribed torch threads slow everything down.
+    return max(1, int(os.environ.get("PDCLUSTER_TORCH_THREADS", "1")))
+
+
 def engine_config(settings: WorkerSettings, dp_rank: int) -> Any:
     from pdcluster.runtime.engine.engine_config import engine_config_from_spec
     from pdcluster.runtime.engine.topology import ParallelConfig
@@ -91,7 +97,7 @@ def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> No
 
     from pdcluster.runtime.engine.runner import ModelRunner, run_follower
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(_torch_threads())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     cfg, dist = _init_group(settings, dp_rank, group_rank)
     runner = ModelRunner.build(cfg, dist)
@@ -146,7 +152,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.server.engine_service import EngineService
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(_torch_threads())
     cfg, dist = _init_group(settings, dp_rank, 0)
     runner = ModelRunner.build(cfg, dist)
     agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)

@@ -51,6 +51,25 @@ class _PDBackend:
         self.info = info
         self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
         self._forwarded: dict[str, str] = {}
+        # The front of a dp>1 instance is healthy only once every dp group serves.
+        self._groups_ready = threading.Event()
+        if self.dp_ports and info["dp_rank"] == 0:
+            threading.Thread(target=self._wait_groups, name="dp-ready", daemon=True).start()
+        else:
+            self._groups_ready.set()
+
+    def _wait_groups(self) -> None:
+        pending = list(self.dp_ports)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for port in list(pending):
+                    try:
+                        if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                            pending.remove(port)
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.2)
+        self._groups_ready.set()
 
     def check(self, req: PreparedRequest) -> None:
         if req.bootstrap.bootstrap_room is None:
@@ -104,9 +123,13 @@ class _PDBackend:
                 "stop_token_ids": req.sampling["stop_token_ids"],
                 "stop": req.stop_strings or None,
             },
-            **req.bootstrap.model_dump(exclude_none=True),
         }
+        b = req.bootstrap
+        for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"):
+            if getattr(b, name) is not None:
+                body[name] = getattr(b, name)
         text, n_ids = "", 0
+        ended = False
         try:
             async with httpx.AsyncClient(timeout=None) as client:
                 async with client.stream("POST", url + "/generate", json=body) as resp:
@@ -136,10 +159,14 @@ class _PDBackend:
                         yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
                         text, n_ids = full, len(ids)
                         if fin is not None:
+                            ended = True
                             return
         except httpx.HTTPError as err:
             yield TokenEvent([], "", True, "error", error=f"dp group {target}: {err}", status=502)
+            ended = True
         finally:
+            if not ended:
+                log.warning("dp group %s: stream for %s ended without a finish", target, req.rid)
             self._forwarded.pop(req.rid, None)
 
     def abort(self, rid: str) -> None:
@@ -171,7 +198,7 @@ class _PDBackend:
         }
 
     def is_healthy(self) -> bool:
-        return self.service.is_alive
+        return self.service.is_alive and self._groups_ready.is_set()
 
 
 class PrefillBackend(_PDBackend):

@@ -10,7 +10,6 @@ from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.topology import ParallelConfig
 from pdcluster.runtime.spec import PDCluster
 
-
 _CACHE: dict[tuple[object, ...], list[list[int]]] = {}
 
 
@@ -19,8 +18,13 @@ def colocated_outputs(
 ) -> list[list[int]]:
     """Greedy outputs of a single-rank colocated engine for each prompt (cached per settings)."""
     spec = cluster.spec
-    key = (spec.model, spec.kv_cache.dtype, spec.kv_cache.page_size, max_tokens,
-           tuple(tuple(p) for p in prompts))
+    key = (
+        spec.model,
+        spec.kv_cache.dtype,
+        spec.kv_cache.page_size,
+        max_tokens,
+        tuple(tuple(p) for p in prompts),
+    )
     if key not in _CACHE:
         _CACHE[key] = _compute(cluster, prompts, max_tokens)
     return _CACHE[key]

@@ -68,3 +68,48 @@ def test_pd_equals_colocated(example: str, tmp_path: Path) -> None:
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"prompt {i} ({len(prompts[i])} tokens): PD {g} != colocated {e}"
         assert_no_page_leak(cluster)
+
+
+@pytest.mark.slow
+def test_64_concurrent_requests_on_2p2d(tmp_path: Path) -> None:
+    manifest = ROOT / "examples" / "pd-2p2d.yaml"
+    rng = random.Random(64)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(1, 300))] for _ in range(64)]
+    expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
+    with local_cluster(manifest, tmp_path / "state") as cluster:
+        with ThreadPoolExecutor(64) as pool:
+            got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+        assert got == expected
+        assert_no_page_leak(cluster)
+
+
+@pytest.mark.slow
+def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
+    import openai
+
+    manifest = ROOT / "examples" / "pd-1p1d.yaml"
+    prompts = ["Hello", "The capital of France is", "x" * 700]
+    with local_cluster(ROOT / "examples" / "colocated.yaml", tmp_path / "c") as coloc:
+        ref = openai.OpenAI(base_url=coloc.endpoint + "/v1", api_key="unused")
+        expected = [
+            ref.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+            .choices[0]
+            .text
+            for p in prompts
+        ]
+    with local_cluster(manifest, tmp_path / "pd") as cluster:
+        client = openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused")
+        for prompt, want in zip(prompts, expected, strict=True):
+            whole = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0
+            )
+            assert whole.choices[0].text == want
+            chunks = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in chunks) == want
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+        )
+        assert chat.choices[0].message.role == "assistant"
+        assert_no_page_leak(cluster)

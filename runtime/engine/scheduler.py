@@ -154,10 +154,7 @@ class _Plan:
 
 
 def _arrival(seq: Sequence) -> int:
-    # Annotated local: the value is typed even where mypy cannot resolve
-    # the package import and sees Sequence as Any.
-    arrival: int = seq.arrival
-    return arrival
+    return seq.arrival
 
 
 def _is_token(value: object) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -219,3 +220,23 @@ def test_base_url(address: str, url: str) -> None:
 def test_empty_address_is_refused() -> None:
     with pytest.raises(ValueError):
         base_url("  ")
+
+
+def test_keep_alive_answers_are_not_held_back_by_nagle(server: BootstrapServer) -> None:
+    """A decode worker reuses its connection; each answer must come at once, not ~40 ms later."""
+    conn = socket.create_connection((server.host, server.port))
+    request = b"GET /health HTTP/1.1\r\nHost: bootstrap\r\n\r\n"
+    times = []
+    try:
+        for _ in range(9):
+            started = time.perf_counter()
+            conn.sendall(request)
+            data = b""
+            while b'"expected"' not in data:
+                data += conn.recv(4096)
+            times.append(time.perf_counter() - started)
+    finally:
+        conn.close()
+    assert sorted(times)[4] < 0.025, (
+        f"median {sorted(times)[4] * 1e3:.1f} ms per keep-alive request"
+    )

@@ -33,6 +33,8 @@ Invariants (asserted by the property tests):
 - the waiting queue is ordered by arrival and admits only from its head;
 - ``num_running <= max_running_requests``; a batch holds at most one chunk per
   sequence and at most ``max_batch_tokens`` tokens;
+- a ``prefill_only`` sequence takes all its prompt pages on admission and is
+  never preempted: a KV transfer may be reading its pages at any time;
 - the oldest running sequence is never preempted, so it always progresses
   unless pages are held outside the scheduler (HELD sequences, PD
   reservations); an admissible request alone always fits the pool;
@@ -352,9 +354,13 @@ class Scheduler:
                 break
             start = seq.num_computed_tokens
             end = start + min(cfg.chunk_size, seq.num_prefill_tokens - start, plan.budget)
+            if blocked and seq.num_new_pages_for(end, cfg.page_size) > 0:
+                # Head-of-line: nobody behind a blocked sequence takes pages, but
+                # one that already holds its pages (prefill_only) still runs.
+                continue
             if not self._reserve(seq, end, plan):
                 blocked = True
-                break
+                continue
             plan.chunks[seq.rid] = (seq, start, end)
             plan.budget -= end - start
 
@@ -365,7 +371,11 @@ class Scheduler:
                 break
             seq = self._waiting[0]
             end = min(cfg.chunk_size, seq.num_prefill_tokens, plan.budget)
-            need = seq.num_new_pages_for(end, cfg.page_size)
+            # A prefill_only sequence streams its KV out while it computes, so
+            # its pages must never move: it takes the whole prompt's pages now
+            # (all or nothing) and is never preempted.
+            upto = seq.num_prefill_tokens if seq.mode == "prefill_only" else end
+            need = seq.num_new_pages_for(upto, cfg.page_size)
             if need > self.allocator.num_free:
                 break
             self._waiting.pop(0)
@@ -411,6 +421,8 @@ class Scheduler:
             for cand in sorted([*self._running, *self._ready], key=_arrival, reverse=True):
                 if cand.arrival <= seq.arrival or shortfall <= 0:
                     break
+                if cand.mode == "prefill_only":
+                    continue  # a transfer may be reading its pages: never move them
                 victims.append(cand)
                 shortfall -= len(cand.page_table)
             if shortfall > 0:

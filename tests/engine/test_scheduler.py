@@ -961,3 +961,32 @@ def test_every_admitted_request_finishes_with_its_reference_output(
         check_progress(seq)
         assert seq.status is S.FINISHED
     assert sched.allocator.num_free == num_pages
+
+
+def test_prefill_only_takes_all_prompt_pages_at_once_and_is_never_preempted() -> None:
+    # A prefill_only sequence's KV streams to decode while it computes: the
+    # pages a transfer may be reading must never be freed or moved under it.
+    sched, runner = make(num_pages=6, page_size=4, chunk_size=4, max_batch_tokens=64)
+    older = new_seq("older", prompt_len=4, max_tokens=20)
+    held = new_seq("held", prompt_len=12, max_tokens=1, mode="prefill_only")
+    sched.add(older)
+    step(sched, runner)  # older admitted: 1 page
+    sched.add(held)
+    batch, _ = step(sched, runner)
+    assert [c.rid for c in batch.chunks if c.rid == "held"] == ["held"]
+    assert len(held.page_table) == 3, "all prompt pages on admission, not one chunk's worth"
+    pages = list(held.page_table)
+    while held.status is not SequenceStatus.HELD:
+        batch, _ = step(sched, runner)
+        assert "held" not in batch.preempted
+        assert held.page_table == pages
+    # The older normal sequence now runs out of pages; it must not take the held ones.
+    for _ in range(30):
+        if not sched.has_work() or older.is_finished:
+            break
+        batch, _ = step(sched, runner)
+        assert "held" not in batch.preempted
+    assert held.page_table == pages and all(sched.allocator.is_allocated(p) for p in pages)
+    sched.release("held")
+    drain(sched, runner)
+    assert sched.allocator.num_free == 6

@@ -92,7 +92,10 @@ def main() -> None:
         c50 = statistics.median(times["colocated"])
         p50 = statistics.median(times["pd"])
         p90 = statistics.quantiles(times["pd"], n=10)[-1]
-        print(f"{n:>7} {c50 * 1e3:>11.1f} ms {p50 * 1e3:>6.1f} ms {p90 * 1e3:>6.1f} ms {p50 / c50:>10.2f}")
+        print(
+            f"{n:>7} {c50 * 1e3:>11.1f} ms {p50 * 1e3:>6.1f} ms {p90 * 1e3:>6.1f} ms "
+            f"{p50 / c50:>10.2f}"
+        )
 
 
 if __name__ == "__main__":

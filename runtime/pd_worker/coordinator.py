@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,7 +207,7 @@ class DecodeCoordinator(_Coordinator):
         self.admission = DecodeAdmission(slots, self.engine.num_total_pages)
 
     def num_pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+        return -(-num_tokens // int(self.page_size))
 
     def open(
         self,

@@ -72,7 +72,8 @@ def start_rank_agent(
     if settings.role == "prefill":
         agent.register()
     log.info("rank %s (%s) endpoint %s", ctx.coord, settings.role, agent.address)
-    return agent
+    started: RankAgent = agent
+    return started
 
 
 def _exchange_addresses(agent: Any, runner: Any, leader: bool) -> None:

@@ -195,6 +195,7 @@ class _PDBackend:
             "num_rooms": len(self.coordinator.rooms),
             "endpoint": self.agent.address,
             "pd_stats": dict(self.agent.ctx.stats),
+            "kv_receive_stats": dict(getattr(getattr(self.agent, "receiver", None), "stats", {})),
         }
 
     def is_healthy(self) -> bool:

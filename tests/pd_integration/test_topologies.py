@@ -113,3 +113,28 @@ def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
         )
         assert chat.choices[0].message.role == "assistant"
         assert_no_page_leak(cluster)
+
+
+@pytest.mark.slow
+def test_checksummed_kv_arrives_bit_identical(tmp_path: Path) -> None:
+    """Debug check: every KV frame carries a CRC of prefill's bytes, verified by decode
+    before it is written; all frames must verify and outputs must equal colocated."""
+    from tests.local.cluster import write_manifest
+
+    spec = {
+        "model": {"name": "tiny"},
+        "kvCache": {"pageSize": 16, "numPages": 512},
+        "transfer": {"checksum": True},
+        "prefill": {},
+        "decode": {},
+    }
+    manifest = write_manifest(tmp_path, "checksummed", spec)
+    prompts = make_prompts(8, seed=3)
+    expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
+    with local_cluster(manifest, tmp_path / "state") as cluster:
+        got = [generate(cluster.endpoint, p) for p in prompts]
+        assert got == expected
+        decode = cluster.worker("decode-0")
+        stats = httpx.get(decode["url"] + "/get_server_info", timeout=10).json()["kv_receive_stats"]
+        assert stats.get("accepted", 0) >= len(prompts)
+        assert not any("checksum" in k for k in stats), stats

@@ -27,7 +27,7 @@ from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
-from pdcluster.runtime.pd.room_common import RoomError
+from pdcluster.runtime.pd.room_common import RoomError, peer_matches
 from pdcluster.runtime.pd.topology import ModelShape, PDTopology, TopologyError
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
 from pdcluster.runtime.pd_worker.group import (
@@ -37,6 +37,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupOpen,
     GroupPages,
 )
+from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 log = logging.getLogger("pdcluster.pd.decode")
@@ -76,7 +77,7 @@ class DecodeAgent(RankAgent):
             pool,
             self._resolve,
             on_failure=lambda room, gen, reason: self.post(
-                lambda: self._fail(room, f"transfer_failed: {reason}")
+                lambda: self._fail(room, _transfer_reason(reason))
             ),
             require_checksum=bool(ctx.transfer.checksum),
         )
@@ -85,7 +86,12 @@ class DecodeAgent(RankAgent):
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
         self.heartbeat = HeartbeatTracker(hb.interval_seconds, hb.failure_threshold)
-        self._probing: set[str] = set()
+        # peer -> when its probe in flight started.
+        self._probing: dict[str, float] = {}
+        # fail_peer target (as given) -> when it was declared lost. Only a probe
+        # that *started* later may revive it: one already in flight when the
+        # operator reported the pod gone proves nothing.
+        self._lost_at: dict[str, float] = {}
 
     def close(self) -> None:
         super().close()
@@ -167,9 +173,7 @@ class DecodeAgent(RankAgent):
         elif isinstance(msg, GroupFail):
             self._fail(msg.room, msg.reason)
         elif isinstance(msg, GroupFailPeer):
-            self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
-            for room in list(self.rooms):
-                self._sweep(room)
+            self._peer_lost(msg.peer, msg.reason, now)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
@@ -252,12 +256,15 @@ class DecodeAgent(RankAgent):
     # ------------------------------------------------------------ liveness
     def tick(self, now: float) -> None:
         self.perform(self.table.tick(now))
+        # The table forgets a lost peer after bootstrap_s; so may we.
+        horizon = now - self.ctx.room_settings.bootstrap_s
+        self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
         for room in list(self.rooms):
             self._sweep(room)
         for peer in self.heartbeat.due(now):
             if peer in self._probing:
                 continue
-            self._probing.add(peer)
+            self._probing[peer] = now
             client = self.bootstrap.get(peer)
             timeout = self.heartbeat.probe_timeout_s
 
@@ -267,7 +274,7 @@ class DecodeAgent(RankAgent):
             self.aio.submit(client.health(timeout), done)
 
     def _on_probe(self, peer: str, ok: bool) -> None:
-        self._probing.discard(peer)
+        started = self._probing.pop(peer, 0.0)
         now = time.monotonic()
         verdict = self.heartbeat.on_result(peer, ok, now)
         if verdict is Verdict.DEAD:
@@ -275,12 +282,43 @@ class DecodeAgent(RankAgent):
                 "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
             )
             self.ctx.stats["peer_dead"] += 1
-            self.bootstrap.invalidate(peer)
-            self.perform(self.table.fail_peer(peer, "prefill_unreachable", now))
-            for room in list(self.rooms):
-                self._sweep(room)
-        elif verdict is Verdict.RECOVERED:
-            self.bootstrap.invalidate(peer)
+            self._peer_lost(peer, "prefill_unreachable", now)
+        elif verdict in (Verdict.OK, Verdict.RECOVERED):
+            revived = [
+                p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)
+            ]
+            if verdict is Verdict.RECOVERED or revived:
+                log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
+                # It may have restarted on new rank addresses: fetch /route afresh.
+                self.bootstrap.invalidate(peer)
+                self.table.peer_recovered(peer)
+                for p in revived:
+                    self.table.peer_recovered(p)
+                    del self._lost_at[p]
+
+    def _peer_lost(self, peer: str, reason: str, now: float) -> None:
+        """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
+        self._lost_at[peer] = now
+        for watched in self.heartbeat.peers():
+            if peer_matches(peer, watched):
+                client = self.bootstrap.get(watched)
+                cached = client.cached_instance
+                if cached is not None:
+                    # Sockets to a dead process only queue messages nobody reads.
+                    for rank in cached.ranks:
+                        self.endpoint.drop_peer(rank.endpoint)
+                client.invalidate()
+        self.perform(self.table.fail_peer(peer, reason, now))
+        for room in list(self.rooms):
+            self._sweep(room)
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]
+
+
+def _transfer_reason(reason: str) -> str:
+    # A checksum failure is its own reason (metric label, client message), not a
+    # generic transfer error: it says the bytes arrived but were corrupted.
+    if reason in (CHECKSUM_MISMATCH, CHECKSUM_MISSING):
+        return reason
+    return f"transfer_failed: {reason}"

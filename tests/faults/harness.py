@@ -1,0 +1,389 @@
+"""Real-process fault harness: a local-mode cluster the test can kill, hang and restart.
+
+`FaultCluster` runs a manifest's processes with the local-mode launcher
+(`LocalCluster`, the same code `pdcluster up` uses) but without its
+supervisor loop, so killing one worker does not take the cluster down: the
+test decides what dies, what hangs (SIGSTOP) and what comes back (a restart
+reuses the worker's ports, as a restarted pod keeps its Service address).
+
+`PDClient` plays a PD router by hand — it mints rid and room and sends both
+legs at once — for scenarios that need to name rooms, reuse them or aim a
+leg at a fake peer. Observation helpers read what a user or operator can:
+`/get_server_info` (pages, rooms, counters), `/metrics` and the admin API.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from pdcluster.runtime.cli import load_manifest
+from pdcluster.runtime.local.launcher import LocalCluster, free_ports
+from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_ports
+from pdcluster.runtime.spec import PDCluster
+from tests.local.cluster import write_manifest
+
+TOKEN = "fault-suite-" + secrets.token_hex(8)
+VOCAB = 256
+T = TypeVar("T")
+
+
+def wait_until(
+    check: Callable[[], T | None], timeout: float, interval: float = 0.02, what: str = ""
+) -> T:
+    """Poll `check` until it returns something truthy; raise AssertionError on timeout."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what or check}")
+        time.sleep(interval)
+
+
+def base_spec(**transfer: Any) -> dict[str, Any]:
+    """A small 1p1d manifest spec with short timeouts and a fast heartbeat."""
+    return {
+        "model": {"name": "tiny"},
+        "kvCache": {"pageSize": 16, "dtype": "float32", "layout": "NHD", "numPages": 1024},
+        "transfer": {
+            "backend": "tcp",
+            "allocationPolicy": "early",
+            "bootstrapTimeoutSeconds": 4.0,
+            "waitingTimeoutSeconds": 6.0,
+            "abortReleaseTimeoutSeconds": 3.0,
+            "heartbeat": {"intervalSeconds": 0.5, "failureThreshold": 2},
+            **transfer,
+        },
+        "prefill": {"replicas": 1, "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1}},
+        "decode": {"replicas": 1, "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1}},
+        "router": {"healthCheckIntervalSeconds": 0.5, "requestTimeoutSeconds": 30.0},
+    }
+
+
+class FaultCluster:
+    """Processes of one manifest on 127.0.0.1, individually killable and restartable."""
+
+    def __init__(self, tmp: Path, name: str, spec: dict[str, Any], token: str = TOKEN) -> None:
+        self.manifest_path = write_manifest(tmp, name, spec)
+        self.manifest: PDCluster = load_manifest(str(self.manifest_path))
+        ports = free_ports(count_ports(self.manifest))
+        self.plan = build_local_plan(
+            self.manifest, str(self.manifest_path), ports, python=sys.executable
+        )
+        self.state_dir = tmp / "state" / name
+        self.token = token
+        self.launcher = LocalCluster(self.plan, self.state_dir, token=token)
+        self.http = httpx.Client(timeout=10.0)
+        self._stopped: set[str] = set()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 240.0) -> FaultCluster:
+        self.launcher.start()
+        self.launcher.wait_ready(timeout)
+        return self
+
+    def close(self) -> None:
+        for name in list(self._stopped):
+            self.cont(name)
+        self.launcher.stop(grace=5.0)
+        self.http.close()
+
+    def __enter__(self) -> FaultCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ addresses
+    def spec(self, name: str) -> ProcessSpec:
+        return next(p for p in self.plan.processes if p.name == name)
+
+    def url(self, name: str) -> str:
+        return self.spec(name).url
+
+    @property
+    def endpoint(self) -> str:
+        return self.plan.endpoint
+
+    def bootstrap(self, name: str) -> tuple[str, int]:
+        port = self.spec(name).bootstrap_port
+        assert port is not None, f"{name} hosts no bootstrap server"
+        return "127.0.0.1", port
+
+    def peer(self, name: str) -> str:
+        """The string decode's room tables use for a prefill instance: `host:port`."""
+        host, port = self.bootstrap(name)
+        return f"{host}:{port}"
+
+    def workers(self, role: str | None = None) -> list[str]:
+        return [w.name for w in self.plan.workers if role is None or w.role == role]
+
+    def pid(self, name: str) -> int:
+        return self.launcher.procs[name].pid
+
+    # ------------------------------------------------------------ faults
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        # Each worker leads its own process group: its rank children share the fate.
+        os.killpg(self.pid(name), sig)
+
+    def kill(self, name: str) -> None:
+        """kill -9 the worker (and its ranks); returns once the process is gone."""
+        self._stopped.discard(name)
+        self.signal(name, signal.SIGKILL)
+        self.launcher.procs[name].wait(10)
+
+    def hang(self, name: str) -> None:
+        """SIGSTOP: the process stays, answers nothing (a hung pod)."""
+        self.signal(name, signal.SIGSTOP)
+        self._stopped.add(name)
+
+    def cont(self, name: str) -> None:
+        if name in self._stopped:
+            self._stopped.discard(name)
+            self.signal(name, signal.SIGCONT)
+
+    def restart(self, name: str, wait: bool = True, timeout: float = 180.0) -> None:
+        """Start the worker again on the same ports (a pod restart behind its Service)."""
+        spec = self.spec(name)
+        old = self.launcher.procs[name]
+        if old.poll() is None:
+            self.kill(name)
+        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **spec.env}
+        with open(self.state_dir / "logs" / f"{name}.log", "ab") as log:
+            self.launcher.procs[name] = subprocess.Popen(
+                list(spec.argv),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_healthy(name, timeout)
+
+    def wait_healthy(self, name: str, timeout: float = 180.0) -> None:
+        proc = self.launcher.procs[name]
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.launcher.log_tail(name)}")
+            try:
+                return self.http.get(self.url(name) + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, timeout, 0.2, f"{name} healthy")
+
+    def log(self, name: str, lines: int = 200) -> str:
+        return self.launcher.log_tail(name, lines)
+
+    # ------------------------------------------------------------ observation
+    def info(self, name: str) -> dict[str, Any]:
+        resp = self.http.get(self.url(name) + "/get_server_info")
+        resp.raise_for_status()
+        data: dict[str, Any] = resp.json()
+        return data
+
+    def stats(self, name: str) -> dict[str, int]:
+        stats: dict[str, int] = self.info(name)["pd_stats"]
+        return stats
+
+    def failures(self, name: str) -> dict[str, float]:
+        """`pdcluster_failures_total` by reason label, from /metrics."""
+        text = self.http.get(self.url(name) + "/metrics").text
+        return parse_counter(text, "pdcluster_failures_total", "reason")
+
+    def admin(self, name: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}", **kwargs.pop("headers", {})}
+        return self.http.request(method, self.url(name) + path, headers=headers, **kwargs)
+
+    def rooms(self, name: str) -> list[dict[str, Any]]:
+        resp = self.admin(name, "GET", "/admin/rooms")
+        resp.raise_for_status()
+        rooms: list[dict[str, Any]] = resp.json()["rooms"]
+        return rooms
+
+    def fail_peer(self, name: str, peer: str, reason: str = "peer_lost") -> httpx.Response:
+        return self.admin(name, "POST", "/admin/fail_peer", json={"peer": peer, "reason": reason})
+
+    def is_clean(self, name: str) -> bool:
+        info = self.info(name)
+        return (
+            info["num_free_pages"] == info["num_total_pages"]
+            and info["num_rooms"] == 0
+            and not self.rooms(name)
+        )
+
+    def assert_clean(self, names: Iterable[str] | None = None, timeout: float = 15.0) -> None:
+        """No page leak and no leftover room on each named worker (DESIGN §14)."""
+        for name in self.workers() if names is None else names:
+            try:
+                wait_until(lambda n=name: self.is_clean(n), timeout, 0.1, f"{name} clean")
+            except AssertionError:
+                raise AssertionError(
+                    f"{name} did not return to its initial state: {self.info(name)} "
+                    f"rooms={self.rooms(name)}"
+                ) from None
+
+
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\}\s+([0-9.eE+-]+)$")
+
+
+def parse_counter(text: str, metric: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) != metric + "_total" and m.group(1) != metric:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if label in labels:
+            out[labels[label]] = out.get(labels[label], 0.0) + float(m.group(3))
+    return out
+
+
+# ---------------------------------------------------------------- PD client
+
+
+def mint_rid() -> str:
+    return "req-" + secrets.token_hex(16)
+
+
+def mint_room() -> int:
+    return secrets.randbits(63) or 1
+
+
+def gen_body(
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    rid: str,
+    room: int,
+    bootstrap: tuple[str, int],
+    stream: bool = False,
+) -> dict[str, Any]:
+    return {
+        "input_ids": prompt,
+        "rid": rid,
+        "stream": stream,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
+        "bootstrap_host": bootstrap[0],
+        "bootstrap_port": bootstrap[1],
+        "bootstrap_room": room,
+    }
+
+
+@dataclass
+class LegResult:
+    status: int
+    body: dict[str, Any]
+    elapsed: float
+    ended_at: float = 0.0  # time.monotonic() when the answer was complete
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and "error" not in self.body
+
+    @property
+    def output_ids(self) -> list[int]:
+        ids: list[int] = self.body["output_ids"]
+        return ids
+
+    @property
+    def error(self) -> str:
+        err = self.body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message"))
+        return str(err)
+
+
+@dataclass
+class PDResult:
+    rid: str
+    room: int
+    prefill: LegResult | None
+    decode: LegResult
+
+
+def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
+    t0 = time.monotonic()
+    try:
+        resp = httpx.post(url + "/generate", json=body, timeout=timeout)
+    except httpx.HTTPError as err:
+        end = time.monotonic()
+        return LegResult(599, {"error": f"transport: {err!r}"}, end - t0, end)
+    end = time.monotonic()
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"error": resp.text[:500]}
+    if not isinstance(data, dict):
+        data = {"error": str(data)[:500]}
+    return LegResult(resp.status_code, data, end - t0, end)
+
+
+class PDClient:
+    """Sends both legs of a request at once, like a PD router (SGLang worker API)."""
+
+    def __init__(self, max_workers: int = 32) -> None:
+        # Separate pools: a job blocked on its prefill leg must not starve that leg.
+        self.pool = ThreadPoolExecutor(max_workers)
+        self.legs = ThreadPoolExecutor(max_workers)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.legs.shutdown(wait=True, cancel_futures=True)
+
+    def generate(
+        self,
+        prefill_url: str | None,
+        decode_url: str,
+        bootstrap: tuple[str, int],
+        prompt: list[int],
+        max_tokens: int = 4,
+        *,
+        rid: str | None = None,
+        room: int | None = None,
+        timeout: float = 30.0,
+    ) -> PDResult:
+        rid = rid or mint_rid()
+        room = room or mint_room()
+        body = gen_body(prompt, max_tokens, rid=rid, room=room, bootstrap=bootstrap)
+        pre = None
+        if prefill_url is not None:
+            pre = self.legs.submit(post_leg, prefill_url, body, timeout)
+        dec = post_leg(decode_url, body, timeout)
+        return PDResult(rid, room, pre.result() if pre is not None else None, dec)
+
+    def many(self, jobs: list[Callable[[], T]]) -> list[T]:
+        futures = [self.pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+def router_generate(endpoint: str, prompt: list[int], max_tokens: int, timeout: float) -> LegResult:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
+    }
+    return post_leg(endpoint, body, timeout)
+
+
+def make_prompts(n: int, seed: int, lo: int = 1, hi: int = 64) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

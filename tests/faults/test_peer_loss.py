@@ -1,0 +1,258 @@
+"""A peer dies or hangs in the middle of transfers (scenarios 1, 2 and 3).
+
+The victims are prefill-1 (killed with SIGKILL, or hung with SIGSTOP) and
+decode-1 (killed); prefill-0 and decode-0 serve the survivors at the same
+time. Each test asserts DESIGN §14: the decode rooms tied to a lost prefill
+fail within `interval × threshold + 1 s` (heartbeat) or at once (the
+operator's admin fast path), every client gets a readable error instead of
+hanging, survivors' outputs equal colocated output, the failures are
+counted, and every surviving worker returns all its pages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.faults.conftest import make_ready
+from tests.faults.harness import (
+    FaultCluster,
+    PDClient,
+    PDResult,
+    make_prompts,
+    wait_until,
+)
+from tests.faults.rogue import Background
+from tests.pd_integration.reference import colocated_outputs
+
+MAX_TOKENS = 4
+# spec.transfer.heartbeat of the shared cluster: 0.5 s × 2, so the bound is 2 s.
+HEARTBEAT_BOUND_S = 0.5 * 2 + 1.0
+
+
+def tied_rooms(cluster: FaultCluster, decode: str, prefill: str) -> list[dict[str, Any]]:
+    peer = cluster.peer(prefill)
+    return [r for r in cluster.rooms(decode) if peer in r["peers"]]
+
+
+def live(rooms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rooms if r["state"] != "Failed"]
+
+
+def start_traffic(
+    cluster: FaultCluster,
+    client: PDClient,
+    victims: list[tuple[str, str, list[int]]],
+    survivors: list[tuple[str, str, list[int]]],
+) -> Background:
+    def job(prefill: str, decode: str, prompt: list[int]) -> PDResult:
+        return client.generate(
+            cluster.url(prefill),
+            cluster.url(decode),
+            cluster.bootstrap(prefill),
+            prompt,
+            MAX_TOKENS,
+            timeout=40,
+        )
+
+    jobs = [lambda a=a: job(*a) for a in victims + survivors]
+    return Background(client.many, jobs)
+
+
+def check_survivors(results: list[PDResult], expected: list[list[int]]) -> None:
+    for i, (res, want) in enumerate(zip(results, expected, strict=True)):
+        assert res.decode.ok, f"survivor {i} failed: {res.decode.status} {res.decode.error}"
+        assert res.decode.output_ids == want, f"survivor {i}: PD output != colocated output"
+
+
+def wait_mid_transfer(cluster: FaultCluster, decode: str, prefill: str) -> None:
+    """Until one room from `prefill` is receiving KV on `decode` and another still waits."""
+    seen: list[Any] = []
+
+    def ready() -> bool:
+        rooms = live(tied_rooms(cluster, decode, prefill))
+        seen[:] = [(r["state"], r["detail"], r["reason"]) for r in rooms]
+        return len(rooms) >= 2 and any(r["state"] == "Transferring" for r in rooms)
+
+    try:
+        wait_until(ready, 30, 0.01, f"a room on {decode} Transferring from {prefill}")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; last seen {seen}; {cluster.stats(decode)}") from None
+
+
+def test_hung_prefill_fails_rooms_by_heartbeat_then_serves_again(
+    pd: FaultCluster, client: PDClient
+) -> None:
+    victims = make_prompts(6, seed=21, lo=2500, hi=4000)
+    survivors = make_prompts(4, seed=22, lo=1, hi=300)
+    expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
+    failed_before = pd.failures("decode-0").get("prefill_unreachable", 0)
+    traffic = start_traffic(
+        pd,
+        client,
+        [("prefill-1", "decode-0", p) for p in victims],
+        [("prefill-0", f"decode-{i % 2}", p) for i, p in enumerate(survivors)],
+    )
+    wait_mid_transfer(pd, "decode-0", "prefill-1")
+
+    hung_at = time.monotonic()
+    pd.hang("prefill-1")
+    wait_until(
+        lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")),
+        HEARTBEAT_BOUND_S + 1,
+        0.01,
+        "rooms of the hung prefill to fail",
+    )
+    detected = time.monotonic() - hung_at
+    assert detected <= HEARTBEAT_BOUND_S, f"rooms failed {detected:.2f}s after the hang"
+    # The same process answers again: the next probe revives it, and a new
+    # request through it works at once (not after the dead-peer memory expires).
+    pd.cont("prefill-1")
+    time.sleep(1.0)
+    again = client.generate(
+        pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), survivors[0], MAX_TOKENS
+    )
+    assert again.decode.ok, again.decode.error
+    assert again.decode.output_ids == expected[0]
+
+    # The lost rooms' clients had their answer while the prefill was still stopped.
+    results: list[PDResult] = traffic.result()
+    lost = results[: len(victims)]
+    for res in lost:
+        if res.decode.ok:  # finished before the hang
+            continue
+        assert res.decode.status == 502, res.decode
+        assert "prefill_unreachable" in res.decode.error
+        assert res.decode.ended_at - hung_at <= HEARTBEAT_BOUND_S + 0.5
+    check_survivors(results[len(victims) :], expected)
+    num_lost = sum(1 for r in lost if not r.decode.ok)
+    assert num_lost >= 1
+    failed = pd.failures("decode-0").get("prefill_unreachable", 0) - failed_before
+    assert failed == num_lost
+    pd.assert_clean()
+
+
+def test_admin_fast_path_fails_rooms_at_once(pd: FaultCluster, client: PDClient) -> None:
+    victims = make_prompts(6, seed=31, lo=2500, hi=4000)
+    survivors = make_prompts(3, seed=32, lo=1, hi=300)
+    expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
+    traffic = start_traffic(
+        pd,
+        client,
+        [("prefill-1", "decode-0", p) for p in victims],
+        [("prefill-0", "decode-0", p) for p in survivors],
+    )
+    wait_mid_transfer(pd, "decode-0", "prefill-1")
+
+    pd.hang("prefill-1")
+    t0 = time.monotonic()
+    resp = pd.fail_peer("decode-0", pd.peer("prefill-1"), "pod_deleted")
+    assert resp.status_code == 200, resp.text
+    wait_until(lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")), 2, 0.005, "fast path")
+    took = time.monotonic() - t0
+    # Well before the first heartbeat verdict could have come in.
+    assert took < 0.5, f"fast path took {took:.3f}s"
+    # The peer answers probes again: new rooms may use it right away.
+    pd.cont("prefill-1")
+    time.sleep(1.0)
+    again = client.generate(
+        pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), survivors[0], MAX_TOKENS
+    )
+    assert again.decode.ok, again.decode.error
+
+    results: list[PDResult] = traffic.result()
+    lost = [r for r in results[: len(victims)] if not r.decode.ok]
+    assert lost
+    for res in lost:
+        assert "pod_deleted" in res.decode.error, res.decode.error
+    check_survivors(results[len(victims) :], expected)
+    assert pd.stats("decode-0").get("room_failed:pod_deleted", 0) >= len(lost)
+    failures = pd.admin("decode-0", "GET", "/admin/failures").json()["failures"]
+    assert failures.get("room_failed:pod_deleted", 0) >= len(lost)
+    pd.assert_clean()
+
+
+@pytest.mark.slow
+def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
+    victims = make_prompts(8, seed=41, lo=2500, hi=4000)
+    survivors = make_prompts(6, seed=42, lo=1, hi=600)
+    expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
+    failed_before = pd.failures("decode-0").get("prefill_unreachable", 0)
+    traffic = start_traffic(
+        pd,
+        client,
+        [("prefill-1", "decode-0", p) for p in victims],
+        [("prefill-0", f"decode-{i % 2}", p) for i, p in enumerate(survivors)],
+    )
+    wait_mid_transfer(pd, "decode-0", "prefill-1")
+
+    killed_at = time.monotonic()
+    pd.kill("prefill-1")
+    wait_until(
+        lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")),
+        HEARTBEAT_BOUND_S + 1,
+        0.01,
+        "rooms of the killed prefill to fail",
+    )
+    detected = time.monotonic() - killed_at
+    assert detected <= HEARTBEAT_BOUND_S, f"rooms failed {detected:.2f}s after kill -9"
+    results: list[PDResult] = traffic.result()
+    lost = [r for r in results[: len(victims)] if not r.decode.ok]
+    assert lost, "every victim finished before the kill"
+    for res in lost:
+        assert res.decode.status == 502 and "prefill_unreachable" in res.decode.error
+        assert res.decode.ended_at - killed_at <= HEARTBEAT_BOUND_S + 0.5
+        # The prefill leg saw its worker vanish.
+        assert res.prefill is not None and not res.prefill.ok
+    check_survivors(results[len(victims) :], expected)
+    failed = pd.failures("decode-0").get("prefill_unreachable", 0) - failed_before
+    assert failed == len(lost)
+    assert pd.stats("decode-0").get("peer_dead", 0) >= 1
+    pd.assert_clean(["prefill-0", "decode-0", "decode-1"])
+
+
+@pytest.mark.slow
+def test_killed_decode_leaves_nothing_on_prefill(
+    pd22_cluster: FaultCluster, client: PDClient
+) -> None:
+    pd = make_ready(pd22_cluster, ["prefill-0", "decode-0", "decode-1"])
+    victims = make_prompts(6, seed=51, lo=2500, hi=4000)
+    survivors = make_prompts(4, seed=52, lo=1, hi=300)
+    expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
+    failed_before = sum(pd.failures("prefill-0").values())
+    traffic = start_traffic(
+        pd,
+        client,
+        [("prefill-0", "decode-1", p) for p in victims],
+        [("prefill-0", "decode-0", p) for p in survivors],
+    )
+
+    def transferring() -> bool:
+        return any(r["state"] == "Transferring" for r in pd.rooms("prefill-0"))
+
+    wait_until(transferring, 30, 0.01, "a prefill-0 room to be Transferring")
+    killed_at = time.monotonic()
+    pd.kill("decode-1")
+    results: list[PDResult] = traffic.result()
+    spec = pd.manifest.spec.transfer
+    bound = (
+        spec.bootstrap_timeout_seconds
+        + spec.waiting_timeout_seconds
+        + spec.abort_release_timeout_seconds
+    )
+    pd.assert_clean(["prefill-0"], timeout=bound)
+    assert time.monotonic() - killed_at <= bound + 1
+    check_survivors(results[len(victims) :], expected)
+    lost = [r for r in results[: len(victims)] if not r.decode.ok]
+    assert lost
+    prefill_errors = 0
+    for res in lost:
+        assert res.prefill is not None
+        assert res.prefill.ended_at - killed_at <= bound
+        if not res.prefill.ok:
+            prefill_errors += 1
+            assert res.prefill.status == 502 and res.prefill.error.startswith("prefill failed")
+    failed = sum(pd.failures("prefill-0").values()) - failed_before
+    assert failed >= prefill_errors

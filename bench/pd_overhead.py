@@ -51,14 +51,15 @@ def ttft(client: httpx.Client, endpoint: str, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     with client.stream("POST", f"{endpoint}/generate", json=body) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
                 if json.loads(line[6:]).get("output_ids"):
                     first = time.perf_counter() - t0
                     break
         else:
             raise RuntimeError("stream ended without a token")
-        for _ in resp.iter_lines():
+        for _ in lines:  # drain the rest of the stream
             pass
     return first
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
+from pdcluster.runtime.pd.room_common import reason_label
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
 
@@ -50,6 +52,8 @@ class _Room:
     pages: tuple[int, ...] | None = None
     handed_off: bool = False
     leg_done: bool = False
+    opened_at: float = field(default_factory=time.monotonic)
+    pages_at: float | None = None  # decode: when pages were reserved (transfer starts)
 
 
 class _Coordinator:
@@ -89,7 +93,32 @@ class _Coordinator:
             if rep.first_token is not None and room.first_token is None:
                 room.first_token = rep.first_token
             self.on_report(rep.room, room, rep)
-        self.metrics.rooms.labels(state="live").set(len(self.rooms))
+        self._export_gauges()
+
+    def _export_gauges(self) -> None:
+        states = collections.Counter(self.room_state(r) for r in self.rooms.values())
+        for state in ("waiting", "transferring", "computing", "failed", "decoding"):
+            self.metrics.rooms.labels(state=state).set(states.get(state, 0))
+        sched = self.engine.scheduler
+        self.metrics.queue_size.labels(stage="engine_waiting").set(sched.num_waiting)
+        self.metrics.queue_size.labels(stage="engine_running").set(sched.num_running)
+
+    def room_state(self, room: _Room) -> str:
+        if room.failed is not None:
+            return "failed"
+        if room.handed_off:
+            return "decoding"
+        if room.engine_added:
+            return "computing"
+        if room.pages is not None:
+            return "transferring"
+        return "waiting"
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """KV bytes of `num_tokens` tokens over the whole model (all ranks)."""
+        ctx = self.agent.ctx
+        itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
+        return num_tokens * ctx.num_layers * 2 * ctx.num_kv_heads * ctx.head_dim * itemsize
 
     def all_ranks(self, room: _Room, kind: str) -> bool:
         return len(room.reports[kind]) >= self.group_size
@@ -113,7 +142,7 @@ class _Coordinator:
             return
         room.failed = reason
         log.warning("%s: room %s rid %s failed: %s", self.role, room_id, room.rid, reason)
-        self.metrics.failures.labels(reason=reason.split(":")[0]).inc()
+        self.metrics.failures.labels(reason=reason_label(reason)).inc()
         self.agent.broadcast(GroupFail(room_id, reason))
         self.on_failed(room_id, room)
 
@@ -157,6 +186,8 @@ class PrefillCoordinator(_Coordinator):
             room.engine_added = True
         elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
             room.leg_done = True
+            self.metrics.transfer_bytes.labels(direction="out").inc(self.kv_bytes(len(room.prompt)))
+            self.metrics.transfer_seconds.observe(time.monotonic() - room.opened_at)
             first = [] if room.first_token is None else [room.first_token]
             self.service.emit(room.rid, TokenEvent(first, "", True, "stop"))
         elif rep.kind == "released":
@@ -245,6 +276,7 @@ class DecodeCoordinator(_Coordinator):
                 self.admission.release_slot(admitted.room)
                 continue
             room.pages = admitted.pages
+            room.pages_at = time.monotonic()
             self.agent.broadcast(GroupPages(admitted.room, list(admitted.pages)))
         self.metrics.queue_size.labels(stage="decode_admission").set(self.admission.num_waiting)
 
@@ -263,6 +295,9 @@ class DecodeCoordinator(_Coordinator):
             return
         self.admission.release_slot(room_id)
         room.handed_off = True
+        self.metrics.transfer_bytes.labels(direction="in").inc(self.kv_bytes(len(room.prompt)))
+        if room.pages_at is not None:
+            self.metrics.transfer_seconds.observe(time.monotonic() - room.pages_at)
         if room.first_token is None:
             room.handed_off = False
             self.fail(room_id, "protocol_error: no first token from prefill")

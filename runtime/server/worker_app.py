@@ -13,6 +13,7 @@ GET /v1/models, /health, /health_generate, /get_model_info, /model_info,
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pdcluster.runtime.metrics import WorkerMetrics
+from pdcluster.runtime.pd.room_common import reason_label
 from pdcluster.runtime.server import responses as R
 from pdcluster.runtime.server.api_models import (
     AbortRequest,
@@ -190,8 +192,14 @@ def create_worker_app(
     async def run(req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
+        started, first = time.monotonic(), True
         try:
             async for event in backend.events(req):
+                if first and event.token_ids:
+                    metrics.ttft_seconds.observe(time.monotonic() - started)
+                    first = False
+                if event.finished:
+                    metrics.requests_total.labels(reason=reason_label(event.finish_reason)).inc()
                 yield event
         finally:
             in_flight.discard(req.rid)
@@ -207,7 +215,7 @@ def create_worker_app(
         return text, ids, last
 
     def error_response(event: TokenEvent) -> JSONResponse:
-        metrics.failures.labels(reason=event.finish_reason or "error").inc()
+        metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
         return JSONResponse(
             R.error_body(event.error or "request failed", type_="server_error", code=event.status),
             event.status,
@@ -219,7 +227,7 @@ def create_worker_app(
         async def body() -> AsyncIterator[str]:
             async for event in gen:
                 if event.error is not None:
-                    metrics.failures.labels(reason=event.finish_reason or "error").inc()
+                    metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
                     yield R.sse(R.error_body(event.error, type_="server_error", code=event.status))
                     break
                 for line in fmt(event):

@@ -138,3 +138,14 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path) -> None:
         stats = httpx.get(decode["url"] + "/get_server_info", timeout=10).json()["kv_receive_stats"]
         assert stats.get("accepted", 0) >= len(prompts)
         assert not any("checksum" in k for k in stats), stats
+        # The transfer is visible in both workers' metrics.
+        for name, direction in (("decode-0", "in"), ("prefill-0", "out")):
+            text = httpx.get(cluster.worker(name)["url"] + "/metrics", timeout=10).text
+            line = next(
+                ln
+                for ln in text.splitlines()
+                if ln.startswith(f'pdcluster_transfer_bytes_total{{direction="{direction}"}}')
+            )
+            assert float(line.split()[-1]) > 0, line
+            assert "pdcluster_transfer_seconds_count" in text
+            assert 'pdcluster_rooms{state="failed"} 0.0' in text

@@ -45,9 +45,11 @@ FIELD_DOCS: dict[str, str] = {
     "<role>.topology.tp": "Tensor-parallel ranks; KV heads are split evenly across them.",
     "<role>.topology.cp": "Context-parallel ranks, each owning a token range (prefill only).",
     "<role>.topology.pp": "Pipeline stages, each owning a contiguous layer range.",
-    "<role>.gpusPerPod": "Ranks per pod (one GPU each when device is cuda); an instance has "
-    "ranks / gpusPerPod pods.",
-    "<role>.device": "cuda requests `nvidia.com/gpu: gpusPerPod` per pod; cpu requests none.",
+    "<role>.gpusPerPod": "Ranks per pod (one GPU each when device is cuda). Today every "
+    "instance runs in one pod holding all dp*tp*cp*pp ranks, so the operator raises it to "
+    "that count.",
+    "<role>.device": "cuda requests one `nvidia.com/gpu` per rank of the instance's pod; cpu "
+    "requests none.",
     "<role>.resources": "Container resources (requests/limits) of each pod of this role.",
     "<role>.nodeSelector": "Node labels each pod of this role must match.",
     "<role>.tolerations": "Tolerations of each pod of this role.",

@@ -61,10 +61,20 @@ def _runtime(memo: kopf.Memo) -> Runtime:
     return runtime
 
 
-async def apply_crd(client: KubeClient) -> None:
+async def apply_crd(client: KubeClient, timeout_s: float = 60.0) -> None:
     """Server-side apply of the CRD this operator was built with (Helm does not
-    upgrade CRDs, so the operator does)."""
+    upgrade CRDs, so the operator does), then wait until the API serves it.
+
+    kopf scans the API's resources right after start-up and only rescans when
+    a CRD changes later: a CRD still being established at that scan would
+    never be watched, so start-up returns only once discovery lists it.
+    """
     await client.apply(crdgen.build_crd())
+    deadline = time.monotonic() + timeout_s
+    while PLURAL not in await client.served_resources(f"/apis/{GROUP}/{VERSION}"):
+        if time.monotonic() > deadline:
+            raise ApiError(0, "Timeout", f"the API does not serve {PLURAL}.{GROUP} after apply")
+        await asyncio.sleep(0.2)
 
 
 async def _flush_events(recorder: EventRecorder, interval_s: float) -> None:

@@ -260,6 +260,18 @@ class KubeClient:
             raise
         return True
 
+    async def served_resources(self, prefix: str) -> list[str]:
+        """Plural names the API serves under `prefix` ("/apis/<group>/<version>");
+        empty while discovery does not know the group version yet."""
+        try:
+            data = await self._request("GET", prefix)
+        except ApiError as err:
+            if err.is_not_found:
+                return []
+            raise
+        found = data.get("resources") or []
+        return [str(r.get("name")) for r in found if isinstance(r, dict)]
+
     async def patch_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]
     ) -> dict[str, Any]:

@@ -18,9 +18,13 @@ from pdcluster.operator.builders.workers import (
     BuildError,
     InstanceKey,
     InstanceManifests,
+    Placement,
+    PodLayout,
     build_bootstrap_service,
     build_instance,
     build_worker_pod,
+    placed_spec,
+    pod_layout,
 )
 
 __all__ = [
@@ -31,6 +35,8 @@ __all__ = [
     "InstanceManifests",
     "Manifest",
     "ObjectKey",
+    "Placement",
+    "PodLayout",
     "build_bootstrap_service",
     "build_config_map",
     "build_desired",
@@ -41,5 +47,7 @@ __all__ = [
     "build_token_secret",
     "build_worker_pod",
     "object_key",
+    "placed_spec",
+    "pod_layout",
     "render_manifest_yaml",
 ]

@@ -16,9 +16,12 @@ from pdcluster.operator.builders.config import build_config_map, build_runtime_r
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
+    DEFAULT_PLACEMENT,
     InstanceManifests,
+    Placement,
     build_instance,
     build_resources,
+    pod_layout,
     token_secret_for,
 )
 from pdcluster.operator.cluster import Cluster
@@ -46,12 +49,13 @@ class DesiredState:
     # False when the user names their own Secret: the operator then only checks it exists.
     owns_token_secret: bool
     roles: tuple[DesiredRole, ...]
+    placement: Placement = DEFAULT_PLACEMENT
 
     def role(self, role: Role) -> DesiredRole | None:
         return next((r for r in self.roles if r.role == role), None)
 
     def instance(self, role: Role, index: int) -> InstanceManifests:
-        return build_instance(self.cluster, role, index)
+        return build_instance(self.cluster, role, index, self.placement)
 
 
 def roles_of(cluster: Cluster) -> tuple[Role, ...]:
@@ -60,25 +64,25 @@ def roles_of(cluster: Cluster) -> tuple[Role, ...]:
     return (Role.colocated,)
 
 
-def build_desired(cluster: Cluster) -> DesiredState:
+def build_desired(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) -> DesiredState:
     """Raises BuildError when the spec cannot produce valid objects."""
     roles: list[DesiredRole] = []
     for role in roles_of(cluster):
         spec = role_spec(cluster.spec, role)
         assert spec is not None  # roles_of only names roles the spec has
-        build_resources(spec, role)  # surface resource errors before anything is applied
+        build_resources(spec, role, placement)  # surface resource errors before anything is applied
         roles.append(
             DesiredRole(
                 role=role,
                 replicas=spec.replicas,
                 template_hash=compute_template_hash(cluster.spec, role),
-                pods_per_instance=spec.pods_per_instance,
+                pods_per_instance=pod_layout(spec, placement).pods_per_instance,
                 restart=spec.restart,
             )
         )
     objects: list[Manifest] = [
         *build_runtime_rbac(cluster),
-        build_config_map(cluster),
+        build_config_map(cluster, placement),
         build_router_deployment(cluster),
         build_router_service(cluster),
     ]
@@ -90,4 +94,5 @@ def build_desired(cluster: Cluster) -> DesiredState:
         token_secret=secret,
         owns_token_secret=secret == names.token_secret_name(cluster.name),
         roles=tuple(roles),
+        placement=placement,
     )

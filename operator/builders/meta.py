@@ -17,9 +17,15 @@ Manifest = dict[str, Any]
 HTTP_PORT = 8000
 DIST_PORT = 29500
 BOOTSTRAP_PORT = 8998
-MANIFEST_DIR = "/etc/pdcluster"
 MANIFEST_KEY = "manifest.yaml"
-MANIFEST_PATH = f"{MANIFEST_DIR}/{MANIFEST_KEY}"
+# Pods read the manifest from this variable (`-f env:PDCLUSTER_MANIFEST`),
+# filled from the cluster's ConfigMap: no volume, so any node runs them.
+MANIFEST_ENV = "PDCLUSTER_MANIFEST"
+MANIFEST_ARG = f"env:{MANIFEST_ENV}"
+# Every pod binds its own address: on a node whose pods share one network
+# (the e2e node agent, hostNetwork) 0.0.0.0 would collide between pods.
+POD_IP_ENV = "POD_IP"
+BIND_HOST = f"$({POD_IP_ENV})"
 TOKEN_KEY = "token"
 ROUTER_API_KEYS_KEY = "keys"
 
@@ -76,20 +82,24 @@ def env_secret(name: str, secret: str, key: str, optional: bool = False) -> dict
     return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
 
-def http_probe(period_s: int, failure_threshold: int, timeout_s: int = 2) -> dict[str, Any]:
+def http_probe(
+    period_s: int, failure_threshold: int, timeout_s: int = 2, path: str = "/health"
+) -> dict[str, Any]:
     return {
-        "httpGet": {"path": "/health", "port": "http"},
+        "httpGet": {"path": path, "port": "http"},
         "periodSeconds": period_s,
         "timeoutSeconds": timeout_s,
         "failureThreshold": failure_threshold,
     }
 
 
-def config_volume(config_map: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest ConfigMap as (volume, mount) at /etc/pdcluster."""
-    volume = {
-        "name": "manifest",
-        "configMap": {"name": config_map, "items": [{"key": MANIFEST_KEY, "path": MANIFEST_KEY}]},
-    }
-    mount = {"name": "manifest", "mountPath": MANIFEST_DIR, "readOnly": True}
-    return volume, mount
+def env_config_map(name: str, config_map: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"configMapKeyRef": {"name": config_map, "key": key}}}
+
+
+def manifest_env(config_map: str) -> list[dict[str, Any]]:
+    """The variables every pod needs first: its own address and the manifest."""
+    return [
+        env_field(POD_IP_ENV, "status.podIP"),
+        env_config_map(MANIFEST_ENV, config_map, MANIFEST_KEY),
+    ]

@@ -27,8 +27,8 @@ def router_selector(cluster: Cluster) -> dict[str, str]:
 
 def build_router_deployment(cluster: Cluster) -> Manifest:
     spec = cluster.spec
-    volume, mount = meta.config_volume(names.config_map_name(cluster.name))
     env: list[dict[str, Any]] = [
+        *meta.manifest_env(names.config_map_name(cluster.name)),
         meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
@@ -54,9 +54,9 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         "args": [
             "router",
             "-f",
-            meta.MANIFEST_PATH,
+            meta.MANIFEST_ARG,
             "--host",
-            "0.0.0.0",
+            meta.BIND_HOST,
             "--port",
             str(meta.HTTP_PORT),
             "--kubernetes",
@@ -67,9 +67,11 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         ],
         "env": env,
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
-        "volumeMounts": [mount],
-        "readinessProbe": meta.http_probe(5, 3),
-        "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+        # Ready once it has a prefill and a decode (or a colocated) worker to use.
+        "readinessProbe": meta.http_probe(2, 3),
+        # Alive while it answers at all: /health is 503 without workers, and
+        # restarting the router would not bring any worker back.
+        "livenessProbe": meta.http_probe(10, 3, timeout_s=5, path="/metrics"),
     }
     return {
         "apiVersion": "apps/v1",
@@ -94,7 +96,6 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
                     "serviceAccountName": names.runtime_account_name(cluster.name),
                     "enableServiceLinks": False,
                     "containers": [container],
-                    "volumes": [volume],
                 },
             },
         },

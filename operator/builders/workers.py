@@ -1,9 +1,19 @@
 """Worker pods of one role instance, and the bootstrap Service of a prefill instance.
 
-An instance of a role has `ranks / gpusPerPod` pods; pod k runs ranks
-[k * gpusPerPod, (k + 1) * gpusPerPod). The pods form a gang: the operator
-manages them directly (no StatefulSet), with `restartPolicy: Never`, so a
-crashed rank turns its pod Failed and the planner restarts the whole
+Placement (`pod_layout`):
+- `Placement.instance_per_pod` (what the operator runs): the runtime runs
+  every rank of an instance as a process of one pod (it refuses an instance
+  spread over several pods), so an instance is one pod holding all
+  `dp*tp*cp*pp` ranks, and on `device: cuda` that pod asks for one GPU per
+  rank. `gpusPerPod` is raised to the rank count in the manifest the pods
+  read, so they agree with the layout;
+- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods, pod k running ranks
+  [k * gpusPerPod, (k + 1) * gpusPerPod) — for a runtime that spreads an
+  instance over pods. The planner already treats an instance as a gang of
+  `pods_per_instance` pods (tests exercise it with this placement).
+
+The pods are managed directly (no StatefulSet), with `restartPolicy: Never`,
+so a crashed rank turns its pod Failed and the planner restarts the whole
 instance instead of the kubelet restarting one rank its peers cannot rejoin.
 
 Pod names carry the role template hash, so during a rollout the new
@@ -15,6 +25,7 @@ Pure module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from pdcluster.operator import names
@@ -27,16 +38,67 @@ from pdcluster.operator.revision import (
     compute_template_hash,
     role_spec,
 )
-from pdcluster.runtime.spec import RoleSpec
+from pdcluster.runtime.spec import PDClusterSpec, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# A model may take minutes to load; liveness only starts once /health answered.
-STARTUP_PROBE_PERIOD_S = 5
-STARTUP_PROBE_FAILURES = 120
+# A model may take minutes to load (up to PERIOD * FAILURES = 10 min); liveness
+# only starts once /health answered. A short period makes a fresh pod Ready soon.
+STARTUP_PROBE_PERIOD_S = 2
+STARTUP_PROBE_FAILURES = 300
+# NotReady after READINESS_PERIOD * READINESS_FAILURES seconds without /health.
+READINESS_PERIOD_S = 2
+READINESS_FAILURES = 3
 
 
 class BuildError(ValueError):
     """The spec cannot be turned into valid Kubernetes objects; the message says why."""
+
+
+class Placement(StrEnum):
+    """How the ranks of an instance are spread over pods (module docstring)."""
+
+    instance_per_pod = "instance_per_pod"
+    gpus_per_pod = "gpus_per_pod"
+
+
+DEFAULT_PLACEMENT = Placement.instance_per_pod
+
+
+@dataclass(frozen=True)
+class PodLayout:
+    """How the ranks of one instance map onto pods."""
+
+    pods_per_instance: int
+    ranks_per_pod: int
+
+
+def pod_layout(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> PodLayout:
+    ranks = spec.topology.num_ranks
+    if placement == Placement.instance_per_pod:
+        return PodLayout(pods_per_instance=1, ranks_per_pod=ranks)
+    return PodLayout(pods_per_instance=ranks // spec.gpus_per_pod, ranks_per_pod=spec.gpus_per_pod)
+
+
+def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> RoleSpec:
+    """The role as its pods run it: `gpusPerPod` equal to the ranks one pod holds."""
+    layout = pod_layout(spec, placement)
+    if spec.gpus_per_pod == layout.ranks_per_pod:
+        return spec
+    return spec.model_copy(update={"gpus_per_pod": layout.ranks_per_pod})
+
+
+def placed_spec(spec: PDClusterSpec, placement: Placement = DEFAULT_PLACEMENT) -> PDClusterSpec:
+    """The spec with every role placed (`placed_role`): what the pods read."""
+    update = {
+        name: placed_role(role, placement)
+        for name, role in (
+            ("prefill", spec.prefill),
+            ("decode", spec.decode),
+            ("colocated", spec.colocated),
+        )
+        if role is not None
+    }
+    return spec.model_copy(update=update)
 
 
 @dataclass(frozen=True, order=True)
@@ -75,8 +137,10 @@ def token_secret_for(cluster: Cluster) -> str:
     return name
 
 
-def build_resources(spec: RoleSpec, role: Role) -> dict[str, Any]:
-    """The role's resources, plus `nvidia.com/gpu: gpusPerPod` when the device is cuda."""
+def build_resources(
+    spec: RoleSpec, role: Role, placement: Placement = DEFAULT_PLACEMENT
+) -> dict[str, Any]:
+    """The role's resources, plus one `nvidia.com/gpu` per rank of a pod when on cuda."""
     unknown = set(spec.resources) - {"limits", "requests", "claims"}
     if unknown:
         raise BuildError(
@@ -89,17 +153,19 @@ def build_resources(spec: RoleSpec, role: Role) -> dict[str, Any]:
             raise BuildError(f"{role.value}.resources.{key} must be a mapping")
         resources[key] = dict(value) if isinstance(value, dict) else value
     if spec.device == "cuda":
+        gpus = pod_layout(spec, placement).ranks_per_pod
         for key in ("limits", "requests"):
             given = resources.get(key, {}).get(GPU_RESOURCE)
-            if given is not None and str(given) != str(spec.gpus_per_pod):
+            if given is not None and str(given) != str(gpus):
                 raise BuildError(
-                    f"{role.value}.resources.{key}.{GPU_RESOURCE} is {given} but gpusPerPod "
-                    f"is {spec.gpus_per_pod}; leave it out, the operator sets it"
+                    f"{role.value}.resources.{key}.{GPU_RESOURCE} is {given} but an instance "
+                    f"pod runs {gpus} ranks (dp*tp*cp*pp), one GPU each; leave it out, "
+                    "the operator sets it"
                 )
         limits = resources.setdefault("limits", {})
-        limits[GPU_RESOURCE] = spec.gpus_per_pod
+        limits[GPU_RESOURCE] = gpus
         if GPU_RESOURCE in resources.get("requests", {}):
-            resources["requests"][GPU_RESOURCE] = spec.gpus_per_pod
+            resources["requests"][GPU_RESOURCE] = gpus
     else:
         for key in ("limits", "requests"):
             if GPU_RESOURCE in resources.get(key, {}):
@@ -114,7 +180,7 @@ def _worker_args(role: Role, index: int, pod_index: int) -> list[str]:
     args = [
         "worker",
         "-f",
-        meta.MANIFEST_PATH,
+        meta.MANIFEST_ARG,
         "--role",
         role.value,
         "--instance",
@@ -122,7 +188,7 @@ def _worker_args(role: Role, index: int, pod_index: int) -> list[str]:
         "--pod-index",
         str(pod_index),
         "--host",
-        "0.0.0.0",
+        meta.BIND_HOST,
         "--port",
         str(meta.HTTP_PORT),
         "--dist-port",
@@ -134,11 +200,17 @@ def _worker_args(role: Role, index: int, pod_index: int) -> list[str]:
 
 
 def _worker_env(
-    cluster: Cluster, spec: RoleSpec, key: InstanceKey, pod_index: int, leader: str, revision: str
+    cluster: Cluster,
+    layout: PodLayout,
+    spec: RoleSpec,
+    key: InstanceKey,
+    pod_index: int,
+    leader: str,
+    revision: str,
 ) -> list[dict[str, Any]]:
     return [
+        *meta.manifest_env(names.config_map_name(cluster.name)),
         meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
-        meta.env_field("POD_IP", "status.podIP"),
         meta.env_field("POD_NAME", "metadata.name"),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
@@ -146,9 +218,9 @@ def _worker_env(
         meta.env_value("PDCLUSTER_ROLE", key.role.value),
         meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
         meta.env_value("PDCLUSTER_POD_INDEX", str(pod_index)),
-        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(spec.pods_per_instance)),
-        meta.env_value("PDCLUSTER_RANKS_PER_POD", str(spec.gpus_per_pod)),
-        meta.env_value("PDCLUSTER_FIRST_RANK", str(pod_index * spec.gpus_per_pod)),
+        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.pods_per_instance)),
+        meta.env_value("PDCLUSTER_RANKS_PER_POD", str(layout.ranks_per_pod)),
+        meta.env_value("PDCLUSTER_FIRST_RANK", str(pod_index * layout.ranks_per_pod)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
     ]
@@ -170,13 +242,20 @@ def worker_labels(key: InstanceKey, pod_index: int, revision: str) -> dict[str, 
     }
 
 
-def build_worker_pod(cluster: Cluster, role: Role, index: int, pod_index: int) -> Manifest:
+def build_worker_pod(
+    cluster: Cluster,
+    role: Role,
+    index: int,
+    pod_index: int,
+    placement: Placement = DEFAULT_PLACEMENT,
+) -> Manifest:
     """Pod `pod_index` of instance `index` of `role`."""
     spec = _role(cluster, role)
-    if not 0 <= pod_index < spec.pods_per_instance:
+    layout = pod_layout(spec, placement)
+    num_pods = layout.pods_per_instance
+    if not 0 <= pod_index < num_pods:
         raise BuildError(
-            f"{role.value} has {spec.pods_per_instance} pods per instance; "
-            f"pod index {pod_index} is out of range"
+            f"{role.value} has {num_pods} pods per instance; pod index {pod_index} is out of range"
         )
     key = _instance_key(cluster, role, index)
     revision = compute_cluster_revision(cluster.spec)
@@ -185,7 +264,7 @@ def build_worker_pod(cluster: Cluster, role: Role, index: int, pod_index: int) -
     annotations = {
         names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
         names.ANNOTATION_DIST_PORT: str(meta.DIST_PORT),
-        names.ANNOTATION_INSTANCE_SIZE: str(spec.pods_per_instance),
+        names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
     }
     ports = [
         {"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"},
@@ -194,20 +273,18 @@ def build_worker_pod(cluster: Cluster, role: Role, index: int, pod_index: int) -
     if role == Role.prefill:
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(meta.BOOTSTRAP_PORT)
         ports.append({"name": "bootstrap", "containerPort": meta.BOOTSTRAP_PORT, "protocol": "TCP"})
-    volume, mount = meta.config_volume(names.config_map_name(cluster.name))
     container: dict[str, Any] = {
         "name": "worker",
         "image": cluster.spec.image,
         "command": ["pdcluster"],
         "args": _worker_args(role, index, pod_index),
-        "env": _worker_env(cluster, spec, key, pod_index, leader, revision),
+        "env": _worker_env(cluster, layout, spec, key, pod_index, leader, revision),
         "ports": ports,
-        "volumeMounts": [mount],
         "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
-        "readinessProbe": meta.http_probe(5, 3),
+        "readinessProbe": meta.http_probe(READINESS_PERIOD_S, READINESS_FAILURES),
         "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
     }
-    resources = build_resources(spec, role)
+    resources = build_resources(spec, role, placement)
     if resources:
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
@@ -216,7 +293,6 @@ def build_worker_pod(cluster: Cluster, role: Role, index: int, pod_index: int) -
         "serviceAccountName": names.runtime_account_name(cluster.name),
         "enableServiceLinks": False,
         "containers": [container],
-        "volumes": [volume],
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
@@ -281,10 +357,13 @@ def build_bootstrap_service(cluster: Cluster, index: int) -> Manifest:
     }
 
 
-def build_instance(cluster: Cluster, role: Role, index: int) -> InstanceManifests:
+def build_instance(
+    cluster: Cluster, role: Role, index: int, placement: Placement = DEFAULT_PLACEMENT
+) -> InstanceManifests:
     """Every object of one instance: its pods and, for prefill, its bootstrap Service."""
     spec = _role(cluster, role)
     key = _instance_key(cluster, role, index)
-    pods = tuple(build_worker_pod(cluster, role, index, k) for k in range(spec.pods_per_instance))
+    num_pods = pod_layout(spec, placement).pods_per_instance
+    pods = tuple(build_worker_pod(cluster, role, index, k, placement) for k in range(num_pods))
     service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
     return InstanceManifests(key=key, pods=pods, bootstrap_service=service)

@@ -25,6 +25,7 @@ from pdcluster.operator.actions import (
 )
 from pdcluster.operator.builders.config import build_token_secret
 from pdcluster.operator.builders.desired import DesiredState, build_desired
+from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement
 from pdcluster.operator.cluster import Cluster, cluster_from_body
 from pdcluster.operator.kube import ApiError
 from pdcluster.operator.names import router_name
@@ -191,15 +192,21 @@ class Sim:
     """Plan and execute passes against a store, carrying the ledgers the way the
     controller carries them through the status."""
 
-    def __init__(self, spec: Mapping[str, Any], store: Store | None = None) -> None:
+    def __init__(
+        self,
+        spec: Mapping[str, Any],
+        store: Store | None = None,
+        placement: Placement = DEFAULT_PLACEMENT,
+    ) -> None:
         self.store = store or Store()
         self.now = 1_000_000.0
         self.ledgers: dict[Any, RestartLedger] = {}
+        self.placement = placement
         self.set_spec(spec)
 
     def set_spec(self, spec: Mapping[str, Any]) -> None:
         self.cluster = make_cluster(spec)
-        self.desired: DesiredState = build_desired(self.cluster)
+        self.desired: DesiredState = build_desired(self.cluster, self.placement)
 
     def plan(self) -> Plan:
         observed = observe_store(self.store, self.cluster)

@@ -12,6 +12,7 @@ import yaml
 from pdcluster.operator import names
 from pdcluster.operator.builders import (
     BuildError,
+    Placement,
     build_bootstrap_service,
     build_config_map,
     build_desired,
@@ -68,31 +69,76 @@ def arg_after(args: list[str], flag: str) -> str | None:
 
 @pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "dp{}tp{}cp{}pp{}g{}".format(*t))
-def test_instance_pods_cover_every_rank_once(role: Role, topo) -> None:
+def test_an_instance_is_one_pod_running_every_rank(role: Role, topo) -> None:
+    # The runtime refuses an instance spread over pods, so whatever gpusPerPod
+    # says, one pod holds all ranks, and the manifest it reads agrees.
     cluster = role_cluster(role, topo)
     spec = getattr(cluster.spec, role.value)
     inst = build_instance(cluster, role, 3)
+    ranks = spec.topology.num_ranks
+    (pod,) = inst.pods
+    args = pod["spec"]["containers"][0]["args"]
+    env = env_of(pod)
+    assert arg_after(args, "--role") == role.value
+    assert arg_after(args, "--instance") == "3"
+    assert arg_after(args, "--pod-index") == "0"
+    assert env["PDCLUSTER_LEADER_POD"] == pod["metadata"]["name"]
+    assert env["PDCLUSTER_NUM_RANKS"] == str(ranks)
+    assert env["PDCLUSTER_RANKS_PER_POD"] == str(ranks)
+    assert env["PDCLUSTER_FIRST_RANK"] == "0"
+    labels = pod["metadata"]["labels"]
+    assert labels[names.LABEL_POD_INDEX] == "0"
+    assert labels[names.LABEL_INSTANCE_INDEX] == "3"
+    assert labels[names.LABEL_ROLE] == role.value
+    assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == "1"
+    placed = load_manifest_text(build_config_map(cluster)["data"]["manifest.yaml"])
+    placed_role = getattr(placed.spec, role.value)
+    assert placed_role.pods_per_instance == 1
+    assert placed_role.topology == spec.topology
+    assert build_desired(cluster).role(role).pods_per_instance == 1
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "dp{}tp{}cp{}pp{}g{}".format(*t))
+def test_spread_placement_covers_every_rank_once(role: Role, topo) -> None:
+    cluster = role_cluster(role, topo)
+    spec = getattr(cluster.spec, role.value)
+    inst = build_instance(cluster, role, 3, Placement.gpus_per_pod)
     ranks, gpus = spec.topology.num_ranks, spec.gpus_per_pod
     assert len(inst.pods) == ranks // gpus
-    first_ranks = []
     leader = inst.pods[0]["metadata"]["name"]
+    first_ranks = []
     for k, pod in enumerate(inst.pods):
-        args = pod["spec"]["containers"][0]["args"]
         env = env_of(pod)
-        assert arg_after(args, "--role") == role.value
-        assert arg_after(args, "--instance") == "3"
-        assert arg_after(args, "--pod-index") == str(k)
+        assert arg_after(pod["spec"]["containers"][0]["args"], "--pod-index") == str(k)
         assert env["PDCLUSTER_LEADER_POD"] == leader
-        assert env["PDCLUSTER_NUM_RANKS"] == str(ranks)
-        first_ranks.append(int(env["PDCLUSTER_FIRST_RANK"]))
-        labels = pod["metadata"]["labels"]
-        assert labels[names.LABEL_POD_INDEX] == str(k)
-        assert labels[names.LABEL_INSTANCE_INDEX] == "3"
-        assert labels[names.LABEL_ROLE] == role.value
+        assert env["PDCLUSTER_RANKS_PER_POD"] == str(gpus)
+        assert pod["metadata"]["labels"][names.LABEL_POD_INDEX] == str(k)
         assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == str(len(inst.pods))
+        first_ranks.append(int(env["PDCLUSTER_FIRST_RANK"]))
     # Pods own disjoint, contiguous rank ranges that together cover the instance.
     assert first_ranks == list(range(0, ranks, gpus))
     assert len(set(inst.pod_names)) == len(inst.pods)
+
+
+@pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
+def test_pods_bind_their_own_address_and_read_the_manifest_from_the_config_map(
+    role: Role,
+) -> None:
+    cluster = role_cluster(role, (1, 1, 1, 1, 1))
+    pod = build_instance(cluster, role, 0).pods[0]
+    router = build_router_deployment(cluster)["spec"]["template"]
+    for spec in (pod["spec"], router["spec"]):
+        (container,) = spec["containers"]
+        args, env = container["args"], env_of({"spec": spec})
+        # Pods of one node may share a network: 0.0.0.0 would collide.
+        assert arg_after(args, "--host") == "$(POD_IP)"
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert arg_after(args, "-f") == "env:PDCLUSTER_MANIFEST"
+        assert env["PDCLUSTER_MANIFEST"] == {
+            "configMapKeyRef": {"name": "demo-config", "key": "manifest.yaml"}
+        }
+        assert "volumes" not in spec and "volumeMounts" not in container
 
 
 @pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
@@ -205,10 +251,11 @@ def test_cuda_pods_request_gpus_and_scheduling_fields_pass_through() -> None:
     cluster = make_cluster(
         {"prefill": {"topology": {"tp": 4}, "gpusPerPod": 2, **SCHEDULING}, "decode": {}}
     )
-    pod = build_worker_pod(cluster, Role.prefill, 0, 1)
+    pod = build_worker_pod(cluster, Role.prefill, 0, 0)
     spec = pod["spec"]
     resources = spec["containers"][0]["resources"]
-    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 2}
+    # One pod runs the instance's 4 ranks, one GPU each.
+    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 4}
     assert resources["requests"] == {"cpu": "2"}
     assert spec["nodeSelector"] == SCHEDULING["nodeSelector"]
     assert spec["tolerations"] == SCHEDULING["tolerations"]
@@ -225,7 +272,7 @@ def test_cpu_pods_request_no_gpus_and_leave_scheduling_unset() -> None:
 @pytest.mark.parametrize(
     ("role_extra", "words"),
     [
-        ({"device": "cuda", "resources": {"limits": {"nvidia.com/gpu": 3}}}, "gpusPerPod is 1"),
+        ({"device": "cuda", "resources": {"limits": {"nvidia.com/gpu": 3}}}, "runs 1 ranks"),
         ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, "device is cpu"),
         ({"resources": {"limit": {"cpu": 1}}}, "unknown keys ['limit']"),
         ({"resources": {"limits": "4"}}, "must be a mapping"),
@@ -240,8 +287,8 @@ def test_contradictory_resources_are_rejected_with_a_reason(role_extra, words) -
 
 def test_out_of_range_pod_index_is_an_error() -> None:
     cluster = make_cluster({"prefill": {"topology": {"tp": 2}, "gpusPerPod": 1}, "decode": {}})
-    with pytest.raises(BuildError, match="pod index 2 is out of range"):
-        build_worker_pod(cluster, Role.prefill, 0, 2)
+    with pytest.raises(BuildError, match="pod index 1 is out of range"):
+        build_worker_pod(cluster, Role.prefill, 0, 1)
     with pytest.raises(BuildError, match="no colocated role"):
         build_instance(cluster, Role.colocated, 0)
 

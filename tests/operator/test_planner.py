@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcluster.operator.actions import Apply, Create, CreateTokenSecret, Delete, Emit
+from pdcluster.operator.builders.workers import Placement
 from pdcluster.operator.instances import Health, group_instances
 from pdcluster.operator.names import Role
 from pdcluster.operator.planner import manifest_hash, stamp
@@ -18,6 +19,8 @@ from pdcluster.operator.rollout import MAX_SURGE
 from .helpers import PD, Sim, observe_store
 
 GANG = {"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {"replicas": 1}}
+# Gangs of several pods: instances spread over `ranks / gpusPerPod` pods.
+SPREAD = Placement.gpus_per_pod
 
 
 def converge(sim: Sim, passes: int = 10) -> None:
@@ -35,7 +38,7 @@ def reasons(events: list[Emit]) -> list[str]:
 
 
 def test_first_pass_creates_every_child_then_nothing_more() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     plan, events = sim.step()
     store = sim.store
     assert isinstance(plan.actions[0], CreateTokenSecret)
@@ -51,7 +54,7 @@ def test_first_pass_creates_every_child_then_nothing_more() -> None:
 
 
 def test_ready_cluster_plans_nothing_and_reports_every_slot_ready() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     converge(sim)
     plan = sim.plan()
     assert plan.actions == ()
@@ -103,7 +106,7 @@ def test_deleted_single_pod_instance_is_recreated_at_once_without_counting_a_res
 
 
 def test_failed_rank_restarts_the_whole_gang_after_backoff() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     converge(sim)
     victim = sim.store.pods(role="prefill", instance="1")[1]["metadata"]["name"]
     sim.store.set_pod(victim, "Failed", False)
@@ -126,7 +129,7 @@ def test_failed_rank_restarts_the_whole_gang_after_backoff() -> None:
 
 
 def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     converge(sim)
     first, second = (p["metadata"]["name"] for p in sim.store.pods(role="prefill", instance="0"))
     sim.store.remove("Pod", second)
@@ -136,7 +139,7 @@ def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
 
 
 def test_half_created_gang_is_completed_not_restarted() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     sim.step()
     first, second = (p["metadata"]["name"] for p in sim.store.pods(role="prefill", instance="0"))
     sim.store.remove("Pod", second)  # as if the second create had failed
@@ -251,7 +254,7 @@ def test_missing_user_token_secret_blocks_pods_until_it_exists() -> None:
 
 
 def test_stale_owned_objects_are_deleted_and_foreign_ones_kept() -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     converge(sim)
     leftover = dict(sim.store.objects[("ConfigMap", "demo-config")])
     leftover["metadata"] = {**leftover["metadata"], "name": "demo-old", "uid": "u-old"}
@@ -350,7 +353,7 @@ def test_applied_manifests_carry_their_own_hash() -> None:
     )
 )
 def test_random_disruptions_never_touch_foreign_objects_or_duplicate_slots(ops) -> None:
-    sim = Sim(GANG)
+    sim = Sim(GANG, placement=SPREAD)
     sim.store.foreign(
         "Pod", "intruder", labels={"pdcluster.io/cluster": "demo", "pdcluster.io/role": "prefill"}
     )

@@ -197,6 +197,12 @@ def tiny_tensors(
             # BOS and the padding ids get zero logits, which never win.
             head[TINY_EOS_ID + 1 :] = 0.0
             head[TINY_BOS_ID] = 0.0
+            # Only printable ASCII (and newline) is generated, so the demo's
+            # text is readable and never splits a UTF-8 character.
+            printable = [10, *range(32, 127)]
+            keep = torch.zeros(256, dtype=torch.bool)
+            keep[printable] = True
+            head[:256][~keep] = 0.0
             # A damped EOS row: sequences do end, but rarely after one token.
             head[TINY_EOS_ID] *= 0.9
         out["lm_head.weight"] = head

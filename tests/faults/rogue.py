@@ -56,6 +56,8 @@ class _Peer:
     inbox: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
     kv: list[tuple[KVFrameHeader, bytes]] = field(default_factory=list)
     seen: list[Any] = field(default_factory=list)
+    # Arrival order of control messages and KV frames together.
+    order: list[Any] = field(default_factory=list)
 
     def start(self) -> None:
         self.endpoint = Endpoint(EndpointConfig(), on_control=self._control, on_kv=self._kv)
@@ -71,6 +73,7 @@ class _Peer:
         except pdmsg.ProtocolError as err:
             msg = err
         self.seen.append(msg)
+        self.order.append(msg)
         if not self.auto_reply(sender, msg):
             self.inbox.put((sender, msg))
 
@@ -78,7 +81,9 @@ class _Peer:
         return False
 
     def _kv(self, header: bytes, payload: memoryview) -> None:
-        self.kv.append((decode_header(header), bytes(payload)))
+        parsed = decode_header(header)
+        self.kv.append((parsed, bytes(payload)))
+        self.order.append(parsed)
 
     def send(self, to: str, msg: pdmsg.Message) -> None:
         self.endpoint.send_control(to, pdmsg.encode(msg))

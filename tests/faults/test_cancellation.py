@@ -1,0 +1,364 @@
+"""Aborts in every KVPoll state, on both sides (scenarios 4 and 5), and client disconnects.
+
+Decode side: a scripted prefill (`RoguePrefill`) holds a real decode worker's
+room in Bootstrapping, WaitingForInput, Transferring or Success; then the
+room is aborted by its exact rid. Decode must tell every notified prefill
+rank `ABORT(room, generation)` exactly once and keep the room's pages until
+that rank acknowledged — a stale acknowledgement of an older generation
+releases nothing.
+
+Prefill side: a scripted decode rank (`RogueDecode`) drives a real prefill
+worker. Prefill must stop writing and send `ABORT_ACK` only after every KV
+frame of the room has left, and leave a tombstone that refuses late claims.
+
+Through the router: a client that goes away (streaming or not) costs the
+workers nothing — both legs are aborted at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from pdcluster.runtime.pd import messages as pdmsg
+from pdcluster.runtime.pd.compat import CompatInfo
+from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.transfer.frames import KVFrameHeader
+from tests.faults.harness import (
+    FaultCluster,
+    LegResult,
+    PDClient,
+    PDResult,
+    gen_body,
+    make_prompts,
+    mint_rid,
+    mint_room,
+    parse_counter,
+    post_leg,
+    wait_until,
+)
+from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
+
+PAGE = 16
+DECODE_STATES = ["Bootstrapping", "WaitingForInput", "Transferring", "Success"]
+
+
+def abort(cluster: FaultCluster, worker: str, rid: str) -> dict[str, Any]:
+    resp = httpx.post(cluster.url(worker) + "/abort_request", json={"rid": rid}, timeout=5)
+    assert resp.status_code == 200, resp.text
+    data: dict[str, Any] = resp.json()
+    return data
+
+
+def room_state(cluster: FaultCluster, worker: str, room: int) -> str | None:
+    for r in cluster.rooms(worker):
+        if r["room"] == room:
+            state: str = r["state"]
+            return state
+    return None
+
+
+# ------------------------------------------------------------------ decode side
+
+
+@pytest.mark.parametrize("state", DECODE_STATES)
+def test_decode_abort_in_each_state(
+    pd: FaultCluster, client: PDClient, compat: CompatInfo, state: str
+) -> None:
+    # A two-rank prefill instance with one rank registered never becomes ready:
+    # decode stays in Bootstrapping, retrying GET /route.
+    shape = InstanceShape(tp=2) if state == "Bootstrapping" else None
+    rogue = RoguePrefill(pd.token, compat, shape=shape)
+    prompt = make_prompts(1, seed=61, lo=40, hi=40)[0]
+    num_pages = math.ceil(len(prompt) / PAGE)
+    failed_before = pd.stats("decode-0").get("room_failed:aborted", 0)
+    try:
+        leg = Background(
+            client.generate, None, pd.url("decode-0"), rogue.bootstrap, prompt, 300, timeout=30
+        )
+        meta: pdmsg.TransferMeta | None = None
+        if state == "Bootstrapping":
+            wait_until(lambda: pd.rooms("decode-0"), 10, what="the decode room")
+            time.sleep(0.3)  # a few /route retries
+            rid = pd.rooms("decode-0")[0]["rid"]
+            assert room_state(pd, "decode-0", pd.rooms("decode-0")[0]["room"]) == "Bootstrapping"
+        else:
+            _, meta = rogue.expect(pdmsg.TransferMeta)
+            rid = meta.rid
+            assert len(meta.dst_pages) == num_pages
+            if state == "Transferring":
+                rogue.status(meta, KVPoll.Transferring)
+                rogue.send_kv(meta, PAGE)
+            elif state == "Success":
+                rogue.send_kv(meta, len(prompt), is_last=True)
+                rogue.status(meta, KVPoll.Success, first_token=7)
+            if state != "Success":
+                wait_until(lambda: room_state(pd, "decode-0", meta.room) == state, 5, what=state)
+            else:
+                # Handed to the engine: decoding 300 tokens.
+                wait_until(lambda: room_state(pd, "decode-0", meta.room) is None, 5)
+                assert (
+                    pd.info("decode-0")["num_free_pages"] < pd.info("decode-0")["num_total_pages"]
+                )
+
+        aborted_at = time.monotonic()
+        assert abort(pd, "decode-0", rid)["found"] is True
+        result: PDResult = leg.result(10)
+        assert result.decode.ended_at - aborted_at < 1.0
+        if state == "Success":
+            # Decoding had begun: the client sees its tokens end with "abort".
+            assert result.decode.status == 200
+            assert result.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
+        else:
+            assert result.decode.status == 502 and "aborted" in result.decode.error
+
+        if meta is None or state == "Success":
+            # No prefill rank holds a write into these pages: nothing to wait for.
+            assert rogue.quiet(pdmsg.Abort, result.room, 0.3)
+            pd.assert_clean(["decode-0"], timeout=5)
+        else:
+            _, msg = rogue.expect(pdmsg.Abort, meta.room, timeout=5)
+            assert (msg.generation, msg.rid) == (meta.generation, meta.rid)
+            # The pages stay reserved: this prefill rank may still be writing them.
+            info = pd.info("decode-0")
+            assert info["num_free_pages"] == info["num_total_pages"] - num_pages
+            # Scenario 5: an acknowledgement of an older generation releases nothing.
+            stale_before = pd.stats("decode-0").get("dropped:stale_generation", 0)
+            rogue.ack(meta.decode_endpoint, meta.room, meta.generation - 1)
+            wait_until(
+                lambda: pd.stats("decode-0").get("dropped:stale_generation", 0) > stale_before,
+                5,
+                what="the stale ack to be dropped",
+            )
+            info = pd.info("decode-0")
+            assert info["num_free_pages"] == info["num_total_pages"] - num_pages
+            assert room_state(pd, "decode-0", meta.room) == "Failed"
+            released_at = time.monotonic()
+            rogue.ack(meta.decode_endpoint, meta.room, meta.generation)
+            pd.assert_clean(["decode-0"], timeout=5)
+            # Released by the ack, well before the release timeout would have.
+            assert time.monotonic() - released_at < 1.5
+            # Exactly once.
+            assert sum(isinstance(m, pdmsg.Abort) for m in rogue.seen) == 1
+        if state != "Success":
+            assert pd.stats("decode-0").get("room_failed:aborted", 0) == failed_before + 1
+    finally:
+        rogue.close()
+
+
+def test_abort_matches_the_exact_rid(
+    pd: FaultCluster, client: PDClient, compat: CompatInfo
+) -> None:
+    rogue = RoguePrefill(pd.token, compat)
+    rid = mint_rid()
+    longer = rid + "0"  # "req-…1" must never abort "req-…10"
+    try:
+        legs = [
+            Background(
+                client.generate,
+                None,
+                pd.url("decode-0"),
+                rogue.bootstrap,
+                [5] * 20,
+                4,
+                rid=r,
+                timeout=30,
+            )
+            for r in (rid, longer)
+        ]
+        metas = [rogue.expect(pdmsg.TransferMeta)[1] for _ in range(2)]
+        by_rid = {m.rid: m for m in metas}
+        assert abort(pd, "decode-0", rid[:-1])["found"] is False  # a prefix is not a match
+        assert abort(pd, "decode-0", rid)["found"] is True
+        first: PDResult = legs[0].result(10)
+        assert first.decode.status == 502
+        assert room_state(pd, "decode-0", by_rid[longer].room) == "WaitingForInput"
+        assert rogue.quiet(pdmsg.Abort, by_rid[longer].room, 0.2)
+        assert abort(pd, "decode-0", longer)["found"] is True
+        legs[1].result(10)
+        for m in metas:
+            rogue.expect(pdmsg.Abort, m.room)
+            rogue.ack(m.decode_endpoint, m.room, m.generation)
+        pd.assert_clean(["decode-0"])
+    finally:
+        rogue.close()
+
+
+# ------------------------------------------------------------------ prefill side
+
+
+def rogue_decode(pd: FaultCluster, compat: CompatInfo) -> tuple[RogueDecode, str]:
+    prefill = fetch_instance(pd.bootstrap("prefill-0"), pd.token).ranks[0].endpoint
+    rogue = RogueDecode(pd.token, compat)
+    ack = rogue.register(prefill)
+    assert ack.accepted, ack.reason
+    return rogue, prefill
+
+
+def prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int) -> Background:
+    body = gen_body(prompt, 4, rid=rid, room=room, bootstrap=pd.bootstrap("prefill-0"))
+    return Background(post_leg, pd.url("prefill-0"), body, 30.0)
+
+
+def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
+    pd: FaultCluster, compat: CompatInfo
+) -> None:
+    rogue, prefill = rogue_decode(pd, compat)
+    rid, room = mint_rid(), mint_room()
+    prompt = make_prompts(1, seed=71, lo=100, hi=100)[0]
+    try:
+        leg = prefill_leg(pd, prompt, rid, room)
+        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        assert abort(pd, "prefill-0", rid)["found"] is True
+        res: LegResult = leg.result(10)
+        assert res.status == 502 and "aborted" in res.error
+        pd.assert_clean(["prefill-0"], timeout=5)
+        # Scenario 7: late metadata for the failed room gets Failed, not a new room.
+        rogue.meta(prefill, room, rid, list(range(7)))
+        _, status = rogue.expect(pdmsg.Status, room)
+        assert status.state is KVPoll.Failed and status.reason.startswith("room_closed")
+        assert rogue.frames_for(room) == 0
+        pd.assert_clean(["prefill-0"], timeout=2)
+    finally:
+        rogue.close()
+
+
+def test_decode_abort_before_the_prefill_leg_refuses_it(
+    pd: FaultCluster, compat: CompatInfo
+) -> None:
+    rogue, prefill = rogue_decode(pd, compat)
+    rid, room = mint_rid(), mint_room()
+    prompt = make_prompts(1, seed=72, lo=100, hi=100)[0]
+    try:
+        rogue.meta(prefill, room, rid, list(range(7)))  # the claim creates the room
+        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        rogue.abort(prefill, room, rid)
+        _, ack = rogue.expect(pdmsg.AbortAck, room)
+        assert ack.generation == 1
+        pd.assert_clean(["prefill-0"], timeout=5)
+        res: LegResult = prefill_leg(pd, prompt, rid, room).result(10)
+        assert res.status == 502 and "already concluded" in res.error
+        assert rogue.frames_for(room) == 0
+        pd.assert_clean(["prefill-0"], timeout=5)
+    finally:
+        rogue.close()
+
+
+@pytest.mark.parametrize("state", ["WaitingForInput", "Transferring", "Success"])
+def test_prefill_acks_an_abort_only_after_its_writes_drained(
+    pd: FaultCluster, compat: CompatInfo, state: str
+) -> None:
+    rogue, prefill = rogue_decode(pd, compat)
+    rid, room = mint_rid(), mint_room()
+    prompt = make_prompts(1, seed=73, lo=4000, hi=4000)[0]
+    pages = list(range(math.ceil(len(prompt) / PAGE)))
+    try:
+        leg = prefill_leg(pd, prompt, rid, room)
+        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        rogue.meta(prefill, room, rid, pages)
+        if state == "WaitingForInput":
+            # Same connection, next message: handled before any chunk is computed.
+            rogue.abort(prefill, room, rid)
+        elif state == "Transferring":
+            wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
+            rogue.abort(prefill, room, rid)
+        else:
+            _, done = rogue.expect(pdmsg.Status, room, timeout=20)
+            while done.state is not KVPoll.Success:
+                _, done = rogue.expect(pdmsg.Status, room, timeout=20)
+            assert leg.result(10).status == 200
+            rogue.abort(prefill, room, rid)
+        _, ack = rogue.expect(pdmsg.AbortAck, room, timeout=20)
+        assert ack.generation == 1
+        # Drained before acked: no KV frame of the room arrives after the ack.
+        position = next(i for i, m in enumerate(rogue.order) if m is ack)
+        time.sleep(0.3)
+        late = [m for m in rogue.order[position:] if isinstance(m, KVFrameHeader)]
+        assert not late, f"{len(late)} KV frames after ABORT_ACK"
+        if state != "Success":
+            res: LegResult = leg.result(10)
+            assert res.status == 502 and "aborted" in res.error
+            assert (
+                pd.stats("prefill-0").get("room_failed:aborted_by_decode", 0)
+                + pd.stats("prefill-0").get("room_failed:aborted by decode", 0)
+                >= 1
+            )
+        pd.assert_clean(["prefill-0"], timeout=5)
+    finally:
+        rogue.close()
+
+
+def test_prefill_abort_with_undeliverable_writes_frees_after_release_timeout(
+    pd: FaultCluster, compat: CompatInfo
+) -> None:
+    rogue, prefill = rogue_decode(pd, compat)
+    rid, room = mint_rid(), mint_room()
+    prompt = make_prompts(1, seed=74, lo=4000, hi=4000)[0]
+    pages = list(range(math.ceil(len(prompt) / PAGE)))
+    leg = prefill_leg(pd, prompt, rid, room)
+    try:
+        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        rogue.meta(prefill, room, rid, pages)
+        wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
+    finally:
+        rogue.close()  # the decode rank is gone: the writes queued for it cannot leave
+    assert room_state(pd, "prefill-0", room) == "Transferring"
+    aborted_at = time.monotonic()
+    assert abort(pd, "prefill-0", rid)["found"] is True
+    res: LegResult = leg.result(10)
+    assert res.status == 502
+    release_s = pd.manifest.spec.transfer.abort_release_timeout_seconds
+    pd.assert_clean(["prefill-0"], timeout=release_s + 3)
+    assert time.monotonic() - aborted_at <= release_s + 3
+
+
+# ------------------------------------------------------------------ through the router
+
+
+def busy_workers(cluster: FaultCluster) -> list[str]:
+    busy = []
+    for name in cluster.workers():
+        info = cluster.info(name)
+        if info["num_rooms"] or info["num_free_pages"] != info["num_total_pages"]:
+            busy.append(name)
+    return busy
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_both_legs(pd: FaultCluster, stream: bool) -> None:
+    router_metrics_before = httpx.get(pd.endpoint + "/metrics").text
+    aborts_before = sum(
+        parse_counter(router_metrics_before, "pdcluster_router_aborts_sent", "reason").values()
+    )
+    prompt = make_prompts(1, seed=81, lo=4000, hi=4000)[0]
+    body = {
+        "input_ids": prompt,
+        "stream": stream,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 600, "ignore_eos": True},
+    }
+    with httpx.Client(timeout=httpx.Timeout(10.0, read=0.25)) as h:
+        if stream:
+            with h.stream("POST", pd.endpoint + "/generate", json=body) as resp:
+                assert resp.status_code == 200
+                wait_until(lambda: len(busy_workers(pd)) >= 2, 10, 0.01, "both legs running")
+                left_at = time.monotonic()
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                h.post(pd.endpoint + "/generate", json=body)
+            left_at = time.monotonic()
+            assert busy_workers(pd), "the request finished before the client left"
+    wait_until(lambda: not busy_workers(pd), 5, 0.005, "every worker to drop the request")
+    took = time.monotonic() - left_at
+    # DESIGN §7 asks for 100 ms; the bound here leaves room for a loaded CI box
+    # (bench/failover.py measures the real latency).
+    assert took < 1.0, f"legs still running {took:.3f}s after the client left"
+    text = httpx.get(pd.endpoint + "/metrics").text
+    aborts = parse_counter(text, "pdcluster_router_aborts_sent", "reason")
+    assert sum(aborts.values()) > aborts_before
+    assert aborts.get("client_disconnect", 0) >= 1
+    pd.assert_clean()

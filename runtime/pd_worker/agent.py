@@ -170,6 +170,7 @@ class RankAgent:
                             break
                     if time.monotonic() >= next_tick:
                         self.tick(time.monotonic())
+                        self.publish_stats()
                         next_tick = time.monotonic() + TICK_S
             except Exception:
                 log.exception("rank %s: agent step failed", self.ctx.coord)
@@ -177,14 +178,30 @@ class RankAgent:
     def tick(self, now: float) -> None:
         """Role hook: timeouts, drains; called under the lock every TICK_S."""
 
+    def publish_stats(self) -> None:
+        """Copy the endpoint's drop counters into `ctx.stats` (server info, metrics).
+
+        Frames the endpoint drops itself (wrong part count, unknown kind,
+        oversized, bad sender address) never reach the agent, so without this
+        garbage on the socket would go uncounted.
+        """
+        for reason, count in self.endpoint.stats.items():
+            self.ctx.stats[f"endpoint:{reason}"] = count
+
     # ------------------------------------------------------------ inbound
     def _on_control(self, sender: str, data: bytes) -> None:
         # Endpoint I/O thread: decode here (cheap), act on the agent thread.
         if is_group_frame(data):
+            if sender != self.leader_address and sender not in self.follower_addresses:
+                # Only this dp group's ranks coordinate it; a peer outside it
+                # must not open, fail or report rooms here.
+                self.ctx.stats["group_reject:not_in_group"] += 1
+                return
             try:
                 group = decode_group(data)
             except GroupProtocolError as err:
-                self.ctx.stats[f"group_reject:{err}"] += 1
+                # The error text quotes the peer's bytes: count by its code only.
+                self.ctx.stats[f"group_reject:{str(err).split(':', 1)[0]}"] += 1
                 return
             self.post(lambda: self._on_group_checked(group))
             return

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from pdcluster.runtime.engine.kv_pool import KVPoolShape
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.bootstrap_client import BootstrapClient
@@ -307,7 +309,10 @@ class PrefillAgent(RankAgent):
             dtype=self.ctx.compat.kv_dtype,
             layout=self.pool.shape.layout,
         )
-        self.transport.register_peer(dest.endpoint, lay.shm_pool_path, shape)
+        # The chunk hook runs inside the runner's inference mode; a pool mapped
+        # there would be an inference tensor the sender thread may not write.
+        with torch.inference_mode(False):
+            self.transport.register_peer(dest.endpoint, lay.shm_pool_path, shape)
         self._shm_peers.add(dest.endpoint)
 
     def table_views(self, now: float) -> list[dict[str, Any]]:

@@ -149,3 +149,37 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path) -> None:
             assert float(line.split()[-1]) > 0, line
             assert "pdcluster_transfer_seconds_count" in text
             assert 'pdcluster_rooms{state="failed"} 0.0' in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "transfer",
+    [
+        {"backend": "shm"},
+        {"allocationPolicy": "prefill_complete"},
+        {"backend": "shm", "allocationPolicy": "prefill_complete"},
+    ],
+    ids=["shm", "prefill_complete", "shm-prefill_complete"],
+)
+def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path: Path) -> None:
+    """The shared-memory transport (one-sided writes into decode's pool) and the
+    prefill_complete policy give the same tokens as colocated, with no leak."""
+    from tests.local.cluster import write_manifest
+
+    spec = {
+        # float64: the prefill tp all-reduce cannot flip a greedy token.
+        "model": {"name": "tiny", "computeDtype": "float64"},
+        "kvCache": {"pageSize": 16, "numPages": 512, "dtype": "float64"},
+        "transfer": transfer,
+        "prefill": {"topology": {"tp": 2}},
+        "decode": {},
+    }
+    manifest = write_manifest(tmp_path, "variant", spec)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (1, 17, 600, 1500, 40, 5)]
+    expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
+    with local_cluster(manifest, tmp_path / "state") as cluster:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+        assert got == expected
+        assert_no_page_leak(cluster)

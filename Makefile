@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null)
 
-.PHONY: setup run test lint typecheck unit fmt crds bench clean
+.PHONY: setup run test lint links typecheck fmt crds clean
 
 setup: $(VENV)/.installed
 
@@ -19,17 +19,20 @@ $(VENV)/.installed: pyproject.toml setup.py
 run: setup
 	$(VENV)/bin/pdcluster up -f examples/pd-1p1d.yaml --demo
 
-lint: setup
+lint: setup links
 	$(VENV)/bin/ruff check runtime operator tests e2e bench
 	$(VENV)/bin/ruff format --check runtime operator tests e2e bench
+	cd $(MYPY_ROOT) && PYTHONPATH=$(CURDIR)/$(MYPY_ROOT) $(abspath $(VENV))/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
-# mypy resolves `pdcluster.*` through a tree of links mirroring the installed
+# mypy and import-linter resolve `pdcluster.*` through a tree of links mirroring the installed
 # layout (the editable install maps folders with an import hook mypy cannot see).
 MYPY_ROOT := build/mypy
-typecheck: setup
+links:
 	@mkdir -p $(MYPY_ROOT)/pdcluster
 	@ln -sfn ../../../runtime $(MYPY_ROOT)/pdcluster/runtime
 	@ln -sfn ../../../operator $(MYPY_ROOT)/pdcluster/operator
+
+typecheck: setup links
 	cd $(MYPY_ROOT) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p pdcluster.runtime -p pdcluster.operator
 
 test: lint typecheck

@@ -60,12 +60,13 @@ class Controller:
         metrics: OperatorMetrics,
         recorder: EventRecorder,
         clock: Callable[[], float] = time.time,
+        on_pod_delete: Callable[[str], None] | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
         self.metrics = metrics
         self.recorder = recorder
-        self.executor = Executor(api, recorder, metrics)
+        self.executor = Executor(api, recorder, metrics, on_pod_delete)
         self._clock = clock
         # Last plan per cluster, for logs, probes and tests.
         self.last_plans: dict[tuple[str, str], Plan] = {}

@@ -60,12 +60,17 @@ class EventAggregator:
     forget_after_s: float = 3600.0
     _entries: dict[EventKey, _Entry] = field(default_factory=dict)
 
-    def record(self, key: EventKey, now: float, event_name: str) -> EventWrite | None:
+    def record(
+        self, key: EventKey, now: float, event_name: str, times: int = 1
+    ) -> EventWrite | None:
+        """`times` occurrences at `now` (e.g. 12 rooms failed since the last poll)."""
+        if times < 1:
+            raise ValueError(f"times must be >= 1, got {times}")
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry(name=event_name, count=0, first=now, last=now)
             self._entries[key] = entry
-        entry.count += 1
+        entry.count += times
         entry.last = now
         return self._due(entry, now)
 

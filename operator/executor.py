@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.operator.actions import (
@@ -41,10 +41,19 @@ class ExecutionResult:
 
 
 class Executor:
-    def __init__(self, api: KubeApi, recorder: EventRecorder, metrics: OperatorMetrics) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        recorder: EventRecorder,
+        metrics: OperatorMetrics,
+        on_pod_delete: Callable[[str], None] | None = None,
+    ) -> None:
         self._api = api
         self._recorder = recorder
         self._metrics = metrics
+        # Told the uid of every pod the operator deletes itself, before the
+        # delete: the failover path then knows the loss was planned.
+        self._on_pod_delete = on_pod_delete
 
     async def run(self, cluster: Cluster, actions: Sequence[Action]) -> ExecutionResult:
         result = ExecutionResult()
@@ -89,6 +98,8 @@ class Executor:
                     raise
                 await self._check_owner(cluster, "Secret", action.name)
         elif isinstance(action, Delete):
+            if action.key.kind == "Pod" and self._on_pod_delete is not None:
+                self._on_pod_delete(action.uid)
             await self._api.delete(action.key.kind, ns, action.key.name, action.uid)
 
     async def _check_owner(self, cluster: Cluster, kind: str, name: str) -> None:

@@ -11,8 +11,9 @@ reconcile itself lives in `controller.py`. Triggers:
 - the queue re-runs every cluster at the resync interval and at the
   deadlines the planner names (back-off ends, budget windows).
 
-The failover fast path (pod lost → tell the peers' admin endpoints at once)
-slots in at `on_child_pod`, before the reconcile is queued.
+The failover fast path (`failover.py`: pod lost → tell the peers' admin
+endpoints at once) runs in `on_child_pod`, before the reconcile that
+restarts the instance is queued.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from prometheus_client import start_http_server
 from pdcluster.operator import crdgen
 from pdcluster.operator.api import GROUP, PLURAL, VERSION
 from pdcluster.operator.controller import Controller
+from pdcluster.operator.failover import Failover
 from pdcluster.operator.kube import ApiError, KubeClient, load_credentials
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import LABEL_CLUSTER
@@ -41,6 +43,7 @@ from pdcluster.operator.workqueue import WorkQueue
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "pdcluster.io"
 CHILD_LABELS: dict[str, Any] = {LABEL_CLUSTER: kopf.PRESENT}
+BATCH_WINDOW_S = 0.02
 
 
 @dataclass
@@ -51,7 +54,8 @@ class Runtime:
     client: KubeClient
     controller: Controller
     queue: WorkQueue[tuple[str, str]]
-    flusher: asyncio.Task[None]
+    failover: Failover
+    tasks: tuple[asyncio.Task[None], ...]
 
 
 def _runtime(memo: kopf.Memo) -> Runtime:
@@ -98,6 +102,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # line per HTTP request would drown them.
     settings.posting.level = logging.WARNING
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # kopf waits this long for more events on one object before handling the
+    # latest; it is part of the failover path's latency.
+    settings.batching.batch_window = BATCH_WINDOW_S
     client = KubeClient(load_credentials(op.kubeconfig))
     if op.apply_crds:
         try:
@@ -108,7 +115,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if op.metrics_port:
         start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
     recorder = EventRecorder(client, clock=time.time, min_interval_s=op.event_min_interval_s)
-    controller = Controller(client, op, metrics, recorder)
+    failover = Failover(client, recorder, metrics, op)
+    controller = Controller(client, op, metrics, recorder, on_pod_delete=failover.expect_deletion)
     queue: WorkQueue[tuple[str, str]] = WorkQueue(
         controller.reconcile,
         num_workers=op.num_workers,
@@ -116,8 +124,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         max_retry_delay_s=op.max_retry_delay_s,
     )
     queue.start()
-    flusher = asyncio.create_task(_flush_events(recorder, op.event_min_interval_s))
-    memo["pdcluster"] = Runtime(op, client, controller, queue, flusher)
+    tasks = (
+        asyncio.create_task(_flush_events(recorder, op.event_min_interval_s)),
+        asyncio.create_task(failover.run_poller()),
+    )
+    memo["pdcluster"] = Runtime(op, client, controller, queue, failover, tasks)
     log.info("pdcluster operator started (metrics port %s)", op.metrics_port or "off")
 
 
@@ -125,8 +136,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     runtime = memo.get("pdcluster")
     if isinstance(runtime, Runtime):
-        runtime.flusher.cancel()
+        for task in runtime.tasks:
+            task.cancel()
         await runtime.queue.stop()
+        await runtime.failover.aclose()
         await runtime.client.aclose()
 
 
@@ -152,6 +165,7 @@ async def on_cluster_deleted(
     if not namespace:
         return
     runtime = _runtime(memo)
+    runtime.failover.forget_cluster(namespace, name, uid)
     runtime.queue.forget((namespace, name))
     runtime.controller.recorder.forget(uid)
     runtime.controller.last_plans.pop((namespace, name), None)
@@ -165,8 +179,17 @@ def _enqueue_parent(memo: kopf.Memo, namespace: str | None, labels: Mapping[str,
 
 @kopf.on.event("v1", "pods", labels=CHILD_LABELS)
 async def on_child_pod(
-    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
+    event: kopf.RawEvent,
+    namespace: str | None,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
+    runtime = _runtime(memo)
+    try:
+        await runtime.failover.on_pod_event(event.get("type"), event["object"])
+    except Exception:  # the reconcile below must be queued whatever happened here
+        log.exception("failover handling of a pod event failed")
     _enqueue_parent(memo, namespace, labels)
 
 

@@ -13,6 +13,7 @@ callers branch on `status == 404` / `409` instead of parsing messages.
 
 from __future__ import annotations
 
+import builtins
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -260,7 +261,7 @@ class KubeClient:
             raise
         return True
 
-    async def served_resources(self, prefix: str) -> list[str]:
+    async def served_resources(self, prefix: str) -> builtins.list[str]:
         """Plural names the API serves under `prefix` ("/apis/<group>/<version>");
         empty while discovery does not know the group version yet."""
         try:

@@ -48,9 +48,22 @@ class OperatorMetrics:
         )
         self.detection_seconds = Histogram(
             "pdcluster_operator_failure_detection_seconds",
-            "From a pod's failure to the operator acting on it, by role",
+            "From a pod's failure (API time, whole seconds) to its peers told, by role",
             ["role"],
             buckets=DETECTION_BUCKETS,
+            registry=r,
+        )
+        self.failover_seconds = Histogram(
+            "pdcluster_operator_failover_seconds",
+            "From the pod event revealing a loss to every peer having answered, by role",
+            ["role"],
+            buckets=DETECTION_BUCKETS,
+            registry=r,
+        )
+        self.rooms_failed = Counter(
+            "pdcluster_operator_rooms_failed_total",
+            "Rooms the workers report failed (from /admin/failures), by role and reason",
+            ["role", "reason"],
             registry=r,
         )
         self.queue_depth = Gauge(

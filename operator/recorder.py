@@ -35,10 +35,12 @@ class EventRecorder:
         self._refs: dict[str, ClusterRef] = {}
         self._host = host or socket.gethostname()
 
-    async def record(self, ref: ClusterRef, type_: str, reason: str, message: str) -> None:
+    async def record(
+        self, ref: ClusterRef, type_: str, reason: str, message: str, times: int = 1
+    ) -> None:
         key = EventKey(ref.uid, type_, reason, message)
         self._refs[ref.uid] = ref
-        write = self._aggregator.record(key, self._clock(), event_name(ref, key))
+        write = self._aggregator.record(key, self._clock(), event_name(ref, key), times)
         if write is not None:
             await self._write(ref, key, write)
 

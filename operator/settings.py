@@ -9,11 +9,16 @@ Environment (all optional):
     PDCLUSTER_OPERATOR_RESYNC_SECONDS     reconcile every cluster at least this often (60)
     PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS  least time between writes of one Event (30)
     PDCLUSTER_OPERATOR_WORKERS            clusters reconciled at once (4)
+    PDCLUSTER_OPERATOR_METRICS_HOST       address the metrics server binds (0.0.0.0)
+    PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS  a worker NotReady this long is lost (5)
+    PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS     read the workers' failure counts this often (10)
+    PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS    timeout of one call to a worker's admin API (2)
     KUBECONFIG                            used when not running in a pod
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,12 +37,25 @@ class OperatorSettings:
     # First retry after a failed reconcile; doubles per failure up to the max.
     retry_delay_s: float = 1.0
     max_retry_delay_s: float = 60.0
+    # Failover fast path: a worker that was Ready and stays NotReady this long
+    # is treated as lost (its peers fail its rooms).
+    not_ready_grace_s: float = 5.0
+    failure_poll_interval_s: float = 10.0
+    admin_timeout_s: float = 2.0
     kubeconfig: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port must be 0..65535, got {self.metrics_port}")
-        for name in ("resync_interval_s", "event_min_interval_s", "retry_delay_s"):
+        if self.not_ready_grace_s < 0:
+            raise ValueError(f"not_ready_grace_s must be >= 0, got {self.not_ready_grace_s}")
+        for name in (
+            "resync_interval_s",
+            "event_min_interval_s",
+            "retry_delay_s",
+            "failure_poll_interval_s",
+            "admin_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_retry_delay_s < self.retry_delay_s:
@@ -54,18 +72,26 @@ class OperatorSettings:
             ("PDCLUSTER_OPERATOR_RESYNC_SECONDS", "resync_interval_s", float),
             ("PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS", "event_min_interval_s", float),
             ("PDCLUSTER_OPERATOR_WORKERS", "num_workers", int),
+            ("PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS", "not_ready_grace_s", float),
+            ("PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS", "failure_poll_interval_s", float),
+            ("PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS", "admin_timeout_s", float),
         )
         for var, field, kind in numbers:
             if var in env:
                 try:
-                    kwargs[field] = kind(env[var])
+                    number = kind(env[var])
                 except ValueError:
                     raise ValueError(f"{var}={env[var]!r} is not a number") from None
+                if not math.isfinite(number):
+                    raise ValueError(f"{var}={env[var]!r} is not a finite number")
+                kwargs[field] = number
         if "PDCLUSTER_OPERATOR_APPLY_CRDS" in env:
             value = env["PDCLUSTER_OPERATOR_APPLY_CRDS"].strip().lower()
             if value not in _TRUE | _FALSE:
                 raise ValueError(f"PDCLUSTER_OPERATOR_APPLY_CRDS={value!r} is not true/false")
             kwargs["apply_crds"] = value in _TRUE
+        if env.get("PDCLUSTER_OPERATOR_METRICS_HOST"):
+            kwargs["metrics_host"] = env["PDCLUSTER_OPERATOR_METRICS_HOST"]
         if env.get("KUBECONFIG"):
             kwargs["kubeconfig"] = env["KUBECONFIG"]
         try:

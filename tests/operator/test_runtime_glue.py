@@ -124,9 +124,15 @@ def test_settings_from_environment() -> None:
             "PDCLUSTER_OPERATOR_METRICS_PORT": "0",
             "PDCLUSTER_OPERATOR_APPLY_CRDS": "false",
             "PDCLUSTER_OPERATOR_RESYNC_SECONDS": "15",
+            "PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS": "0",
+            "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2.5",
+            "PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS": "0.5",
+            "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
         }
     )
     assert (s.metrics_port, s.apply_crds, s.resync_interval_s) == (0, False, 15.0)
+    assert (s.not_ready_grace_s, s.failure_poll_interval_s, s.admin_timeout_s) == (0, 2.5, 0.5)
+    assert s.metrics_host == "127.0.0.1"
     assert OperatorSettings.from_env({}) == OperatorSettings()
 
 
@@ -138,6 +144,9 @@ def test_settings_from_environment() -> None:
         ({"PDCLUSTER_OPERATOR_APPLY_CRDS": "maybe"}, "is not true/false"),
         ({"PDCLUSTER_OPERATOR_RESYNC_SECONDS": "0"}, "resync_interval_s must be > 0"),
         ({"PDCLUSTER_OPERATOR_WORKERS": "0"}, "num_workers"),
+        ({"PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "nan"}, "not a finite number"),
+        ({"PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS": "-1"}, "not_ready_grace_s"),
+        ({"PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS": "0"}, "admin_timeout_s must be > 0"),
     ],
 )
 def test_bad_settings_are_refused_with_the_variable_named(env, words) -> None:

@@ -1,0 +1,331 @@
+"""The failover fast path: a lost worker pod → its peers fail the affected rooms now.
+
+Driven by the pod watch (`handlers.on_child_pod`), before the reconcile that
+restarts the instance is even queued:
+
+    pod event → PodIndex (who exists) → LossTracker (is this a loss, once?)
+      prefill lost → POST /admin/fail_peer {peer: podIP:bootstrapPort} to every decode
+      decode lost  → POST /admin/fail_peer {peer: podIP} to every prefill
+      → metrics (failovers by role/cause, detection latency, fan-out time)
+      → Warning Event PrefillInstanceLost / DecodeInstanceLost (not for the
+        operator's own deletions: those already have their Normal Event)
+      → a poll of the workers' /admin/failures shortly after
+
+Failure counts: every `failure_poll_interval_s` (and right after a loss)
+each PD worker's `/admin/failures` is read; the increase per (role, reason)
+becomes one aggregated `RoomsFailed` Event whose count is the number of
+rooms, plus a metric — never one Event per request.
+
+Peers are told concurrently, each with its own timeout, so a dead peer
+never delays the others. Nothing here raises into the watch: a failed call
+is logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pdcluster.operator.actions import EventType, Reason
+from pdcluster.operator.admin_client import AdminClient, AdminResult
+from pdcluster.operator.builders.meta import TOKEN_KEY
+from pdcluster.operator.cluster import ClusterRef
+from pdcluster.operator.failure_counts import FailureCounts
+from pdcluster.operator.kube import ApiError, KubeApi
+from pdcluster.operator.losses import Loss, LossTracker
+from pdcluster.operator.metrics import OperatorMetrics
+from pdcluster.operator.names import Role
+from pdcluster.operator.peers import PEER_ROLE, PodIndex
+from pdcluster.operator.pod_facts import PodFacts, parse_pod_facts
+from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.settings import OperatorSettings
+from pdcluster.runtime.pd.room_common import reason_label
+
+log = logging.getLogger(__name__)
+
+# The reasons the peers' rooms fail with (their /admin/failures keys, metric labels).
+PEER_LOST_REASON = {Role.prefill: "prefill_pod_lost", Role.decode: "decode_pod_lost"}
+PEER_REMOVED_REASON = {Role.prefill: "prefill_pod_removed", Role.decode: "decode_pod_removed"}
+LOST_EVENT = {Role.prefill: Reason.PrefillInstanceLost, Role.decode: Reason.DecodeInstanceLost}
+# After telling the peers, read their failure counts this much later (their
+# ranks fail the rooms asynchronously).
+POLL_AFTER_LOSS_S = 0.5
+
+
+def loss_message(loss: Loss, results: list[AdminResult], grace_s: float) -> str:
+    """The Event message of a loss; stable across repeats so they aggregate."""
+    pod = loss.pod
+    peer_role = PEER_ROLE[pod.role].value
+    told = sum(r.ok for r in results)
+    text = f"{pod.role.value} instance {pod.instance} lost ({loss.describe(grace_s)})"
+    if not results:
+        text += f"; no {peer_role} worker held rooms with it"
+    else:
+        text += f"; its rooms failed at {told}/{len(results)} {peer_role} workers"
+        failed = [r for r in results if not r.ok]
+        if failed:
+            text += f" (no answer from {', '.join(r.url for r in failed[:3])})"
+    return text + "; the instance is restarted"
+
+
+def rooms_failed_message(role: Role, reason: str) -> str:
+    return f"rooms failed at {role.value} workers: {reason}"
+
+
+class Failover:
+    def __init__(
+        self,
+        api: KubeApi,
+        recorder: EventRecorder,
+        metrics: OperatorMetrics,
+        settings: OperatorSettings,
+        admin: AdminClient | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api = api
+        self.recorder = recorder
+        self.metrics = metrics
+        self.settings = settings
+        self.admin = admin or AdminClient(settings.admin_timeout_s)
+        self.index = PodIndex()
+        self.tracker = LossTracker(settings.not_ready_grace_s)
+        self._clock = clock
+        self._started_at = clock()
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._rechecks: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._deleted_clusters: set[str] = set()
+        self.counts = FailureCounts()
+
+    # ------------------------------------------------------------ pod events
+    async def on_pod_event(self, event_type: str | None, raw: Mapping[str, Any]) -> Loss | None:
+        """Feed one watch event; returns the loss it revealed (already acted on)."""
+        received = time.monotonic()
+        pod = parse_pod_facts(raw)
+        if pod is None:
+            return None
+        gone = event_type == "DELETED"
+        self.index.update(pod, gone=gone)
+        if gone:
+            self.counts.forget(pod.uid)
+            self._cancel_recheck(pod.uid)
+        if pod.cluster_uid in self._deleted_clusters:
+            return None
+        verdict = self.tracker.observe(pod, self._clock(), gone=gone)
+        if verdict.recheck_at is not None:
+            self._schedule_recheck(pod, verdict.recheck_at)
+        if verdict.loss is None:
+            return None
+        self._cancel_recheck(pod.uid)
+        await self.handle_loss(verdict.loss, received)
+        return verdict.loss
+
+    def expect_deletion(self, uid: str) -> None:
+        """The operator deletes this pod itself (passed to the executor)."""
+        self.tracker.expect_deletion(uid)
+
+    def forget_cluster(self, namespace: str, name: str, uid: str) -> None:
+        """The PDCluster is being deleted: its pods going away is no loss to report."""
+        self._deleted_clusters.add(uid)
+        for pod in self.index.pods((namespace, name)):
+            self._cancel_recheck(pod.uid)
+            self.counts.forget(pod.uid)
+        self.index.forget_cluster((namespace, name))
+        self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace}
+
+    def _schedule_recheck(self, pod: PodFacts, at: float) -> None:
+        self._cancel_recheck(pod.uid)
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, at - self._clock())
+        self._rechecks[pod.uid] = loop.call_later(delay, self._spawn_recheck, pod.key, pod.uid)
+
+    def _cancel_recheck(self, uid: str) -> None:
+        handle = self._rechecks.pop(uid, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _spawn_recheck(self, key: tuple[str, str], uid: str) -> None:
+        self._rechecks.pop(uid, None)
+        self._spawn(self._recheck(key, uid))
+
+    async def _recheck(self, key: tuple[str, str], uid: str) -> None:
+        pod = self.index.get(key, uid)
+        if pod is None or pod.cluster_uid in self._deleted_clusters:
+            return
+        verdict = self.tracker.observe(pod, self._clock())
+        if verdict.recheck_at is not None:
+            self._schedule_recheck(pod, verdict.recheck_at)
+        if verdict.loss is not None:
+            await self.handle_loss(verdict.loss, time.monotonic())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ acting on a loss
+    async def handle_loss(self, loss: Loss, received_monotonic: float) -> list[AdminResult]:
+        pod = loss.pod
+        role = pod.role.value
+        results = await self.tell_peers(loss)
+        elapsed = time.monotonic() - received_monotonic
+        self.metrics.failovers.labels(role=role, cause=loss.cause.value).inc()
+        self.metrics.failover_seconds.labels(role=role).observe(elapsed)
+        if loss.happened_at is not None:
+            detection = max(0.0, self._clock() - loss.happened_at)
+            self.metrics.detection_seconds.labels(role=role).observe(detection)
+        told = sum(r.ok for r in results)
+        log.warning(
+            "%s/%s: %s instance %d lost (%s, pod %s %s); told %d/%d peers in %.0f ms",
+            pod.namespace,
+            pod.cluster,
+            role,
+            pod.instance,
+            loss.cause.value,
+            pod.name,
+            pod.peer,
+            told,
+            len(results),
+            elapsed * 1000,
+        )
+        for r in results:
+            if not r.ok:
+                log.warning("fail_peer at %s failed: %s %s", r.url, r.status, r.error)
+        if pod.role in LOST_EVENT and not loss.planned and await self._cluster_alive(pod):
+            await self.recorder.record(
+                ClusterRef(pod.cluster, pod.namespace, pod.cluster_uid),
+                EventType.Warning.value,
+                LOST_EVENT[pod.role].value,
+                loss_message(loss, results, self.tracker.not_ready_grace_s),
+            )
+        if results:
+            self._spawn(self._poll_soon(pod.key))
+        return results
+
+    async def tell_peers(self, loss: Loss) -> list[AdminResult]:
+        pod = loss.pod
+        peers = self.index.peers_of(pod)
+        if pod.peer is None or not peers:
+            return []
+        reasons = PEER_REMOVED_REASON if loss.planned else PEER_LOST_REASON
+        reason = reasons[pod.role]
+        token = await self._token(pod.namespace, pod.token_secret)
+
+        async def tell(peer: PodFacts) -> AdminResult:
+            assert peer.http_url is not None and pod.peer is not None
+            return await self.admin.fail_peer(peer.http_url, token, pod.peer, reason)
+
+        results = list(await asyncio.gather(*(tell(p) for p in peers)))
+        if any(r.status in (401, 403) for r in results) and pod.token_secret:
+            # The cached token is stale (the Secret was replaced): read it again once.
+            self._tokens.pop((pod.namespace, pod.token_secret), None)
+            token = await self._token(pod.namespace, pod.token_secret)
+            retry = [i for i, r in enumerate(results) if r.status in (401, 403)]
+            again = await asyncio.gather(*(tell(peers[i]) for i in retry))
+            for i, result in zip(retry, again, strict=True):
+                results[i] = result
+        return results
+
+    async def _token(self, namespace: str, secret: str | None) -> str | None:
+        if not secret:
+            return None
+        cached = self._tokens.get((namespace, secret))
+        if cached is not None:
+            return cached
+        try:
+            obj = await self.api.get("Secret", namespace, secret)
+        except ApiError as err:
+            log.warning("cannot read token Secret %s/%s: %s", namespace, secret, err)
+            return None
+        data = (obj or {}).get("data") or {}
+        try:
+            token = base64.b64decode(str(data.get(TOKEN_KEY, ""))).decode()
+        except ValueError:
+            token = ""
+        if token:
+            self._tokens[(namespace, secret)] = token
+        return token or None
+
+    async def _cluster_alive(self, pod: PodFacts) -> bool:
+        """The PDCluster still exists and is not being deleted: a garbage-collected
+        pod is no loss worth a Warning."""
+        try:
+            body = await self.api.get("PDCluster", pod.namespace, pod.cluster)
+        except ApiError:
+            return True
+        meta = (body or {}).get("metadata") or {}
+        if meta.get("uid") != pod.cluster_uid or meta.get("deletionTimestamp"):
+            self._deleted_clusters.add(pod.cluster_uid)
+            return False
+        return True
+
+    # ------------------------------------------------------------ failure counts
+    async def _poll_soon(self, key: tuple[str, str]) -> None:
+        await asyncio.sleep(POLL_AFTER_LOSS_S)
+        await self.poll_failures(key)
+
+    async def poll_failures(self, key: tuple[str, str]) -> dict[tuple[Role, str], int]:
+        """Read every PD worker's failure counts of one cluster; report the increases."""
+        pods = self.index.reachable(key)
+        if not pods:
+            return {}
+        token = await self._token(key[0], pods[0].token_secret)
+
+        async def read(pod: PodFacts) -> dict[str, int] | None:
+            assert pod.http_url is not None
+            return await self.admin.failures(pod.http_url, token)
+
+        answers = await asyncio.gather(*(read(p) for p in pods))
+        totals: dict[tuple[Role, str], int] = defaultdict(int)
+        for pod, counts in zip(pods, answers, strict=True):
+            if counts is None:
+                continue
+            if not self.counts.knows(pod.uid) and self._predates_operator(pod):
+                self.counts.baseline(pod.uid, counts)
+                continue
+            for reason, increase in self.counts.update(pod.uid, counts).items():
+                totals[(pod.role, reason_label(reason))] += increase
+        ref = ClusterRef(key[1], key[0], pods[0].cluster_uid)
+        for (role, reason), n in sorted(totals.items()):
+            self.metrics.rooms_failed.labels(role=role.value, reason=reason).inc(n)
+            await self.recorder.record(
+                ref,
+                EventType.Warning.value,
+                Reason.RoomsFailed.value,
+                rooms_failed_message(role, reason),
+                times=n,
+            )
+        return dict(totals)
+
+    def _predates_operator(self, pod: PodFacts) -> bool:
+        # Whole-second creation times: a pod created in the operator's first
+        # second counts as new (its failures are news), not as stale.
+        return pod.created_at is not None and pod.created_at < int(self._started_at)
+
+    async def poll_all(self) -> None:
+        live = {p.uid for key in self.index.clusters() for p in self.index.pods(key)}
+        self.counts.retain(live)
+        for key in self.index.clusters():
+            try:
+                await self.poll_failures(key)
+            except Exception:  # one cluster's trouble must not stop the others' reports
+                log.exception("polling failure counts of %s/%s failed", *key)
+
+    async def run_poller(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.failure_poll_interval_s)
+            await self.poll_all()
+
+    async def aclose(self) -> None:
+        for handle in self._rechecks.values():
+            handle.cancel()
+        self._rechecks.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.admin.aclose()

@@ -1,0 +1,69 @@
+"""The worker pods of every PDCluster, as the pod watch last reported them, and
+which of them must hear about a lost peer.
+
+The fast path answers "whom do I tell?" from this index, without an API
+call, so telling the peers costs only their admin round trips.
+
+- a lost prefill instance is reported to every decode worker of its
+  cluster (decode rooms name their prefill by `podIP:bootstrapPort`);
+- a lost decode instance is reported to every prefill worker (prefill rooms
+  write to decode endpoints, matched by the decode pod's address);
+- a peer is told only if it has an address and its container still runs.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from pdcluster.operator.names import Role
+from pdcluster.operator.pod_facts import PodFacts
+
+PEER_ROLE = {Role.prefill: Role.decode, Role.decode: Role.prefill}
+
+
+class PodIndex:
+    def __init__(self) -> None:
+        self._by_cluster: dict[tuple[str, str], dict[str, PodFacts]] = defaultdict(dict)
+
+    def update(self, pod: PodFacts, *, gone: bool = False) -> None:
+        pods = self._by_cluster[pod.key]
+        if gone:
+            pods.pop(pod.uid, None)
+            if not pods:
+                del self._by_cluster[pod.key]
+        else:
+            pods[pod.uid] = pod
+
+    def get(self, key: tuple[str, str], uid: str) -> PodFacts | None:
+        pods = self._by_cluster.get(key)
+        return pods.get(uid) if pods else None
+
+    def clusters(self) -> list[tuple[str, str]]:
+        return sorted(self._by_cluster)
+
+    def pods(self, key: tuple[str, str]) -> list[PodFacts]:
+        return sorted(self._by_cluster.get(key, {}).values(), key=lambda p: p.name)
+
+    def forget_cluster(self, key: tuple[str, str]) -> None:
+        self._by_cluster.pop(key, None)
+
+    def peers_of(self, lost: PodFacts) -> list[PodFacts]:
+        """The workers that may hold rooms tied to `lost`, in name order."""
+        role = PEER_ROLE.get(lost.role)
+        if role is None:
+            return []
+        return [
+            p
+            for p in self.pods(lost.key)
+            if p.role == role and p.cluster_uid == lost.cluster_uid and p.pod_ip and not p.has_ended
+        ]
+
+    def reachable(self, key: tuple[str, str]) -> list[PodFacts]:
+        """PD workers of a cluster whose admin API can answer (failure counts)."""
+        return [
+            p
+            for p in self.pods(key)
+            if p.role in PEER_ROLE and p.pod_ip and p.phase == "Running" and not p.has_ended
+        ]

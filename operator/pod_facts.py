@@ -1,0 +1,198 @@
+"""What the failover fast path needs to know about one worker pod, read from its object.
+
+The pod watch hands raw pod objects here; everything downstream (loss
+detection, the peer index, the admin calls) sees only `PodFacts`. Parsing is
+lenient about what the kubelet writes (missing status, unknown phase) and
+strict about identity: a pod counts only when its controller owner is a
+PDCluster and its role and instance labels parse.
+
+Times are epoch seconds read from the API (whole seconds on most clusters),
+None when the object does not carry them.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.api import KIND
+from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
+from pdcluster.operator.names import Role
+
+TOKEN_ENV = "PDCLUSTER_TOKEN"
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    namespace: str
+    name: str
+    uid: str
+    cluster: str
+    cluster_uid: str
+    role: Role
+    instance: int
+    pod_ip: str | None
+    http_port: int
+    # The bootstrap server's port (prefill only).
+    bootstrap_port: int | None
+    phase: str
+    ready: bool
+    # When the Ready condition last changed (either way).
+    ready_changed_at: float | None
+    deleting: bool
+    # When the deletion was asked for (deletionTimestamp minus the grace period).
+    deletion_requested_at: float | None
+    # The worker container exited (restartPolicy Never: the instance is gone).
+    terminated: bool
+    terminated_at: float | None
+    # Secret holding the cluster token (from the pod's PDCLUSTER_TOKEN env).
+    token_secret: str | None
+    created_at: float | None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The cluster this pod belongs to: (namespace, cluster name)."""
+        return (self.namespace, self.cluster)
+
+    @property
+    def has_ended(self) -> bool:
+        return self.terminated or self.phase in ("Failed", "Succeeded")
+
+    @property
+    def http_url(self) -> str | None:
+        return f"http://{self.pod_ip}:{self.http_port}" if self.pod_ip else None
+
+    @property
+    def peer(self) -> str | None:
+        """How decode workers name this prefill instance: `podIP:bootstrapPort`.
+        For a decode pod, its bare address (prefill matches endpoints by host)."""
+        if not self.pod_ip:
+            return None
+        if self.role == Role.prefill:
+            return f"{self.pod_ip}:{self.bootstrap_port or BOOTSTRAP_PORT}"
+        return self.pod_ip
+
+
+def parse_time(value: Any) -> float | None:
+    """RFC 3339 (with or without fractions) to epoch seconds; None when absent or bad."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _port(value: Any, default: int | None) -> int | None:
+    text = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else ""
+    if text.isdigit() and 1 <= int(text) <= 65535:
+        return int(text)
+    return default
+
+
+def _owner(meta: Mapping[str, Any]) -> str | None:
+    refs = meta.get("ownerReferences")
+    for ref in refs if isinstance(refs, list) else []:
+        if isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == KIND:
+            uid = ref.get("uid")
+            return uid if isinstance(uid, str) and uid else None
+    return None
+
+
+def _ready(status: Mapping[str, Any]) -> tuple[bool, float | None]:
+    conditions = status.get("conditions")
+    for cond in conditions if isinstance(conditions, list) else []:
+        if isinstance(cond, Mapping) and cond.get("type") == "Ready":
+            return cond.get("status") == "True", parse_time(cond.get("lastTransitionTime"))
+    return False, None
+
+
+def _terminated(status: Mapping[str, Any]) -> tuple[bool, float | None]:
+    statuses = status.get("containerStatuses")
+    ended: list[float | None] = []
+    for cs in statuses if isinstance(statuses, list) else []:
+        term = _mapping(_mapping(_mapping(cs).get("state")).get("terminated"))
+        if term:
+            ended.append(parse_time(term.get("finishedAt")))
+    if not ended:
+        return False, None
+    times = [t for t in ended if t is not None]
+    return True, min(times) if times else None
+
+
+def _token_secret(spec: Mapping[str, Any]) -> str | None:
+    containers = spec.get("containers")
+    for container in containers if isinstance(containers, list) else []:
+        env = _mapping(container).get("env")
+        for var in env if isinstance(env, list) else []:
+            if isinstance(var, Mapping) and var.get("name") == TOKEN_ENV:
+                ref = _mapping(_mapping(var.get("valueFrom")).get("secretKeyRef"))
+                name = ref.get("name")
+                return name if isinstance(name, str) and name else None
+    return None
+
+
+def _deletion_requested_at(meta: Mapping[str, Any]) -> float | None:
+    at = parse_time(meta.get("deletionTimestamp"))
+    grace = meta.get("deletionGracePeriodSeconds")
+    if at is None:
+        return None
+    return at - grace if isinstance(grace, int) and grace >= 0 else at
+
+
+def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
+    """Facts of a PDCluster worker pod; None for any other pod (router, foreign, malformed)."""
+    meta, spec, status = (_mapping(raw.get(k)) for k in ("metadata", "spec", "status"))
+    labels = _mapping(meta.get("labels"))
+    annotations = _mapping(meta.get("annotations"))
+    try:
+        role = Role(str(labels.get(names.LABEL_ROLE, "")))
+    except ValueError:
+        return None
+    cluster, instance = labels.get(names.LABEL_CLUSTER), str(labels.get(names.LABEL_INSTANCE_INDEX))
+    name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
+    owner = _owner(meta)
+    if not (isinstance(cluster, str) and cluster and instance.isdigit() and owner):
+        return None
+    if not all(isinstance(v, str) and v for v in (name, namespace, uid)):
+        return None
+    ready, ready_changed_at = _ready(status)
+    terminated, terminated_at = _terminated(status)
+    pod_ip, phase = status.get("podIP"), status.get("phase")
+    return PodFacts(
+        namespace=str(namespace),
+        name=str(name),
+        uid=str(uid),
+        cluster=cluster,
+        cluster_uid=owner,
+        role=role,
+        instance=int(instance),
+        pod_ip=pod_ip if isinstance(pod_ip, str) and pod_ip else None,
+        http_port=_port(annotations.get(names.ANNOTATION_HTTP_PORT), HTTP_PORT) or HTTP_PORT,
+        bootstrap_port=(
+            _port(annotations.get(names.ANNOTATION_BOOTSTRAP_PORT), BOOTSTRAP_PORT)
+            if role == Role.prefill
+            else None
+        ),
+        phase=phase if isinstance(phase, str) else "Pending",
+        ready=ready and phase == "Running",
+        ready_changed_at=ready_changed_at,
+        deleting=meta.get("deletionTimestamp") is not None,
+        deletion_requested_at=_deletion_requested_at(meta),
+        terminated=terminated,
+        terminated_at=terminated_at,
+        token_secret=_token_secret(spec),
+        created_at=parse_time(meta.get("creationTimestamp")),
+    )

@@ -52,6 +52,8 @@ class _Room:
     pages: tuple[int, ...] | None = None
     handed_off: bool = False
     leg_done: bool = False
+    # The request itself was aborted (client gone, abort_request): nothing to recompute.
+    aborted: bool = False
     opened_at: float = field(default_factory=time.monotonic)
     pages_at: float | None = None  # decode: when pages were reserved (transfer starts)
 
@@ -149,6 +151,7 @@ class _Coordinator:
     def on_abort(self, rid: str) -> None:
         room_id = self.rid_room.get(rid)
         if room_id is not None:
+            self.rooms[room_id].aborted = True
             self.fail(room_id, "aborted")
 
     # role hooks
@@ -340,7 +343,7 @@ class DecodeCoordinator(_Coordinator):
 
     def on_failed(self, room_id: int, room: _Room) -> None:
         self.admission.cancel(room_id)
-        if self.recompute:
+        if self.recompute and not room.aborted:
             # Decode holds the whole model: compute the prompt here instead.
             try:
                 self.engine.add_request(EngineRequest(room.rid, room.prompt, room.sampling))

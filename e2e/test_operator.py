@@ -1,0 +1,460 @@
+"""The operator against the real control plane, with worker pods that really run.
+
+One operator process (as `python -m pdcluster.operator` runs it) watches
+every namespace. The tests share one PDCluster and run in file order, each
+leaving it Ready for the next: apply → Ready and serving; deleted children
+come back; a killed prefill makes decode fail its rooms in well under a
+second (heartbeats are set to 30 s, so only the operator's fast path can be
+that quick), then the instance restarts; `kubectl scale`; deleting the
+PDCluster removes everything. An invalid manifest is refused by the API.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from e2e.cluster import ClusterInfo
+from e2e.conftest import KubectlRunner
+from e2e.kubetest import is_ready
+from e2e.nodeagent.client import NodeAgentClient
+from e2e.nodeagent.kubeapi import ApiError, KubeApi
+from e2e.processes import ProcessRecord, free_port, spawn, stop, wait_until
+
+pytestmark = pytest.mark.k8s
+
+NAME = "demo"
+PDC_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusters"
+START_TIMEOUT_S = 120.0
+# Long enough that the decode heartbeat (2 x 30 s) cannot be what fails a room here.
+HEARTBEAT_S = 30.0
+
+
+def manifest(name: str = NAME, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"name": "tiny"},
+        "kvCache": {"numPages": 64},
+        "transfer": {
+            "heartbeat": {"intervalSeconds": HEARTBEAT_S},
+            "bootstrapTimeoutSeconds": 120,
+            "waitingTimeoutSeconds": 120,
+        },
+        "prefill": {"replicas": 1, "restart": {"backoffSeconds": 1}},
+        "decode": {"replicas": 1},
+    }
+    base.update(spec)
+    return {
+        "apiVersion": "pdcluster.io/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": name},
+        "spec": base,
+    }
+
+
+@dataclass
+class Operator:
+    record: ProcessRecord
+    log: Path
+    metrics_url: str
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.metrics_url, timeout=5).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in text.splitlines():
+            head, _, value = line.rpartition(" ")
+            if head == name or head == f"{name}{{{want}}}":
+                total += float(value)
+        return total
+
+
+@pytest.fixture(scope="module")
+def operator(
+    k8s_cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    health, metrics = free_port(), free_port()
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(k8s_cluster.kubeconfig),
+        "PDCLUSTER_OPERATOR_METRICS_PORT": str(metrics),
+        "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
+        "PDCLUSTER_OPERATOR_RESYNC_SECONDS": "20",
+        "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2",
+        "PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS": "5",
+    }
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    _, record = spawn(
+        "operator",
+        [
+            sys.executable,
+            "-m",
+            "pdcluster.operator",
+            "--all-namespaces",
+            f"--liveness=http://127.0.0.1:{health}/healthz",
+        ],
+        log,
+        env=env,
+        die_with_parent=True,
+    )
+    op = Operator(record, log, f"http://127.0.0.1:{metrics}/metrics")
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 60, f"the operator's liveness endpoint (log: {log})")
+        yield op
+    finally:
+        stop(record, grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def ns(kube: KubeApi) -> Iterator[str]:
+    name = f"pdc-op-{secrets.token_hex(3)}"
+    kube.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    wait_until(
+        lambda: kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default") is not None,
+        30,
+        "the default service account",
+    )
+    yield name
+    kube.delete(f"/api/v1/namespaces/{name}")
+
+
+def apply(kubectl: KubectlRunner, tmp: Path, ns: str, doc: dict[str, Any], check: bool = True):
+    path = tmp / f"{doc['metadata']['name']}-{secrets.token_hex(2)}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return kubectl("kubectl", "apply", "-n", ns, "-f", str(path), check=check)
+
+
+def pdc(kube: KubeApi, ns: str, name: str = NAME) -> dict[str, Any] | None:
+    return kube.get(f"{PDC_PATH.format(ns=ns)}/{name}")
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return str(cond.get("status"))
+    return None
+
+
+def wait_ready(op: Operator, kube: KubeApi, ns: str, what: str, extra=lambda o: True) -> dict:
+    found: dict[str, Any] = {}
+
+    def ready() -> bool:
+        obj = pdc(kube, ns)
+        if obj is not None and (obj.get("status") or {}).get("phase") == "Ready" and extra(obj):
+            found.update(obj)
+            return True
+        return False
+
+    try:
+        wait_until(ready, START_TIMEOUT_S, what, interval_s=0.5)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\nstatus: {pdc(kube, ns)}\noperator:\n{op.log_tail()}") from err
+    return found
+
+
+def pods(kube: KubeApi, ns: str, role: str) -> list[dict[str, Any]]:
+    selector = f"pdcluster.io/cluster={NAME},pdcluster.io/role={role}"
+    listed = kube.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector})
+    return [
+        p for p in (listed or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def one_pod(kube: KubeApi, ns: str, role: str) -> dict[str, Any]:
+    found = pods(kube, ns, role)
+    assert len(found) == 1, [p["metadata"]["name"] for p in found]
+    return found[0]
+
+
+def token(kube: KubeApi, ns: str) -> str:
+    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token")
+    assert secret is not None
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def events(kube: KubeApi, ns: str) -> dict[str, dict[str, Any]]:
+    listed = kube.get(f"/api/v1/namespaces/{ns}/events") or {}
+    out: dict[str, dict[str, Any]] = {}
+    for e in listed.get("items", []):
+        if e.get("involvedObject", {}).get("kind") == "PDCluster":
+            out[e["reason"]] = e
+    return out
+
+
+def complete(router_ip: str, prompt: str = "The capital of France is") -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    resp = httpx.post(f"http://{router_ip}:8000/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo(
+    operator: Operator,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    ns: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    apply(kubectl, tmp_path_factory.mktemp("manifests"), ns, manifest())
+    return wait_ready(operator, kube, ns, "PDCluster demo Ready")
+
+
+# ---------------------------------------------------------------- tests, in order
+def test_apply_brings_up_a_ready_cluster_that_serves(
+    demo: dict[str, Any], kube: KubeApi, kubectl: KubectlRunner, ns: str
+) -> None:
+    status = demo["status"]
+    assert condition(demo, "Ready") == "True" and condition(demo, "Degraded") == "False"
+    assert status["observedGeneration"] == demo["metadata"]["generation"]
+    uid = demo["metadata"]["uid"]
+    for path in (
+        f"/api/v1/namespaces/{ns}/configmaps/{NAME}-config",
+        f"/api/v1/namespaces/{ns}/secrets/{NAME}-token",
+        f"/api/v1/namespaces/{ns}/serviceaccounts/{NAME}-runtime",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/{NAME}-runtime",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/{NAME}-runtime",
+        f"/apis/apps/v1/namespaces/{ns}/deployments/{NAME}-router",
+        f"/api/v1/namespaces/{ns}/services/{NAME}-router",
+    ):
+        obj = kube.get(path)
+        assert obj is not None, path
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid, path
+    for role in ("prefill", "decode", "router"):
+        assert is_ready(one_pod(kube, ns, role))
+    # The printer columns show phase and per-role ready/desired.
+    table = kubectl("kubectl", "get", "pdc", NAME, "-n", ns).stdout.split("\n")
+    header, row = table[0].split(), table[1].split()
+    assert header[:5] == ["NAME", "PHASE", "PREFILL", "DECODE", "ROUTER"]
+    assert row[:5] == [NAME, "Ready", "1/1", "1/1", "1/1"]
+    # The router answers through its pod IP, with prefill and decode behind it.
+    router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+    first = complete(router_ip)
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 8
+    assert complete(router_ip)["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str) -> None:
+    paths = [
+        f"/api/v1/namespaces/{ns}/configmaps/{NAME}-config",
+        f"/api/v1/namespaces/{ns}/services/{NAME}-router",
+    ]
+    before = {p: kube.get(p)["metadata"]["uid"] for p in paths}  # type: ignore[index]
+    for path in paths:
+        assert kube.delete(path)
+
+    def recreated() -> bool:
+        now = {p: (kube.get(p) or {}).get("metadata", {}).get("uid") for p in paths}
+        return all(now[p] and now[p] != before[p] for p in paths)
+
+    wait_until(recreated, 30, "the deleted ConfigMap and Service to be recreated")
+
+
+@dataclass
+class StatusLog:
+    """Every status the PDCluster goes through, from a watch in a thread."""
+
+    seen: list[tuple[str, str | None]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def phases(self) -> list[str]:
+        return [p for p, _ in self.seen]
+
+
+def watch_status(k8s_cluster: ClusterInfo, ns: str, log: StatusLog) -> threading.Thread:
+    api = KubeApi(k8s_cluster.server, k8s_cluster.admin_token, k8s_cluster.ca_cert)
+    path = PDC_PATH.format(ns=ns)
+    version = api.get(path)["metadata"]["resourceVersion"]  # type: ignore[index]
+
+    def run() -> None:
+        try:
+            for kind, obj in api.watch(path, version, timeout_s=120):
+                if kind in ("ADDED", "MODIFIED"):
+                    log.seen.append(
+                        ((obj.get("status") or {}).get("phase", ""), condition(obj, "Degraded"))
+                    )
+                if log.stop.is_set():
+                    return
+        finally:
+            api.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
+    demo: dict[str, Any],
+    operator: Operator,
+    kube: KubeApi,
+    node_agent: NodeAgentClient,
+    k8s_cluster: ClusterInfo,
+    ns: str,
+) -> None:
+    prefill, decode = one_pod(kube, ns, "prefill"), one_pod(kube, ns, "decode")
+    prefill_ip, decode_ip = prefill["status"]["podIP"], decode["status"]["podIP"]
+    admin = {"Authorization": f"Bearer {token(kube, ns)}"}
+    decode_url = f"http://{decode_ip}:8000"
+    log = StatusLog()
+    watch_status(k8s_cluster, ns, log)
+
+    # A request whose KV must come from a prefill that hangs: decode waits for it.
+    node_agent.freeze_pod(ns, prefill["metadata"]["name"])
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        body = {
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": prefill_ip,
+            "bootstrap_port": 8998,
+            "bootstrap_room": secrets.randbits(62),
+        }
+        resp = httpx.post(f"{decode_url}/generate", json=body, timeout=90)
+        answer.update(status=resp.status_code, text=resp.text, at=time.monotonic())
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+
+    seen: list[Any] = []
+
+    def room_open() -> bool:
+        rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()["rooms"]
+        seen[:] = rooms
+        return any(f"{prefill_ip}:8998" in r["peers"] for r in rooms)
+
+    try:
+        wait_until(room_open, 30, "decode to open the room")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}: rooms {seen}, answer {answer}") from err
+    killed_at = time.monotonic()
+    node_agent.kill_pod(ns, prefill["metadata"]["name"])
+    asker.join(60)
+    assert answer, "decode never answered"
+    took = answer["at"] - killed_at
+    # Fast path: pod event → operator → /admin/fail_peer; the heartbeat would need 60 s.
+    assert answer["status"] == 502 and "prefill_pod_lost" in answer["text"], answer
+    assert took < 3.0, f"decode failed the room {took:.2f}s after the kill"
+    failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
+    assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
+    assert (
+        operator.metric("pdcluster_operator_failovers_total", role="prefill", cause="failed") >= 1
+    )
+
+    # The instance comes back as a new pod; the cluster goes Degraded, then Ready.
+    old_uid = prefill["metadata"]["uid"]
+    wait_ready(
+        operator,
+        kube,
+        ns,
+        "the restarted prefill to be Ready",
+        extra=lambda o: any(p["metadata"]["uid"] != old_uid for p in pods(kube, ns, "prefill")),
+    )
+    log.stop.set()
+    assert ("Degraded", "True") in log.seen, log.seen
+    assert log.phases()[-1] == "Ready" or pdc(kube, ns)["status"]["phase"] == "Ready"  # type: ignore[index]
+
+    def reported() -> bool:
+        return {"PrefillInstanceLost", "InstanceRestarted", "RoomsFailed"} <= set(events(kube, ns))
+
+    wait_until(reported, 20, f"the failover Events (have {sorted(events(kube, ns))})")
+    found = events(kube, ns)
+    assert found["PrefillInstanceLost"]["type"] == "Warning"
+    assert "its rooms failed at 1/1 decode workers" in found["PrefillInstanceLost"]["message"]
+    assert found["RoomsFailed"]["count"] >= 1
+    # And it serves again.
+    assert (
+        complete(one_pod(kube, ns, "router")["status"]["podIP"])["usage"]["completion_tokens"] == 8
+    )
+
+
+def test_kubectl_scale_sets_the_decode_replicas(
+    demo: dict[str, Any], operator: Operator, kube: KubeApi, kubectl: KubectlRunner, ns: str
+) -> None:
+    kubectl("kubectl", "scale", f"pdc/{NAME}", "-n", ns, "--replicas=3")
+    ready = wait_ready(
+        operator,
+        kube,
+        ns,
+        "3 decode instances Ready",
+        extra=lambda o: (o["status"].get("decode") or {}).get("summary") == "3/3",
+    )
+    assert ready["spec"]["decode"]["replicas"] == 3
+    assert ready["status"]["replicas"] == 3
+    assert len(pods(kube, ns, "decode")) == 3
+    scale = kube.get(f"{PDC_PATH.format(ns=ns)}/{NAME}/scale")
+    assert scale is not None and scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == f"pdcluster.io/cluster={NAME},pdcluster.io/role=decode"
+
+
+def test_deleting_the_cluster_removes_everything(
+    demo: dict[str, Any], kube: KubeApi, ns: str
+) -> None:
+    selector = {"labelSelector": f"pdcluster.io/cluster={NAME}"}
+    kinds = [
+        "/api/v1/namespaces/{ns}/pods",
+        "/api/v1/namespaces/{ns}/services",
+        "/api/v1/namespaces/{ns}/configmaps",
+        "/api/v1/namespaces/{ns}/secrets",
+        "/api/v1/namespaces/{ns}/serviceaccounts",
+        "/apis/apps/v1/namespaces/{ns}/deployments",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    ]
+
+    def left() -> list[str]:
+        names = []
+        for path in kinds:
+            listed = kube.get(path.format(ns=ns), params=selector) or {}
+            names += [f"{path.rsplit('/', 1)[1]}/{o['metadata']['name']}" for o in listed["items"]]
+        return names
+
+    assert len(left()) >= 10
+    assert kube.delete(f"{PDC_PATH.format(ns=ns)}/{NAME}")
+    wait_until(lambda: pdc(kube, ns) is None and not left(), 90, "garbage collection")
+
+
+def test_invalid_manifest_is_refused_with_the_cel_message(
+    operator: Operator,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    bad = manifest("bad", prefill={"topology": {"pp": 2}}, decode={"topology": {"cp": 2}})
+    result = apply(kubectl, tmp_path, namespace, bad, check=False)
+    assert result.returncode != 0
+    assert "decode.topology.cp must be 1: cp is prefill-only" in result.stderr
+    assert pdc(kube, namespace, "bad") is None
+    # Within bounds per field, but the cross-field rule catches it too.
+    worse = manifest("worse", decode={"topology": {"pp": 3}}, prefill={"topology": {"pp": 2}})
+    result = apply(kubectl, tmp_path, namespace, worse, check=False)
+    assert "decode.topology.pp must be 1 or equal prefill.topology.pp" in result.stderr
+    with pytest.raises(ApiError) as err:
+        kube.create(PDC_PATH.format(ns=namespace), {**bad, "metadata": {"name": "direct"}})
+    assert err.value.status == 422
+    assert "decode.topology.cp must be 1" in err.value.message

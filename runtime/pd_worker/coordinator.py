@@ -94,7 +94,11 @@ class _Coordinator:
             room.reports[rep.kind].add(rep.rank)
             if rep.first_token is not None and room.first_token is None:
                 room.first_token = rep.first_token
-            self.on_report(rep.room, room, rep)
+            try:
+                self.on_report(rep.room, room, rep)
+            except Exception as err:  # noqa: BLE001 - one bad room must not stop the engine
+                log.exception("%s: room %s: handling %s failed", self.role, rep.room, rep.kind)
+                self.fail(rep.room, f"internal_error: {type(err).__name__}: {err}")
         self._export_gauges()
 
     def _export_gauges(self) -> None:

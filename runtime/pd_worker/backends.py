@@ -161,12 +161,12 @@ class _PDBackend:
                         if fin is not None:
                             ended = True
                             return
+            if not ended:
+                msg = f"dp group {target}: stream ended without a finish"
+                yield TokenEvent([], "", True, "error", error=msg, status=502)
         except httpx.HTTPError as err:
             yield TokenEvent([], "", True, "error", error=f"dp group {target}: {err}", status=502)
-            ended = True
         finally:
-            if not ended:
-                log.warning("dp group %s: stream for %s ended without a finish", target, req.rid)
             self._forwarded.pop(req.rid, None)
 
     def abort(self, rid: str) -> None:

@@ -31,6 +31,8 @@ FIELD_DOCS: dict[str, str] = {
     "not arrived within this time.",
     "transfer.waitingTimeoutSeconds": "Decode fails a room whose KV has not fully arrived "
     "within this time.",
+    "transfer.prefillWaitTimeoutSeconds": "prefill_complete only: decode fails a room whose "
+    "prefill has not reported its KV computed within this time.",
     "transfer.abortReleaseTimeoutSeconds": "After an abort, decode frees the room's pages once "
     "every prefill rank acknowledged or this time passed.",
     "transfer.heartbeat": "Decode's health polling of each prefill instance it talks to.",

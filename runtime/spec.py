@@ -112,6 +112,8 @@ class TransferSpec(_Model):
     allocation_policy: AllocationPolicy = AllocationPolicy.early
     bootstrap_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     waiting_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    # prefill_complete: how long decode waits for prefill's "KV computed".
+    prefill_wait_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     abort_release_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     checksum: bool = False

@@ -38,7 +38,9 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         shape=InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
         compat=compat,
         token=settings.token,
-        room_settings=RoomSettings.from_spec(spec.transfer),
+        room_settings=RoomSettings.from_spec(
+            spec.transfer, prefill_wait_s=spec.transfer.prefill_wait_timeout_seconds
+        ),
         transfer=spec.transfer,
         layers=(layers.start, layers.stop),
         heads=(heads.start, heads.stop),

@@ -189,15 +189,23 @@ def test_probes_use_kopf_liveness_and_crd_comes_with_the_chart() -> None:
     docs = render()
     (dep,) = by_kind(docs, "Deployment")
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    # Health and metrics bind the pod's own address, which the kubelet expands.
+    assert "--liveness=http://$(POD_IP):8080/healthz" in container["args"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("PDCLUSTER_OPERATOR_METRICS_HOST")
+    assert env["PDCLUSTER_OPERATOR_METRICS_HOST"] == "$(POD_IP)"
     assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "true"
+    assert env["PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS"] == "5"
     (crd,) = by_kind(docs, "CustomResourceDefinition")
     assert crd["metadata"]["name"] == "pdclusters.pdcluster.io"
     minimal = render(*VARIANTS["minimal"])
     (dep,) = by_kind(minimal, "Deployment")
-    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["PDCLUSTER_OPERATOR_METRICS_PORT"] == "0"
     assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "false"
     assert by_kind(minimal, "ServiceAccount") == [] and by_kind(minimal, "Service") == []

@@ -393,6 +393,52 @@ def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
     )
 
 
+def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
+    demo: dict[str, Any],
+    operator: Operator,
+    kube: KubeApi,
+    node_agent: NodeAgentClient,
+    ns: str,
+) -> None:
+    # A hung process (SIGSTOP) is not dead: the kubelet only sees its readiness
+    # probe fail. NotReady past the grace is a loss too.
+    wait_ready(operator, kube, ns, "Ready before the freeze")
+    prefill, decode = one_pod(kube, ns, "prefill"), one_pod(kube, ns, "decode")
+    name, prefill_ip = prefill["metadata"]["name"], prefill["status"]["podIP"]
+    decode_url = f"http://{decode['status']['podIP']}:8000"
+    frozen_at = time.monotonic()
+    node_agent.freeze_pod(ns, name)
+    try:
+        body = {
+            "text": "hello",
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": prefill_ip,
+            "bootstrap_port": 8998,
+            "bootstrap_room": secrets.randbits(62),
+        }
+        resp = httpx.post(f"{decode_url}/generate", json=body, timeout=90)
+        took = time.monotonic() - frozen_at
+    finally:
+        node_agent.thaw_pod(ns, name)
+    assert resp.status_code == 502 and "prefill_pod_lost" in resp.text, resp.text
+    # Readiness fails after 3 x 2 s, then the 5 s grace; the heartbeat needs 60 s.
+    assert took < 30, f"decode failed the room {took:.1f}s after the freeze"
+    listed = kube.get(f"/api/v1/namespaces/{ns}/events") or {}
+    lost = [e["message"] for e in listed["items"] if e["reason"] == "PrefillInstanceLost"]
+    assert any("has not been Ready for 5s" in m for m in lost), lost
+    assert operator.metric("pdcluster_operator_failovers_total", role="prefill", cause="not_ready")
+    # Thawed before the liveness probe gave up on it: the same pod serves again.
+    wait_ready(
+        operator,
+        kube,
+        ns,
+        "the thawed prefill Ready again",
+        extra=lambda o: (
+            one_pod(kube, ns, "prefill")["metadata"]["uid"] == prefill["metadata"]["uid"]
+        ),
+    )
+
+
 def test_kubectl_scale_sets_the_decode_replicas(
     demo: dict[str, Any], operator: Operator, kube: KubeApi, kubectl: KubectlRunner, ns: str
 ) -> None:

@@ -85,8 +85,10 @@ def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
+    # The advertised host: pods sharing a network (hostNetwork, the test node
+    # agent) must not collide on 127.0.0.1.
     dist = init_distributed(
-        cfg.parallel, group_rank, "127.0.0.1", settings.dist_port + dp_rank, cfg.device
+        cfg.parallel, group_rank, settings.advertise_host, settings.dist_port + dp_rank, cfg.device
     )
     return cfg, dist
 

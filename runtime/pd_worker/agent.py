@@ -117,7 +117,14 @@ class RankAgent:
         self.lock = threading.RLock()
         self.inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self.endpoint = Endpoint(
-            EndpointConfig(host=ctx.host, advertise_host=ctx.advertise_host),
+            EndpointConfig(
+                host=ctx.host,
+                advertise_host=ctx.advertise_host,
+                # A peer that takes nothing for as long as a failed room may wait
+                # for its writes to drain is stuck: drop it (its rooms fail) rather
+                # than let it hold the sender's buffers and stall every other room.
+                send_timeout=ctx.room_settings.release_s,
+            ),
             on_control=self._on_control,
         )
         self.endpoint.start()

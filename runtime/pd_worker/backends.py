@@ -226,7 +226,7 @@ class DecodeBackend(_PDBackend):
 
 
 def _admin_routes(
-    agent: Any, token: str, stats: Callable[[], dict[str, int]]
+    agent: Any, token: str, stats: Callable[[], dict[str, int]], dp_ports: tuple[int, ...] = ()
 ) -> Callable[[FastAPI], None]:
     def authorized(request: Request) -> JSONResponse | None:
         if not token:
@@ -256,6 +256,18 @@ def _admin_routes(
                     {"error": {"message": "peer/reason too long or empty", "code": 422}}, 422
                 )
             agent.broadcast(GroupFailPeer(peer, reason))
+            # Other dp groups have their own tables: relay to their leaders.
+            headers = {"authorization": request.headers.get("authorization", "")}
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                for port in dp_ports:
+                    try:
+                        await client.post(
+                            f"http://127.0.0.1:{port}/admin/fail_peer",
+                            json={"peer": peer, "reason": reason},
+                            headers=headers,
+                        )
+                    except httpx.HTTPError as err:
+                        log.warning("fail_peer relay to dp port %s failed: %s", port, err)
             return JSONResponse({"peer": peer, "reason": reason})
 
         @app.get("/admin/rooms")
@@ -307,4 +319,6 @@ def build_pd_backend(
     def failure_counts() -> dict[str, int]:
         return {k: v for k, v in agent.ctx.stats.items() if k.startswith("room_failed:")}
 
-    return backend, _admin_routes(agent, settings.token, failure_counts), servers
+    # Only the front (dp group 0) relays admin calls to the other groups.
+    relay_ports = settings.dp_ports if dp_rank == 0 else ()
+    return backend, _admin_routes(agent, settings.token, failure_counts, relay_ports), servers

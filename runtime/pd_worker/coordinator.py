@@ -28,6 +28,7 @@ from typing import Any
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
 from pdcluster.runtime.pd.room_common import reason_label
+from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
 
@@ -122,7 +123,7 @@ class _Coordinator:
 
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes of `num_tokens` tokens over the whole model (all ranks)."""
-        ctx = self.agent.ctx
+        ctx: AgentContext = self.agent.ctx
         itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
         return num_tokens * ctx.num_layers * 2 * ctx.num_kv_heads * ctx.head_dim * itemsize
 

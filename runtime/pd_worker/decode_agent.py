@@ -49,6 +49,7 @@ class _Room:
     peer: str
     prefill_dp: int | None
     generation: int
+    num_tokens: int
     resolved: bool = False
     pending_pages: list[int] | None = None
 
@@ -103,6 +104,28 @@ class DecodeAgent(RankAgent):
             return None
         return entry[1]
 
+    def _missing_kv(self, room: int) -> str | None:
+        """Why the room's KV is incomplete although every source said Success, or None.
+
+        Every source sends Success after its frames, on the same connection,
+        so they were all placed by now — unless the connection dropped and
+        came back in between (libzmq then loses messages silently). Decoding
+        from pages that were never written would be garbage nobody notices.
+        """
+        r = self.rooms.get(room)
+        entry = self._receiving.get(room)
+        if self.one_sided or r is None or entry is None:
+            return None  # shm writes land in place; nothing travels to be lost
+        ctx = self.ctx
+        itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
+        layers, heads = ctx.layers[1] - ctx.layers[0], ctx.heads[1] - ctx.heads[0]
+        expected = r.num_tokens * layers * 2 * heads * ctx.head_dim * itemsize
+        progress = self.receiver.progress(room, entry[0])
+        got = 0 if progress is None else progress.nbytes
+        if got == expected:
+            return None
+        return f"incomplete_transfer: received {got} of {expected} KV bytes"
+
     def _stop_receiving(self, room: int) -> None:
         if self._receiving.pop(room, None) is not None:
             # A frame already past resolve may still be landing: let it finish.
@@ -115,9 +138,20 @@ class DecodeAgent(RankAgent):
             if isinstance(act, A.Send):
                 self.send(act.endpoint, act.message)
             elif isinstance(act, A.TransferComplete):
+                missing = self._missing_kv(act.room)
                 self._stop_receiving(act.room)
-                first = act.first_token
-                self.report(act.room, "complete", first_token=first)
+                if missing is not None:
+                    log.warning(
+                        "decode rank %s: room %s rid %s failed: %s",
+                        self.ctx.coord,
+                        act.room,
+                        act.rid,
+                        missing,
+                    )
+                    self.ctx.stats["room_failed:incomplete_transfer"] += 1
+                    self.report(act.room, "failed", missing)
+                    continue
+                self.report(act.room, "complete", first_token=act.first_token)
             elif isinstance(act, A.RoomFailed):
                 log.warning(
                     "decode rank %s: room %s rid %s failed: %s",
@@ -182,7 +216,7 @@ class DecodeAgent(RankAgent):
             self.report(msg.room, "failed", f"rejected: {err}")
             self.report(msg.room, "released")
             return
-        self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen)
+        self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen, msg.num_tokens)
         if msg.peer not in self.heartbeat.peers():
             self.heartbeat.add(msg.peer, now)
         client = self.bootstrap.get(msg.peer)

@@ -88,6 +88,10 @@ class KubernetesDiscoverySettings:
             raise ValueError(f"relist_interval_s must be > 0, got {self.relist_interval_s}")
 
 
+# Pods of one compatibility revision pair with each other only (rollouts).
+REVISION_LABEL = "pdcluster.io/revision"
+
+
 @dataclass(frozen=True)
 class PodDecision:
     name: str
@@ -164,7 +168,8 @@ def decide_pod(pod: Mapping[str, Any], settings: KubernetesDiscoverySettings) ->
         url = normalize_url(f"{settings.scheme}://{host}:{port}")
     except ValueError as err:
         return skip(str(err))
-    return PodDecision(name=name, target=WorkerTarget(url=url, role=role))
+    revision = str(labels.get(REVISION_LABEL, ""))
+    return PodDecision(name=name, target=WorkerTarget(url=url, role=role, revision=revision))
 
 
 def targets_from_pods(

@@ -32,6 +32,23 @@ class LegPlan:
     room: int | None = None
 
 
+def pairable(prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker], list[Worker]]:
+    """Workers of the revisions that have both roles healthy.
+
+    During a rollout old and new pods coexist; a prefill may only pair with a
+    decode of the same revision (the operator's `pdcluster.io/revision`
+    label; empty for static workers, so they all pair). Raises when no
+    revision has both roles.
+    """
+    both = {p.revision for p in prefills} & {d.revision for d in decodes}
+    if not both:
+        raise NoHealthyWorkerError("prefill+decode of one revision")
+    return (
+        [p for p in prefills if p.revision in both],
+        [d for d in decodes if d.revision in both],
+    )
+
+
 @dataclass
 class Planner:
     pool: WorkerPool
@@ -56,11 +73,12 @@ class Planner:
         for role in (WorkerRole.prefill, WorkerRole.decode):
             if not self.pool.healthy(role):
                 raise NoHealthyWorkerError(role.value)
-        prefill = self.prefill_policy.select(
-            self.pool.of_role(WorkerRole.prefill), WorkerRole.prefill.value
+        prefills, decodes = pairable(
+            self.pool.healthy(WorkerRole.prefill), self.pool.healthy(WorkerRole.decode)
         )
+        prefill = self.prefill_policy.select(prefills, WorkerRole.prefill.value)
         decode = self.decode_policy.select(
-            self.pool.of_role(WorkerRole.decode), WorkerRole.decode.value
+            [d for d in decodes if d.revision == prefill.revision], WorkerRole.decode.value
         )
         if prefill.bootstrap_port is None:
             # The pool only marks a prefill worker healthy once it reported a

@@ -66,6 +66,8 @@ class WorkerTarget:
 
     url: str
     role: WorkerRole
+    # Compatibility revision (pod label); prefill and decode pair only when equal.
+    revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Worker:
     role: WorkerRole
     bootstrap_port: int | None = None
     dp_size: int = 1
+    revision: str = ""
     healthy: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
@@ -164,8 +167,10 @@ class WorkerPool:
     def sync(self, targets: Iterable[WorkerTarget]) -> PoolChange:
         """Make the pool hold exactly ``targets``; keep state of workers that stay."""
         wanted: dict[str, WorkerRole] = {}
+        revisions: dict[str, str] = {}
         for target in targets:
             url = normalize_url(target.url)
+            revisions[url] = target.revision
             previous = wanted.get(url)
             if previous is not None and previous is not target.role:
                 raise ValueError(
@@ -180,9 +185,11 @@ class WorkerPool:
         added = []
         for url, role in wanted.items():
             if url not in self._workers:
-                worker = Worker(url=url, role=role)
+                worker = Worker(url=url, role=role, revision=revisions[url])
                 self._workers[url] = worker
                 added.append(worker)
+            else:
+                self._workers[url].revision = revisions[url]
         return PoolChange(added=tuple(added), removed=tuple(removed))
 
     def record_probe_success(self, worker: Worker, info: ServerInfo | None) -> bool:

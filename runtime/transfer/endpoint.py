@@ -62,7 +62,9 @@ class EndpointConfig:
     max_control_bytes: int = 1 * MiB
     max_kv_bytes: int = 64 * MiB  # must exceed the senders' max frame size
     send_hwm: int = 1000  # messages libzmq queues per connected peer
-    send_timeout: float = 30.0  # seconds a message may wait for its peer before it fails
+    # Seconds a message may wait for its peer — queued because it is not connected,
+    # or held by libzmq because it does not read — before it fails.
+    send_timeout: float = 30.0
     recv_hwm: int = 64  # buffered messages per peer before TCP pushes back
     io_threads: int = 1  # libzmq I/O threads
 

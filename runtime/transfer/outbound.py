@@ -9,7 +9,12 @@ Invariants:
   ("send_timeout"), be withdrawn by tag ("discarded") or fail with its peer
   ("peer_dropped"); later messages to the peer never overtake it;
 - every `on_sent` fires exactly once: None when libzmq released a tracked
-  payload it took, else the reason the message did not leave.
+  payload it took, else the reason the message did not leave;
+- a peer that keeps a payload inside libzmq longer than `send_timeout` (it
+  is connected but does not read: a hung process) is dropped, so its
+  payloads fail ("peer_stalled") and their buffers come back — one stuck
+  peer must not hold every staging buffer of the sender, and with them the
+  transfers to every other peer.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class _Tracked:
     tracker: zmq.MessageTracker
     on_sent: SentCallback
     peer: str
+    taken_at: float  # when libzmq took it
     error: str | None = None  # set when its peer was dropped before it left
 
 
@@ -136,6 +142,7 @@ class Outbound:
             if peer.outbox:
                 self._expire(peer)
         self.reap()
+        self._drop_stalled()
 
     def reap(self) -> None:
         if not self._trackers:
@@ -147,6 +154,20 @@ class Outbound:
             else:
                 pending.append(tracked)
         self._trackers = pending
+
+    def _drop_stalled(self) -> None:
+        if not self._trackers:
+            return
+        deadline = time.monotonic() - self._send_timeout
+        stalled = {
+            t.peer
+            for t in self._trackers
+            if t.taken_at < deadline and t.error is None and t.peer in self._peers
+        }
+        for addr in stalled:
+            self._stats["peer_stalled"] += 1
+            log.warning("peer %s took no data for %.1fs: dropping it", addr, self._send_timeout)
+            self.drop(addr, "peer_stalled")
 
     def close(self) -> None:
         """Drop every peer; call before terminating the context."""
@@ -193,7 +214,7 @@ class Outbound:
             return True
         if on_sent is not None:
             assert isinstance(tracker, zmq.MessageTracker)
-            self._trackers.append(_Tracked(tracker, on_sent, addr))
+            self._trackers.append(_Tracked(tracker, on_sent, addr, time.monotonic()))
         return True
 
     def _flush(self, addr: str, peer: _Peer) -> None:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -63,8 +63,8 @@ def base_spec(**transfer: Any) -> dict[str, Any]:
         "transfer": {
             "backend": "tcp",
             "allocationPolicy": "early",
-            "bootstrapTimeoutSeconds": 4.0,
-            "waitingTimeoutSeconds": 6.0,
+            "bootstrapTimeoutSeconds": 6.0,
+            "waitingTimeoutSeconds": 10.0,
             "abortReleaseTimeoutSeconds": 3.0,
             "heartbeat": {"intervalSeconds": 0.5, "failureThreshold": 2},
             **transfer,
@@ -336,6 +336,13 @@ def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
     return LegResult(resp.status_code, data, end - t0, end)
 
 
+def abort_leg(url: str, rid: str) -> None:
+    try:
+        httpx.post(url + "/abort_request", json={"rid": rid}, timeout=5)
+    except httpx.HTTPError:
+        pass  # the worker is gone: nothing of the request is left there
+
+
 class PDClient:
     """Sends both legs of a request at once, like a PD router (SGLang worker API)."""
 
@@ -359,15 +366,24 @@ class PDClient:
         rid: str | None = None,
         room: int | None = None,
         timeout: float = 30.0,
+        propagate: bool = True,
     ) -> PDResult:
+        """Both legs at once; like a PD router, a failed leg gets the other aborted."""
         rid = rid or mint_rid()
         room = room or mint_room()
         body = gen_body(prompt, max_tokens, rid=rid, room=room, bootstrap=bootstrap)
-        pre = None
-        if prefill_url is not None:
-            pre = self.legs.submit(post_leg, prefill_url, body, timeout)
-        dec = post_leg(decode_url, body, timeout)
-        return PDResult(rid, room, pre.result() if pre is not None else None, dec)
+        dec = self.legs.submit(post_leg, decode_url, body, timeout)
+        if prefill_url is None:
+            return PDResult(rid, room, None, dec.result())
+        pre = self.legs.submit(post_leg, prefill_url, body, timeout)
+        legs = {pre: prefill_url, dec: decode_url}
+        done, _ = wait(legs, return_when=FIRST_COMPLETED)
+        if propagate:
+            for fut in done:
+                other = dec if fut is pre else pre
+                if not fut.result().ok and not other.done():
+                    abort_leg(legs[other], rid)
+        return PDResult(rid, room, pre.result(), dec.result())
 
     def many(self, jobs: list[Callable[[], T]]) -> list[T]:
         futures = [self.pool.submit(job) for job in jobs]

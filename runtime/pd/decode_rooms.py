@@ -24,8 +24,10 @@ Rules (DESIGN §3, §5, §7, §8):
   source that has not succeeded and is not dead; the pages stay until every
   source is settled, or `release_s` passed — never on timeout alone with a
   one-sided transport (`one_sided`, i.e. shm writes into our memory): there
-  only an ack or `fail_peer` (heartbeat, or the operator's fast path for a
-  crashed or restarted pod) frees them;
+  only an ack or a definitive `fail_peer` (the operator's fast path for a
+  crashed or deleted pod, or the instance seen back on new addresses)
+  frees them — a heartbeat verdict is not enough there
+  (`fail_peer(..., definitive=False)`: a hung writer may resume);
 - deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
   `prefill_complete` Ready from every source within `prefill_wait_s`, then
   pages within `bootstrap_s`; WaitingForInput/Transferring within
@@ -316,13 +318,25 @@ class DecodeRoomTable:
         """Local abort (client gone, abort_request, admission failure). No-op if already failed."""
         return self._fail(self._live(room), reason or "aborted", now)
 
-    def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
+    def fail_peer(
+        self, peer: str, reason: str, now: float, *, definitive: bool = True
+    ) -> list[Action]:
         """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`.
 
         Idempotent: call it on every failed probe past the threshold. For
         `bootstrap_s` (or until `peer_recovered`) a new room resolved onto
         this peer fails at once instead of waiting for its timeouts.
+
+        `definitive=False` says the peer stopped answering, not that it is
+        gone (a heartbeat verdict: a hung process may resume). With a
+        one-sided transport such a peer may still write into our pages when
+        it wakes up, so its sources are not declared dead: the rooms fail at
+        once, ABORT goes out as for any failure, and the pages wait for the
+        ack — or for a definitive verdict (the operator saw the pod gone, or
+        the instance came back on other addresses). Over tcp a resumed peer's
+        frames are dropped by generation, so any verdict settles the sources.
         """
+        quarantine = self.info.one_sided and not definitive
         self._dead[peer] = (now + self.settings.bootstrap_s, reason)
         self._registered = {
             e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
@@ -335,7 +349,7 @@ class DecodeRoomTable:
             if not hit and not whole_instance:
                 continue
             for s in hit:
-                s.dead = True
+                s.dead = s.dead or not quarantine
             if r.poll.state is KVPoll.Failed:
                 acts.extend(self._maybe_release(r))
             else:

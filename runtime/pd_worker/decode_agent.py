@@ -93,6 +93,10 @@ class DecodeAgent(RankAgent):
         # that *started* later may revive it: one already in flight when the
         # operator reported the pod gone proves nothing.
         self._lost_at: dict[str, float] = {}
+        # shm only: prefill instance -> rank endpoints it had when it stopped
+        # answering. Pages its rooms held stay quarantined until it acks, or
+        # comes back on other endpoints (the old process is gone).
+        self._quarantined: dict[str, set[str]] = {}
 
     def close(self) -> None:
         super().close()
@@ -207,7 +211,8 @@ class DecodeAgent(RankAgent):
         elif isinstance(msg, GroupFail):
             self._fail(msg.room, msg.reason)
         elif isinstance(msg, GroupFailPeer):
-            self._peer_lost(msg.peer, msg.reason, now)
+            # The operator saw the pod gone: nothing of it can write any more.
+            self._peer_lost(msg.peer, msg.reason, now, definitive=True)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
@@ -316,7 +321,8 @@ class DecodeAgent(RankAgent):
                 "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
             )
             self.ctx.stats["peer_dead"] += 1
-            self._peer_lost(peer, "prefill_unreachable", now)
+            # Unreachable is not gone: a hung process may wake up and write.
+            self._peer_lost(peer, "prefill_unreachable", now, definitive=False)
         elif verdict in (Verdict.OK, Verdict.RECOVERED):
             revived = [
                 p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)
@@ -329,20 +335,57 @@ class DecodeAgent(RankAgent):
                 for p in revived:
                     self.table.peer_recovered(p)
                     del self._lost_at[p]
+            if peer in self._quarantined:
+                self._check_restarted(peer)
 
-    def _peer_lost(self, peer: str, reason: str, now: float) -> None:
+    def _peer_lost(self, peer: str, reason: str, now: float, *, definitive: bool) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
         self._lost_at[peer] = now
+        quarantine = self.one_sided and not definitive
         for watched in self.heartbeat.peers():
             if peer_matches(peer, watched):
                 client = self.bootstrap.get(watched)
                 cached = client.cached_instance
                 if cached is not None:
-                    # Sockets to a dead process only queue messages nobody reads.
-                    for rank in cached.ranks:
-                        self.endpoint.drop_peer(rank.endpoint)
+                    endpoints = {rank.endpoint for rank in cached.ranks}
+                    if quarantine:
+                        # Keep the sockets: the ABORTs queued on them reach the
+                        # process if it resumes, and its acks free the pages.
+                        self._quarantined.setdefault(watched, set()).update(endpoints)
+                    else:
+                        # Sockets to a dead process only queue messages nobody reads.
+                        for endpoint in endpoints:
+                            self.endpoint.drop_peer(endpoint)
                 client.invalidate()
-        self.perform(self.table.fail_peer(peer, reason, now))
+        if definitive:
+            for watched in [w for w in self._quarantined if peer_matches(peer, w)]:
+                del self._quarantined[watched]
+        self.perform(self.table.fail_peer(peer, reason, now, definitive=definitive))
+        for room in list(self.rooms):
+            self._sweep(room)
+
+    def _check_restarted(self, peer: str) -> None:
+        """A quarantined instance answers again: same process (it will ack) or a new one?"""
+        client = self.bootstrap.get(peer)
+
+        def done(info: InstanceInfo | None, err: BaseException | None) -> None:
+            self.post(lambda: self._on_restart_check(peer, info))
+
+        self.aio.submit(client.instance(wait_s=self.ctx.room_settings.bootstrap_s), done)
+
+    def _on_restart_check(self, peer: str, info: InstanceInfo | None) -> None:
+        old = self._quarantined.get(peer)
+        if old is None or info is None:
+            return  # settled meanwhile, or not answering /route yet: the next probe retries
+        gone = old - {rank.endpoint for rank in info.ranks}
+        del self._quarantined[peer]
+        now = time.monotonic()
+        for endpoint in sorted(gone):
+            # Registered again elsewhere: the process that held our pages is gone.
+            log.info("decode rank %s: %s restarted; releasing its pages", self.ctx.coord, endpoint)
+            self.endpoint.drop_peer(endpoint)
+            self.perform(self.table.fail_peer(endpoint, "prefill_restarted", now))
+        self.table.peer_recovered(peer)
         for room in list(self.rooms):
             self._sweep(room)
 

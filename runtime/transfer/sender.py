@@ -351,7 +351,8 @@ class KVSender:
             raise
         if self.config.checksum and self.transport.wants_checksum:
             raw = buf[: payload.numel() * payload.element_size()].numpy()
-            header = msgspec.structs.replace(header, checksum=compute_checksum(memoryview(raw.tobytes()) if not raw.flags.c_contiguous else raw.data))
+            data = raw.data if raw.flags.c_contiguous else memoryview(raw.tobytes())
+            header = msgspec.structs.replace(header, checksum=compute_checksum(data))
         with self._cond:
             run.pending += 1
         try:

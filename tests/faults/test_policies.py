@@ -1,13 +1,16 @@
 """Failure policy, KV checksum, one-sided transport and `prefill_complete` under faults.
 
-Two more clusters, each 1 prefill + 1 decode:
+Three more clusters of their own:
 - `recompute`: tcp, `failurePolicy: recompute`, `checksum: true` — a lost
   prefill or a corrupted KV frame still ends in the colocated output;
-- `one_sided`: `shm` (prefill writes straight into decode's memory) with
-  `allocationPolicy: prefill_complete` and a short release timeout — a
-  failed room's pages wait for the prefill's acknowledgement however long
-  it takes, never for a timer; late BOOTSTRAP meets a tombstone; a decode
-  on this policy against an `early` prefill fails by name.
+- `one_sided`: `shm` (prefill writes straight into decode's memory), two
+  prefill instances and a short release timeout — a failed room's pages
+  wait for the writer's acknowledgement or a definitive verdict (operator,
+  restart), never for a timer or a heartbeat, while survivors keep their
+  colocated outputs;
+- `staged`: `allocationPolicy: prefill_complete` — late BOOTSTRAP meets a
+  tombstone; a decode on this policy against an `early` prefill fails by
+  name.
 """
 
 from __future__ import annotations
@@ -53,16 +56,27 @@ def recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster
 @pytest.fixture(scope="module")
 def one_sided(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
     tmp: Path = tmp_path_factory.mktemp("one-sided")
-    spec = base_spec(
-        backend="shm", allocationPolicy="prefill_complete", abortReleaseTimeoutSeconds=1.0
-    )
-    spec["kvCache"]["numPages"] = 128
+    spec = base_spec(backend="shm", abortReleaseTimeoutSeconds=1.0)
+    spec["kvCache"]["numPages"] = 240
+    spec["prefill"]["replicas"] = 2
     with FaultCluster(tmp, "faults-one-sided", spec) as cluster:
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
+    tmp: Path = tmp_path_factory.mktemp("staged")
+    spec = base_spec(allocationPolicy="prefill_complete")
+    with FaultCluster(tmp, "faults-staged", spec) as cluster:
+        yield cluster
+
+
 def run_all(
-    cluster: FaultCluster, client: PDClient, prompts: list[list[int]], timeout: float = 40
+    cluster: FaultCluster,
+    client: PDClient,
+    prompts: list[list[int]],
+    timeout: float = 40,
+    propagate: bool = True,
 ) -> list[PDResult]:
     return client.many(
         [
@@ -73,6 +87,7 @@ def run_all(
                 p,
                 MAX_TOKENS,
                 timeout=timeout,
+                propagate=propagate,
             )
             for p in prompts
         ]
@@ -150,7 +165,9 @@ def test_abort_is_not_recomputed(recompute: FaultCluster, client: PDClient) -> N
 def test_lost_prefill_is_recomputed_by_decode(recompute: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(6, seed=123, lo=2500, hi=4000)
     expected = colocated_outputs(recompute.manifest, prompts, MAX_TOKENS)
-    traffic = Background(run_all, recompute, client, prompts)
+    # Under `recompute` a lost prefill leg is no reason to abort the decode leg:
+    # decode finishes the request itself.
+    traffic = Background(run_all, recompute, client, prompts, propagate=False)
 
     def transferring() -> bool:
         rooms = recompute.rooms("decode-0")
@@ -168,12 +185,10 @@ def test_lost_prefill_is_recomputed_by_decode(recompute: FaultCluster, client: P
     recompute.assert_clean(["decode-0"])
 
 
-# ------------------------------------------------------------------ shm + prefill_complete
+# ------------------------------------------------------------------ shm (one-sided writes)
 
 
-def test_one_sided_prefill_complete_equals_colocated(
-    one_sided: FaultCluster, client: PDClient
-) -> None:
+def test_one_sided_transfers_equal_colocated(one_sided: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(5, seed=131, lo=1, hi=1500)
     expected = colocated_outputs(one_sided.manifest, prompts, MAX_TOKENS)
     results = run_all(one_sided, client, prompts)
@@ -190,12 +205,7 @@ def test_one_sided_pages_wait_for_the_ack_not_a_timer(
     num_pages = math.ceil(len(prompt) / PAGE)
     try:
         leg = Background(client.generate, None, one_sided.url("decode-0"), rogue.bootstrap, prompt)
-        _, boot = rogue.expect(pdmsg.Bootstrap)
-        rogue.send(
-            boot.decode_endpoint,
-            pdmsg.Ready(room=boot.room, generation=boot.generation, rank=rogue.rank),
-        )
-        _, meta = rogue.expect(pdmsg.TransferMeta, boot.room)
+        _, meta = rogue.expect(pdmsg.TransferMeta)
         assert len(meta.dst_pages) == num_pages
         assert abort(one_sided, "decode-0", meta.rid)["found"] is True
         assert leg.result(10).decode.status == 502
@@ -215,42 +225,108 @@ def test_one_sided_pages_wait_for_the_ack_not_a_timer(
         rogue.close()
 
 
-def test_late_bootstrap_meets_a_tombstone(one_sided: FaultCluster) -> None:
-    info = fetch_instance(one_sided.bootstrap("prefill-0"), one_sided.token)
-    prefill = info.ranks[0].endpoint
-    rogue = RogueDecode(one_sided.token, info.compat)
-    rid, room = mint_rid(), mint_room()
-    try:
-        assert rogue.register(prefill).accepted
-        body = gen_body(
-            [5] * 40, MAX_TOKENS, rid=rid, room=room, bootstrap=one_sided.bootstrap("prefill-0")
+def held_pages(cluster: FaultCluster, name: str) -> int:
+    info = cluster.info(name)
+    held: int = info["num_total_pages"] - info["num_free_pages"]
+    return held
+
+
+def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
+    victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
+    jobs = [
+        lambda p=p: client.generate(
+            cluster.url("prefill-1"),
+            cluster.url("decode-0"),
+            cluster.bootstrap("prefill-1"),
+            p,
+            MAX_TOKENS,
+            propagate=False,
         )
-        leg = Background(post_leg, one_sided.url("prefill-0"), body, 20.0)
-        wait_until(lambda: one_sided.rooms("prefill-0"), 5, what="the prefill room")
-        assert abort(one_sided, "prefill-0", rid)["found"] is True
-        assert leg.result(10).status == 502
-        one_sided.assert_clean(["prefill-0"], timeout=5)
-        rogue.bootstrap_msg(prefill, room, rid)
-        _, status = rogue.expect(pdmsg.Status, room)
-        assert status.state is KVPoll.Failed and (status.reason or "").startswith("room_closed")
-        assert not any(isinstance(m, pdmsg.Ready) for m in rogue.seen)
-        one_sided.assert_clean(["prefill-0"])
-    finally:
-        rogue.close()
+        for p in victims
+    ]
+    traffic = Background(client.many, jobs)
+    peer = cluster.peer("prefill-1")
+
+    def writing() -> bool:
+        return any(
+            r["state"] == "Transferring" and peer in r["peers"] for r in cluster.rooms("decode-0")
+        )
+
+    wait_until(writing, 30, 0.005, "prefill-1 writing into decode-0")
+    return traffic
 
 
-def test_allocation_policy_mismatch_names_both(
-    one_sided: FaultCluster, pd: FaultCluster, client: PDClient
-) -> None:
-    # A prefill_complete decode against an early prefill instance.
-    res = client.generate(
-        pd.url("prefill-0"), one_sided.url("decode-0"), pd.bootstrap("prefill-0"), [3] * 30
+def survivors_served(cluster: FaultCluster, client: PDClient, seed: int) -> None:
+    prompts = make_prompts(4, seed=seed, lo=200, hi=900)
+    expected = colocated_outputs(cluster.manifest, prompts, 32)
+    results = client.many(
+        [
+            lambda p=p: client.generate(
+                cluster.url("prefill-0"),
+                cluster.url("decode-0"),
+                cluster.bootstrap("prefill-0"),
+                p,
+                32,
+            )
+            for p in prompts
+        ]
     )
-    assert res.decode.status == 502
-    assert "allocation_policy mismatch: prefill=early, decode=prefill_complete" in res.decode.error
-    assert res.prefill is not None and res.prefill.status == 502
-    one_sided.assert_clean(["decode-0"])
-    pd.assert_clean(["prefill-0"])
+    for res, want in zip(results, expected, strict=True):
+        assert res.decode.ok, res.decode.error
+        assert res.decode.output_ids == want, "a page was reused while a writer could reach it"
+
+
+@pytest.mark.slow
+def test_hung_one_sided_writer_keeps_its_pages_until_it_acks(
+    one_sided: FaultCluster, client: PDClient
+) -> None:
+    traffic = one_sided_victims(one_sided, client, seed=132)
+    one_sided.hang("prefill-1")
+    peer = one_sided.peer("prefill-1")
+
+    def failed() -> bool:
+        rooms = [r for r in one_sided.rooms("decode-0") if peer in r["peers"]]
+        return bool(rooms) and all(r["state"] == "Failed" for r in rooms)
+
+    wait_until(failed, 3, 0.01, "the hung writer's rooms to fail")
+    # The clients know; the pages stay out of reach while the writer may wake up.
+    held = held_pages(one_sided, "decode-0")
+    assert held > 0
+    time.sleep(one_sided.manifest.spec.transfer.abort_release_timeout_seconds + 1)
+    assert held_pages(one_sided, "decode-0") == held
+    survivors_served(one_sided, client, seed=133)
+    # It resumes, reads the ABORTs, finishes or drops its writes and acks.
+    one_sided.cont("prefill-1")
+    results: list[PDResult] = traffic.result(30)
+    for res in results:
+        assert res.decode.ok or "prefill_unreachable" in res.decode.error
+    survivors_served(one_sided, client, seed=134)
+    one_sided.assert_clean(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verdict", ["operator", "restart"])
+def test_killed_one_sided_writer_pages_come_back(
+    one_sided: FaultCluster, client: PDClient, verdict: str
+) -> None:
+    if one_sided.launcher.procs["prefill-1"].poll() is not None:
+        one_sided.restart("prefill-1")
+    traffic = one_sided_victims(one_sided, client, seed=135)
+    one_sided.kill("prefill-1")
+    traffic.result(30)
+    # A heartbeat cannot tell dead from hung: the pages wait for a definitive verdict.
+    assert held_pages(one_sided, "decode-0") > 0
+    if verdict == "operator":
+        resp = one_sided.fail_peer("decode-0", one_sided.peer("prefill-1"), "pod_deleted")
+        assert resp.status_code == 200
+        one_sided.assert_clean(["decode-0"], timeout=2)
+    else:
+        # Back on the same bootstrap address with new rank endpoints: the old writer is gone.
+        one_sided.restart("prefill-1")
+        one_sided.assert_clean(["decode-0"], timeout=5)
+        stats = one_sided.stats("decode-0")
+        assert stats.get("room_failed:prefill_unreachable", 0) >= 1
+    survivors_served(one_sided, client, seed=136)
 
 
 def test_prompt_over_page_capacity_is_refused(one_sided: FaultCluster) -> None:
@@ -266,7 +342,58 @@ def test_prompt_over_page_capacity_is_refused(one_sided: FaultCluster) -> None:
         bootstrap=one_sided.bootstrap("prefill-0"),
     )
     for worker in ("prefill-0", "decode-0"):
+        t0 = time.monotonic()
         res = post_leg(one_sided.url(worker), body, 10)
         assert res.status == 400, res
         assert res.error
-    one_sided.assert_clean(timeout=1)
+        assert time.monotonic() - t0 < 1.0
+    one_sided.assert_clean(["prefill-0", "decode-0"], timeout=1)
+
+
+# ------------------------------------------------------------------ prefill_complete
+
+
+def test_prefill_complete_equals_colocated(staged: FaultCluster, client: PDClient) -> None:
+    prompts = make_prompts(5, seed=141, lo=1, hi=1500)
+    expected = colocated_outputs(staged.manifest, prompts, MAX_TOKENS)
+    results = run_all(staged, client, prompts)
+    assert [r.decode.output_ids for r in results] == expected
+    staged.assert_clean()
+
+
+def test_late_bootstrap_meets_a_tombstone(staged: FaultCluster) -> None:
+    info = fetch_instance(staged.bootstrap("prefill-0"), staged.token)
+    prefill = info.ranks[0].endpoint
+    rogue = RogueDecode(staged.token, info.compat)
+    rid, room = mint_rid(), mint_room()
+    try:
+        assert rogue.register(prefill).accepted
+        body = gen_body(
+            [5] * 40, MAX_TOKENS, rid=rid, room=room, bootstrap=staged.bootstrap("prefill-0")
+        )
+        leg = Background(post_leg, staged.url("prefill-0"), body, 20.0)
+        wait_until(lambda: staged.rooms("prefill-0"), 5, what="the prefill room")
+        assert abort(staged, "prefill-0", rid)["found"] is True
+        assert leg.result(10).status == 502
+        staged.assert_clean(["prefill-0"], timeout=5)
+        rogue.bootstrap_msg(prefill, room, rid)
+        _, status = rogue.expect(pdmsg.Status, room)
+        assert status.state is KVPoll.Failed and (status.reason or "").startswith("room_closed")
+        assert not any(isinstance(m, pdmsg.Ready) for m in rogue.seen)
+        staged.assert_clean(["prefill-0"])
+    finally:
+        rogue.close()
+
+
+def test_allocation_policy_mismatch_names_both(
+    staged: FaultCluster, pd: FaultCluster, client: PDClient
+) -> None:
+    # A prefill_complete decode against an early prefill instance.
+    res = client.generate(
+        pd.url("prefill-0"), staged.url("decode-0"), pd.bootstrap("prefill-0"), [3] * 30
+    )
+    assert res.decode.status == 502
+    assert "allocation_policy mismatch: prefill=early, decode=prefill_complete" in res.decode.error
+    assert res.prefill is not None and res.prefill.status == 502
+    staged.assert_clean(["decode-0"])
+    pd.assert_clean(["prefill-0"])

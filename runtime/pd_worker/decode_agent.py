@@ -342,21 +342,29 @@ class DecodeAgent(RankAgent):
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
         self._lost_at[peer] = now
         quarantine = self.one_sided and not definitive
+        # Rank endpoints of each lost instance: what the rooms use, and /route's answer.
+        lost: dict[str, set[str]] = {}
+        for view in self.table.list_rooms(now):
+            instance, *endpoints = view.peers
+            if peer_matches(peer, instance, *endpoints):
+                lost.setdefault(instance, set()).update(endpoints)
         for watched in self.heartbeat.peers():
             if peer_matches(peer, watched):
                 client = self.bootstrap.get(watched)
                 cached = client.cached_instance
+                known = lost.setdefault(watched, set())
                 if cached is not None:
-                    endpoints = {rank.endpoint for rank in cached.ranks}
-                    if quarantine:
-                        # Keep the sockets: the ABORTs queued on them reach the
-                        # process if it resumes, and its acks free the pages.
-                        self._quarantined.setdefault(watched, set()).update(endpoints)
-                    else:
-                        # Sockets to a dead process only queue messages nobody reads.
-                        for endpoint in endpoints:
-                            self.endpoint.drop_peer(endpoint)
+                    known.update(rank.endpoint for rank in cached.ranks)
                 client.invalidate()
+        for instance, endpoints in lost.items():
+            if quarantine:
+                # Keep the sockets: the ABORTs queued on them reach the process
+                # if it resumes, and its acks free the pages.
+                self._quarantined.setdefault(instance, set()).update(endpoints)
+            else:
+                # Sockets to a dead process only queue messages nobody reads.
+                for endpoint in endpoints:
+                    self.endpoint.drop_peer(endpoint)
         if definitive:
             for watched in [w for w in self._quarantined if peer_matches(peer, w)]:
                 del self._quarantined[watched]

@@ -345,9 +345,9 @@ class DecodeAgent(RankAgent):
         # Rank endpoints of each lost instance: what the rooms use, and /route's answer.
         lost: dict[str, set[str]] = {}
         for view in self.table.list_rooms(now):
-            instance, *endpoints = view.peers
-            if peer_matches(peer, instance, *endpoints):
-                lost.setdefault(instance, set()).update(endpoints)
+            instance, *used = view.peers
+            if peer_matches(peer, instance, *used):
+                lost.setdefault(instance, set()).update(used)
         for watched in self.heartbeat.peers():
             if peer_matches(peer, watched):
                 client = self.bootstrap.get(watched)

@@ -30,6 +30,7 @@ from tests.pd_integration.reference import colocated_outputs
 MAX_TOKENS = 4
 # spec.transfer.heartbeat of the shared cluster: 0.5 s × 2, so the bound is 2 s.
 HEARTBEAT_BOUND_S = 0.5 * 2 + 1.0
+UNREACHABLE = ("prefill_unreachable", "bootstrap_unreachable")
 
 
 def tied_rooms(cluster: FaultCluster, decode: str, prefill: str) -> list[dict[str, Any]]:
@@ -194,7 +195,8 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     victims = make_prompts(8, seed=41, lo=2500, hi=4000)
     survivors = make_prompts(6, seed=42, lo=1, hi=600)
     expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
-    failed_before = pd.failures("decode-0").get("prefill_unreachable", 0)
+    before = pd.failures("decode-0")
+    failed_before = sum(before.get(r, 0) for r in UNREACHABLE)
     traffic = start_traffic(
         pd,
         client,
@@ -218,12 +220,15 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     lost = [r for r in results[: len(victims)] if not r.decode.ok]
     assert lost, "every victim finished before the kill"
     for res in lost:
-        assert res.decode.status == 502 and "prefill_unreachable" in res.decode.error
+        # Rooms still fetching the instance's addresses find it unreachable there.
+        assert res.decode.status == 502
+        assert any(r in res.decode.error for r in UNREACHABLE), res.decode.error
         assert res.decode.ended_at - killed_at <= HEARTBEAT_BOUND_S + 0.5
         # The prefill leg saw its worker vanish.
         assert res.prefill is not None and not res.prefill.ok
     check_survivors(results[len(victims) :], expected)
-    failed = pd.failures("decode-0").get("prefill_unreachable", 0) - failed_before
+    failures = pd.failures("decode-0")
+    failed = sum(failures.get(r, 0) for r in UNREACHABLE) - failed_before
     assert failed == len(lost)
     assert pd.stats("decode-0").get("peer_dead", 0) >= 1
     pd.assert_clean(["prefill-0", "decode-0", "decode-1"])
@@ -283,7 +288,7 @@ def test_hung_decode_does_not_stall_transfers_to_others(pd: FaultCluster, client
     timeout and its rooms fail; transfers to every other decode go on. When
     decode-1 resumes, none of its rooms decodes from KV that never arrived.
     """
-    victims = make_prompts(6, seed=61, lo=2500, hi=4000)
+    victims = make_prompts(8, seed=61, lo=3000, hi=4000)
     survivors = make_prompts(4, seed=62, lo=1, hi=300)
     expected_victims = colocated_outputs(pd.manifest, victims, MAX_TOKENS)
     expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
@@ -307,10 +312,11 @@ def test_hung_decode_does_not_stall_transfers_to_others(pd: FaultCluster, client
     check_survivors(served, expected)
     for res in served:
         assert res.decode.ended_at - hung_at < release_s + 5, "survivor stalled behind the hang"
-    assert pd.stats("prefill-0").get("endpoint:peer_stalled", 0) >= 1
 
     pd.cont("decode-1")
     results: list[PDResult] = traffic.result(60)
+    assert not all(r.decode.ok for r in results), "every victim finished before the hang"
+    assert pd.stats("prefill-0").get("endpoint:peer_stalled", 0) >= 1
     for i, (res, want) in enumerate(zip(results, expected_victims, strict=True)):
         if res.decode.ok:  # finished before the hang, or untouched by it
             assert res.decode.output_ids == want, f"victim {i} decoded KV that never arrived"

@@ -232,6 +232,10 @@ class DecodeAgent(RankAgent):
         wait_s = self.ctx.room_settings.bootstrap_s
 
         def done(info: Any, err: BaseException | None) -> None:
+            if err is None:
+                # An answer from /route is as good as a probe: a restarted
+                # instance is used as soon as it answers, not one interval later.
+                self.post(lambda: self._revive(msg.peer, now, recovered=False, refetch=False))
             self.post(lambda: self._resolve_room(msg.room, info, err))
 
         self.aio.submit(client.instance(wait_s=wait_s), done)
@@ -324,19 +328,22 @@ class DecodeAgent(RankAgent):
             # Unreachable is not gone: a hung process may wake up and write.
             self._peer_lost(peer, "prefill_unreachable", now, definitive=False)
         elif verdict in (Verdict.OK, Verdict.RECOVERED):
-            revived = [
-                p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)
-            ]
-            if verdict is Verdict.RECOVERED or revived:
-                log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
+            self._revive(peer, started, recovered=verdict is Verdict.RECOVERED, refetch=True)
+
+    def _revive(self, peer: str, started: float, *, recovered: bool, refetch: bool) -> None:
+        """`peer` answered a request sent at `started`: undo verdicts older than that."""
+        revived = [p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)]
+        if recovered or revived:
+            log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
+            if refetch:
                 # It may have restarted on new rank addresses: fetch /route afresh.
                 self.bootstrap.invalidate(peer)
-                self.table.peer_recovered(peer)
-                for p in revived:
-                    self.table.peer_recovered(p)
-                    del self._lost_at[p]
-            if peer in self._quarantined:
-                self._check_restarted(peer)
+            self.table.peer_recovered(peer)
+            for p in revived:
+                self.table.peer_recovered(p)
+                del self._lost_at[p]
+        if peer in self._quarantined:
+            self._check_restarted(peer)
 
     def _peer_lost(self, peer: str, reason: str, now: float, *, definitive: bool) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
@@ -385,15 +392,21 @@ class DecodeAgent(RankAgent):
         old = self._quarantined.get(peer)
         if old is None or info is None:
             return  # settled meanwhile, or not answering /route yet: the next probe retries
-        gone = old - {rank.endpoint for rank in info.ranks}
-        del self._quarantined[peer]
         now = time.monotonic()
+        gone = old - {rank.endpoint for rank in info.ranks}
         for endpoint in sorted(gone):
             # Registered again elsewhere: the process that held our pages is gone.
             log.info("decode rank %s: %s restarted; releasing its pages", self.ctx.coord, endpoint)
             self.endpoint.drop_peer(endpoint)
             self.perform(self.table.fail_peer(endpoint, "prefill_restarted", now))
-        self.table.peer_recovered(peer)
+        # The same endpoints answer: the same process resumed and will ack. Keep
+        # watching while a room still waits on them (the answer may be stale).
+        waiting = {e for view in self.table.list_rooms(now) for e in view.peers[1:]}
+        left = (old - gone) & waiting
+        if left:
+            self._quarantined[peer] = left
+        else:
+            del self._quarantined[peer]
         for room in list(self.rooms):
             self._sweep(room)
 

@@ -34,6 +34,21 @@ from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
 
 log = logging.getLogger("pdcluster.pd")
 
+# Agent counters that count peer input dropped as malformed or unexpected.
+REJECT_PREFIXES = ("reject:", "group_reject:", "dropped:", "endpoint:", "kv:")
+# Endpoint counters about our own sends, not about what peers sent us.
+NOT_REJECTS = frozenset(
+    f"endpoint:{k}"
+    for k in (
+        "send_timeout",
+        "send_failed",
+        "send_dropped",
+        "send_discarded",
+        "peer_stalled",
+        "callback_error",
+    )
+)
+
 
 class RoomConflict(ValueError):
     """A room or rid is already in use on this worker."""
@@ -71,6 +86,7 @@ class _Coordinator:
         self.rooms: dict[int, _Room] = {}
         self.rid_room: dict[str, int] = {}
         self._reports: collections.deque[GroupReport] = collections.deque()
+        self._rejects_seen: dict[str, int] = {}
         self._lock = threading.Lock()
         agent.report_sink = self._queue_report
         agent.group_sink = self._queue_report
@@ -102,7 +118,22 @@ class _Coordinator:
                 self.fail(rep.room, f"internal_error: {type(err).__name__}: {err}")
         self._export_gauges()
 
+    def _export_rejects(self) -> None:
+        """Dropped peer input counted by the rank agent → `pdcluster_protocol_rejects_total`."""
+        counts = dict(self.agent.ctx.stats)
+        receiver = getattr(self.agent, "receiver", None)
+        if receiver is not None:
+            counts.update({f"kv:{k}": v for k, v in receiver.stats.items() if k != "accepted"})
+        for key, count in counts.items():
+            if not key.startswith(REJECT_PREFIXES) or key in NOT_REJECTS:
+                continue
+            new = count - self._rejects_seen.get(key, 0)
+            if new > 0:
+                self.metrics.protocol_rejects.labels(reason=key).inc(new)
+                self._rejects_seen[key] = count
+
     def _export_gauges(self) -> None:
+        self._export_rejects()
         states = collections.Counter(self.room_state(r) for r in self.rooms.values())
         for state in ("waiting", "transferring", "computing", "failed", "decoding"):
             self.metrics.rooms.labels(state=state).set(states.get(state, 0))

@@ -25,7 +25,7 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd_worker.group import GroupFailPeer, encode_group
 from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
-from tests.faults.harness import FaultCluster, PDClient, make_prompts, wait_until
+from tests.faults.harness import FaultCluster, PDClient, make_prompts, parse_counter, wait_until
 from tests.faults.rogue import fetch_instance
 from tests.pd_integration.reference import colocated_outputs
 
@@ -126,6 +126,16 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
         ctx.term()
     for name in pd.workers():
         assert pd.launcher.procs[name].poll() is None, f"{name} died"
+    # Counted for Prometheus too, by bounded reason.
+    wanted = ("reject:bad_magic", "endpoint:bad_frame_count", "group_reject:not_in_group")
+    for name in ("decode-0", "prefill-0"):
+
+        def exported(n: str = name) -> dict[str, float] | None:
+            text = pd.http.get(pd.url(n) + "/metrics").text
+            counts = parse_counter(text, "pdcluster_protocol_rejects", "reason")
+            return counts if all(counts.get(k, 0) >= 1 for k in wanted) else None
+
+        wait_until(exported, 5, 0.1, f"{name} rejects in /metrics")
     pd.assert_clean()
     res = client.generate(
         pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt

@@ -42,6 +42,7 @@ from pdcluster.runtime.pd_worker.group import (
     encode_group,
     is_group_frame,
 )
+from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 
 log = logging.getLogger("pdcluster.pd")
@@ -74,6 +75,7 @@ class AgentContext:
     host: str
     advertise_host: str
     bootstrap_address: str  # prefill: this instance's bootstrap server host:port
+    curve: bool = False  # spec.auth.zmqCurve: encrypt and authenticate ZMQ with token keys
     stats: Counter[str] = field(default_factory=Counter)
 
 
@@ -124,6 +126,7 @@ class RankAgent:
                 # for its writes to drain is stuck: drop it (its rooms fail) rather
                 # than let it hold the sender's buffers and stall every other room.
                 send_timeout=ctx.room_settings.release_s,
+                curve=cluster_keys(ctx.token) if ctx.curve else None,
             ),
             on_control=self._on_control,
         )

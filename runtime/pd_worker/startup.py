@@ -52,6 +52,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         host=settings.host,
         advertise_host=settings.advertise_host,
         bootstrap_address=f"{settings.advertise_host}:{settings.bootstrap_port}",
+        curve=bool(spec.auth.zmq_curve),
     )
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from pdcluster.runtime.transfer.curve import CurveKeys, make_server
 from pdcluster.runtime.transfer.frames import MAX_HEADER_BYTES, MiB
 from pdcluster.runtime.transfer.outbound import Outbound, SentCallback
 
@@ -67,6 +68,8 @@ class EndpointConfig:
     send_timeout: float = 30.0
     recv_hwm: int = 64  # buffered messages per peer before TCP pushes back
     io_threads: int = 1  # libzmq I/O threads
+    # CURVE keys (see `curve.py`): encrypt, and admit only peers holding them.
+    curve: CurveKeys | None = None
 
 
 def check_address(address: str) -> str:
@@ -124,6 +127,8 @@ class Endpoint:
             # before allocating it; the app-level limits below it are counted.
             cap = max(cfg.max_kv_bytes, cfg.max_control_bytes, MAX_HEADER_BYTES) + 64 * 1024
             router.setsockopt(zmq.MAXMSGSIZE, cap)
+            if cfg.curve is not None:
+                make_server(router, cfg.curve)
             try:
                 if cfg.port:
                     router.bind(f"tcp://{cfg.host}:{cfg.port}")
@@ -144,6 +149,7 @@ class Endpoint:
                 self._stats,
                 send_hwm=cfg.send_hwm,
                 send_timeout=cfg.send_timeout,
+                curve=cfg.curve,
             )
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)

@@ -28,6 +28,8 @@ from typing import Any
 
 import zmq
 
+from pdcluster.runtime.transfer.curve import CurveKeys, make_client
+
 log = logging.getLogger(__name__)
 
 SentCallback = Callable[[str | None], None]  # None, or why the payload was not sent
@@ -71,12 +73,14 @@ class Outbound:
         *,
         send_hwm: int,
         send_timeout: float,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._ctx = ctx
         self._poller = poller
         self._stats = stats
         self._send_hwm = send_hwm
         self._send_timeout = send_timeout
+        self._curve = curve
         self._peers: dict[str, _Peer] = {}
         self._trackers: list[_Tracked] = []
 
@@ -194,6 +198,8 @@ class Outbound:
         # Queue nothing inside libzmq for a peer that is not connected: such
         # messages wait in our outbox, where they can time out or be dropped.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self._curve is not None:
+            make_client(sock, self._curve)
         sock.connect(addr)
         peer = _Peer(sock)
         self._peers[addr] = peer

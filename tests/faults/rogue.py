@@ -30,6 +30,7 @@ from pdcluster.runtime.pd.bootstrap_server import BootstrapServer, create_bootst
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.transfer.curve import CurveKeys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import KVFrameHeader, decode_header, encode_header
 
@@ -59,8 +60,9 @@ class _Peer:
     # Arrival order of control messages and KV frames together.
     order: list[Any] = field(default_factory=list)
 
-    def start(self) -> None:
-        self.endpoint = Endpoint(EndpointConfig(), on_control=self._control, on_kv=self._kv)
+    def start(self, curve: CurveKeys | None = None) -> None:
+        config = EndpointConfig(curve=curve)
+        self.endpoint = Endpoint(config, on_control=self._control, on_kv=self._kv)
         self.endpoint.start()
 
     @property
@@ -135,13 +137,14 @@ class RoguePrefill(_Peer):
         shape: InstanceShape | None = None,
         port: int = 0,
         register: bool = True,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__()
         self.token = token
         self.compat = compat
         self.shape = shape or InstanceShape()
         self.rank = RankCoord()
-        self.start()
+        self.start(curve)
         self.server = BootstrapServer(create_bootstrap_app(self.shape, token), port=port).start()
         if register:
             self.register()
@@ -234,13 +237,14 @@ class RogueDecode(_Peer):
         *,
         rank: RankCoord | None = None,
         num_pages: int = 256,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__()
         self.token = token
         self.compat = compat
         self.rank = rank or RankCoord()
         self.num_pages = num_pages
-        self.start()
+        self.start(curve)
 
     def layout(self, **changes: Any) -> pdmsg.KVLayoutRegister:
         fields: dict[str, Any] = {

@@ -8,9 +8,9 @@ Three more clusters of their own:
   wait for the writer's acknowledgement or a definitive verdict (operator,
   restart), never for a timer or a heartbeat, while survivors keep their
   colocated outputs;
-- `staged`: `allocationPolicy: prefill_complete` — late BOOTSTRAP meets a
-  tombstone; a decode on this policy against an `early` prefill fails by
-  name.
+- `staged`: `allocationPolicy: prefill_complete` with `auth.zmqCurve` —
+  late BOOTSTRAP meets a tombstone; a decode on this policy against an
+  `early` prefill fails by name; a ZMQ peer without the token is deaf.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.transfer.checksum import compute_checksum
+from pdcluster.runtime.transfer.curve import cluster_keys
 from tests.faults.harness import (
     FaultCluster,
     PDClient,
@@ -67,6 +68,7 @@ def one_sided(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster
 def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
     tmp: Path = tmp_path_factory.mktemp("staged")
     spec = base_spec(allocationPolicy="prefill_complete")
+    spec["auth"] = {"zmqCurve": True}
     with FaultCluster(tmp, "faults-staged", spec) as cluster:
         yield cluster
 
@@ -364,7 +366,7 @@ def test_prefill_complete_equals_colocated(staged: FaultCluster, client: PDClien
 def test_late_bootstrap_meets_a_tombstone(staged: FaultCluster) -> None:
     info = fetch_instance(staged.bootstrap("prefill-0"), staged.token)
     prefill = info.ranks[0].endpoint
-    rogue = RogueDecode(staged.token, info.compat)
+    rogue = RogueDecode(staged.token, info.compat, curve=cluster_keys(staged.token))
     rid, room = mint_rid(), mint_room()
     try:
         assert rogue.register(prefill).accepted
@@ -397,3 +399,25 @@ def test_allocation_policy_mismatch_names_both(
     assert res.prefill is not None and res.prefill.status == 502
     staged.assert_clean(["decode-0"])
     pd.assert_clean(["prefill-0"])
+
+
+def test_zmq_curve_admits_only_token_holders(staged: FaultCluster) -> None:
+    """`auth.zmqCurve`: the cluster above runs encrypted; a peer without the token is deaf."""
+    info = fetch_instance(staged.bootstrap("prefill-0"), staged.token)
+    prefill = info.ranks[0].endpoint
+    before = staged.stats("prefill-0")
+    outsider = RogueDecode(staged.token, info.compat)  # right token inside, but no CURVE keys
+    try:
+        outsider.send(prefill, outsider.layout())
+        outsider.meta(prefill, mint_room(), mint_rid(), [0, 1])
+        time.sleep(1.0)
+        assert outsider.seen == []  # no LayoutAck, no Status: nothing got through
+    finally:
+        outsider.close()
+    assert staged.stats("prefill-0") == before
+    insider = RogueDecode(staged.token, info.compat, curve=cluster_keys(staged.token))
+    try:
+        assert insider.register(prefill).accepted
+    finally:
+        insider.close()
+    staged.assert_clean()

@@ -84,6 +84,16 @@ class HeartbeatTracker:
         p = self._peers.get(peer)
         return 0 if p is None else p.failures
 
+    def mark_alive(self, peer: str) -> None:
+        """Other proof that `peer` answers (a fresh /route reply): forget its failures.
+
+        Without it a peer that came back between two probes and died again
+        before the next one would never be reported DEAD a second time.
+        """
+        p = self._peers.get(peer)
+        if p is not None:
+            p.failures, p.dead = 0, False
+
     def due(self, now: float) -> list[str]:
         """Peers to probe now; each is marked in flight until `on_result`."""
         out = []

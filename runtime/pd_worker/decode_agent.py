@@ -335,6 +335,7 @@ class DecodeAgent(RankAgent):
         revived = [p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)]
         if recovered or revived:
             log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
+            self.heartbeat.mark_alive(peer)
             if refetch:
                 # It may have restarted on new rank addresses: fetch /route afresh.
                 self.bootstrap.invalidate(peer)

@@ -192,8 +192,22 @@ class PrefillAgent(RankAgent):
         self._forget_if_done(room)
 
     def _job_failed(self, room: int, reason: str) -> None:
+        if room not in self.table:
+            return
+        now = time.monotonic()
+        if reason == "peer_stalled":
+            # The decode rank took nothing for the send timeout (hung): every room
+            # writing to it would stall the same way, one after another, and keep
+            # the transfers to other ranks waiting behind them. Fail them all now.
+            for dest in self.table.destinations(room):
+                log.warning(
+                    "prefill rank %s: decode %s stalled; failing its rooms",
+                    self.ctx.coord,
+                    dest.endpoint,
+                )
+                self.perform(self.table.fail_peer(dest.endpoint, "decode_stalled", now))
         if room in self.table:
-            self.perform(self.table.fail(room, f"transfer_failed: {reason}", time.monotonic()))
+            self.perform(self.table.fail(room, f"transfer_failed: {reason}", now))
 
     # ------------------------------------------------------------ KV out
     def on_chunk(self, rid: str, page_table: Any, start: int, end: int) -> None:

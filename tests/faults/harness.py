@@ -95,6 +95,8 @@ class FaultCluster:
     def start(self, timeout: float = 240.0) -> FaultCluster:
         self.launcher.start()
         self.launcher.wait_ready(timeout)
+        for name in self.workers("prefill"):
+            self.wait_healthy(name, timeout)
         return self
 
     def close(self) -> None:
@@ -188,6 +190,24 @@ class FaultCluster:
                 return False
 
         wait_until(healthy, timeout, 0.2, f"{name} healthy")
+        if self.spec(name).bootstrap_port is not None:
+            # Serving HTTP is not enough for a prefill: its ranks must have
+            # registered with its bootstrap server before decode can use it.
+            host, port = self.bootstrap(name)
+
+            def registered() -> bool:
+                try:
+                    resp = self.http.get(
+                        f"http://{host}:{port}/route",
+                        params={"dp": -1, "cp": -1, "tp": -1, "pp": -1},
+                        headers={"Authorization": f"Bearer {self.token}"},
+                        timeout=2,
+                    )
+                except httpx.HTTPError:
+                    return False
+                return resp.status_code == 200
+
+            wait_until(registered, timeout, 0.1, f"{name} registered")
 
     def log(self, name: str, lines: int = 200) -> str:
         return self.launcher.log_tail(name, lines)

@@ -21,7 +21,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdcluster.runtime.pd import actions as A
-from pdcluster.runtime.pd.bootstrap_client import BootstrapError, BootstrapPool
+from pdcluster.runtime.pd.bootstrap_client import (
+    BootstrapAuthError,
+    BootstrapError,
+    BootstrapNotReady,
+    BootstrapPool,
+)
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo
 from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
@@ -248,10 +253,7 @@ class DecodeAgent(RankAgent):
             self._sweep(room)
             return
         if err is not None or info is None:
-            reason = (
-                "bootstrap_unreachable" if isinstance(err, BootstrapError) else "bootstrap_error"
-            )
-            self._fail(room, f"{reason}: {err}")
+            self._fail(room, f"{_bootstrap_reason(err)}: {err}")
             return
         try:
             check_compat(info.compat, self.ctx.compat, ours_name="prefill", theirs_name="decode")
@@ -413,6 +415,18 @@ class DecodeAgent(RankAgent):
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]
+
+
+def _bootstrap_reason(err: BaseException | None) -> str:
+    # Distinct labels: an instance still registering its ranks, a token
+    # problem and a server nobody answers call for different fixes.
+    if isinstance(err, BootstrapNotReady):
+        return "prefill_not_ready"
+    if isinstance(err, BootstrapAuthError):
+        return "bootstrap_unauthorized"
+    if isinstance(err, BootstrapError):
+        return "bootstrap_unreachable"
+    return "bootstrap_error"
 
 
 def _transfer_reason(reason: str) -> str:

@@ -15,6 +15,7 @@ Admin API (token-protected; the operator's fast path):
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -234,7 +235,7 @@ def _admin_routes(
         got = request.headers.get("authorization", "")
         if not got:
             return JSONResponse({"error": {"message": "missing token", "code": 401}}, 401)
-        if got != f"Bearer {token}":
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
             return JSONResponse({"error": {"message": "wrong token", "code": 403}}, 403)
         return None
 

@@ -63,21 +63,10 @@ def completion_body(
     prompt_tokens: int,
     completion_tokens: int,
 ) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(finish_reason),
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+    """A whole (non-streamed) completion: the final chunk's shape plus `usage`."""
+    body = completion_chunk(rid, model, text, finish_reason)
+    body["usage"] = usage(prompt_tokens, completion_tokens)
+    return body
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:

@@ -14,8 +14,12 @@ Invariants (tested):
 - a NotReady episode is reported at most once, and only after the grace;
   becoming Ready again ends the episode, so a later one is reported again;
 - a pod never seen Ready is never reported NotReady (it may still be starting);
-- a deletion the operator asked for itself is flagged `planned`, so the
-  caller fails the peers' rooms without raising an alarm.
+- a deletion the operator asked for itself (scale down, rollout, teardown)
+  is flagged `planned`, so the caller fails the peers' rooms without raising
+  an alarm; and it is reported only once the pod has ended or is gone, not
+  when the deletion starts: a worker asked to stop drains its in-flight
+  requests first (their rooms must not be failed under it), and whatever is
+  still open when it is gone is failed then.
 
 `LossTracker` only updates its own table; the caller brings the clock and
 acts on the verdicts. Pure module.
@@ -103,7 +107,11 @@ class LossTracker:
             state.not_ready_since = None
             state.reported_not_ready = False
             return Verdict()
-        if gone or pod.deleting or pod.has_ended:
+        if gone or pod.has_ended:
+            return self._terminal(pod, state)
+        if pod.deleting:
+            if pod.uid in self._planned:
+                return Verdict()  # draining: reported when it has ended or is gone
             return self._terminal(pod, state)
         if not state.seen_ready or pod.phase != "Running":
             return Verdict()

@@ -121,12 +121,26 @@ def test_a_deleted_pod_is_lost_when_the_deletion_starts() -> None:
     assert tracker.observe(facts(terminated(deleting(pod))), 2.0).loss is None
 
 
-def test_a_deletion_the_operator_asked_for_is_planned() -> None:
+def test_a_deletion_the_operator_asked_for_is_planned_and_reported_once_drained() -> None:
     tracker = LossTracker(GRACE)
     pod = worker_pod(Role.prefill)
+    tracker.observe(facts(pod), 0.0)
     tracker.expect_deletion("uid-prefill-0")
-    loss = tracker.observe(facts(deleting(pod)), 1.0).loss
-    assert loss is not None and loss.planned
+    # Still draining its in-flight requests: its peers' rooms must stay open.
+    assert tracker.observe(facts(deleting(pod)), 1.0).loss is None
+    assert tracker.observe(facts(not_ready(deleting(pod))), 2.0).loss is None
+    loss = tracker.observe(facts(terminated(deleting(pod))), 3.0).loss
+    assert loss is not None and loss.planned and loss.cause == LossCause.failed
+    assert tracker.observe(facts(deleting(pod)), 4.0, gone=True).loss is None
+
+
+def test_a_planned_deletion_is_reported_when_the_pod_is_gone() -> None:
+    tracker = LossTracker(GRACE)
+    pod = worker_pod(Role.decode)
+    tracker.expect_deletion("uid-decode-0")
+    assert tracker.observe(facts(deleting(pod)), 1.0).loss is None
+    loss = tracker.observe(facts(deleting(pod)), 2.0, gone=True).loss
+    assert loss is not None and loss.planned and loss.cause == LossCause.deleted
 
 
 def test_not_ready_counts_only_after_the_grace_and_once_per_episode() -> None:
@@ -194,6 +208,8 @@ def test_any_event_order_reports_the_terminal_loss_at_most_once(steps) -> None:
         else:
             terminal += 1
             assert kind in ("failed", "deleting", "gone")
+            # A planned deletion is reported only once the pod has ended or is gone.
+            assert not (loss.planned and kind == "deleting")
     assert terminal <= 1
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings
-from pdcluster.runtime.spec import SelectionPolicy, SpecError, load_manifest_text
+from pdcluster.runtime.spec import FailurePolicy, SelectionPolicy, SpecError, load_manifest_text
 
 API_KEYS_ENV = "PDCLUSTER_ROUTER_API_KEYS"
 _POLICIES = [p.value for p in SelectionPolicy]
@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, dest="health_check_interval_s")
     p.add_argument("--health-threshold", type=int, dest="health_failure_threshold")
     p.add_argument("--max-body-bytes", type=int)
+    p.add_argument(
+        "--failure-policy",
+        choices=[f.value for f in FailurePolicy],
+        help="the cluster's transfer.failurePolicy; recompute: a failed prefill leg "
+        "leaves the request to decode",
+    )
     k8s = p.add_argument_group("kubernetes discovery (instead of URL lists)")
     k8s.add_argument("--k8s-namespace")
     k8s.add_argument("--k8s-selector", default="")
@@ -121,6 +127,7 @@ def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) 
         "health_check_interval_s",
         "health_failure_threshold",
         "max_body_bytes",
+        "failure_policy",
     ):
         value = getattr(args, name)
         if value is not None:

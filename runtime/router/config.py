@@ -2,7 +2,10 @@
 
 Times are in seconds, sizes in bytes. A config names its workers either as
 static URL lists or as Kubernetes discovery settings; with Kubernetes,
-`disaggregated` says which kind of cluster the pods form.
+`disaggregated` says which kind of cluster the pods form. `failure_policy`
+mirrors the manifest's `spec.transfer.failurePolicy`: under `recompute` a
+failed prefill leg is left to the decode leg, which computes the prompt
+itself (see relay.py).
 
 Pure module.
 """
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import PDClusterSpec, SelectionPolicy
+from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, SelectionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -52,6 +55,8 @@ class RouterConfig:
     health_failure_threshold: int = 2
     abort_timeout_s: float = 2.0
     max_connections: int = 1024
+    # The cluster's `spec.transfer.failurePolicy` (fail | recompute).
+    failure_policy: str = FailurePolicy.fail.value
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -73,6 +78,9 @@ class RouterConfig:
             if value not in {p.value for p in SelectionPolicy}:
                 valid = ", ".join(p.value for p in SelectionPolicy)
                 raise ValueError(f"{name}={value!r} is not one of: {valid}")
+        if self.failure_policy not in {p.value for p in FailurePolicy}:
+            valid = ", ".join(p.value for p in FailurePolicy)
+            raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
         if self.max_body_bytes < 1024:
@@ -97,6 +105,11 @@ class RouterConfig:
         if self.disaggregated is not None:
             return self.disaggregated
         return bool(self.prefill_urls or self.decode_urls)
+
+    @property
+    def is_prefill_failure_final(self) -> bool:
+        """Whether a failed prefill leg ends the request (False: decode recomputes)."""
+        return self.failure_policy != FailurePolicy.recompute.value
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -129,4 +142,5 @@ class RouterConfig:
             api_keys=tuple(api_keys),
             request_timeout_s=spec.router.request_timeout_seconds,
             health_check_interval_s=spec.router.health_check_interval_seconds,
+            failure_policy=spec.transfer.failure_policy.value,
         )

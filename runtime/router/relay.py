@@ -1,16 +1,21 @@
 """One client request relayed to its worker legs, with cancel propagation.
 
 In disaggregated mode the prefill leg and the decode ("main") leg are sent
-at once; the client sees the main leg. Rules (DESIGN §7):
+at once; the client sees the main leg. Rules (DESIGN §7, §8):
 - prefill leg fails (error status, error payload, connection error) →
-  abort the main leg (exact rid) and answer the prefill error;
+  abort the main leg (exact rid) and answer the prefill error — unless the
+  cluster's failure policy is `recompute`: there decode computes the prompt
+  itself when its KV never comes, so the failure is logged and counted, the
+  prefill worker gets its abort if it may still run, and the main leg alone
+  decides the outcome (under the same deadline, so nothing waits longer);
 - main leg fails → abort the prefill leg if it is still running;
 - client disconnect or deadline → abort every unfinished leg.
 
 Races handled here:
 - every wait on the main leg also watches the prefill task (`_race`), so a
   prefill failure interrupts a main leg that would otherwise wait forever
-  for KV that never comes;
+  for KV that never comes (policy `fail`; under `recompute` it never waits
+  forever: decode's own KV timeouts and heartbeats end the wait);
 - aborts are spawned tasks on a separate HTTP client, sent before the legs'
   own connections are torn down, so a saturated leg pool or a slow close
   cannot delay them;
@@ -236,11 +241,12 @@ class Relay:
         if isinstance(err, LegError):
             self.ctx.metrics.leg_failures.labels("prefill", err.reason).inc()
             log.warning(
-                "request %s room %s: prefill leg on %s failed: %s",
+                "request %s room %s: prefill leg on %s failed: %s%s",
                 self.plan.rid,
                 self.plan.room,
                 err.worker.url,
                 err.message,
+                "" if self.ctx.config.is_prefill_failure_final else "; decode recomputes",
             )
             if err.may_run:
                 self.ctx.send_abort(err.worker, self.plan.rid, err.reason)
@@ -253,10 +259,11 @@ class Relay:
         return err if isinstance(err, LegError) else None
 
     async def _race(self, aw: Awaitable[T]) -> T:
-        """Await ``aw`` under the deadline; a prefill failure interrupts it."""
+        """Await ``aw`` under the deadline; a prefill failure interrupts it (policy `fail`)."""
         async with asyncio.timeout_at(self.deadline):
             task = self._prefill_task
-            if task is None or self._prefill_ok or self._abandoned:
+            watch = self.ctx.config.is_prefill_failure_final
+            if task is None or not watch or self._prefill_ok or self._abandoned:
                 return await aw
             failure = self._prefill_failure()
             if failure is not None:

@@ -54,6 +54,8 @@ class Behaviour:
     omit_done: bool = False
     # Report this as disaggregation_mode instead of the real role.
     mode_override: str | None = None
+    # Decode serves without its prefill leg (a decode that recomputes the prompt).
+    solo: bool = False
 
 
 @dataclass
@@ -72,9 +74,12 @@ class Rendezvous:
     def _event(self, room: int, role: str) -> asyncio.Event:
         return self._arrived.setdefault((room, role), asyncio.Event())
 
+    def arrive(self, room: int, role: str) -> None:
+        self._event(room, role).set()
+
     async def meet(self, room: int, role: str, peer: str, aborted: asyncio.Event) -> bool:
         """Wait for the peer leg; False when it never came or the rid was aborted."""
-        self._event(room, role).set()
+        self.arrive(room, role)
         arrived = asyncio.ensure_future(self._event(room, peer).wait())
         stop = asyncio.ensure_future(aborted.wait())
         try:
@@ -121,6 +126,9 @@ class StandinWorker:
         room = body.get("bootstrap_room")
         if not isinstance(room, int):
             return "missing bootstrap_room"
+        if self.behaviour.solo:
+            self.rendezvous.arrive(room, self.role)
+            return None
         peer = "decode" if self.role == "prefill" else "prefill"
         aborted = self._running[body["rid"]]
         if not await self.rendezvous.meet(room, self.role, peer, aborted):

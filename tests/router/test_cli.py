@@ -48,6 +48,18 @@ def test_manifest_settings_apply_and_flags_win(tmp_path: Path) -> None:
     assert inv.config.request_timeout_s == 42
 
 
+def test_failure_policy_comes_from_the_manifest_or_the_flag(tmp_path: Path) -> None:
+    manifest = tmp_path / "pd.yaml"
+    manifest.write_text(
+        MANIFEST.replace("  prefill: {}", "  transfer: {failurePolicy: recompute}\n  prefill: {}")
+    )
+    inv = parse_invocation([*P, "--manifest", str(manifest)], env={})
+    assert inv.config.failure_policy == "recompute"
+    inv = parse_invocation([*P, "--manifest", str(manifest), "--failure-policy", "fail"], env={})
+    assert inv.config.failure_policy == "fail"
+    assert parse_invocation(P, env={}).config.failure_policy == "fail"
+
+
 def test_api_keys_come_from_env_and_file_not_flags(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("file-key-1\n\nfile-key-2\n")

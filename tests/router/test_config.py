@@ -28,6 +28,7 @@ def test_static_lists_decide_the_mode() -> None:
         ({**PD, "health_check_interval_s": -1}, "health_check_interval_s"),
         ({**PD, "health_failure_threshold": 0}, "health_failure_threshold"),
         ({**PD, "max_connections": 0}, "max_connections"),
+        ({**PD, "failure_policy": "retry"}, "failure_policy"),
         ({**PD, "disaggregated": False}, "contradicts"),
         ({**PD, "kubernetes": KubernetesDiscoverySettings(), "disaggregated": True}, "not both"),
         ({"kubernetes": KubernetesDiscoverySettings()}, "disaggregated"),
@@ -72,3 +73,12 @@ def test_from_spec_with_kubernetes_takes_the_mode_from_the_spec() -> None:
     spec = parse_spec({"colocated": {}})
     config = RouterConfig.from_spec(spec, kubernetes=KubernetesDiscoverySettings())
     assert config.disaggregated is False
+
+
+@pytest.mark.parametrize(("policy", "final"), [("fail", True), ("recompute", False)])
+def test_from_spec_takes_the_transfer_failure_policy(policy: str, final: bool) -> None:
+    spec = parse_spec({"prefill": {}, "decode": {}, "transfer": {"failurePolicy": policy}})
+    config = RouterConfig.from_spec(spec, **PD)
+    assert config.failure_policy == policy
+    assert config.is_prefill_failure_final is final
+    assert RouterConfig(**PD).is_prefill_failure_final  # the default is `fail`

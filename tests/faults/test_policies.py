@@ -1,8 +1,7 @@
-"""Failure policy, KV checksum, one-sided transport and `prefill_complete` under faults.
+"""One-sided transport and `prefill_complete` under faults.
 
-Three more clusters of their own:
-- `recompute`: tcp, `failurePolicy: recompute`, `checksum: true` — a lost
-  prefill or a corrupted KV frame still ends in the colocated output;
+(`failurePolicy: recompute` and the KV checksum live in test_recompute.py.)
+Two more clusters of their own:
 - `one_sided`: `shm` (prefill writes straight into decode's memory), two
   prefill instances and a short release timeout — a failed room's pages
   wait for the writer's acknowledgement or a definitive verdict (operator,
@@ -24,7 +23,6 @@ import pytest
 
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.transfer.checksum import compute_checksum
 from pdcluster.runtime.transfer.curve import cluster_keys
 from tests.faults.harness import (
     FaultCluster,
@@ -44,14 +42,6 @@ from tests.pd_integration.reference import colocated_outputs
 
 PAGE = 16
 MAX_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
-    tmp: Path = tmp_path_factory.mktemp("recompute")
-    spec = base_spec(failurePolicy="recompute", checksum=True)
-    with FaultCluster(tmp, "faults-recompute", spec) as cluster:
-        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -94,97 +84,6 @@ def run_all(
             for p in prompts
         ]
     )
-
-
-# ------------------------------------------------------------------ recompute + checksum
-
-
-def test_checksummed_transfers_equal_colocated(recompute: FaultCluster, client: PDClient) -> None:
-    prompts = make_prompts(6, seed=121, lo=1, hi=1500)
-    expected = colocated_outputs(recompute.manifest, prompts, MAX_TOKENS)
-    results = run_all(recompute, client, prompts)
-    assert [r.decode.output_ids for r in results] == expected
-    stats = recompute.info("decode-0")["kv_receive_stats"]
-    assert stats.get("accepted", 0) >= len(prompts)
-    assert not any("checksum" in k for k in stats)
-    recompute.assert_clean()
-
-
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_corrupted_kv_frame_is_caught_before_decoding(
-    recompute: FaultCluster, pd: FaultCluster, client: PDClient, policy: str
-) -> None:
-    cluster = recompute if policy == "recompute" else pd
-    compat = fetch_instance(cluster.bootstrap("prefill-0"), cluster.token).compat
-    rogue = RoguePrefill(cluster.token, compat)
-    prompt = make_prompts(1, seed=122, lo=40, hi=40)[0]
-    expected = colocated_outputs(cluster.manifest, [prompt], MAX_TOKENS)[0]
-    before = cluster.failures("decode-0")
-    try:
-        leg = Background(
-            client.generate, None, cluster.url("decode-0"), rogue.bootstrap, prompt, MAX_TOKENS
-        )
-        _, meta = rogue.expect(pdmsg.TransferMeta)
-        payload_len = 4 * 2 * len(prompt) * 4 * 32 * 4
-        wrong = compute_checksum(bytes(payload_len)) ^ 1
-        rogue.send_kv(meta, len(prompt), checksum=wrong, is_last=True)
-        res: PDResult = leg.result(20)
-        after = cluster.failures("decode-0")
-        assert after.get("checksum_mismatch", 0) == before.get("checksum_mismatch", 0) + 1
-        if policy == "recompute":
-            # Decode computed the prompt itself: the client never noticed.
-            assert res.decode.ok, res.decode.error
-            assert res.decode.output_ids == expected
-            assert after.get("recomputed", 0) == before.get("recomputed", 0) + 1
-        else:
-            assert res.decode.status == 502 and "checksum_mismatch" in res.decode.error
-        _, abort = rogue.expect(pdmsg.Abort, meta.room)
-        rogue.ack(meta.decode_endpoint, meta.room, abort.generation)
-        cluster.assert_clean(["decode-0"])
-    finally:
-        rogue.close()
-
-
-def test_abort_is_not_recomputed(recompute: FaultCluster, client: PDClient) -> None:
-    compat = fetch_instance(recompute.bootstrap("prefill-0"), recompute.token).compat
-    rogue = RoguePrefill(recompute.token, compat)
-    before = recompute.failures("decode-0").get("recomputed", 0)
-    try:
-        leg = Background(client.generate, None, recompute.url("decode-0"), rogue.bootstrap, [9] * 9)
-        _, meta = rogue.expect(pdmsg.TransferMeta)
-        assert abort(recompute, "decode-0", meta.rid)["found"] is True
-        res: PDResult = leg.result(10)
-        assert not res.decode.ok or res.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
-        assert recompute.failures("decode-0").get("recomputed", 0) == before
-        rogue.expect(pdmsg.Abort, meta.room)
-        rogue.ack(meta.decode_endpoint, meta.room, meta.generation)
-        recompute.assert_clean(["decode-0"])
-    finally:
-        rogue.close()
-
-
-@pytest.mark.slow
-def test_lost_prefill_is_recomputed_by_decode(recompute: FaultCluster, client: PDClient) -> None:
-    prompts = make_prompts(6, seed=123, lo=2500, hi=4000)
-    expected = colocated_outputs(recompute.manifest, prompts, MAX_TOKENS)
-    # Under `recompute` a lost prefill leg is no reason to abort the decode leg:
-    # decode finishes the request itself.
-    traffic = Background(run_all, recompute, client, prompts, propagate=False)
-
-    def transferring() -> bool:
-        rooms = recompute.rooms("decode-0")
-        return len(rooms) >= 2 and any(r["state"] == "Transferring" for r in rooms)
-
-    wait_until(transferring, 30, 0.01, "a transfer in flight")
-    recompute.kill("prefill-0")
-    results: list[PDResult] = traffic.result(60)
-    for i, (res, want) in enumerate(zip(results, expected, strict=True)):
-        assert res.decode.ok, f"request {i}: {res.decode.error}"
-        assert res.decode.output_ids == want, f"request {i}: recomputed output != colocated"
-    failures = recompute.failures("decode-0")
-    assert failures.get("prefill_unreachable", 0) >= 1
-    assert failures.get("recomputed", 0) >= failures.get("prefill_unreachable", 0)
-    recompute.assert_clean(["decode-0"])
 
 
 # ------------------------------------------------------------------ shm (one-sided writes)

@@ -1,24 +1,45 @@
-"""A user's whole journey on the local control plane, through the tools a user has:
-helm, kubectl and the official openai client.
+"""A user's whole path on the local control plane, through the tools a user has:
+helm, kubectl and the official openai client. The journeys run in file order
+against one operator installed by `helm install` (as a pod) and share state:
 
-helm install the chart → the operator pod is Ready → kubectl apply the
-example manifest → `kubectl get pdc` shows it Ready → the openai client
-talks to the router's pod IP (completions and chat, streaming and not) →
-an invalid manifest is refused with the CEL rule's message → kubectl
-delete, helm uninstall → nothing of the release is left.
+1. helm install → operator Ready → kubectl apply the 1P1D example → `kubectl
+   get pdc` Ready → the openai client gets completions and chat (streaming
+   and not) through the router pod's address, equal to colocated output.
+2. A prefill pod's process is killed during a burst of long requests → its
+   in-flight requests end fast with a clear error, the others complete →
+   Events show the loss and the failed rooms → it comes back → serves.
+3. A prefill pod is frozen (SIGSTOP): Kubernetes still says Running; decode's
+   heartbeats fail its rooms within interval × threshold + slack; Events say
+   so; new requests go to the other prefill.
+4. `kubectl scale` decode to 3 and a patch of prefill replicas → the router
+   sends work to every new instance; scaling down during a burst drains the
+   removed instances: no request fails.
+5. A runtime setting changes → pods are replaced one by one while clients
+   keep sending; no request fails that was not in flight on a replaced pod.
+6. Invalid manifests are refused with the CEL rule's message; bad requests
+   to the router get clear OpenAI-shaped errors and leave it serving.
+7. `helm upgrade` brings a changed CRD; `kubectl delete` + `helm uninstall`
+   leave nothing of the release behind (only the CRD, by design).
 """
 
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
+from e2e.cluster import ClusterInfo
 from e2e.conftest import KubectlRunner
+from e2e.journey_load import Burst, Outcome, PodTimeline, SteadyLoad, complete
 from e2e.kubetest import is_ready
+from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import KubeApi
 from e2e.processes import wait_until
 
@@ -27,39 +48,236 @@ pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "pdcluster-operator"
 EXAMPLE = ROOT / "examples" / "pd-1p1d.yaml"
-CLUSTER = "pd-1p1d"  # metadata.name in the example
+TOUR = "pd-1p1d"  # metadata.name in the example
+NAME = "journey"  # the cluster journeys 2-5 use
+CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdclusters.pdcluster.io"
+HEARTBEAT_S, HEARTBEAT_MISSES = 1.0, 2
+MAX_PROMPT_TOKENS = 2048
+# Helm values: Events and failure counts fast enough to assert on within seconds.
+OPERATOR_VALUES = [
+    "--set", "failover.failurePollSeconds=2",
+    "--set", "operator.eventIntervalSeconds=2",
+    "--set", "operator.resyncSeconds=20",
+]  # fmt: skip
 
 
+@dataclass
+class Release:
+    name: str
+    system: str  # the operator's namespace
+    apps: str  # where the user's PDClusters live
+    uninstalled: bool = False
+
+
+@pytest.fixture(scope="module")
+def release(kube: KubeApi, kubectl: KubectlRunner) -> Iterator[Release]:
+    name = f"pdc-{secrets.token_hex(3)}"
+    rel = Release(name, f"{name}-system", f"{name}-apps")
+    kubectl("kubectl", "create", "namespace", rel.apps)
+    try:
+        kubectl(
+            "helm", "install", name, str(CHART), "-n", rel.system, "--create-namespace",
+            "--wait", "--timeout", "180s", *OPERATOR_VALUES,
+        )  # fmt: skip
+        yield rel
+    finally:
+        if not rel.uninstalled:
+            kubectl("kubectl", "delete", "pdc", "--all", "-n", rel.apps, check=False)
+            kubectl("helm", "uninstall", name, "-n", rel.system, "--wait", check=False)
+        kubectl("kubectl", "delete", "namespace", rel.apps, "--wait=false", check=False)
+        kubectl("kubectl", "delete", "namespace", rel.system, "--wait=false", check=False)
+
+
+# ---------------------------------------------------------------- helpers
 def labelled(kube: KubeApi, path: str, selector: str) -> list[str]:
     listed = kube.get(path, params={"labelSelector": selector}) or {}
     return [o["metadata"]["name"] for o in listed.get("items", [])]
 
 
-def router_ip(kube: KubeApi, ns: str) -> str:
-    selector = f"pdcluster.io/cluster={CLUSTER},pdcluster.io/role=router"
+def pods(kube: KubeApi, ns: str, cluster: str, role: str) -> list[dict[str, Any]]:
+    selector = f"pdcluster.io/cluster={cluster},pdcluster.io/role={role}"
     listed = kube.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector}) or {}
-    ready = [p for p in listed.get("items", []) if is_ready(p)]
-    assert len(ready) == 1
-    ip: str = ready[0]["status"]["podIP"]
-    return ip
+    return [p for p in listed.get("items", []) if not p["metadata"].get("deletionTimestamp")]
 
 
-def openai_round_trip(base_url: str) -> None:
+def router_url(kube: KubeApi, ns: str, cluster: str) -> str:
+    ready = [p for p in pods(kube, ns, cluster, "router") if is_ready(p)]
+    assert ready, f"no Ready router pod for {cluster}"
+    return f"http://{ready[0]['status']['podIP']}:8000"
+
+
+def get_pdc(kubectl: KubectlRunner, ns: str, name: str) -> dict[str, Any]:
+    out = kubectl("kubectl", "get", "pdc", name, "-n", ns, "-o", "yaml").stdout
+    doc: dict[str, Any] = yaml.safe_load(out)
+    return doc
+
+
+def wait_pdc(
+    kubectl: KubectlRunner, ns: str, name: str, prefill: str, decode: str, timeout_s: float = 180
+) -> dict[str, Any]:
+    """Wait until `kubectl get pdc` says Ready with these ready/desired counts, all updated."""
+    seen: dict[str, Any] = {}
+
+    def ready() -> bool:
+        doc = get_pdc(kubectl, ns, name)
+        status = doc.get("status") or {}
+        seen.clear()
+        seen.update(status)
+        return (
+            status.get("phase") == "Ready"
+            and (status.get("prefill") or {}).get("summary") == prefill
+            and (status.get("decode") or {}).get("summary") == decode
+            and all(
+                (status.get(role) or {}).get("updated") == (status.get(role) or {}).get("desired")
+                for role in ("prefill", "decode")
+            )
+        )
+
+    try:
+        wait_until(
+            ready, timeout_s, f"{name} Ready with prefill {prefill}, decode {decode}", interval_s=1
+        )
+    except TimeoutError as err:
+        raise AssertionError(f"{err}; last status: {seen}") from err
+    return get_pdc(kubectl, ns, name)
+
+
+def kubectl_events(kubectl: KubectlRunner, ns: str) -> list[dict[str, Any]]:
+    out = kubectl(
+        "kubectl", "get", "events", "-n", ns,
+        "--field-selector", "involvedObject.kind=PDCluster", "-o", "yaml",
+    ).stdout  # fmt: skip
+    items: list[dict[str, Any]] = yaml.safe_load(out)["items"]
+    return items
+
+
+def wait_event(
+    kubectl: KubectlRunner, ns: str, reason: str, words: str, timeout_s: float
+) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    def seen() -> bool:
+        for e in kubectl_events(kubectl, ns):
+            if e["reason"] == reason and words in e.get("message", ""):
+                found.update(e)
+                return True
+        return False
+
+    try:
+        wait_until(seen, timeout_s, f"a {reason} Event mentioning {words!r}", interval_s=0.5)
+    except TimeoutError as err:
+        have = [(e["reason"], e.get("message")) for e in kubectl_events(kubectl, ns)]
+        raise AssertionError(f"{err}; events: {have}") from err
+    return found
+
+
+def journey_manifest(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": "tiny"},
+        "kvCache": {"numPages": 2048, "dtype": "float32"},
+        "transfer": {
+            "heartbeat": {
+                "intervalSeconds": HEARTBEAT_S,
+                "failureThreshold": HEARTBEAT_MISSES,
+            },
+        },
+        "prefill": {
+            "replicas": 2,
+            "restart": {"backoffSeconds": 1},
+            "engine": {"maxPromptTokens": MAX_PROMPT_TOKENS},
+        },
+        "decode": {"replicas": 1, "engine": {"maxPromptTokens": MAX_PROMPT_TOKENS}},
+        "router": {"policy": {"prefill": "round_robin", "decode": "least_outstanding"}},
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return {
+        "apiVersion": "pdcluster.io/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": NAME},
+        "spec": spec,
+    }
+
+
+def apply(kubectl: KubectlRunner, tmp: Path, ns: str, doc: dict[str, Any], check: bool = True):
+    path = tmp / f"{doc['metadata']['name']}-{secrets.token_hex(2)}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return kubectl("kubectl", "apply", "-n", ns, "-f", str(path), check=check)
+
+
+def colocated_text(prompts: list[str], max_tokens: int) -> list[str]:
+    """What a colocated engine with the example's settings answers, computed in-process."""
+    from pdcluster.runtime.engine.tokenizer import ByteTokenizer
+    from pdcluster.runtime.spec import PDCluster
+    from tests.pd_integration.reference import colocated_outputs
+
+    cluster = PDCluster.model_validate(yaml.safe_load(EXAMPLE.read_text()))
+    tokenizer = ByteTokenizer()
+    ids = [tokenizer.encode(p) for p in prompts]
+    return [tokenizer.decode(out) for out in colocated_outputs(cluster, ids, max_tokens)]
+
+
+def wait_room_on(decode_url: str, token: str, prefill_ip: str, timeout_s: float = 30.0) -> None:
+    """Until decode has a room whose KV comes from the prefill at `prefill_ip`."""
+    headers = {"Authorization": f"Bearer {token}"}
+
+    def open_room() -> bool:
+        rooms = httpx.get(f"{decode_url}/admin/rooms", headers=headers, timeout=5).json()["rooms"]
+        return any(any(p.startswith(f"{prefill_ip}:") for p in r["peers"]) for r in rooms)
+
+    wait_until(open_room, timeout_s, f"a room on prefill {prefill_ip}", interval_s=0.05)
+
+
+def cluster_token(kube: KubeApi, ns: str) -> str:
+    import base64
+
+    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token")
+    assert secret is not None
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def assert_clear_prefill_failure(o: Outcome, words: tuple[str, ...]) -> None:
+    assert o.status in (502, 503, 504), o
+    error = httpx.Response(o.status, content=o.body.encode()).json()["error"]
+    assert any(w in error["message"] for w in words), error
+
+
+# ---------------------------------------------------------------- 1
+def test_1_install_apply_and_serve_with_the_openai_client(
+    release: Release, kube: KubeApi, kubectl: KubectlRunner
+) -> None:
     openai = pytest.importorskip("openai", reason="the openai client is a dev extra")
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
-    assert "tiny" in [m.id for m in client.models.list().data]
-
-    prompt = "The capital of France is"
-    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-    assert done.choices[0].finish_reason == "length"
-    assert done.usage is not None and done.usage.completion_tokens == 8
-    streamed = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True
+    deployments = labelled(
+        kube,
+        f"/apis/apps/v1/namespaces/{release.system}/deployments",
+        f"app.kubernetes.io/instance={release.name}",
     )
-    pieces = [c.choices[0].text for c in streamed if c.choices]
-    assert len(pieces) > 1
-    # Greedy decoding: the stream spells out exactly the non-streamed text.
-    assert "".join(pieces) == done.choices[0].text
+    assert len(deployments) == 1
+    dep = kube.get(f"/apis/apps/v1/namespaces/{release.system}/deployments/{deployments[0]}")
+    assert dep is not None and dep["status"].get("readyReplicas") == 1
+
+    kubectl("kubectl", "apply", "-n", release.apps, "-f", str(EXAMPLE))
+    wait_pdc(kubectl, release.apps, TOUR, "1/1", "1/1")
+    row = kubectl("kubectl", "get", "pdc", "-n", release.apps).stdout.splitlines()[1].split()
+    assert row[:5] == [TOUR, "Ready", "1/1", "1/1", "1/1"]
+
+    client = openai.OpenAI(
+        base_url=f"{router_url(kube, release.apps, TOUR)}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+    )
+    assert "tiny" in [m.id for m in client.models.list().data]
+    prompts = ["The capital of France is", "Hello", "x" * 700]
+    for prompt, want in zip(prompts, colocated_text(prompts, 12), strict=True):
+        done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert done.choices[0].text == want
+        assert done.usage is not None and done.usage.completion_tokens == 12
+        streamed = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        pieces = [c.choices[0].text for c in streamed if c.choices]
+        assert len(pieces) > 1 and "".join(pieces) == want
 
     messages: list[Any] = [{"role": "user", "content": "Say hello"}]
     chat = client.chat.completions.create(
@@ -72,87 +290,320 @@ def openai_round_trip(base_url: str) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
 
+    reasons = {e["reason"] for e in kubectl_events(kubectl, release.apps)}
+    assert "InstanceCreated" in reasons
+    # The tour is over; the next journeys use a cluster of their own.
+    kubectl("kubectl", "delete", "-n", release.apps, "-f", str(EXAMPLE), "--wait=true")
 
-def test_helm_install_apply_serve_with_openai_then_uninstall(
-    kube: KubeApi, kubectl: KubectlRunner, tmp_path: Path
+
+# ---------------------------------------------------------------- 2
+def test_2_killed_prefill_during_a_burst_fails_only_its_requests_then_comes_back(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    node_agent: NodeAgentClient,
+    tmp_path: Path,
 ) -> None:
-    release = f"pdc-{secrets.token_hex(3)}"
-    system, apps = f"{release}-system", f"{release}-apps"
-    kubectl("kubectl", "create", "namespace", apps)
+    ns = release.apps
+    apply(kubectl, tmp_path, ns, journey_manifest())
+    wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
+    url = router_url(kube, ns, NAME)
+    victim = pods(kube, ns, NAME, "prefill")[0]
+    victim_ip = victim["status"]["podIP"]
+    decode_url = f"http://{pods(kube, ns, NAME, 'decode')[0]['status']['podIP']}:8000"
+
+    burst = Burst(url, n=24, prompt_chars=1500, max_tokens=16)
+    wait_room_on(decode_url, cluster_token(kube, ns), victim_ip)
+    killed_at = time.monotonic()
+    node_agent.kill_pod(ns, victim["metadata"]["name"])
+    outcomes = burst.result()
+
+    failed = [o for o in outcomes if not o.ok]
+    assert failed, "no request was in flight on the killed prefill"
+    assert len(failed) < len(outcomes), "the other prefill's requests failed too"
+    for o in failed:
+        # Fast: the operator's fast path, not a timeout.
+        assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
+        assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
+    assert all(o.completion_tokens == 16 for o in outcomes if o.ok)
+
+    lost = wait_event(kubectl, ns, "PrefillInstanceLost", victim["metadata"]["name"], 15)
+    assert lost["type"] == "Warning"
+    rooms = wait_event(kubectl, ns, "RoomsFailed", "prefill_pod_lost", 15)
+    assert rooms["count"] >= 1
+    # The instance comes back as a new pod, and the service is whole again.
+    wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
+    assert victim["metadata"]["uid"] not in {
+        p["metadata"]["uid"] for p in pods(kube, ns, NAME, "prefill")
+    }
+    after = Burst(url, n=8, prompt_chars=1500, max_tokens=16).result()
+    assert all(o.ok and o.completion_tokens == 16 for o in after), after
+
+
+# ---------------------------------------------------------------- 3
+def test_3_frozen_prefill_is_caught_by_heartbeats_and_requests_fail_over(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    node_agent: NodeAgentClient,
+) -> None:
+    ns = release.apps
+    wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
+    url = router_url(kube, ns, NAME)
+    victim = pods(kube, ns, NAME, "prefill")[0]
+    name, victim_ip = victim["metadata"]["name"], victim["status"]["podIP"]
+    decode_url = f"http://{pods(kube, ns, NAME, 'decode')[0]['status']['podIP']}:8000"
+
+    burst = Burst(url, n=24, prompt_chars=1500, max_tokens=16)
+    wait_room_on(decode_url, cluster_token(kube, ns), victim_ip)
+    frozen_at = time.monotonic()
+    node_agent.freeze_pod(ns, name)
     try:
-        kubectl(
-            "helm", "install", release, str(CHART), "-n", system, "--create-namespace",
-            "--wait", "--timeout", "180s",
-        )  # fmt: skip
-        deployments = labelled(
-            kube,
-            f"/apis/apps/v1/namespaces/{system}/deployments",
-            f"app.kubernetes.io/instance={release}",
-        )
-        assert len(deployments) == 1
-        dep = kube.get(f"/apis/apps/v1/namespaces/{system}/deployments/{deployments[0]}")
-        assert dep is not None and dep["status"].get("readyReplicas") == 1
+        outcomes = burst.result()
+        # Kubernetes sees nothing wrong with the process itself.
+        phase = kubectl(
+            "kubectl", "get", "pod", name, "-n", ns, "-o", "jsonpath={.status.phase}"
+        ).stdout
+        assert phase == "Running"
+        failed = [o for o in outcomes if not o.ok]
+        assert failed, "no request was in flight on the frozen prefill"
+        # interval x threshold + the probe timeout, plus slack for a loaded machine.
+        bound = HEARTBEAT_S * HEARTBEAT_MISSES + min(HEARTBEAT_S / 2, 1.0) + 4.0
+        for o in failed:
+            assert o.ended - frozen_at < bound, f"{o.ended - frozen_at:.1f}s > {bound}s"
+            assert_clear_prefill_failure(o, ("prefill_unreachable",))
+        wait_event(kubectl, ns, "RoomsFailed", "prefill_unreachable", 15)
 
-        kubectl("kubectl", "apply", "-n", apps, "-f", str(EXAMPLE))
+        # Requests fail over: once the pod is NotReady the router leaves it out.
+        def not_ready() -> bool:
+            pod = kube.get(f"/api/v1/namespaces/{ns}/pods/{name}")
+            return pod is not None and not is_ready(pod)
 
-        def ready() -> bool:
-            phase = kubectl(
-                "kubectl", "get", "pdc", CLUSTER, "-n", apps, "-o", "jsonpath={.status.phase}"
-            ).stdout
-            return phase == "Ready"
-
-        wait_until(ready, 180, "the example PDCluster to be Ready", interval_s=1)
-        row = kubectl("kubectl", "get", "pdc", "-n", apps).stdout.splitlines()[1].split()
-        assert row[:5] == [CLUSTER, "Ready", "1/1", "1/1", "1/1"]
-
-        openai_round_trip(f"http://{router_ip(kube, apps)}:8000/v1")
-
-        # The operator reported what it did, on the PDCluster.
-        events = kubectl(
-            "kubectl", "get", "events", "-n", apps,
-            "--field-selector", "involvedObject.kind=PDCluster", "-o", "yaml",
-        ).stdout  # fmt: skip
-        reasons = {e["reason"] for e in yaml.safe_load(events)["items"]}
-        assert "InstanceCreated" in reasons
-
-        # An invalid manifest never reaches the operator: the API refuses it.
-        bad = yaml.safe_load(EXAMPLE.read_text())
-        bad["metadata"]["name"] = "bad"
-        bad["spec"]["decode"]["topology"]["cp"] = 2
-        bad_path = tmp_path / "bad.yaml"
-        bad_path.write_text(yaml.safe_dump(bad))
-        refused = kubectl("kubectl", "apply", "-n", apps, "-f", str(bad_path), check=False)
-        assert refused.returncode != 0
-        assert "decode.topology.cp must be 1: cp is prefill-only" in refused.stderr
-
-        kubectl("kubectl", "delete", "-n", apps, "-f", str(EXAMPLE), "--wait=true")
-        wait_until(
-            lambda: not labelled(kube, f"/api/v1/namespaces/{apps}/pods", "pdcluster.io/cluster"),
-            90,
-            "the PDCluster's pods to go",
-        )
+        wait_until(not_ready, 30, f"{name} NotReady")
+        after = Burst(url, n=8, prompt_chars=1500, max_tokens=16).result()
+        assert all(o.ok and o.completion_tokens == 16 for o in after), after
+        wait_event(kubectl, ns, "PrefillInstanceLost", name, 20)
     finally:
-        kubectl("helm", "uninstall", release, "-n", system, "--wait", check=False)
-        kubectl("kubectl", "delete", "namespace", apps, "--wait=false", check=False)
+        node_agent.thaw_pod(ns, name)
+    wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
 
-    # Nothing of the release is left: no pods, no RBAC, no ServiceAccount.
-    by_release = f"app.kubernetes.io/instance={release}"
+
+# ---------------------------------------------------------------- 4
+def worker_requests(pod: dict[str, Any]) -> float:
+    text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("pdcluster_requests_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_4_scaling_up_uses_new_instances_and_scaling_down_drains(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    k8s_cluster: ClusterInfo,
+) -> None:
+    ns = release.apps
+    wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
+    kubectl("kubectl", "scale", f"pdc/{NAME}", "-n", ns, "--replicas=3")
+    kubectl(
+        "kubectl", "patch", "pdc", NAME, "-n", ns, "--type=merge",
+        "-p", '{"spec": {"prefill": {"replicas": 3}}}',
+    )  # fmt: skip
+    wait_pdc(kubectl, ns, NAME, "3/3", "3/3")
+    url = router_url(kube, ns, NAME)
+    before = {
+        p["metadata"]["name"]: worker_requests(p)
+        for role in ("prefill", "decode")
+        for p in pods(kube, ns, NAME, role)
+    }
+    outcomes = Burst(url, n=24, prompt_chars=300, max_tokens=8).result()
+    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok]
+    for role in ("prefill", "decode"):
+        for p in pods(kube, ns, NAME, role):
+            served = worker_requests(p) - before[p["metadata"]["name"]]
+            assert served > 0, f"the router sent nothing to {p['metadata']['name']}"
+
+    # Scale down while a burst is in flight: the removed instances drain.
+    timeline = PodTimeline(k8s_cluster, ns, NAME)
+    try:
+        burst = Burst(url, n=24, prompt_chars=1500, max_tokens=32)
+        time.sleep(1.0)  # every request has reached its workers
+        scaled_at = time.monotonic()
+        kubectl("kubectl", "scale", f"pdc/{NAME}", "-n", ns, "--replicas=1")
+        kubectl(
+            "kubectl", "patch", "pdc", NAME, "-n", ns, "--type=merge",
+            "-p", '{"spec": {"prefill": {"replicas": 1}}}',
+        )  # fmt: skip
+        outcomes = burst.result()
+        wait_pdc(kubectl, ns, NAME, "1/1", "1/1")
+        removed = timeline.replaced(scaled_at)
+    finally:
+        timeline.close()
+    assert len(removed) == 4, [p.name for p in removed]
+    assert all(o.ok and o.completion_tokens == 32 for o in outcomes), [
+        o for o in outcomes if not o.ok
+    ]
+    # A drain is not a loss: no Warning about these pods.
+    removed_names = {p.name for p in removed}
+    for e in kubectl_events(kubectl, ns):
+        if e["reason"] in ("PrefillInstanceLost", "DecodeInstanceLost"):
+            assert not any(n in e["message"] for n in removed_names), e
+
+
+# ---------------------------------------------------------------- 5
+def test_5_rolling_a_setting_change_fails_only_requests_on_replaced_pods(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    k8s_cluster: ClusterInfo,
+) -> None:
+    ns = release.apps
+    wait_pdc(kubectl, ns, NAME, "1/1", "1/1")
+    old = {p["metadata"]["uid"] for r in ("prefill", "decode") for p in pods(kube, ns, NAME, r)}
+    url = router_url(kube, ns, NAME)
+    timeline = PodTimeline(k8s_cluster, ns, NAME)
+    load = SteadyLoad(lambda: url, clients=4).start()
+    try:
+        time.sleep(2.0)
+        changed_at = time.monotonic()
+        engine = {"maxPromptTokens": MAX_PROMPT_TOKENS, "maxRunningRequests": 32}
+        kubectl(
+            "kubectl", "patch", "pdc", NAME, "-n", ns, "--type=merge", "-p",
+            yaml.safe_dump({"spec": {"prefill": {"engine": engine}, "decode": {"engine": engine}}}),
+        )  # fmt: skip
+        wait_pdc(kubectl, ns, NAME, "1/1", "1/1")
+        time.sleep(2.0)
+    finally:
+        outcomes = load.stop()
+        timeline.close()
+    now = {p["metadata"]["uid"] for r in ("prefill", "decode") for p in pods(kube, ns, NAME, r)}
+    assert not (old & now), "some pods were not replaced"
+    replaced = timeline.replaced(changed_at)
+    assert {p.uid for p in replaced} >= old
+    during = [o for o in outcomes if o.ended >= changed_at]
+    assert len([o for o in during if o.ok]) >= 8, "the service did not keep serving"
+    for o in during:
+        if o.ok:
+            continue
+        # Only a request in flight while a replaced pod was going away may fail.
+        assert any(
+            p.terminating_at is not None
+            and o.started <= (p.gone_at or o.ended)
+            and o.ended >= p.terminating_at
+            for p in replaced
+        ), o
+
+
+# ---------------------------------------------------------------- 6
+def test_6_bad_manifests_and_bad_requests_get_clear_errors(
+    release: Release, kube: KubeApi, kubectl: KubectlRunner, tmp_path: Path
+) -> None:
+    ns = release.apps
+    bad = yaml.safe_load(EXAMPLE.read_text())
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["decode"]["topology"]["cp"] = 2
+    refused = apply(kubectl, tmp_path, ns, bad, check=False)
+    assert refused.returncode != 0
+    assert "decode.topology.cp must be 1: cp is prefill-only" in refused.stderr
+    worse = journey_manifest(decode={"topology": {"pp": 3}}, prefill={"topology": {"pp": 2}})
+    worse["metadata"]["name"] = "worse"
+    refused = apply(kubectl, tmp_path, ns, worse, check=False)
+    assert "decode.topology.pp must be 1 or equal prefill.topology.pp" in refused.stderr
+    assert kubectl("kubectl", "get", "pdc", "bad", "-n", ns, check=False).returncode != 0
+
+    url = router_url(kube, ns, NAME)
+    cases = [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "tiny"}', 400, "prompt"),
+        (b'{"model": "gpt-4", "prompt": "a"}', 404, "gpt-4"),
+        (
+            b'{"model": "tiny", "prompt": "' + b"a" * (MAX_PROMPT_TOKENS + 10) + b'"}',
+            400,
+            str(MAX_PROMPT_TOKENS),
+        ),
+    ]
+    for content, status, words in cases:
+        resp = httpx.post(
+            f"{url}/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert resp.status_code == status, (content[:40], resp.text)
+        assert words in resp.json()["error"]["message"], resp.text
+    # Still serving.
+    assert complete(url, "after the bad ones", 4).completion_tokens == 4
+
+
+# ---------------------------------------------------------------- 7
+def test_7_helm_upgrade_updates_the_crd_and_uninstall_leaves_nothing(
+    release: Release, kube: KubeApi, kubectl: KubectlRunner
+) -> None:
+    # The cluster holds an older CRD: without the PHASE printer column a
+    # previous release did not have. The chart's CRD has it.
+    crd = kube.get(CRD)
+    assert crd is not None
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    index = next(i for i, c in enumerate(columns) if c["name"] == "Phase")
+    kube.patch(
+        CRD,
+        [{"op": "remove", "path": f"/spec/versions/0/additionalPrinterColumns/{index}"}],
+        patch_type="json",
+    )
+    header = kubectl("kubectl", "get", "pdc", "-n", release.apps).stdout.split()
+    assert "PHASE" not in header
+
+    kubectl(
+        "helm", "upgrade", release.name, str(CHART), "-n", release.system,
+        "--wait", "--timeout", "180s", *OPERATOR_VALUES, "--set", "operator.workers=2",
+    )  # fmt: skip
+    history = kubectl("helm", "history", release.name, "-n", release.system, "-o", "yaml").stdout
+    assert [r["status"] for r in yaml.safe_load(history)][-1] == "deployed"
+
+    def crd_updated() -> bool:
+        now = kube.get(CRD) or {}
+        cols = now.get("spec", {}).get("versions", [{}])[0].get("additionalPrinterColumns", [])
+        return any(c["name"] == "Phase" for c in cols)
+
+    wait_until(crd_updated, 90, "the upgraded operator to apply the chart's CRD")
+    header = kubectl("kubectl", "get", "pdc", "-n", release.apps).stdout.split()
+    assert "PHASE" in header
+    # The cluster kept serving through the operator's upgrade.
+    assert complete(router_url(kube, release.apps, NAME), "still here", 4).ok
+
+    # kubectl delete + helm uninstall: nothing of the release or the cluster is left.
+    kubectl("kubectl", "delete", "pdc", NAME, "-n", release.apps, "--wait=true")
+    apps_pods = f"/api/v1/namespaces/{release.apps}/pods"
     wait_until(
-        lambda: not labelled(kube, f"/api/v1/namespaces/{system}/pods", ""),
+        lambda: not labelled(kube, apps_pods, "pdcluster.io/cluster"),
+        90,
+        "the PDCluster's pods to go",
+    )
+    for path in (
+        f"/api/v1/namespaces/{release.apps}/services",
+        f"/api/v1/namespaces/{release.apps}/configmaps",
+        f"/api/v1/namespaces/{release.apps}/secrets",
+        f"/apis/apps/v1/namespaces/{release.apps}/deployments",
+    ):
+        assert labelled(kube, path, "pdcluster.io/cluster") == [], path
+    kubectl("helm", "uninstall", release.name, "-n", release.system, "--wait")
+    release.uninstalled = True
+    wait_until(
+        lambda: not labelled(kube, f"/api/v1/namespaces/{release.system}/pods", ""),
         60,
         "the operator pod to go",
     )
+    by_release = f"app.kubernetes.io/instance={release.name}"
     for path in (
-        f"/apis/apps/v1/namespaces/{system}/deployments",
-        f"/api/v1/namespaces/{system}/serviceaccounts",
-        f"/api/v1/namespaces/{system}/services",
+        f"/apis/apps/v1/namespaces/{release.system}/deployments",
+        f"/api/v1/namespaces/{release.system}/serviceaccounts",
+        f"/api/v1/namespaces/{release.system}/services",
         "/apis/rbac.authorization.k8s.io/v1/clusterroles",
         "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
     ):
         assert labelled(kube, path, by_release) == [], path
-    releases = kubectl("helm", "list", "-n", system, "-q").stdout.split()
-    assert release not in releases
-    kubectl("kubectl", "delete", "namespace", system, "--wait=false", check=False)
+    assert release.name not in kubectl("helm", "list", "-n", release.system, "-q").stdout.split()
     # The CRD stays: Helm never deletes CRDs (PDClusters elsewhere would go with it).
-    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdclusters.pdcluster.io"
-    assert kube.get(crd) is not None
+    assert kube.get(CRD) is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -205,7 +206,47 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
 
 
 async def _serve_all(servers: list[uvicorn.Server]) -> None:
-    await asyncio.gather(*(s.serve() for s in servers))
+    """Serve the worker API (`servers[0]`) and its side servers until SIGTERM/SIGINT.
+
+    Stopping drains: the worker API stops accepting, finishes what it has in
+    flight, and only then do the side servers stop. A prefill's bootstrap
+    server must outlive the drain, because decode's heartbeats probe it and
+    would fail the rooms of the very requests being drained.
+    """
+    main, side = servers[0], servers[1:]
+    for server in servers:
+        # uvicorn would let each server take the signal for itself (the last
+        # one started wins), stopping the bootstrap server first.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    loop = asyncio.get_running_loop()
+
+    def stop(sig: signal.Signals) -> None:
+        if main.should_exit and sig == signal.SIGINT:
+            main.force_exit = True  # a second Ctrl-C: stop waiting for the drain
+        log.info("%s: draining in-flight requests, then stopping", sig.name)
+        main.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    broken: list[asyncio.Future[Any]] = []
+
+    def side_ended(task: asyncio.Future[Any]) -> None:
+        if not main.should_exit:  # e.g. its port was taken: the worker cannot serve
+            log.error("a side server of this worker stopped; stopping the worker")
+            broken.append(task)
+            main.should_exit = True
+
+    side_tasks = [asyncio.ensure_future(s.serve()) for s in side]
+    for task in side_tasks:
+        task.add_done_callback(side_ended)
+    try:
+        await main.serve()
+    finally:
+        for server in side:
+            server.should_exit = True
+        await asyncio.gather(*side_tasks, return_exceptions=True)
+    if broken:
+        raise SystemExit(1)
 
 
 def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:

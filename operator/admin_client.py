@@ -1,6 +1,6 @@
 """Calls to the workers' admin API (the operator's side of the failover fast path).
 
-    POST {worker}/admin/fail_peer {"peer": ..., "reason": ...}   fail the peer's rooms now
+    POST {worker}/admin/fail_peer {"peer", "reason", "gone"}     fail the peer's rooms now
     GET  {worker}/admin/failures                                 cumulative failure counts
 
 Both carry `Authorization: Bearer <cluster token>`. Calls never raise on a
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdcluster.operator.failure_counts import parse_failures
+from pdcluster.runtime.pd_worker.admin_body import FailPeerRequest
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,13 @@ class AdminClient:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def fail_peer(
-        self, base_url: str, token: str | None, peer: str, reason: str
+        self, base_url: str, token: str | None, peer: str, reason: str, *, gone: bool = True
     ) -> AdminResult:
+        """`gone`: the peer's processes can no longer run (False: it may be hung)."""
         url = f"{base_url}/admin/fail_peer"
+        body = FailPeerRequest(peer, reason, gone).to_json()
         try:
-            resp = await self._http.post(
-                url, json={"peer": peer, "reason": reason}, headers=self._headers(token)
-            )
+            resp = await self._http.post(url, json=body, headers=self._headers(token))
         except httpx.HTTPError as err:
             return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
         if resp.status_code >= 400:

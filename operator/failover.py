@@ -16,6 +16,17 @@ each PD worker's `/admin/failures` is read; the increase per (role, reason)
 becomes one aggregated `RoomsFailed` Event whose count is the number of
 rooms, plus a metric — never one Event per request.
 
+Gone or maybe hung (`gone` in the call, `is_peer_gone`): a pod that has
+exited, or whose object is gone, cannot write any more — `gone: true`, and
+a decode may reuse the failed rooms' pages at once. A pod NotReady past the
+grace, or still terminating (deletion started, processes may run until the
+kubelet kills them), may still write into a decode's shared-memory pages —
+`gone: false`: the rooms fail now, the pages wait for the peer's ack. Such a
+pod is remembered, and once it is seen ended or gone the peers are told
+again with `gone: true` (no new Event: the loss was reported), so pages
+never wait on a pod that cannot ack any more. A NotReady pod that turns
+Ready again is forgotten: it is alive and acks for itself.
+
 Peers are told concurrently, each with its own timeout, so a dead peer
 never delays the others. Nothing here raises into the watch: a failed call
 is logged and counted.
@@ -37,7 +48,7 @@ from pdcluster.operator.builders.meta import TOKEN_KEY
 from pdcluster.operator.cluster import ClusterRef
 from pdcluster.operator.failure_counts import FailureCounts
 from pdcluster.operator.kube import ApiError, KubeApi
-from pdcluster.operator.losses import Loss, LossTracker
+from pdcluster.operator.losses import Loss, LossCause, LossTracker
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PEER_ROLE, PodIndex
@@ -73,6 +84,23 @@ def loss_message(loss: Loss, results: list[AdminResult], grace_s: float) -> str:
     return text + "; the instance is restarted"
 
 
+def is_peer_gone(loss: Loss, *, object_gone: bool) -> bool:
+    """Whether the lost pod's processes can no longer run (fail_peer's `gone`).
+
+    `object_gone`: the loss came with the pod's DELETED event. A pod only
+    being deleted may still run for its grace period, and a NotReady one may
+    be merely hung: neither is gone yet.
+    """
+    if loss.cause is LossCause.failed:
+        return True
+    return loss.cause is LossCause.deleted and object_gone
+
+
+def is_settled_by(pod: PodFacts, *, object_gone: bool) -> bool:
+    """Whether this sighting of a pod reported `gone: false` makes it gone for sure."""
+    return object_gone or pod.has_ended
+
+
 def rooms_failed_message(role: Role, reason: str) -> str:
     return f"rooms failed at {role.value} workers: {reason}"
 
@@ -100,6 +128,8 @@ class Failover:
         self._rechecks: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deleted_clusters: set[str] = set()
+        # uid -> loss told to the peers with `gone: false`, until told `gone: true`.
+        self._maybe_alive: dict[str, Loss] = {}
         self.counts = FailureCounts()
 
     # ------------------------------------------------------------ pod events
@@ -115,15 +145,41 @@ class Failover:
             self.counts.forget(pod.uid)
             self._cancel_recheck(pod.uid)
         if pod.cluster_uid in self._deleted_clusters:
+            self._maybe_alive.pop(pod.uid, None)
             return None
         verdict = self.tracker.observe(pod, self._clock(), gone=gone)
         if verdict.recheck_at is not None:
             self._schedule_recheck(pod, verdict.recheck_at)
         if verdict.loss is None:
+            await self._settle(pod, object_gone=gone)
             return None
         self._cancel_recheck(pod.uid)
-        await self.handle_loss(verdict.loss, received)
+        await self.handle_loss(verdict.loss, received, object_gone=gone)
         return verdict.loss
+
+    async def _settle(self, pod: PodFacts, *, object_gone: bool) -> None:
+        """A pod reported with `gone: false` is seen again: gone now, or back?"""
+        loss = self._maybe_alive.get(pod.uid)
+        if loss is None:
+            return
+        if pod.ready and not (object_gone or pod.deleting or pod.has_ended):
+            # Ready again: the same processes resumed and ack their rooms themselves.
+            del self._maybe_alive[pod.uid]
+            return
+        if not is_settled_by(pod, object_gone=object_gone):
+            return
+        del self._maybe_alive[pod.uid]
+        results = await self.tell_peers(loss, gone=True)
+        log.info(
+            "%s/%s: %s instance %d (pod %s) is gone; told %d/%d peers to free its pages",
+            pod.namespace,
+            pod.cluster,
+            pod.role.value,
+            pod.instance,
+            pod.name,
+            sum(r.ok for r in results),
+            len(results),
+        )
 
     def expect_deletion(self, uid: str) -> None:
         """The operator deletes this pod itself (passed to the executor)."""
@@ -135,6 +191,7 @@ class Failover:
         for pod in self.index.pods((namespace, name)):
             self._cancel_recheck(pod.uid)
             self.counts.forget(pod.uid)
+            self._maybe_alive.pop(pod.uid, None)
         self.index.forget_cluster((namespace, name))
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace}
 
@@ -169,10 +226,18 @@ class Failover:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ acting on a loss
-    async def handle_loss(self, loss: Loss, received_monotonic: float) -> list[AdminResult]:
+    async def handle_loss(
+        self, loss: Loss, received_monotonic: float, *, object_gone: bool = False
+    ) -> list[AdminResult]:
+        """Tell the peers, record metrics and the Event. `object_gone`: from a DELETED event."""
         pod = loss.pod
         role = pod.role.value
-        results = await self.tell_peers(loss)
+        gone = is_peer_gone(loss, object_gone=object_gone)
+        if gone:
+            self._maybe_alive.pop(pod.uid, None)
+        else:
+            self._maybe_alive[pod.uid] = loss
+        results = await self.tell_peers(loss, gone=gone)
         elapsed = time.monotonic() - received_monotonic
         self.metrics.failovers.labels(role=role, cause=loss.cause.value).inc()
         self.metrics.failover_seconds.labels(role=role).observe(elapsed)
@@ -181,7 +246,7 @@ class Failover:
             self.metrics.detection_seconds.labels(role=role).observe(detection)
         told = sum(r.ok for r in results)
         log.warning(
-            "%s/%s: %s instance %d lost (%s, pod %s %s); told %d/%d peers in %.0f ms",
+            "%s/%s: %s instance %d lost (%s, pod %s %s, %s); told %d/%d peers in %.0f ms",
             pod.namespace,
             pod.cluster,
             role,
@@ -189,6 +254,7 @@ class Failover:
             loss.cause.value,
             pod.name,
             pod.peer,
+            "gone" if gone else "may still run",
             told,
             len(results),
             elapsed * 1000,
@@ -207,7 +273,7 @@ class Failover:
             self._spawn(self._poll_soon(pod.key))
         return results
 
-    async def tell_peers(self, loss: Loss) -> list[AdminResult]:
+    async def tell_peers(self, loss: Loss, *, gone: bool = True) -> list[AdminResult]:
         pod = loss.pod
         peers = self.index.peers_of(pod)
         if pod.peer is None or not peers:
@@ -218,7 +284,7 @@ class Failover:
 
         async def tell(peer: PodFacts) -> AdminResult:
             assert peer.http_url is not None and pod.peer is not None
-            return await self.admin.fail_peer(peer.http_url, token, pod.peer, reason)
+            return await self.admin.fail_peer(peer.http_url, token, pod.peer, reason, gone=gone)
 
         results = list(await asyncio.gather(*(tell(p) for p in peers)))
         if any(r.status in (401, 403) for r in results) and pod.token_secret:

@@ -7,8 +7,10 @@ once the KV arrived. A request without bootstrap fields is refused with 400:
 a PD worker cannot serve it alone.
 
 Admin API (token-protected; the operator's fast path):
-- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str}` —
+- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str, "gone": bool}` —
   fail every room tied to that peer on every rank of this group now;
+  `gone: false` (the peer may be hung, not dead) keeps those rooms' pages on
+  a one-sided transport until the peer acks or is reported gone (admin_body.py);
 - `GET /admin/rooms` — rooms with state, age and peers (this rank's view);
 - `GET /admin/failures` — failure counts by reason, for the operator's Events.
 """
@@ -29,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
 from pdcluster.runtime.pd_worker.coordinator import (
     DecodeCoordinator,
     PrefillCoordinator,
@@ -246,17 +249,22 @@ def _admin_routes(
             if denied is not None:
                 return denied
             try:
-                body = await request.json()
-                peer, reason = str(body["peer"]), str(body.get("reason", "peer_lost"))
-            except Exception:  # noqa: BLE001 - any malformed body is a 422
+                call = parse_fail_peer(await request.json())
+            except FailPeerBodyError as err:
                 return JSONResponse(
-                    {"error": {"message": "body must be {peer, reason?}", "code": 422}}, 422
+                    {"error": {"message": err.message, "code": err.status}}, err.status
                 )
-            if not peer or len(peer) > 256 or len(reason) > 256:
+            except ValueError:  # not JSON at all
                 return JSONResponse(
-                    {"error": {"message": "peer/reason too long or empty", "code": 422}}, 422
+                    {"error": {"message": "body must be {peer, reason?, gone?}", "code": 422}}, 422
                 )
-            agent.broadcast(GroupFailPeer(peer, reason))
+            log.warning(
+                "admin: fail_peer %s (%s, %s)",
+                call.peer,
+                call.reason,
+                "gone" if call.gone else "may resume",
+            )
+            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
             # Other dp groups have their own tables: relay to their leaders.
             headers = {"authorization": request.headers.get("authorization", "")}
             async with httpx.AsyncClient(timeout=2.0) as client:
@@ -264,12 +272,12 @@ def _admin_routes(
                     try:
                         await client.post(
                             f"http://127.0.0.1:{port}/admin/fail_peer",
-                            json={"peer": peer, "reason": reason},
+                            json=call.to_json(),
                             headers=headers,
                         )
                     except httpx.HTTPError as err:
                         log.warning("fail_peer relay to dp port %s failed: %s", port, err)
-            return JSONResponse({"peer": peer, "reason": reason})
+            return JSONResponse(call.to_json())
 
         @app.get("/admin/rooms")
         async def rooms(request: Request) -> JSONResponse:

@@ -216,8 +216,11 @@ class DecodeAgent(RankAgent):
         elif isinstance(msg, GroupFail):
             self._fail(msg.room, msg.reason)
         elif isinstance(msg, GroupFailPeer):
-            # The operator saw the pod gone: nothing of it can write any more.
-            self._peer_lost(msg.peer, msg.reason, now, definitive=True)
+            # `gone`: the operator saw the pod deleted or exited, nothing of it can
+            # write any more. Otherwise (NotReady) it may be hung and resume: on a
+            # one-sided transport its rooms' pages stay quarantined like after a
+            # heartbeat verdict, until it acks, restarts elsewhere or is gone.
+            self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:

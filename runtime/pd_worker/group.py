@@ -50,10 +50,16 @@ class GroupFail(msgspec.Struct, tag="fail", frozen=True, forbid_unknown_fields=T
 
 
 class GroupFailPeer(msgspec.Struct, tag="fail_peer", frozen=True, forbid_unknown_fields=True):
-    """Fail every room tied to a peer (a lost pod, reported by the operator)."""
+    """Fail every room tied to a peer (a lost pod, reported by the operator).
+
+    `gone`: the peer's processes can no longer run (pod deleted, exited). False
+    when it may merely hang (NotReady): a decode rank on a one-sided transport
+    then keeps the failed rooms' pages until the peer acks or is declared gone.
+    """
 
     peer: str
     reason: str
+    gone: bool = True
 
 
 ReportKind = Literal["start", "ready", "complete", "failed", "released", "succeeded"]

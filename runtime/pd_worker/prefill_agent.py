@@ -169,6 +169,8 @@ class PrefillAgent(RankAgent):
                 self.perform(self.table.fail(msg.room, msg.reason, now))
             self._forget_if_done(msg.room)
         elif isinstance(msg, GroupFailPeer):
+            # `gone` does not matter here: a decode never writes into prefill's
+            # pages, so even a hung one that resumes cannot touch what is freed.
             self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
 
     def tick(self, now: float) -> None:

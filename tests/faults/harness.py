@@ -238,8 +238,14 @@ class FaultCluster:
         rooms: list[dict[str, Any]] = resp.json()["rooms"]
         return rooms
 
-    def fail_peer(self, name: str, peer: str, reason: str = "peer_lost") -> httpx.Response:
-        return self.admin(name, "POST", "/admin/fail_peer", json={"peer": peer, "reason": reason})
+    def fail_peer(
+        self, name: str, peer: str, reason: str = "peer_lost", gone: bool | None = None
+    ) -> httpx.Response:
+        """The operator's fast path; `gone=None` sends no flag (the worker's default)."""
+        body: dict[str, Any] = {"peer": peer, "reason": reason}
+        if gone is not None:
+            body["gone"] = gone
+        return self.admin(name, "POST", "/admin/fail_peer", json=body)
 
     def is_clean(self, name: str) -> bool:
         info = self.info(name)

@@ -206,6 +206,50 @@ def test_hung_one_sided_writer_keeps_its_pages_until_it_acks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("then", ["pod_gone", "resumes"])
+def test_not_ready_verdict_keeps_one_sided_pages_until_gone_or_acked(
+    one_sided: FaultCluster, client: PDClient, then: str
+) -> None:
+    """The operator's NotReady report (`gone: false`) fails rooms but frees no page."""
+    if one_sided.launcher.procs["prefill-1"].poll() is not None:
+        one_sided.restart("prefill-1")
+    traffic = one_sided_victims(one_sided, client, seed=137)
+    one_sided.hang("prefill-1")
+    peer = one_sided.peer("prefill-1")
+    resp = one_sided.fail_peer("decode-0", peer, "prefill_pod_lost", gone=False)
+    assert resp.status_code == 200 and resp.json()["gone"] is False
+
+    def failed() -> bool:
+        rooms = [r for r in one_sided.rooms("decode-0") if peer in r["peers"]]
+        return all(r["state"] == "Failed" for r in rooms)
+
+    wait_until(failed, 3, 0.01, "the hung writer's rooms to fail")
+    held = held_pages(one_sided, "decode-0")
+    assert held > 0, "pages a hung writer may still write were freed"
+    assert any(
+        (r["reason"] or "").startswith("prefill_pod_lost") for r in one_sided.rooms("decode-0")
+    )
+    # Neither the release timer nor more verdicts of the same kind free them.
+    time.sleep(one_sided.manifest.spec.transfer.abort_release_timeout_seconds + 1)
+    assert one_sided.fail_peer("decode-0", peer, "prefill_pod_lost", gone=False).status_code == 200
+    assert held_pages(one_sided, "decode-0") == held
+    survivors_served(one_sided, client, seed=138)
+    if then == "pod_gone":
+        # The pod is deleted after all: its processes die, the operator says so.
+        one_sided.kill("prefill-1")
+        assert one_sided.fail_peer("decode-0", peer, "prefill_pod_lost", gone=True).is_success
+        one_sided.assert_clean(["decode-0"], timeout=2)
+    else:
+        # It was only hung: it reads the ABORTs, drains and acks.
+        one_sided.cont("prefill-1")
+        one_sided.assert_clean(["decode-0"], timeout=10)
+    for res in traffic.result(30):
+        lost = ("prefill_pod_lost", "prefill_unreachable")
+        assert res.decode.ok or any(r in res.decode.error for r in lost), res.decode.error
+    survivors_served(one_sided, client, seed=139)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("verdict", ["operator", "restart"])
 def test_killed_one_sided_writer_pages_come_back(
     one_sided: FaultCluster, client: PDClient, verdict: str

@@ -1,0 +1,55 @@
+"""The body of `POST /admin/fail_peer`, checked before anything is failed.
+
+    {"peer": "host:port" | "host" | endpoint, "reason"?: str, "gone"?: bool}
+
+`gone` (default true, what callers meant before it existed) says the peer's
+processes can no longer run: the pod was deleted or exited. `gone: false`
+says it stopped answering but may resume (NotReady past a grace, a hang).
+Either way its rooms fail at once; the difference is when their pages may
+be reused, which the decode rank decides by transport (decode_agent.py).
+
+A body that is not an object with a usable `peer` is refused with 422, as
+before `gone` existed; a `gone` that is not a JSON boolean with 400 (a
+string "false" must not silently mean true). Nothing is failed on refusal.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_FIELD_CHARS = 256
+DEFAULT_REASON = "peer_lost"
+
+
+class FailPeerBodyError(ValueError):
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class FailPeerRequest:
+    peer: str
+    reason: str = DEFAULT_REASON
+    gone: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer": self.peer, "reason": self.reason, "gone": self.gone}
+
+
+def parse_fail_peer(body: Any) -> FailPeerRequest:
+    """The checked request; raises FailPeerBodyError (with the HTTP status) otherwise."""
+    if not isinstance(body, dict) or "peer" not in body:
+        raise FailPeerBodyError("body must be {peer, reason?, gone?}", 422)
+    peer, reason = str(body["peer"]), str(body.get("reason", DEFAULT_REASON))
+    if not peer or len(peer) > MAX_FIELD_CHARS or len(reason) > MAX_FIELD_CHARS:
+        raise FailPeerBodyError("peer/reason too long or empty", 422)
+    gone = body.get("gone", True)
+    # bool only: JSON true/false. 0/1 and "false" are refused, not guessed.
+    if not isinstance(gone, bool):
+        raise FailPeerBodyError(f"gone must be true or false, got {gone!r}", 400)
+    return FailPeerRequest(peer, reason, gone)

@@ -35,9 +35,9 @@ import zmq
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
-from pdcluster.runtime.transfer.frames import MiB, plan_frames
+from pdcluster.runtime.transfer.frames import MiB
 from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
 
@@ -241,14 +241,11 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         KVLayout(args.layout),
     )  # fmt: skip
     config = SenderConfig(max_frame_bytes=args.max_frame_mib * MiB, checksum=args.checksum)
-    plan = plan_frames(
-        num_tokens, bytes_per_token, config.max_frame_bytes, config.min_frame_bytes,
-        config.pipeline_depth,
-    )  # fmt: skip
     repeats = args.repeats if size_mib < 256 else max(2, args.repeats // 2)
 
-    raw = raw_zmq([(e - s) * bytes_per_token for s, e in plan])
     bench = Bench(shape, num_tokens, config, args.device)
+    plan = plan_job_frames(bench.job(one_sided=False), shape, config)  # what the sender will cut
+    raw = raw_zmq([(e - s) * bytes_per_token for s, e in plan])
     tcp = KVSender(bench.src, TcpTransport(bench.prefill), config)
     shm_transport = ShmTransport(bench.prefill)
     shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)

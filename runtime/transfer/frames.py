@@ -12,10 +12,14 @@ Invariants:
   receiver's pool geometry and the payload size; `validate_target` then
   bounds its token range by the room's page table;
 - `plan_frames` covers `[0, num_tokens)` exactly with contiguous, non-empty,
-  ordered frames of even size (they differ by at most one token), each at
-  most `max_frame_bytes`; when there is more than one frame, each holds at
-  least min(min_frame_bytes, max_frame_bytes / 2) give or take one token, so
-  pages are never sent one by one.
+  ordered frames of even size, each at most `max_frame_bytes`; when there is
+  more than one frame, each holds at least min(min_frame_bytes,
+  max_frame_bytes / 2) give or take one block, so pages are never sent one
+  by one. With `align_tokens` = a (a page), every cut between two frames
+  falls on an absolute position `first_token + cut` that is a multiple of a
+  (unless a page exceeds `max_frame_bytes`), so each frame holds whole pages
+  and is copied page by page rather than token by token; sizes then differ
+  by at most one block of a tokens (a = 1: one token).
 
 No I/O, no torch: the receiver and sender I/O loops call into this module.
 """
@@ -179,12 +183,21 @@ def plan_frames(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     min_frame_bytes: int = DEFAULT_MIN_FRAME_BYTES,
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH,
+    *,
+    align_tokens: int = 1,
+    first_token: int = 0,
 ) -> list[tuple[int, int]]:
     """Split tokens [0, num_tokens) into frames of even size.
 
     Uses the fewest frames that respect `max_frame_bytes`, then splits further
     (up to `pipeline_depth` frames) while every frame stays at least
     `min_frame_bytes`, so a medium transfer still overlaps its stages.
+
+    Frames are cut only where `first_token + cut` is a multiple of
+    `align_tokens`: the tokens are seen as *blocks* (a partial block before the
+    first such position, whole blocks of `align_tokens`, a partial last one)
+    and whole blocks are dealt to frames, the first frames taking one more
+    when they do not divide evenly.
     """
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
@@ -196,6 +209,10 @@ def plan_frames(
         )
     if pipeline_depth < 1:
         raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+    if align_tokens < 1 or first_token < 0:
+        raise ValueError(
+            f"need align_tokens >= 1 and first_token >= 0, got {align_tokens}, {first_token}"
+        )
     if bytes_per_token > max_frame_bytes:
         raise ValueError(
             f"one token's KV ({bytes_per_token} bytes) exceeds max_frame_bytes ({max_frame_bytes})"
@@ -203,17 +220,29 @@ def plan_frames(
     if num_tokens == 0:
         return []
     max_tokens = max_frame_bytes // bytes_per_token
-    num_frames = -(-num_tokens // max_tokens)
+    if align_tokens > max_tokens:
+        align_tokens = 1  # a whole block would not fit in a frame: cut anywhere
+    # Block k (k >= 1) starts at token `first_cut + (k - 1) * align_tokens`.
+    first_cut = (-first_token) % align_tokens or align_tokens
+    if first_cut >= num_tokens:
+        num_blocks = 1
+    else:
+        num_blocks = 1 + -(-(num_tokens - first_cut) // align_tokens)
+    max_blocks = max_tokens // align_tokens  # blocks per frame, each at most align_tokens
+    num_frames = -(-num_blocks // max_blocks)
     # Extra frames only when each (floor-sized) frame still holds min_frame_bytes.
-    while num_frames < pipeline_depth and (
-        (num_tokens // (num_frames + 1)) * bytes_per_token >= min_frame_bytes
+    while (
+        num_frames < min(pipeline_depth, num_blocks)
+        and (num_blocks // (num_frames + 1)) * align_tokens * bytes_per_token >= min_frame_bytes
     ):
         num_frames += 1
-    base, extra = divmod(num_tokens, num_frames)
+    base, extra = divmod(num_blocks, num_frames)
     frames: list[tuple[int, int]] = []
     start = 0
+    block = 0
     for i in range(num_frames):
-        end = start + base + (1 if i < extra else 0)
+        block += base + (1 if i < extra else 0)
+        end = num_tokens if block == num_blocks else first_cut + (block - 1) * align_tokens
         frames.append((start, end))
         start = end
     return frames

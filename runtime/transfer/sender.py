@@ -42,6 +42,7 @@ from pdcluster.runtime.transfer.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MIN_FRAME_BYTES,
     DEFAULT_PIPELINE_DEPTH,
+    ITEM_SIZES,
     KVFrameHeader,
     PoolGeometry,
     plan_frames,
@@ -109,6 +110,31 @@ class SenderConfig:
     staging_timeout: float = 30.0  # longest wait for a free staging buffer
     checksum: bool = False  # stamp a CRC-32 on frames (if the transport checks them)
     max_closed_rooms: int = 65536  # remembered cancelled/failed rooms (oldest forgotten)
+
+
+def job_bytes_per_token(job: TransferJob, src: PoolGeometry) -> int:
+    """Bytes one token of `job` occupies in a frame (its layers, K and V, its heads)."""
+    item_size = ITEM_SIZES[src.dtype]
+    return len(job.src_layers) * 2 * job.num_heads * src.head_dim * item_size
+
+
+def plan_job_frames(
+    job: TransferJob, src: PoolGeometry, config: SenderConfig
+) -> list[tuple[int, int]]:
+    """The frames, as job-relative token ranges, that a sender cuts `job` into.
+
+    Cuts fall on the destination's page boundaries (positions are the same on
+    both sides), so whole pages move in one copy when gathering and scattering.
+    """
+    return plan_frames(
+        job.num_tokens,
+        job_bytes_per_token(job, src),
+        config.max_frame_bytes,
+        config.min_frame_bytes,
+        config.pipeline_depth,
+        align_tokens=src.page_size,
+        first_token=job.token_start,
+    )
 
 
 @dataclass
@@ -263,16 +289,8 @@ class KVSender:
         if job.src_heads == (0, shape.num_kv_heads):
             heads = slice(None)  # lets the pool take its whole-row fast path
         frame_shape = (len(job.src_layers), 2, 0, job.num_heads, shape.head_dim)
-        bytes_per_token = (
-            len(job.src_layers) * 2 * job.num_heads * shape.head_dim * pool.buffer.element_size()
-        )
-        plan = plan_frames(
-            job.num_tokens,
-            bytes_per_token,
-            cfg.max_frame_bytes,
-            cfg.min_frame_bytes,
-            cfg.pipeline_depth,
-        )
+        bytes_per_token = job_bytes_per_token(job, shape)
+        plan = plan_job_frames(job, shape, cfg)
         slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
         direct = isinstance(self.transport, DirectCopy) and pool.device.type == "cpu"
         for index, (start, end) in enumerate(plan):

@@ -12,6 +12,12 @@ CPU pool in a single NumPy fancy-index assignment over fixed-size byte cells
 `index_copy_`/`index_put_` copy element by element, about seven times slower
 than this memcpy-per-cell path; NumPy also releases the GIL while it copies.
 
+With whole heads in NHD, both directions copy runs of `cells.cell_tokens`
+tokens per cell (a page, or more) instead of one token: on 2 KiB token rows
+the per-cell cost kept gather and scatter near 11 GiB/s; 32 KiB page cells
+run at 20-30 GiB/s. The CPU gather then is one `np.take` into the staging
+buffer (contiguous output: NumPy writes it in place, without buffering).
+
 On a GPU pool the gather runs on the device into a scratch tensor and one
 device-to-host copy lands it in pinned staging memory.
 """
@@ -27,6 +33,7 @@ import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.cells import cell_tokens
 
 
 class StagingTimeout(TimeoutError):
@@ -123,6 +130,14 @@ def gather_into(
     """
     shape = pool.shape
     hs, he, _ = heads.indices(shape.num_kv_heads)
+    if (
+        pool.device.type == "cpu"
+        and shape.layout == KVLayout.NHD
+        and (hs, he) == (0, shape.num_kv_heads)
+        and len(slots)
+    ):
+        _gather_runs(pool, layers, slots.numpy(), out)
+        return
     dev = slots.device
     lay = torch.as_tensor(list(layers), dtype=torch.int64, device=dev)
     planes = (lay[:, None] * 2 + torch.arange(2, device=dev)[None, :])[:, :, None]  # [l, 2, 1]
@@ -161,6 +176,14 @@ def scatter_bytes(
     raw = pool.buffer.view(torch.uint8).numpy()  # shares the pool's memory
     lay = np.asarray(layers, dtype=np.int64)[:, None, None]
     kv = np.arange(2)[None, :, None]
+    if shape.layout == KVLayout.NHD and (hs, he) == (0, shape.num_kv_heads) and len(slots):
+        num_slots = shape.num_pages * shape.page_size
+        tokens = cell_tokens(slots, num_slots)
+        cell = np.dtype(f"V{tokens * shape.num_kv_heads * head_bytes}")
+        dst = raw.reshape(shape.num_layers, 2, -1).view(cell)  # [L, 2, num_slots / tokens]
+        src = data.reshape(*data.shape[:2], -1).view(cell)  # [l, 2, n / tokens]
+        dst[lay, kv, slots[None, None, ::tokens] // tokens] = src
+        return
     if shape.layout == KVLayout.NHD:
         # A cell is one token's heads [hs, he): contiguous inside its row.
         rows = raw.reshape(
@@ -180,3 +203,28 @@ def scatter_bytes(
     offsets = (slots % shape.page_size)[None, None, :, None]
     head_ids = np.arange(hs, he)[None, None, None, :]
     cells[lay[..., None], kv[..., None], pages, head_ids, offsets] = src
+
+
+def _gather_runs(
+    pool: KVPool,
+    layers: Sequence[int],
+    slots: np.ndarray,  # [n] int64
+    out: torch.Tensor,  # [len(layers), 2, n, H, D], contiguous
+) -> None:
+    """Whole-row NHD gather on CPU: one `np.take` of run-sized cells into `out`."""
+    shape = pool.shape
+    num_slots = shape.num_pages * shape.page_size
+    tokens = cell_tokens(slots, num_slots)
+    cells_per_plane = num_slots // tokens
+    lay = np.asarray(layers, dtype=np.int64)
+    if len(lay) == 0 or lay.min() < 0 or lay.max() >= shape.num_layers:
+        raise IndexError(f"layers {list(layers)} outside the pool's {shape.num_layers}")
+    if slots.min() < 0 or slots.max() >= num_slots:
+        raise IndexError(f"slots outside the pool's 0..{num_slots - 1}")
+    planes = (lay[:, None] * 2 + np.arange(2)[None, :])[:, :, None]  # [l, 2, 1]
+    index = planes * cells_per_plane + slots[None, None, ::tokens] // tokens  # [l, 2, n / tokens]
+    cell = np.dtype(f"V{tokens * shape.num_kv_heads * shape.head_dim * pool.buffer.element_size()}")
+    src = pool.buffer.view(-1).view(torch.uint8).numpy().view(cell)  # [L * 2 * cells_per_plane]
+    dst = out.view(-1).view(torch.uint8).numpy().view(cell)  # [l * 2 * n / tokens]
+    # Bounds were checked above; "clip" keeps NumPy from buffering the output.
+    np.take(src, index.reshape(-1), out=dst, mode="clip")

@@ -202,6 +202,66 @@ def test_plan_covers_tokens_evenly_within_bounds(
     assert len(plan) >= min(fewest, num_tokens)
 
 
+@given(
+    num_tokens=st.integers(0, 50_000),
+    bytes_per_token=st.integers(1, 1 << 16),
+    max_frame=st.integers(1 << 10, 16 * MiB),
+    min_ratio=st.floats(0.001, 1.0),
+    depth=st.integers(1, 8),
+    align=st.integers(1, 64),
+    first_token=st.integers(0, 10_000),
+)
+def test_aligned_plan_cuts_only_at_block_boundaries(
+    num_tokens, bytes_per_token, max_frame, min_ratio, depth, align, first_token
+):
+    if bytes_per_token > max_frame:
+        return
+    min_frame = max(1, int(max_frame * min_ratio))
+    plan = plan_frames(
+        num_tokens, bytes_per_token, max_frame, min_frame, depth,
+        align_tokens=align, first_token=first_token,
+    )  # fmt: skip
+    assert [s for s, _ in plan] == ([0] + [e for _, e in plan[:-1]] if plan else [])
+    assert (plan[-1][1] if plan else 0) == num_tokens
+    sizes = [e - s for s, e in plan]
+    assert all(0 < size and size * bytes_per_token <= max_frame for size in sizes)
+    max_tokens = max_frame // bytes_per_token
+    if align <= max_tokens:
+        # Every cut sits on a block boundary, so inner frames hold whole blocks.
+        assert all((first_token + end) % align == 0 for _, end in plan[:-1])
+        inner = sizes[1:-1]
+        if inner:
+            assert max(inner) - min(inner) <= align
+        if len(plan) > 1:
+            floor_bytes = min(min_frame, max_frame // 2) - 3 * align * bytes_per_token
+            assert all(size * bytes_per_token >= floor_bytes for size in sizes)
+    else:
+        assert plan == plan_frames(num_tokens, bytes_per_token, max_frame, min_frame, depth)
+
+
+@pytest.mark.parametrize(
+    ("first_token", "num_tokens", "expected"),
+    [
+        (0, 128, [(0, 32), (32, 64), (64, 96), (96, 128)]),  # 16 MiB: whole pages
+        (5, 128, [(0, 43), (43, 75), (75, 107), (107, 128)]),  # starts mid-page
+        (0, 100, [(0, 32), (32, 64), (64, 96), (96, 100)]),  # ends mid-page
+        (3, 8, [(0, 8)]),  # below the minimum: one frame
+    ],
+)
+def test_aligned_plan_of_a_llama_sized_job(first_token, num_tokens, expected):
+    bytes_per_token = 2 * 32 * 2 * 8 * 128  # 128 KiB, pages of 16 tokens
+    plan = plan_frames(num_tokens, bytes_per_token, align_tokens=16, first_token=first_token)
+    assert plan == expected
+    assert all((first_token + end) % 16 == 0 for _, end in plan[:-1])
+
+
+def test_plan_rejects_bad_alignment():
+    with pytest.raises(ValueError, match="align_tokens"):
+        plan_frames(10, 4, align_tokens=0)
+    with pytest.raises(ValueError, match="first_token"):
+        plan_frames(10, 4, first_token=-1)
+
+
 @pytest.mark.parametrize(
     ("total", "expected_frames"),
     [

@@ -22,9 +22,9 @@ from transfer_helpers import (
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
-from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header, plan_frames
+from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
 from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
@@ -132,7 +132,7 @@ def test_round_trip_is_bit_identical(link, dtype, layouts, page_size):
     assert progress is not None
     assert progress.num_tokens == 37
     assert progress.nbytes == 37 * bytes_per_token
-    assert progress.num_frames == len(plan_frames(37, bytes_per_token, 2048, 512))
+    assert progress.num_frames == len(plan_job_frames(job, src.shape, SMALL_FRAMES))
     assert progress.last_from == frozenset({0})
 
 
@@ -271,7 +271,7 @@ def test_frames_for_a_cleared_room_are_dropped_and_never_written(link):
     receiver = receiver_for(link, dst, rooms)
     assert run_jobs(link, src, [job]) == []
     assert torch.equal(bits(dst.buffer), bits(before))
-    num_frames = len(plan_frames(30, 3 * 2 * 4 * 8 * 4, 2048, 512))
+    num_frames = len(plan_job_frames(job, src.shape, SMALL_FRAMES))
     assert receiver.stats == {"room_not_receiving": num_frames}
     assert receiver.progress(11, 0) is None
 
@@ -300,7 +300,7 @@ def test_a_room_cleared_mid_transfer_receives_no_later_frame(link):
     receiver = KVReceiver(dst, rooms, on_progress=lambda room, gen, p: rooms.clear(room))
     link.decode.on_kv = receiver.on_kv
     run_jobs(link, src, [job])
-    first_end = plan_frames(30, 3 * 2 * 4 * 8 * 4, 2048, 512)[0][1]
+    first_end = plan_job_frames(job, src.shape, SMALL_FRAMES)[0][1]
     dst_slots = slots(dst_table, 0, 30, 4)
     before_pool = KVPool(dst.shape)
     before_pool.buffer.copy_(before)
@@ -310,7 +310,8 @@ def test_a_room_cleared_mid_transfer_receives_no_later_frame(link):
     )  # fmt: skip
     assert torch.equal(bits(dst.buffer), bits(want))  # the first frame only
     assert receiver.stats["accepted"] == 1
-    assert receiver.stats["room_not_receiving"] == len(plan_frames(30, 768, 2048, 512)) - 1
+    num_frames = len(plan_job_frames(job, src.shape, SMALL_FRAMES))
+    assert receiver.stats["room_not_receiving"] == num_frames - 1
 
 
 def test_quiesce_waits_for_a_write_already_past_resolve(link):

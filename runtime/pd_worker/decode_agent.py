@@ -98,6 +98,11 @@ class DecodeAgent(RankAgent):
         # that *started* later may revive it: one already in flight when the
         # operator reported the pod gone proves nothing.
         self._lost_at: dict[str, float] = {}
+        # Heartbeat peer -> when its probes declared it dead. Kept (unlike
+        # `_lost_at`) until it answers again: a restart can take longer than
+        # `bootstrap_s`, and a fresh /route answer must still revive it then,
+        # or its next death would go unreported (STILL_DEAD, no verdict).
+        self._dead_at: dict[str, float] = {}
         # shm only: prefill instance -> rank endpoints it had when it stopped
         # answering. Pages its rooms held stay quarantined until it acks, or
         # comes back on other endpoints (the old process is gone).
@@ -330,6 +335,7 @@ class DecodeAgent(RankAgent):
                 "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
             )
             self.ctx.stats["peer_dead"] += 1
+            self._dead_at[peer] = now
             # Unreachable is not gone: a hung process may wake up and write.
             self._peer_lost(peer, "prefill_unreachable", now, definitive=False)
         elif verdict in (Verdict.OK, Verdict.RECOVERED):
@@ -338,6 +344,10 @@ class DecodeAgent(RankAgent):
     def _revive(self, peer: str, started: float, *, recovered: bool, refetch: bool) -> None:
         """`peer` answered a request sent at `started`: undo verdicts older than that."""
         revived = [p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)]
+        dead_at = self._dead_at.get(peer)
+        recovered = recovered or (dead_at is not None and dead_at <= started)
+        if recovered:
+            self._dead_at.pop(peer, None)
         if recovered or revived:
             log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
             self.heartbeat.mark_alive(peer)

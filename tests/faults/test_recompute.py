@@ -250,15 +250,17 @@ def test_killed_prefill_fails_fast_through_the_router_under_fail(pd: FaultCluste
     killed_at = time.monotonic()
     pd.kill("prefill-1")
     answers: list[RouterAnswer] = [t.result(90) for t in traffic]
-    failed = 0
+    by_router = 0
     for i, (answer, want) in enumerate(zip(answers, expected, strict=True)):
         if answer.ok:
             assert answer.output_ids == want, f"request {i}: output != colocated"
             continue
-        failed += 1
         # The HTTP status, or the code of the stream's error event.
         assert answer.status == 502, f"request {i}: {answer.status} {answer.error}"
-        assert "prefill worker failed" in answer.error, answer.error
+        # Mostly the router's own verdict on the broken prefill leg; a request
+        # whose prefill leg had already answered fails at decode, by name.
+        assert "prefill worker failed" in answer.error or "kv transfer failed" in answer.error
+        by_router += "prefill worker failed" in answer.error
         assert answer.ended_at - killed_at <= FAIL_FAST_S, f"request {i} failed late"
-    assert failed >= 1, "no request was on the killed prefill"
+    assert by_router >= 1, "no request was on the killed prefill"
     pd.assert_clean(["prefill-0", "decode-0", "decode-1"])

@@ -181,7 +181,12 @@ class Bench:
         if fast_path:
             self.http.post(
                 self.url("decode-0") + "/admin/fail_peer",
-                json={"peer": self.peer("prefill-1"), "reason": "pod_deleted"},
+                # As the operator says it: a killed pod is gone, a stopped one only NotReady.
+                json={
+                    "peer": self.peer("prefill-1"),
+                    "reason": "prefill_pod_lost",
+                    "gone": how == "kill",
+                },
                 headers={"Authorization": f"Bearer {self.token}"},
             )
         t1 = self.wait(lambda: not self.live_tied("decode-0", "prefill-1"), 30)

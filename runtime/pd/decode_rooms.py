@@ -36,8 +36,11 @@ Rules (DESIGN §3, §5, §7, §8):
   instance (bootstrap address), rank endpoint or host, marks those sources
   dead (which settles them) and forgets their layout registration (re-sent
   on next use). It is idempotent — call it on every failed probe past the
-  threshold — and for `bootstrap_s` (or until `peer_recovered`) a room
-  resolved onto that peer fails at once;
+  threshold — and for `bootstrap_s` (a heartbeat verdict: `until_recovered`,
+  until `peer_recovered`) a new room on that peer fails at once with the
+  verdict's reason: `fail_if_peer_dead` right after `add_room` (no /route
+  fetch, no retries against a dead server), and `resolve` for a rank
+  endpoint or host declared dead;
 - a rejected `KVLayoutRegister` (LayoutAck) fails the rooms on that peer with
   the prefill's reason, which names the mismatched field and both values.
 
@@ -59,6 +62,7 @@ Pure module.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -153,6 +157,7 @@ class DecodeRoomTable:
         # Prefill endpoints we sent our layout to → their instance's bootstrap address.
         self._registered: dict[str, str] = {}
         # Peers declared dead → (until, reason): new rooms on them fail fast.
+        # `until` is inf for a heartbeat verdict: only `peer_recovered` ends it.
         self._dead: dict[str, tuple[float, str]] = {}
 
     # ------------------------------------------------------------------ queries
@@ -319,13 +324,23 @@ class DecodeRoomTable:
         return self._fail(self._live(room), reason or "aborted", now)
 
     def fail_peer(
-        self, peer: str, reason: str, now: float, *, definitive: bool = True
+        self,
+        peer: str,
+        reason: str,
+        now: float,
+        *,
+        definitive: bool = True,
+        until_recovered: bool = False,
     ) -> list[Action]:
         """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`.
 
         Idempotent: call it on every failed probe past the threshold. For
-        `bootstrap_s` (or until `peer_recovered`) a new room resolved onto
-        this peer fails at once instead of waiting for its timeouts.
+        `bootstrap_s` (or until `peer_recovered`) a new room on this peer
+        fails at once instead of waiting for /route retries or timeouts.
+        `until_recovered` (a heartbeat verdict: the heartbeat keeps probing
+        the peer and calls `peer_recovered` when it answers) drops the time
+        limit: a peer dead for longer than `bootstrap_s` still fails new
+        rooms at once.
 
         `definitive=False` says the peer stopped answering, not that it is
         gone (a heartbeat verdict: a hung process may resume). With a
@@ -337,7 +352,14 @@ class DecodeRoomTable:
         frames are dropped by generation, so any verdict settles the sources.
         """
         quarantine = self.info.one_sided and not definitive
-        self._dead[peer] = (now + self.settings.bootstrap_s, reason)
+        until = math.inf if until_recovered else now + self.settings.bootstrap_s
+        old = self._dead.get(peer)
+        if old is not None and old[0] > now:
+            # An ongoing verdict keeps its first reason, and the longer of two limits.
+            until, reason_kept = max(until, old[0]), old[1]
+        else:
+            reason_kept = reason
+        self._dead[peer] = (until, reason_kept)
         self._registered = {
             e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
         }
@@ -359,6 +381,30 @@ class DecodeRoomTable:
     def peer_recovered(self, peer: str) -> None:
         """The heartbeat reaches `peer` again: new rooms may use it."""
         self._dead.pop(peer, None)
+
+    def fail_if_peer_dead(self, room: int, now: float) -> list[Action]:
+        """A room just added: fail it now if its prefill instance is declared dead.
+
+        Call right after `add_room`, before fetching /route: a server
+        declared dead would only be retried until the room's own deadline.
+        Returns [] (and changes nothing) when the peer is not declared dead.
+        """
+        r = self._live(room)
+        if r.poll.state is not KVPoll.Bootstrapping or r.sources is not None:
+            return []
+        reason = self.peer_verdict(r.peer, now)
+        return [] if reason is None else self._fail(r, reason, now)
+
+    def peer_verdict(self, peer: str, now: float) -> str | None:
+        """The reason `peer` (a prefill instance address) is declared dead, or None."""
+        for dead, (until, why) in self._dead.items():
+            if until > now and peer_matches(dead, peer):
+                return why
+        return None
+
+    def peers_down(self, now: float) -> dict[str, str]:
+        """Every peer declared dead now → the reason."""
+        return {p: why for p, (until, why) in self._dead.items() if until > now}
 
     def _declared_dead(self, r: DecodeRoom, now: float) -> str | None:
         self._dead = {p: v for p, v in self._dead.items() if v[0] > now}

@@ -42,6 +42,7 @@ class _Peer:
     failures: int = 0
     dead: bool = False
     in_flight: bool = False
+    last_start: float | None = None  # when the latest probe started
 
 
 class HeartbeatTracker:
@@ -100,10 +101,24 @@ class HeartbeatTracker:
         for name, p in self._peers.items():
             if not p.in_flight and p.next_probe <= now:
                 p.in_flight = True
+                p.last_start = now
                 # Fixed cadence: a slow probe does not push the next one back.
                 p.next_probe = max(p.next_probe + self.interval_s, now)
                 out.append(name)
         return out
+
+    def hasten(self, peer: str, now: float) -> None:
+        """Probe `peer` soon: a room was just refused because it is declared dead.
+
+        A restarted peer is then noticed one probe later, not one interval
+        later, while traffic asks for it. Probes stay at most one in flight
+        and at least `probe_timeout_s` apart, however many rooms ask.
+        """
+        p = self._peers.get(peer)
+        if p is None or p.in_flight:
+            return
+        earliest = now if p.last_start is None else p.last_start + self.probe_timeout_s
+        p.next_probe = min(p.next_probe, max(now, earliest))
 
     def next_wakeup(self) -> float | None:
         """When the next probe falls due (None: nothing to probe or all in flight)."""

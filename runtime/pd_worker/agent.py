@@ -32,11 +32,13 @@ from typing import Any
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.instance_counts import RankCountsBook
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
     GroupMessage,
     GroupProtocolError,
     GroupReport,
+    GroupStats,
     ReportKind,
     decode_group,
     encode_group,
@@ -48,6 +50,10 @@ from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 log = logging.getLogger("pdcluster.pd")
 
 TICK_S = 0.05
+# Followers push their counters on change and at least this often; the
+# leader reports a follower silent for STATS_STALE_S as missing.
+STATS_PUSH_S = 1.0
+STATS_STALE_S = 3.0
 
 
 @dataclass
@@ -137,6 +143,12 @@ class RankAgent:
         # Leader only: where this rank's own reports go (the coordinator's queue).
         self.report_sink: Callable[[GroupReport], None] | None = None
         self.group_sink: Callable[[GroupReport], None] | None = None
+        # Leader only (set in start()): the followers' latest counters.
+        self.rank_counts: RankCountsBook | None = None
+        # Its own lock: an agent step may hold `self.lock` for a while, and the
+        # admin endpoint reading the counters must not wait for it.
+        self._counts_lock = threading.Lock()
+        self._pushed: tuple[float, dict[str, int]] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"pd-agent-{ctx.group_rank}", daemon=True
@@ -147,6 +159,9 @@ class RankAgent:
         return self.endpoint.address
 
     def start(self) -> None:
+        if self.follower_addresses:
+            followers = [i for i in range(self.ctx.group_size) if i != self.ctx.group_rank]
+            self.rank_counts = RankCountsBook(followers, STATS_STALE_S)
         self._thread.start()
 
     def close(self) -> None:
@@ -181,6 +196,7 @@ class RankAgent:
                     if time.monotonic() >= next_tick:
                         self.tick(time.monotonic())
                         self.publish_stats()
+                        self.push_stats(time.monotonic())
                         next_tick = time.monotonic() + TICK_S
             except Exception:
                 log.exception("rank %s: agent step failed", self.ctx.coord)
@@ -197,6 +213,35 @@ class RankAgent:
         """
         for reason, count in self.endpoint.stats.items():
             self.ctx.stats[f"endpoint:{reason}"] = count
+
+    def counts(self) -> dict[str, int]:
+        """A copy of this rank's counters (the endpoint thread may bump one meanwhile)."""
+        for _ in range(5):
+            try:
+                return dict(self.ctx.stats)
+            except RuntimeError:  # resized during the copy: try again
+                continue
+        return {}
+
+    def push_stats(self, now: float) -> None:
+        """Follower: send the counters to the leader when they changed, or as a keepalive."""
+        if self.leader_address is None:
+            return
+        counts = self.counts()
+        if self._pushed is not None:
+            at, last = self._pushed
+            if counts == last and now - at < STATS_PUSH_S:
+                return
+        self._pushed = (now, counts)
+        msg = GroupStats(self.ctx.group_rank, str(self.ctx.coord), counts)
+        self.endpoint.send_control(self.leader_address, encode_group(msg))
+
+    def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:
+        """Leader: each follower's last counters and the followers missing (any thread)."""
+        with self._counts_lock:
+            if self.rank_counts is None:
+                return {}, []
+            return self.rank_counts.by_rank(), self.rank_counts.missing(now)
 
     # ------------------------------------------------------------ inbound
     def _on_control(self, sender: str, data: bytes) -> None:
@@ -224,6 +269,16 @@ class RankAgent:
         self.post(lambda: self.on_message(msg, time.monotonic()))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
+        if isinstance(msg, GroupStats):
+            if self.rank_counts is None:
+                self.ctx.stats["group_reject:not_leader"] += 1
+                return
+            try:
+                with self._counts_lock:
+                    self.rank_counts.update(msg.rank, msg.name, msg.counts, time.monotonic())
+            except ValueError:
+                self.ctx.stats["group_reject:bad_stats"] += 1
+            return
         if isinstance(msg, GroupReport):
             if self.group_sink is None:
                 self.ctx.stats["group_reject:not_leader"] += 1

@@ -12,7 +12,11 @@ Admin API (token-protected; the operator's fast path):
   `gone: false` (the peer may be hung, not dead) keeps those rooms' pages on
   a one-sided transport until the peer acks or is reported gone (admin_body.py);
 - `GET /admin/rooms` — rooms with state, age and peers (this rank's view);
-- `GET /admin/failures` — failure counts by reason, for the operator's Events.
+- `GET /admin/failures` — failure counts of the whole instance (every rank of
+  every dp group; rooms counted once), for the operator's Events:
+  `{"failures": {"room_failed:<reason>": rooms}, "stats": {...}, "ranks":
+  {"<coord>": {...}}, "missing": [...]}` (counts.py); `?scope=group` answers
+  for this dp group only (how the front reads the other groups).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pdcluster.runtime.pd_worker.coordinator import (
     PrefillCoordinator,
     RoomConflict,
 )
+from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
@@ -55,6 +60,7 @@ class _PDBackend:
         self.info = info
         self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
         self._forwarded: dict[str, str] = {}
+        self.counts: InstanceCounts | None = None  # set by build_pd_backend
         # The front of a dp>1 instance is healthy only once every dp group serves.
         self._groups_ready = threading.Event()
         if self.dp_ports and info["dp_rank"] == 0:
@@ -198,8 +204,19 @@ class _PDBackend:
             "num_total_pages": engine.num_total_pages,
             "num_rooms": len(self.coordinator.rooms),
             "endpoint": self.agent.address,
-            "pd_stats": dict(self.agent.ctx.stats),
+            **self._pd_stats(),
             "kv_receive_stats": dict(getattr(getattr(self.agent, "receiver", None), "stats", {})),
+        }
+
+    def _pd_stats(self) -> dict[str, Any]:
+        if self.counts is None:
+            return {"pd_stats": self.agent.counts()}
+        view = self.counts.instance_view_blocking()
+        # Summed over every rank of the instance; room_failed:* counts rooms.
+        return {
+            "pd_stats": view.stats,
+            "pd_stats_by_rank": view.ranks,
+            "pd_stats_missing": view.missing,
         }
 
     def is_healthy(self) -> bool:
@@ -218,6 +235,10 @@ class PrefillBackend(_PDBackend):
 class DecodeBackend(_PDBackend):
     role = "decode"
 
+    def server_info(self) -> dict[str, Any]:
+        # Prefills this group's leader refuses new rooms for (declared dead, not back yet).
+        return {**super().server_info(), "peers_down": self.agent.peers_down()}
+
     def open(self, req: PreparedRequest) -> None:
         b = req.bootstrap
         if b.bootstrap_host is None or b.bootstrap_port is None or b.bootstrap_room is None:
@@ -230,7 +251,7 @@ class DecodeBackend(_PDBackend):
 
 
 def _admin_routes(
-    agent: Any, token: str, stats: Callable[[], dict[str, int]], dp_ports: tuple[int, ...] = ()
+    agent: Any, token: str, counts: InstanceCounts, dp_ports: tuple[int, ...] = ()
 ) -> Callable[[FastAPI], None]:
     def authorized(request: Request) -> JSONResponse | None:
         if not token:
@@ -291,7 +312,9 @@ def _admin_routes(
             denied = authorized(request)
             if denied is not None:
                 return denied
-            return JSONResponse({"failures": stats()})
+            if request.query_params.get("scope") == "group":
+                return JSONResponse(counts.group_view().to_json())
+            return JSONResponse((await counts.instance_view()).to_json())
 
     return add
 
@@ -325,9 +348,8 @@ def build_pd_backend(
         coord = DecodeCoordinator(agent, service, group_size, metrics, spec)
         backend = DecodeBackend(service, agent, coord, info)
 
-    def failure_counts() -> dict[str, int]:
-        return {k: v for k, v in agent.ctx.stats.items() if k.startswith("room_failed:")}
-
     # Only the front (dp group 0) relays admin calls to the other groups.
-    relay_ports = settings.dp_ports if dp_rank == 0 else ()
-    return backend, _admin_routes(agent, settings.token, failure_counts, relay_ports), servers
+    relay_ports = tuple(settings.dp_ports) if dp_rank == 0 else ()
+    counts = InstanceCounts(agent, coord, settings.token, relay_ports)
+    backend.counts = counts
+    return backend, _admin_routes(agent, settings.token, counts, relay_ports), servers

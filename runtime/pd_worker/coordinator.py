@@ -27,6 +27,7 @@ from typing import Any
 
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
+from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.room_common import reason_label
 from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
@@ -88,6 +89,8 @@ class _Coordinator:
         self._reports: collections.deque[GroupReport] = collections.deque()
         self._rejects_seen: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Rooms failed on any rank of the group, each counted once (under `_lock`).
+        self._tally = RoomFailureTally(agent.ctx.room_settings.tombstone_ttl)
         agent.report_sink = self._queue_report
         agent.group_sink = self._queue_report
         service.add_tick(self.tick)
@@ -96,8 +99,17 @@ class _Coordinator:
 
     def _queue_report(self, rep: GroupReport) -> None:
         with self._lock:
+            if rep.kind == "failed":
+                # Every rank's failure counts here, even for a room this leader
+                # never opened (metadata that arrived without its leg).
+                self._tally.record(rep.room, rep.reason or "failed", time.monotonic())
             self._reports.append(rep)
         self.service._wakeup.set()
+
+    def rooms_failed(self) -> dict[str, int]:
+        """Rooms of this group failed on any rank, by `room_failed:<reason>` (any thread)."""
+        with self._lock:
+            return self._tally.counts()
 
     def tick(self) -> None:
         while True:

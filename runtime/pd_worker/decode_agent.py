@@ -237,6 +237,15 @@ class DecodeAgent(RankAgent):
         self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen, msg.num_tokens)
         if msg.peer not in self.heartbeat.peers():
             self.heartbeat.add(msg.peer, now)
+        refused = self.table.fail_if_peer_dead(msg.room, now)
+        if refused:
+            # Declared dead (heartbeat or operator) and not seen answering since:
+            # fail now rather than retry /route against it; a probe soon tells
+            # whether it is back for the next room.
+            self.heartbeat.hasten(msg.peer, now)
+            self.perform(refused)
+            self._sweep(msg.room)
+            return
         client = self.bootstrap.get(msg.peer)
         cached = client.cached_instance
         if cached is not None:
@@ -337,7 +346,10 @@ class DecodeAgent(RankAgent):
             self.ctx.stats["peer_dead"] += 1
             self._dead_at[peer] = now
             # Unreachable is not gone: a hung process may wake up and write.
-            self._peer_lost(peer, "prefill_unreachable", now, definitive=False)
+            # New rooms on it fail at once until a probe finds it answering.
+            self._peer_lost(
+                peer, "prefill_unreachable", now, definitive=False, until_recovered=True
+            )
         elif verdict in (Verdict.OK, Verdict.RECOVERED):
             self._revive(peer, started, recovered=verdict is Verdict.RECOVERED, refetch=True)
 
@@ -361,7 +373,9 @@ class DecodeAgent(RankAgent):
         if peer in self._quarantined:
             self._check_restarted(peer)
 
-    def _peer_lost(self, peer: str, reason: str, now: float, *, definitive: bool) -> None:
+    def _peer_lost(
+        self, peer: str, reason: str, now: float, *, definitive: bool, until_recovered: bool = False
+    ) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
         self._lost_at[peer] = now
         quarantine = self.one_sided and not definitive
@@ -391,7 +405,11 @@ class DecodeAgent(RankAgent):
         if definitive:
             for watched in [w for w in self._quarantined if peer_matches(peer, w)]:
                 del self._quarantined[watched]
-        self.perform(self.table.fail_peer(peer, reason, now, definitive=definitive))
+        self.perform(
+            self.table.fail_peer(
+                peer, reason, now, definitive=definitive, until_recovered=until_recovered
+            )
+        )
         for room in list(self.rooms):
             self._sweep(room)
 
@@ -425,6 +443,11 @@ class DecodeAgent(RankAgent):
             del self._quarantined[peer]
         for room in list(self.rooms):
             self._sweep(room)
+
+    def peers_down(self) -> dict[str, str]:
+        """Prefill peers new rooms fail on at once now → why (any thread)."""
+        with self.lock:
+            return self.table.peers_down(time.monotonic())
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]

@@ -7,6 +7,8 @@ leader tells its followers about rooms (`GroupOpen`, `GroupPages`,
 (`GroupReport`), so the leader acts only on the agreement of all ranks:
 prefill computes once every rank knows its destinations, decode decodes
 once every rank received its KV, and pages are freed once every rank let go.
+Followers also push their counters (`GroupStats`) so the leader can answer
+for the whole group.
 
 These travel on the ranks' control endpoints next to the PD protocol; a
 distinct magic keeps the two apart. Pure module: msgspec structs only.
@@ -83,7 +85,23 @@ class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fiel
     first_token: int | None = None
 
 
-GroupMessage = GroupOpen | GroupPages | GroupFail | GroupFailPeer | GroupReport
+MAX_COUNTERS: Final = 1024
+
+
+class GroupStats(msgspec.Struct, tag="stats", frozen=True, forbid_unknown_fields=True):
+    """A follower's counters (cumulative), pushed to its leader on change and periodically.
+
+    The leader sums them into the instance's `/admin/failures` and `pd_stats`.
+    """
+
+    rank: int  # rank index inside the group
+    name: str  # its coordinates, for the per-rank breakdown
+    counts: Annotated[
+        dict[str, Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_COUNTERS)
+    ]
+
+
+GroupMessage = GroupOpen | GroupPages | GroupFail | GroupFailPeer | GroupReport | GroupStats
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(GroupMessage)

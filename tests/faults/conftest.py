@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.runtime.pd.compat import CompatInfo
-from tests.faults.harness import FaultCluster, PDClient, base_spec
+from tests.faults.harness import FaultCluster, PDClient, base_spec, wait_until
 from tests.faults.rogue import fetch_instance
 
 
@@ -43,6 +43,17 @@ def make_ready(cluster: FaultCluster, names: list[str] | None = None) -> FaultCl
             cluster.restart(name, wait=False)
     for name in names:
         cluster.wait_healthy(name)
+    # A decode refuses new rooms on a prefill it declared dead until its next
+    # probe finds it back: wait for that, so no scenario inherits the verdict.
+    prefills = {cluster.peer(p) for p in cluster.workers("prefill")}
+    for name in cluster.workers("decode"):
+        if cluster.launcher.procs[name].poll() is None:
+            wait_until(
+                lambda n=name: not prefills & set(cluster.info(n).get("peers_down", {})),
+                30,
+                0.05,
+                f"{name} to see every prefill answering",
+            )
     return cluster
 
 

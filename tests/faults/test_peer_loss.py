@@ -199,11 +199,19 @@ def test_admin_fast_path_fails_rooms_at_once(pd: FaultCluster, client: PDClient)
 
 @pytest.mark.slow
 def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
+    """kill -9 a prefill mid-transfer: its rooms fail by heartbeat, later ones at once.
+
+    Rooms open at the kill fail within the heartbeat bound. Once decode's
+    heartbeat declared the prefill dead, a new room for it fails at once
+    with the verdict's reason (`prefill_unreachable`) — no /route fetch and
+    retries against the dead server (`bootstrap_unreachable`, seconds later).
+    """
     victims = make_prompts(8, seed=41, lo=2500, hi=4000)
     survivors = make_prompts(6, seed=42, lo=1, hi=600)
     expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
     before = pd.failures("decode-0")
     failed_before = sum(before.get(r, 0) for r in UNREACHABLE)
+    dead_before = pd.stats("decode-0").get("peer_dead", 0)
     traffic = start_traffic(
         pd,
         client,
@@ -215,6 +223,8 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
 
     killed_at = time.monotonic()
     pd.kill("prefill-1")
+    open_at_kill = {r["room"] for r in live(tied_rooms(pd, "decode-0", "prefill-1"))}
+    assert open_at_kill, "no room of the victim left at the kill"
     wait_until(
         lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")),
         HEARTBEAT_BOUND_S + 1,
@@ -223,12 +233,41 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     )
     detected = time.monotonic() - killed_at
     assert detected <= HEARTBEAT_BOUND_S, f"rooms failed {detected:.2f}s after kill -9"
+    wait_until(
+        lambda: pd.stats("decode-0").get("peer_dead", 0) > dead_before,
+        HEARTBEAT_BOUND_S,
+        0.01,
+        "the heartbeat verdict",
+    )
+    assert pd.info("decode-0")["peers_down"] == {pd.peer("prefill-1"): "prefill_unreachable"}
+
+    # After the verdict: new rooms for the dead prefill fail at once, by the verdict.
+    late = client.many(
+        [
+            lambda p=p: client.generate(
+                pd.url("prefill-1"),
+                pd.url("decode-0"),
+                pd.bootstrap("prefill-1"),
+                p,
+                MAX_TOKENS,
+                propagate=False,
+            )
+            for p in survivors[:3]
+        ]
+    )
+    for res in late:
+        assert res.decode.status == 502, res.decode
+        assert "prefill_unreachable" in res.decode.error, res.decode.error
+        # /route retries alone would take over 1.5 s (RetryPolicy: 50 ms doubling, 6 tries).
+        assert res.decode.elapsed < 1.0, f"a room after the verdict took {res.decode.elapsed:.2f}s"
+
     results: list[PDResult] = traffic.result()
     lost = [r for r in results[: len(victims)] if not r.decode.ok]
     assert lost, "every victim finished before the kill"
+    assert {r.room for r in lost} >= open_at_kill - {r.room for r in results if r.decode.ok}
     for res in lost:
-        # Rooms still fetching the instance's addresses find it unreachable there.
         assert res.decode.status == 502
+        # Rooms still fetching the instance's addresses at the kill find it unreachable there.
         assert any(r in res.decode.error for r in UNREACHABLE), res.decode.error
         assert res.decode.ended_at - killed_at <= HEARTBEAT_BOUND_S + 0.5
         # The prefill leg saw its worker vanish.
@@ -236,8 +275,8 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     check_survivors(results[len(victims) :], expected)
     failures = pd.failures("decode-0")
     failed = sum(failures.get(r, 0) for r in UNREACHABLE) - failed_before
-    assert failed == len(lost)
-    assert pd.stats("decode-0").get("peer_dead", 0) >= 1
+    assert failed == len(lost) + len(late)
+    assert pd.stats("decode-0").get("peer_dead", 0) == dead_before + 1
     pd.assert_clean(["prefill-0", "decode-0", "decode-1"])
 
 

@@ -175,14 +175,14 @@ class PodTimeline:
                 time.sleep(0.5)
                 version = self._relist()
 
-    def replaced(self, since: float) -> list[PodLife]:
-        """Worker pods that began terminating at or after `since`."""
+    def replaced(
+        self, since: float, roles: tuple[str, ...] = ("prefill", "decode")
+    ) -> list[PodLife]:
+        """Pods of `roles` that began terminating at or after `since`."""
         return [
             p
             for p in self.pods.values()
-            if p.role in ("prefill", "decode")
-            and p.terminating_at is not None
-            and p.terminating_at >= since
+            if p.role in roles and p.terminating_at is not None and p.terminating_at >= since
         ]
 
     def close(self) -> None:

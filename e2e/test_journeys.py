@@ -16,8 +16,9 @@ against one operator installed by `helm install` (as a pod) and share state:
 4. `kubectl scale` decode to 3 and a patch of prefill replicas → the router
    sends work to every new instance; scaling down during a burst drains the
    removed instances: no request fails.
-5. A runtime setting changes → pods are replaced one by one while clients
-   keep sending; no request fails that was not in flight on a replaced pod.
+5. A runtime setting changes, then the image tag → pods (and, for the
+   image, the router) are replaced one by one while clients keep sending;
+   no request fails that was not in flight on a replaced pod.
 6. Invalid manifests are refused with the CEL rule's message; bad requests
    to the router get clear OpenAI-shaped errors and leave it serving.
 7. `helm upgrade` brings a changed CRD; `kubectl delete` + `helm uninstall`
@@ -510,37 +511,45 @@ def test_4_scaling_up_uses_new_instances_and_scaling_down_drains(
 
 
 # ---------------------------------------------------------------- 5
-def test_5_rolling_a_setting_change_fails_only_requests_on_replaced_pods(
-    release: Release,
+def roll_under_load(
     kube: KubeApi,
     kubectl: KubectlRunner,
-    k8s_cluster: ClusterInfo,
+    info: ClusterInfo,
+    ns: str,
+    patch: dict[str, Any],
+    roles: tuple[str, ...],
 ) -> None:
-    ns = release.apps
+    """Apply `patch`, which must replace every pod of `roles`, while four clients
+    keep sending; check that no request failed unless it was in flight while a
+    replaced pod was going away."""
     wait_pdc(kubectl, ns, NAME, "1/1", "1/1")
-    old = {p["metadata"]["uid"] for r in ("prefill", "decode") for p in pods(kube, ns, NAME, r)}
-    url = router_url(kube, ns, NAME)
-    timeline = PodTimeline(k8s_cluster, ns, NAME)
-    load = SteadyLoad(lambda: url, clients=4).start()
+    old = {p["metadata"]["uid"] for r in roles for p in pods(kube, ns, NAME, r)}
+    timeline = PodTimeline(info, ns, NAME)
+    # Each request goes to the router that is Ready now: the router may be replaced too.
+    load = SteadyLoad(lambda: router_url(kube, ns, NAME), clients=4).start()
     try:
         time.sleep(2.0)
         changed_at = time.monotonic()
-        engine = {"maxPromptTokens": MAX_PROMPT_TOKENS, "maxRunningRequests": 32}
         kubectl(
-            "kubectl", "patch", "pdc", NAME, "-n", ns, "--type=merge", "-p",
-            yaml.safe_dump({"spec": {"prefill": {"engine": engine}, "decode": {"engine": engine}}}),
+            "kubectl", "patch", "pdc", NAME, "-n", ns, "--type=merge", "-p", yaml.safe_dump(patch)
         )  # fmt: skip
         wait_pdc(kubectl, ns, NAME, "1/1", "1/1")
+        wait_until(
+            lambda: all(len(pods(kube, ns, NAME, r)) == 1 for r in roles),
+            60,
+            "one pod per role, the replaced ones gone",
+        )
         time.sleep(2.0)
     finally:
         outcomes = load.stop()
         timeline.close()
-    now = {p["metadata"]["uid"] for r in ("prefill", "decode") for p in pods(kube, ns, NAME, r)}
+    now = {p["metadata"]["uid"] for r in roles for p in pods(kube, ns, NAME, r)}
     assert not (old & now), "some pods were not replaced"
-    replaced = timeline.replaced(changed_at)
+    replaced = timeline.replaced(changed_at, roles)
     assert {p.uid for p in replaced} >= old
     during = [o for o in outcomes if o.ended >= changed_at]
-    print(f"rollout: {len(during)} requests, {sum(not o.ok for o in during)} failed")
+    failed = [(o.status, o.body[:120]) for o in during if not o.ok]
+    print(f"rollout of {roles}: {len(during)} requests, {len(failed)} failed {failed}")
     assert len([o for o in during if o.ok]) >= 8, "the service did not keep serving"
     for o in during:
         if o.ok:
@@ -552,6 +561,37 @@ def test_5_rolling_a_setting_change_fails_only_requests_on_replaced_pods(
             and o.ended >= p.terminating_at
             for p in replaced
         ), o
+
+
+def test_5_rolling_a_setting_change_fails_only_requests_on_replaced_pods(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    k8s_cluster: ClusterInfo,
+) -> None:
+    engine = {"maxPromptTokens": MAX_PROMPT_TOKENS, "maxRunningRequests": 32}
+    patch = {"spec": {"prefill": {"engine": engine}, "decode": {"engine": engine}}}
+    roll_under_load(kube, kubectl, k8s_cluster, release.apps, patch, ("prefill", "decode"))
+
+
+def test_5b_a_new_image_tag_replaces_every_pod_and_the_router_too(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    k8s_cluster: ClusterInfo,
+) -> None:
+    # The image is part of the cluster revision: workers and the router roll, and
+    # the router pairs a prefill only with a decode of its own revision meanwhile.
+    patch = {"spec": {"image": "pdcluster:0.1.1"}}
+    roll_under_load(
+        kube, kubectl, k8s_cluster, release.apps, patch, ("prefill", "decode", "router")
+    )
+    revisions = {
+        p["metadata"]["labels"].get("pdcluster.io/revision")
+        for r in ("prefill", "decode", "router")
+        for p in pods(kube, release.apps, NAME, r)
+    }
+    assert len(revisions) == 1, revisions
 
 
 # ---------------------------------------------------------------- 6

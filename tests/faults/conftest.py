@@ -45,9 +45,10 @@ def make_ready(cluster: FaultCluster, names: list[str] | None = None) -> FaultCl
         cluster.wait_healthy(name)
     # A decode refuses new rooms on a prefill it declared dead until its next
     # probe finds it back: wait for that, so no scenario inherits the verdict.
-    prefills = {cluster.peer(p) for p in cluster.workers("prefill")}
+    alive = [w for w in cluster.workers() if cluster.launcher.procs[w].poll() is None]
+    prefills = {cluster.peer(p) for p in cluster.workers("prefill") if p in alive}
     for name in cluster.workers("decode"):
-        if cluster.launcher.procs[name].poll() is None:
+        if name in alive:
             wait_until(
                 lambda n=name: not prefills & set(cluster.info(n).get("peers_down", {})),
                 30,

@@ -239,7 +239,8 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
         0.01,
         "the heartbeat verdict",
     )
-    assert pd.info("decode-0")["peers_down"] == {pd.peer("prefill-1"): "prefill_unreachable"}
+    # (Peers of earlier scenarios, long gone, may be listed too.)
+    assert pd.info("decode-0")["peers_down"].get(pd.peer("prefill-1")) == "prefill_unreachable"
 
     # After the verdict: new rooms for the dead prefill fail at once, by the verdict.
     late = client.many(

@@ -554,6 +554,8 @@ def roll_under_load(
     for o in during:
         if o.ok:
             continue
+        # A request the router could not place reached no pod: never acceptable.
+        assert "no healthy" not in o.body, o
         # Only a request in flight while a replaced pod was going away may fail.
         assert any(
             p.terminating_at is not None

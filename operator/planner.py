@@ -41,7 +41,13 @@ from pdcluster.operator.instances import ObservedInstance
 from pdcluster.operator.names import Role
 from pdcluster.operator.observed import Observed, ObservedObject
 from pdcluster.operator.restarts import RestartLedger
-from pdcluster.operator.rollout import RolePlan, RoleReport, plan_absent_role, plan_role
+from pdcluster.operator.rollout import (
+    RolePlan,
+    RoleReport,
+    plan_absent_role,
+    plan_role,
+    serves_revision,
+)
 
 # Kinds the operator creates; only these are ever deleted as stale.
 MANAGED_KINDS = (
@@ -191,9 +197,14 @@ def plan_reconcile(
     wake: list[float] = []
     role_plans: list[RolePlan] = []
     prefill_instances: list[ObservedInstance] = []
+    # Retire instances of an older revision only once the current revision has a
+    # Ready instance of every role: prefill and decode pair within one revision.
+    retire = all(
+        serves_revision(observed, r.role, desired.revision) for r in desired.roles if r.replicas
+    )
     for role in desired.roles:
         role_plan, report = plan_role(
-            desired, role, observed, ledgers.get(role.role, RestartLedger()), now
+            desired, role, observed, ledgers.get(role.role, RestartLedger()), now, retire
         )
         if token_missing:
             # Pods would sit in CreateContainerConfigError; create none until it exists.

@@ -14,6 +14,12 @@ Rollout keeps capacity: a slot whose `old` still serves gets its `cur` only
 while fewer than MAX_SURGE such replacements are in flight, and the `old`
 goes only after `cur` is Ready. Slots >= replicas are deleted (scale down).
 
+Rollout keeps pairs: prefill and decode exchange KV only within one cluster
+revision (the router pairs by the `pdcluster.io/revision` label). When the
+revision changes, a Ready `old` of another revision is retired only once
+the new revision can serve on its own (`retire_other_revisions`, decided by
+the planner across roles); until then both revisions keep a full pair.
+
 Invariants (tested): no action touches an object another owner holds; a
 plan never deletes the last serving instance of a slot whose replacement
 is not Ready; a broken instance is torn down at most once per restart.
@@ -30,7 +36,7 @@ from pdcluster.operator.actions import Action, Create, Delete, Emit, EventType, 
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState
 from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.operator.instances import Health, ObservedInstance, group_instances
-from pdcluster.operator.names import Role
+from pdcluster.operator.names import LABEL_REVISION, Role
 from pdcluster.operator.observed import Observed
 from pdcluster.operator.restarts import RestartLedger
 
@@ -114,12 +120,30 @@ def _create_instance(
         )
 
 
+def instance_revision(inst: ObservedInstance) -> str | None:
+    """The cluster revision an instance's pods were built for (None: unlabelled)."""
+    for pod in inst.pods.values():
+        revision = pod.obj.labels.get(LABEL_REVISION)
+        if revision:
+            return revision
+    return None
+
+
+def serves_revision(observed: Observed, role: Role, revision: str) -> bool:
+    """Whether some Ready instance of `role` runs `revision`."""
+    return any(
+        inst.is_serving and instance_revision(inst) == revision
+        for inst in group_instances(p for p in observed.pods if p.role == role)
+    )
+
+
 def plan_role(
     desired: DesiredState,
     role: DesiredRole,
     observed: Observed,
     ledger: RestartLedger,
     now: float,
+    retire_other_revisions: bool = True,
 ) -> tuple[RolePlan, RoleReport]:
     plan = RolePlan()
     target = role.template_hash
@@ -146,7 +170,7 @@ def plan_role(
     ready = updated = existing = broken = waiting = 0
     budget_exhausted = False
     surge_candidates: list[int] = []
-    in_flight = retired = 0
+    in_flight = retired = held = 0
     for index in range(role.replicas):
         slot = by_slot.get(index, [])
         cur = next((i for i in slot if i.key.template_hash == target), None)
@@ -177,6 +201,9 @@ def plan_role(
             updated += 1
             ledger = ledger.mark_ready(index)
             for old in live_olds:
+                if not retire_other_revisions and instance_revision(old) != desired.revision:
+                    held += 1  # its revision's pair still serves; the new one cannot yet
+                    continue
                 retired += 1
                 _delete_instance(plan, old)
                 _event(
@@ -233,7 +260,7 @@ def plan_role(
         broken=broken,
         waiting_backoff=waiting,
         budget_exhausted=budget_exhausted,
-        rolling=bool(surge_candidates) or in_flight > 0 or retired > 0,
+        rolling=bool(surge_candidates) or in_flight > 0 or retired > 0 or held > 0,
         ledger=ledger,
     )
     return plan, report

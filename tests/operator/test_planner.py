@@ -285,6 +285,8 @@ def test_image_change_rolls_one_instance_at_a_time_keeping_capacity(replicas: in
     assert all(old[r] != new[r] for r in old)
     for _ in range(10 * replicas):
         plan, _ = sim.step()
+        # Some revision always has a Ready prefill and a Ready decode to pair.
+        assert ready_revisions(sim, Role.prefill) & ready_revisions(sim, Role.decode)
         for role in (Role.prefill, Role.decode):
             assert capacity(sim, role) >= replicas  # never below the asked-for capacity
             surged = [
@@ -307,6 +309,44 @@ def test_image_change_rolls_one_instance_at_a_time_keeping_capacity(replicas: in
         assert capacity(sim, role) == replicas
     # Old bootstrap Services went with their instances.
     assert all(new[Role.prefill] in s for s in sim.store.names("Service") if s.endswith("-bs"))
+
+
+def ready_revisions(sim: Sim, role: Role) -> set[str]:
+    return {
+        p["metadata"]["labels"]["pdcluster.io/revision"]
+        for p in sim.store.pods(role=role.value)
+        if p["status"].get("phase") == "Running"
+        and any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+    }
+
+
+def test_revision_change_keeps_a_ready_prefill_decode_pair_of_one_revision() -> None:
+    # The router pairs prefill and decode within one revision: retiring the old
+    # prefill before a new decode is Ready would leave no pair at all.
+    spec: dict[str, Any] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    sim = Sim(spec)
+    converge(sim)
+    (old_revision,) = ready_revisions(sim, Role.prefill)
+    sim.set_spec({**spec, "image": "pdcluster:0.2.0"})
+    new_revision = sim.desired.revision
+    assert new_revision != old_revision
+    sim.step()  # both roles surge one new instance
+    for pod in sim.store.pods(role="prefill"):
+        sim.store.set_pod(pod["metadata"]["name"], "Running", True)  # new prefill Ready first
+    for _ in range(3):
+        plan, _ = sim.step()
+        assert ready_revisions(sim, Role.prefill) == {old_revision, new_revision}
+        assert old_revision in ready_revisions(sim, Role.decode)
+    assert plan.roles[0].rolling  # Progressing: the old prefill is held, not forgotten
+    sim.store.make_all_ready()  # the new decode is Ready: now both old ones go
+    for _ in range(3):
+        sim.step()
+    for role in (Role.prefill, Role.decode):
+        assert ready_revisions(sim, role) == {new_revision}
+        assert len(sim.store.pods(role=role.value)) == 1
 
 
 def test_failed_replacement_holds_the_surge_slot() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdcluster.runtime.pd.compat import CompatInfo
-from tests.faults.harness import FaultCluster, PDClient, base_spec, wait_until
+from tests.faults.harness import FaultCluster, PDClient, base_spec
 from tests.faults.rogue import fetch_instance
 
 
@@ -45,16 +45,8 @@ def make_ready(cluster: FaultCluster, names: list[str] | None = None) -> FaultCl
         cluster.wait_healthy(name)
     # A decode refuses new rooms on a prefill it declared dead until its next
     # probe finds it back: wait for that, so no scenario inherits the verdict.
-    alive = [w for w in cluster.workers() if cluster.launcher.procs[w].poll() is None]
-    prefills = {cluster.peer(p) for p in cluster.workers("prefill") if p in alive}
-    for name in cluster.workers("decode"):
-        if name in alive:
-            wait_until(
-                lambda n=name: not prefills & set(cluster.info(n).get("peers_down", {})),
-                30,
-                0.05,
-                f"{name} to see every prefill answering",
-            )
+    alive = [p for p in cluster.workers("prefill") if cluster.launcher.procs[p].poll() is None]
+    cluster.wait_seen_answering(alive)
     return cluster
 
 

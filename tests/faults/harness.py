@@ -177,6 +177,25 @@ class FaultCluster:
             )
         if wait:
             self.wait_healthy(name, timeout)
+            if self.spec(name).bootstrap_port is not None:
+                self.wait_seen_answering([name])
+
+    def wait_seen_answering(self, prefills: Iterable[str], timeout: float = 30.0) -> None:
+        """Until no live decode refuses new rooms on these prefills any more.
+
+        A decode that declared a prefill dead fails new rooms on it at once
+        until its heartbeat finds it answering again (`peers_down`).
+        """
+        peers = {self.peer(p) for p in prefills}
+        for name in self.workers("decode"):
+            if self.launcher.procs[name].poll() is not None or name in self._stopped:
+                continue
+            wait_until(
+                lambda n=name: not peers & set(self.info(n).get("peers_down", {})),
+                timeout,
+                0.05,
+                f"{name} to see {sorted(peers)} answering",
+            )
 
     def wait_healthy(self, name: str, timeout: float = 180.0) -> None:
         proc = self.launcher.procs[name]

@@ -36,11 +36,15 @@ Rules (DESIGN §3, §5, §7, §8):
   instance (bootstrap address), rank endpoint or host, marks those sources
   dead (which settles them) and forgets their layout registration (re-sent
   on next use). It is idempotent — call it on every failed probe past the
-  threshold — and for `bootstrap_s` (a heartbeat verdict: `until_recovered`,
-  until `peer_recovered`) a new room on that peer fails at once with the
-  verdict's reason: `fail_if_peer_dead` right after `add_room` (no /route
-  fetch, no retries against a dead server), and `resolve` for a rank
-  endpoint or host declared dead;
+  threshold. For `bootstrap_s` after an operator report a new room on that
+  peer fails at once with the report's reason (`gate_new_room` right after
+  `add_room`: no /route fetch, no retries against a gone server), and
+  `resolve` fails one using a rank endpoint or host declared dead. A
+  heartbeat verdict (`until_recovered`, until `peer_recovered`) only says
+  the peer stopped answering — it may be back already (a resumed or
+  restarted process at the same address) — so a new room on it is held
+  for one probe instead: `peer_recovered` hands it back to fetch /route,
+  `probe_failed` fails it with the verdict's reason;
 - a rejected `KVLayoutRegister` (LayoutAck) fails the rooms on that peer with
   the prefill's reason, which names the mismatched field and both values.
 
@@ -64,7 +68,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.runtime.pd.actions import (
     Action,
@@ -141,6 +145,32 @@ class DecodeRankInfo:
         )
 
 
+@dataclass(frozen=True)
+class PeerGate:
+    """What a room just added does about its prefill instance's verdict.
+
+    `actions` non-empty: refused (the room failed at once, perform them).
+    `probe` set: held — probe that prefill now (or join the probe in flight)
+    and report with `peer_recovered` / `probe_failed`. Neither: go on to /route.
+    """
+
+    actions: list[Action] = field(default_factory=list)
+    probe: str | None = None
+
+    @property
+    def proceed(self) -> bool:
+        return not self.actions and self.probe is None
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reason: str
+    until: float  # inf for a heartbeat verdict: only `peer_recovered` ends it
+    # New rooms fail at once before this; after it (a heartbeat verdict) they
+    # wait for one probe: unreachable a while ago is not gone now.
+    refuse_until: float
+
+
 class DecodeRoomTable:
     def __init__(
         self, info: DecodeRankInfo, settings: RoomSettings | None = None, first_generation: int = 1
@@ -156,9 +186,10 @@ class DecodeRoomTable:
         self._rooms: dict[int, DecodeRoom] = {}
         # Prefill endpoints we sent our layout to → their instance's bootstrap address.
         self._registered: dict[str, str] = {}
-        # Peers declared dead → (until, reason): new rooms on them fail fast.
-        # `until` is inf for a heartbeat verdict: only `peer_recovered` ends it.
-        self._dead: dict[str, tuple[float, str]] = {}
+        # Peers declared dead: new rooms on them fail fast, or wait for a probe.
+        self._dead: dict[str, _Verdict] = {}
+        # Rooms held (Bootstrapping, unresolved) until a probe of their prefill answers.
+        self._held: set[int] = set()
 
     # ------------------------------------------------------------------ queries
 
@@ -335,12 +366,12 @@ class DecodeRoomTable:
         """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`.
 
         Idempotent: call it on every failed probe past the threshold. For
-        `bootstrap_s` (or until `peer_recovered`) a new room on this peer
-        fails at once instead of waiting for /route retries or timeouts.
-        `until_recovered` (a heartbeat verdict: the heartbeat keeps probing
-        the peer and calls `peer_recovered` when it answers) drops the time
-        limit: a peer dead for longer than `bootstrap_s` still fails new
-        rooms at once.
+        `bootstrap_s` a new room on this peer fails at once instead of
+        waiting for /route retries or timeouts. `until_recovered` (a
+        heartbeat verdict: the heartbeat keeps probing the peer and calls
+        `peer_recovered` when it answers) drops the time limit and holds a
+        new room for one probe instead (`gate_new_room`): a peer dead for
+        longer than `bootstrap_s` is still not asked for /route unprobed.
 
         `definitive=False` says the peer stopped answering, not that it is
         gone (a heartbeat verdict: a hung process may resume). With a
@@ -353,13 +384,14 @@ class DecodeRoomTable:
         """
         quarantine = self.info.one_sided and not definitive
         until = math.inf if until_recovered else now + self.settings.bootstrap_s
+        refuse_until = -math.inf if until_recovered else until
         old = self._dead.get(peer)
-        if old is not None and old[0] > now:
+        kept = reason
+        if old is not None and old.until > now:
             # An ongoing verdict keeps its first reason, and the longer of two limits.
-            until, reason_kept = max(until, old[0]), old[1]
-        else:
-            reason_kept = reason
-        self._dead[peer] = (until, reason_kept)
+            until, kept = max(until, old.until), old.reason
+            refuse_until = max(refuse_until, old.refuse_until)
+        self._dead[peer] = _Verdict(kept, until, refuse_until)
         self._registered = {
             e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
         }
@@ -378,42 +410,75 @@ class DecodeRoomTable:
                 acts.extend(self._fail(r, reason, now))
         return acts
 
-    def peer_recovered(self, peer: str) -> None:
-        """The heartbeat reaches `peer` again: new rooms may use it."""
+    def peer_recovered(self, peer: str) -> list[int]:
+        """`peer` answers again: new rooms may use it.
+
+        Returns the rooms held for a probe of it, oldest first: they go on
+        to fetch /route now.
+        """
         self._dead.pop(peer, None)
+        released = self._held_on(peer)
+        self._held.difference_update(released)
+        return released
 
-    def fail_if_peer_dead(self, room: int, now: float) -> list[Action]:
-        """A room just added: fail it now if its prefill instance is declared dead.
+    def probe_failed(self, peer: str, now: float) -> list[Action]:
+        """A probe of `peer` failed or timed out: the rooms held for it fail."""
+        acts: list[Action] = []
+        for room in self._held_on(peer):
+            r = self._rooms[room]
+            acts.extend(self._fail(r, self.peer_verdict(r.peer, now) or "prefill_unreachable", now))
+        return acts
 
-        Call right after `add_room`, before fetching /route: a server
-        declared dead would only be retried until the room's own deadline.
-        Returns [] (and changes nothing) when the peer is not declared dead.
+    def gate_new_room(self, room: int, now: float) -> PeerGate:
+        """A room just added: refuse, hold for a probe, or let it fetch /route.
+
+        Call right after `add_room`. An operator report (the pod is gone or
+        not ready) fails the room at once; a heartbeat verdict holds it
+        until one probe answers — a peer declared dead a while ago may be
+        back, and refusing it until the next regular probe would fail
+        requests on a healthy server. Changes nothing when no verdict holds.
         """
         r = self._live(room)
         if r.poll.state is not KVPoll.Bootstrapping or r.sources is not None:
-            return []
-        reason = self.peer_verdict(r.peer, now)
-        return [] if reason is None else self._fail(r, reason, now)
+            return PeerGate()
+        if room in self._held:
+            return PeerGate(probe=r.peer)
+        held = False
+        for dead, v in self._dead.items():
+            if v.until > now and peer_matches(dead, r.peer):
+                if v.refuse_until > now:
+                    return PeerGate(actions=self._fail(r, v.reason, now))
+                held = True
+        if not held:
+            return PeerGate()
+        self._held.add(room)
+        return PeerGate(probe=r.peer)
+
+    def is_held(self, room: int) -> bool:
+        return room in self._held
 
     def peer_verdict(self, peer: str, now: float) -> str | None:
         """The reason `peer` (a prefill instance address) is declared dead, or None."""
-        for dead, (until, why) in self._dead.items():
-            if until > now and peer_matches(dead, peer):
-                return why
+        for dead, v in self._dead.items():
+            if v.until > now and peer_matches(dead, peer):
+                return v.reason
         return None
 
     def peers_down(self, now: float) -> dict[str, str]:
         """Every peer declared dead now → the reason."""
-        return {p: why for p, (until, why) in self._dead.items() if until > now}
+        return {p: v.reason for p, v in self._dead.items() if v.until > now}
+
+    def _held_on(self, peer: str) -> list[int]:
+        return sorted(room for room in self._held if peer_matches(peer, self._rooms[room].peer))
 
     def _declared_dead(self, r: DecodeRoom, now: float) -> str | None:
-        self._dead = {p: v for p, v in self._dead.items() if v[0] > now}
+        self._dead = {p: v for p, v in self._dead.items() if v.until > now}
         reason = None
-        for peer, (_, why) in self._dead.items():
+        for peer, v in self._dead.items():
             for s in r.sources.values() if r.sources is not None else ():
                 if peer_matches(peer, r.peer, s.source.endpoint):
                     s.dead = True
-                    reason = why
+                    reason = v.reason
         return reason
 
     def tick(self, now: float) -> list[Action]:
@@ -531,6 +596,7 @@ class DecodeRoomTable:
     def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Action]:
         if r.poll.state is KVPoll.Failed:
             return []
+        self._held.discard(r.room)
         r.poll = r.poll.fail(reason[:1024])
         reason = r.poll.reason or reason
         acts: list[Action] = [RoomFailed(r.room, r.rid, reason)]

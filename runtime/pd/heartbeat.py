@@ -5,7 +5,8 @@ The decode worker probes each known prefill instance's `GET /health` every
 (default 2) consecutive failures; one success resets the count. On DEAD the
 worker calls `DecodeRoomTable.fail_peer(peer, "prefill_unreachable")`, drops
 cached addresses and connections, and re-fetches /route when the peer is
-used again (RECOVERED says probes succeed again).
+used again (RECOVERED says probes succeed again). A new room on a peer declared dead
+waits for one probe brought forward by `hasten`, not for the next interval.
 
 Timing: probes start on a fixed cadence (`interval_s` after the previous
 probe *started*), and each probe must be bounded by `probe_timeout_s`
@@ -108,11 +109,12 @@ class HeartbeatTracker:
         return out
 
     def hasten(self, peer: str, now: float) -> None:
-        """Probe `peer` soon: a room was just refused because it is declared dead.
+        """Probe `peer` soon: a room on it was just refused or held for a probe.
 
-        A restarted peer is then noticed one probe later, not one interval
-        later, while traffic asks for it. Probes stay at most one in flight
-        and at least `probe_timeout_s` apart, however many rooms ask.
+        A resumed or restarted peer is then noticed one probe later, not one
+        interval later, while traffic asks for it. Probes stay at most one
+        in flight and at least `probe_timeout_s` apart, however many rooms
+        ask: rooms held meanwhile share the probe in flight or the next one.
         """
         p = self._peers.get(peer)
         if p is None or p.in_flight:

@@ -237,19 +237,29 @@ class DecodeAgent(RankAgent):
         self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen, msg.num_tokens)
         if msg.peer not in self.heartbeat.peers():
             self.heartbeat.add(msg.peer, now)
-        refused = self.table.fail_if_peer_dead(msg.room, now)
-        if refused:
-            # Declared dead (heartbeat or operator) and not seen answering since:
-            # fail now rather than retry /route against it; a probe soon tells
-            # whether it is back for the next room.
+        gate = self.table.gate_new_room(msg.room, now)
+        if gate.actions:
+            # The operator reported it gone (or not ready): fail now rather
+            # than retry /route against it; a probe soon tells whether it is
+            # back for the next room.
             self.heartbeat.hasten(msg.peer, now)
-            self.perform(refused)
+            self.perform(gate.actions)
             self._sweep(msg.room)
             return
-        client = self.bootstrap.get(msg.peer)
+        if gate.probe is not None:
+            # Declared dead by the heartbeat: it may be back already. Held
+            # rooms share one probe, started now (or the one in flight).
+            self.ctx.stats["room_held_for_probe"] += 1
+            self.heartbeat.hasten(gate.probe, now)
+            self._start_probes(now)
+            return
+        self._fetch_route(msg.room, msg.peer, now)
+
+    def _fetch_route(self, room: int, peer: str, now: float) -> None:
+        client = self.bootstrap.get(peer)
         cached = client.cached_instance
         if cached is not None:
-            self._resolve_room(msg.room, cached, None)
+            self._resolve_room(room, cached, None)
             return
         wait_s = self.ctx.room_settings.bootstrap_s
 
@@ -257,8 +267,8 @@ class DecodeAgent(RankAgent):
             if err is None:
                 # An answer from /route is as good as a probe: a restarted
                 # instance is used as soon as it answers, not one interval later.
-                self.post(lambda: self._revive(msg.peer, now, recovered=False, refetch=False))
-            self.post(lambda: self._resolve_room(msg.room, info, err))
+                self.post(lambda: self._revive(peer, now, recovered=False, refetch=False))
+            self.post(lambda: self._resolve_room(room, info, err))
 
         self.aio.submit(client.instance(wait_s=wait_s), done)
 
@@ -323,6 +333,9 @@ class DecodeAgent(RankAgent):
         self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
         for room in list(self.rooms):
             self._sweep(room)
+        self._start_probes(now)
+
+    def _start_probes(self, now: float) -> None:
         for peer in self.heartbeat.due(now):
             if peer in self._probing:
                 continue
@@ -339,6 +352,11 @@ class DecodeAgent(RankAgent):
         started = self._probing.pop(peer, 0.0)
         now = time.monotonic()
         verdict = self.heartbeat.on_result(peer, ok, now)
+        if not ok:
+            # Rooms held for this probe (the peer was already declared dead) fail now.
+            self.perform(self.table.probe_failed(peer, now))
+            for room in list(self.rooms):
+                self._sweep(room)
         if verdict is Verdict.DEAD:
             log.warning(
                 "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
@@ -366,10 +384,15 @@ class DecodeAgent(RankAgent):
             if refetch:
                 # It may have restarted on new rank addresses: fetch /route afresh.
                 self.bootstrap.invalidate(peer)
-            self.table.peer_recovered(peer)
+            released = self.table.peer_recovered(peer)
             for p in revived:
-                self.table.peer_recovered(p)
+                released += self.table.peer_recovered(p)
                 del self._lost_at[p]
+            now = time.monotonic()
+            for room in released:
+                r = self.rooms.get(room)
+                if r is not None:
+                    self._fetch_route(room, r.peer, now)
         if peer in self._quarantined:
             self._check_restarted(peer)
 
@@ -445,7 +468,8 @@ class DecodeAgent(RankAgent):
             self._sweep(room)
 
     def peers_down(self) -> dict[str, str]:
-        """Prefill peers new rooms fail on at once now → why (any thread)."""
+        """Prefill peers declared dead now → why (any thread): new rooms on them
+        fail at once (operator report) or wait for one probe (heartbeat)."""
         with self.lock:
             return self.table.peers_down(time.monotonic())
 

@@ -30,6 +30,8 @@ from tests.pd_integration.reference import colocated_outputs
 MAX_TOKENS = 4
 # spec.transfer.heartbeat of the shared cluster: 0.5 s × 2, so the bound is 2 s.
 HEARTBEAT_BOUND_S = 0.5 * 2 + 1.0
+# Its probe timeout: min(interval / 2, 1 s).
+PROBE_TIMEOUT_S = 0.25
 UNREACHABLE = ("prefill_unreachable", "bootstrap_unreachable")
 
 
@@ -202,9 +204,11 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     """kill -9 a prefill mid-transfer: its rooms fail by heartbeat, later ones at once.
 
     Rooms open at the kill fail within the heartbeat bound. Once decode's
-    heartbeat declared the prefill dead, a new room for it fails at once
-    with the verdict's reason (`prefill_unreachable`) — no /route fetch and
-    retries against the dead server (`bootstrap_unreachable`, seconds later).
+    heartbeat declared the prefill dead, a new room for it waits for one
+    probe (the prefill may be back), which fails: the room fails within the
+    probe timeout with the verdict's reason (`prefill_unreachable`) — no
+    /route fetch and retries against the dead server (`bootstrap_unreachable`,
+    seconds later).
     """
     victims = make_prompts(8, seed=41, lo=2500, hi=4000)
     survivors = make_prompts(6, seed=42, lo=1, hi=600)
@@ -212,6 +216,7 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     before = pd.failures("decode-0")
     failed_before = sum(before.get(r, 0) for r in UNREACHABLE)
     dead_before = pd.stats("decode-0").get("peer_dead", 0)
+    held_before = pd.stats("decode-0").get("room_held_for_probe", 0)
     traffic = start_traffic(
         pd,
         client,
@@ -242,7 +247,7 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     # (Peers of earlier scenarios, long gone, may be listed too.)
     assert pd.info("decode-0")["peers_down"].get(pd.peer("prefill-1")) == "prefill_unreachable"
 
-    # After the verdict: new rooms for the dead prefill fail at once, by the verdict.
+    # After the verdict: new rooms for the dead prefill wait for one probe, then fail.
     late = client.many(
         [
             lambda p=p: client.generate(
@@ -259,8 +264,13 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     for res in late:
         assert res.decode.status == 502, res.decode
         assert "prefill_unreachable" in res.decode.error, res.decode.error
-        # /route retries alone would take over 1.5 s (RetryPolicy: 50 ms doubling, 6 tries).
-        assert res.decode.elapsed < 1.0, f"a room after the verdict took {res.decode.elapsed:.2f}s"
+        # /route retries alone would take over 1.5 s (RetryPolicy: 50 ms doubling, 6 tries);
+        # a held room waits at most for the next probe (≤ one probe timeout away) to fail.
+        bound = min(1.0, PROBE_TIMEOUT_S + 0.5)
+        assert res.decode.elapsed < bound, (
+            f"a room after the verdict took {res.decode.elapsed:.2f}s"
+        )
+    assert pd.stats("decode-0").get("room_held_for_probe", 0) == held_before + len(late)
 
     results: list[PDResult] = traffic.result()
     lost = [r for r in results[: len(victims)] if not r.decode.ok]

@@ -1,9 +1,13 @@
-"""A new room for a prefill declared dead fails at once, until the peer answers again.
+"""A new room for a prefill declared dead: refused, or held for one probe.
 
 Without this a room opened just after a heartbeat verdict (or the
 operator's report) fetched /route from the dead server, retried, and failed
-seconds later with a different reason. Table-driven over who declared the
-peer dead, how the room names it, how long ago, and whether it came back.
+seconds later with a different reason. An operator report (the pod is gone)
+fails new rooms at once; a heartbeat verdict only says the peer stopped
+answering a while ago, so a new room waits for one probe: it proceeds if
+the peer answers (a resumed or restarted process), fails if not.
+Table-driven over who declared the peer dead, how the room names it, how
+long ago, whether it came back; then a model-based check of held rooms.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from hypothesis import strategies as st
 
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.decode_rooms import DecodeRoomTable
+from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.room_common import UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
 from tests.pd.sim import BOOTSTRAP, Net
 
 S = RoomSettings(bootstrap_s=6.0, waiting_s=10.0, release_s=3.0)
 OTHER = "127.0.0.9:8998"
+HELD = "held"  # Case.expect: the room waits for a probe
 
 
 def decode_table() -> DecodeRoomTable:
@@ -39,14 +46,14 @@ class Case:
     room_peer: str  # the instance the new room is for
     after_s: float  # room opened this long after the verdict
     recovered: bool  # peer_recovered called in between
-    expect: str | None  # the room's failure reason, or None: it goes on to /route
+    expect: str | None  # HELD, the room's failure reason, or None: it goes on to /route
 
 
 CASES = [
     Case("heartbeat, at once", BOOTSTRAP, "prefill_unreachable", True, BOOTSTRAP, 0.0, False,
-         "prefill_unreachable"),
+         HELD),
     Case("heartbeat, long after bootstrap_s", BOOTSTRAP, "prefill_unreachable", True, BOOTSTRAP,
-         10 * S.bootstrap_s, False, "prefill_unreachable"),
+         10 * S.bootstrap_s, False, HELD),
     Case("heartbeat, recovered", BOOTSTRAP, "prefill_unreachable", True, BOOTSTRAP, 0.5, True,
          None),
     Case("heartbeat, another instance", BOOTSTRAP, "prefill_unreachable", True, OTHER, 0.0,
@@ -67,18 +74,93 @@ def test_new_room_on_a_declared_dead_peer(case: Case) -> None:
     table = decode_table()
     table.fail_peer(case.declared, case.reason, 100.0, until_recovered=case.heartbeat)
     if case.recovered:
-        table.peer_recovered(case.declared)
+        assert table.peer_recovered(case.declared) == []
     now = 100.0 + case.after_s
     table.add_room(7, "rid-7", case.room_peer, now)
-    acts = table.fail_if_peer_dead(7, now)
+    gate = table.gate_new_room(7, now)
     if case.expect is None:
-        assert acts == [] and table.state(7) is KVPoll.Bootstrapping
+        assert gate.proceed and table.state(7) is KVPoll.Bootstrapping
+        assert not table.is_held(7)
         assert table.peer_verdict(case.room_peer, now) is None
+    elif case.expect == HELD:
+        # Nothing sent, nothing failed: the room waits for one probe of its prefill.
+        assert gate.actions == [] and gate.probe == case.room_peer and not gate.proceed
+        assert table.is_held(7) and table.state(7) is KVPoll.Bootstrapping
+        assert table.gate_new_room(7, now).probe == case.room_peer  # asking again changes nothing
+        assert table.peer_verdict(case.room_peer, now) == case.reason
     else:
         # Failed and gone at once: nothing was sent, no pages were held.
-        assert acts == [A.RoomFailed(7, "rid-7", case.expect)]
+        assert gate.actions == [A.RoomFailed(7, "rid-7", case.expect)] and gate.probe is None
         assert 7 not in table
         assert table.peer_verdict(case.room_peer, now) == case.expect
+
+
+def held_table(rooms: list[int]) -> DecodeRoomTable:
+    table = decode_table()
+    table.fail_peer(BOOTSTRAP, "prefill_unreachable", 100.0, until_recovered=True)
+    for room in rooms:
+        table.add_room(room, f"rid-{room}", BOOTSTRAP, 101.0)
+        assert table.gate_new_room(room, 101.0).probe == BOOTSTRAP
+    table.add_room(99, "rid-99", OTHER, 101.0)
+    assert table.gate_new_room(99, 101.0).proceed
+    return table
+
+
+@pytest.mark.parametrize("rooms", [[7], [9, 3, 5]])
+def test_probe_answers_releases_every_held_room_to_fetch_route(rooms: list[int]) -> None:
+    table = held_table(rooms)
+    assert table.peer_recovered(BOOTSTRAP) == sorted(rooms)
+    assert table.peers_down(102.0) == {}
+    for room in rooms:
+        assert not table.is_held(room) and table.state(room) is KVPoll.Bootstrapping
+        # Released: it resolves like any room (layout registration, then pages).
+        acts = table.resolve(room, [Source(0, "127.0.0.1:9100", 1)], 102.0)
+        assert table.state(room) is KVPoll.Bootstrapping and room in table
+        assert all(isinstance(a, A.Send) for a in acts)
+    assert table.peer_recovered(BOOTSTRAP) == []  # nothing left to release
+
+
+@pytest.mark.parametrize("rooms", [[7], [9, 3, 5]])
+def test_probe_fails_the_held_rooms_with_the_verdict(rooms: list[int]) -> None:
+    table = held_table(rooms)
+    acts = table.probe_failed(BOOTSTRAP, 101.5)
+    assert acts == [A.RoomFailed(r, f"rid-{r}", "prefill_unreachable") for r in sorted(rooms)]
+    assert all(r not in table for r in rooms)
+    assert 99 in table and table.state(99) is KVPoll.Bootstrapping  # other instance untouched
+    assert table.probe_failed(BOOTSTRAP, 101.6) == []  # once
+    assert table.peers_down(101.6) == {BOOTSTRAP: "prefill_unreachable"}
+
+
+def test_a_held_room_aborted_or_timed_out_is_no_longer_held() -> None:
+    table = held_table([1, 2])
+    assert table.abort(1, "client_disconnected", 101.2) == [
+        A.RoomFailed(1, "rid-1", "client_disconnected")
+    ]
+    # No probe answer ever came: the room's own deadline still ends it.
+    assert A.RoomFailed(2, "rid-2", "bootstrap_timeout") in table.tick(101.0 + S.bootstrap_s)
+    assert not table.is_held(1) and not table.is_held(2)
+    assert table.peer_recovered(BOOTSTRAP) == [] and table.probe_failed(BOOTSTRAP, 200.0) == []
+
+
+def test_operator_report_gone_fails_held_rooms_and_refuses_new_ones() -> None:
+    table = held_table([4])
+    acts = table.fail_peer(BOOTSTRAP, "prefill_pod_lost", 102.0)
+    assert acts == [A.RoomFailed(4, "rid-4", "prefill_pod_lost")]
+    # peers_down keeps the first verdict's reason, and so do rooms it refuses.
+    table.add_room(5, "rid-5", BOOTSTRAP, 103.0)
+    gate = table.gate_new_room(5, 103.0)
+    assert gate.actions == [A.RoomFailed(5, "rid-5", "prefill_unreachable")]
+    assert gate.probe is None
+    # Once the report's own limit passed, the heartbeat verdict holds new rooms again.
+    table.add_room(6, "rid-6", BOOTSTRAP, 102.0 + S.bootstrap_s)
+    assert table.gate_new_room(6, 102.0 + S.bootstrap_s).probe == BOOTSTRAP
+
+
+def test_bad_room_is_refused_and_changes_nothing() -> None:
+    table = held_table([1])
+    with pytest.raises(UnknownRoom):
+        table.gate_new_room(42, 101.0)
+    assert table.is_held(1) and len(table) == 2
 
 
 def test_a_second_verdict_keeps_the_first_reason_and_the_longer_limit() -> None:
@@ -86,7 +168,7 @@ def test_a_second_verdict_keeps_the_first_reason_and_the_longer_limit() -> None:
     table.fail_peer(BOOTSTRAP, "prefill_unreachable", 0.0, until_recovered=True)
     table.fail_peer(BOOTSTRAP, "pod_deleted", 1.0)  # operator, bounded: must not shorten it
     assert table.peers_down(100.0) == {BOOTSTRAP: "prefill_unreachable"}
-    table.peer_recovered(BOOTSTRAP)
+    assert table.peer_recovered(BOOTSTRAP) == []
     assert table.peers_down(100.0) == {}
 
 
@@ -95,6 +177,75 @@ def test_an_expired_verdict_does_not_lend_its_reason() -> None:
     table.fail_peer(BOOTSTRAP, "pod_deleted", 0.0)
     table.fail_peer(BOOTSTRAP, "prefill_unreachable", S.bootstrap_s + 1, until_recovered=True)
     assert table.peer_verdict(BOOTSTRAP, 1000.0) == "prefill_unreachable"
+
+
+PEERS = (BOOTSTRAP, OTHER)
+OPS = st.one_of(
+    st.tuples(st.just("open"), st.sampled_from(PEERS)),
+    st.tuples(st.just("heartbeat_dead"), st.sampled_from(PEERS)),
+    st.tuples(st.just("gone"), st.sampled_from(PEERS)),
+    st.tuples(st.just("probe"), st.sampled_from(PEERS), st.booleans()),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+)
+
+
+@given(ops=st.lists(OPS, max_size=40))
+def test_held_rooms_follow_the_verdicts_and_probes(ops: list[tuple[object, ...]]) -> None:
+    """Model check: a new room proceeds, is held or is refused exactly as the
+    verdicts say; a probe answer settles every room held on that peer, and
+    only those; a peer's own failure ends its rooms whatever their state."""
+    table = decode_table()
+    hb_dead = {p: False for p in PEERS}
+    gone = {p: False for p in PEERS}  # within the report's bootstrap_s: never expires here
+    state: dict[int, tuple[str, str]] = {}  # room -> (peer, "held" | "open")
+    now, next_room = 0.0, 0
+    for op in ops:
+        now += 0.01
+        kind = op[0]
+        if kind == "open":
+            peer = str(op[1])
+            room, next_room = next_room, next_room + 1
+            table.add_room(room, f"rid-{room}", peer, now)
+            gate = table.gate_new_room(room, now)
+            if gone[peer]:
+                assert gate.actions and gate.probe is None and room not in table
+            elif hb_dead[peer]:
+                assert gate.probe == peer and not gate.actions
+                state[room] = (peer, "held")
+            else:
+                assert gate.proceed
+                state[room] = (peer, "open")
+        elif kind in ("heartbeat_dead", "gone"):
+            peer = str(op[1])
+            heartbeat = kind == "heartbeat_dead"
+            acts = table.fail_peer(peer, "x", now, definitive=not heartbeat,
+                                   until_recovered=heartbeat)  # fmt: skip
+            ended = sorted(r for r, (p, _) in state.items() if p == peer)
+            assert [a.room for a in acts if isinstance(a, A.RoomFailed)] == ended
+            state = {r: v for r, v in state.items() if r not in ended}
+            hb_dead[peer] = hb_dead[peer] or heartbeat
+            gone[peer] = gone[peer] or not heartbeat
+        elif kind == "probe":
+            peer, ok = str(op[1]), bool(op[2])
+            held = sorted(r for r, (p, s) in state.items() if p == peer and s == "held")
+            if ok:
+                assert table.peer_recovered(peer) == held
+                state.update({r: (peer, "open") for r in held})
+                hb_dead[peer] = gone[peer] = False
+            else:
+                acts = table.probe_failed(peer, now)
+                assert [a.room for a in acts if isinstance(a, A.RoomFailed)] == held
+                state = {r: v for r, v in state.items() if r not in held}
+        else:
+            room = int(str(op[1]))
+            if room in state:
+                table.abort(room, "client_disconnected", now)
+                del state[room]
+        for room in range(next_room):
+            assert (room in table) == (room in state)
+            assert table.is_held(room) == (state.get(room, ("", ""))[1] == "held")
+            if room in state:
+                assert table.state(room) is KVPoll.Bootstrapping
 
 
 # ---------------------------------------------------------------- heartbeat.hasten

@@ -43,8 +43,9 @@ def make_ready(cluster: FaultCluster, names: list[str] | None = None) -> FaultCl
             cluster.restart(name, wait=False)
     for name in names:
         cluster.wait_healthy(name)
-    # A decode refuses new rooms on a prefill it declared dead until its next
-    # probe finds it back: wait for that, so no scenario inherits the verdict.
+    # A decode holds new rooms on a prefill it declared dead for one probe (and
+    # refuses them after an operator report): wait until every decode sees the
+    # prefill answering, so no scenario inherits a verdict or its timing.
     alive = [p for p in cluster.workers("prefill") if cluster.launcher.procs[p].poll() is None]
     cluster.wait_seen_answering(alive)
     return cluster

@@ -66,7 +66,6 @@ Pure module.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +94,7 @@ from pdcluster.runtime.pd.messages import (
     Status,
     TransferMeta,
 )
+from pdcluster.runtime.pd.peer_verdicts import Gate, PeerVerdicts
 from pdcluster.runtime.pd.room_common import (
     RoomError,
     RoomRejected,
@@ -162,15 +162,6 @@ class PeerGate:
         return not self.actions and self.probe is None
 
 
-@dataclass(frozen=True)
-class _Verdict:
-    reason: str
-    until: float  # inf for a heartbeat verdict: only `peer_recovered` ends it
-    # New rooms fail at once before this; after it (a heartbeat verdict) they
-    # wait for one probe: unreachable a while ago is not gone now.
-    refuse_until: float
-
-
 class DecodeRoomTable:
     def __init__(
         self, info: DecodeRankInfo, settings: RoomSettings | None = None, first_generation: int = 1
@@ -187,7 +178,7 @@ class DecodeRoomTable:
         # Prefill endpoints we sent our layout to → their instance's bootstrap address.
         self._registered: dict[str, str] = {}
         # Peers declared dead: new rooms on them fail fast, or wait for a probe.
-        self._dead: dict[str, _Verdict] = {}
+        self._verdicts = PeerVerdicts()
         # Rooms held (Bootstrapping, unresolved) until a probe of their prefill answers.
         self._held: set[int] = set()
 
@@ -383,15 +374,13 @@ class DecodeRoomTable:
         frames are dropped by generation, so any verdict settles the sources.
         """
         quarantine = self.info.one_sided and not definitive
-        until = math.inf if until_recovered else now + self.settings.bootstrap_s
-        refuse_until = -math.inf if until_recovered else until
-        old = self._dead.get(peer)
-        kept = reason
-        if old is not None and old.until > now:
-            # An ongoing verdict keeps its first reason, and the longer of two limits.
-            until, kept = max(until, old.until), old.reason
-            refuse_until = max(refuse_until, old.refuse_until)
-        self._dead[peer] = _Verdict(kept, until, refuse_until)
+        self._verdicts.declare(
+            peer,
+            reason,
+            now,
+            until_recovered=until_recovered,
+            bootstrap_s=self.settings.bootstrap_s,
+        )
         self._registered = {
             e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
         }
@@ -416,7 +405,7 @@ class DecodeRoomTable:
         Returns the rooms held for a probe of it, oldest first: they go on
         to fetch /route now.
         """
-        self._dead.pop(peer, None)
+        self._verdicts.recovered(peer)
         released = self._held_on(peer)
         self._held.difference_update(released)
         return released
@@ -443,13 +432,10 @@ class DecodeRoomTable:
             return PeerGate()
         if room in self._held:
             return PeerGate(probe=r.peer)
-        held = False
-        for dead, v in self._dead.items():
-            if v.until > now and peer_matches(dead, r.peer):
-                if v.refuse_until > now:
-                    return PeerGate(actions=self._fail(r, v.reason, now))
-                held = True
-        if not held:
+        gate, reason = self._verdicts.gate(r.peer, now)
+        if gate is Gate.REFUSE:
+            return PeerGate(actions=self._fail(r, reason or "prefill_unreachable", now))
+        if gate is Gate.PROCEED:
             return PeerGate()
         self._held.add(room)
         return PeerGate(probe=r.peer)
@@ -459,22 +445,18 @@ class DecodeRoomTable:
 
     def peer_verdict(self, peer: str, now: float) -> str | None:
         """The reason `peer` (a prefill instance address) is declared dead, or None."""
-        for dead, v in self._dead.items():
-            if v.until > now and peer_matches(dead, peer):
-                return v.reason
-        return None
+        return self._verdicts.reason_for(peer, now)
 
     def peers_down(self, now: float) -> dict[str, str]:
         """Every peer declared dead now → the reason."""
-        return {p: v.reason for p, v in self._dead.items() if v.until > now}
+        return self._verdicts.down(now)
 
     def _held_on(self, peer: str) -> list[int]:
         return sorted(room for room in self._held if peer_matches(peer, self._rooms[room].peer))
 
     def _declared_dead(self, r: DecodeRoom, now: float) -> str | None:
-        self._dead = {p: v for p, v in self._dead.items() if v.until > now}
         reason = None
-        for peer, v in self._dead.items():
+        for peer, v in self._verdicts.current(now):
             for s in r.sources.values() if r.sources is not None else ():
                 if peer_matches(peer, r.peer, s.source.endpoint):
                     s.dead = True

@@ -26,14 +26,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdcluster.runtime.router.bodies import Endpoint, check_request, parse_json_object
+from pdcluster.runtime.router.bodies import (
+    ClientRequest,
+    Endpoint,
+    check_request,
+    parse_json_object,
+)
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import static_targets
-from pdcluster.runtime.router.errors import CLIENT_CLOSED_REQUEST, RouterError, error_body
+from pdcluster.runtime.router.errors import (
+    CLIENT_CLOSED_REQUEST,
+    NoHealthyWorkerError,
+    RouterError,
+    error_body,
+)
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.metrics import RouterMetrics
-from pdcluster.runtime.router.planner import Planner
+from pdcluster.runtime.router.planner import LegPlan, Planner
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
@@ -129,6 +139,8 @@ class RouterState:
         self.ctx: RelayContext | None = None
         self.checker: HealthChecker | None = None
         self._discovery: KubernetesDiscovery | None = None
+        # Set when a worker turns healthy or unhealthy: a waiting request re-plans.
+        self._pool_changed = asyncio.Event()
 
     # ------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -191,6 +203,23 @@ class RouterState:
     def _on_transition(self, worker: Worker, healthy: bool) -> None:
         to = "healthy" if healthy else "unhealthy"
         self.metrics.health_transitions.labels(worker.role.value, to).inc()
+        self._pool_changed.set()
+
+    async def _plan(self, client_request: ClientRequest) -> LegPlan:
+        """Plan the legs; with no healthy worker but a new one still on its first
+        probe (a rollout just swapped pods), wait up to the probe timeout for it."""
+        assert self.ctx is not None
+        deadline = time.monotonic() + self.config.health_check_timeout_s
+        while True:
+            try:
+                return self.planner.plan(client_request, self.ctx.rooms_in_use)
+            except NoHealthyWorkerError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.pool.has_unprobed():
+                    raise
+            self._pool_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pool_changed.wait(), min(left, 0.1))
 
     # ------------------------------------------------------------- requests
     def check_auth(self, request: Request) -> None:
@@ -228,7 +257,7 @@ class RouterState:
                 reason="unknown_model",
             )
         assert self.ctx is not None, "router app used outside its lifespan"
-        relay = Relay(self.ctx, self.planner.plan(client_request, self.ctx.rooms_in_use))
+        relay = Relay(self.ctx, await self._plan(client_request))
         relay.start()
         handed_off = False
 

@@ -164,6 +164,18 @@ class WorkerPool:
     def healthy(self, role: WorkerRole) -> list[Worker]:
         return [w for w in self._workers.values() if w.role is role and w.healthy]
 
+    def has_unprobed(self) -> bool:
+        """Whether a worker added by discovery still waits for its first probe.
+
+        A new pod is Ready in Kubernetes before the router has probed it; in
+        that moment (a rollout retiring the old pod at the same time) a
+        request may wait briefly for it rather than be refused.
+        """
+        return any(
+            not w.healthy and not w.has_info and w.consecutive_failures == 0
+            for w in self._workers.values()
+        )
+
     def sync(self, targets: Iterable[WorkerTarget]) -> PoolChange:
         """Make the pool hold exactly ``targets``; keep state of workers that stay."""
         wanted: dict[str, WorkerRole] = {}

@@ -56,6 +56,8 @@ class Behaviour:
     mode_override: str | None = None
     # Decode serves without its prefill leg (a decode that recomputes the prompt).
     solo: bool = False
+    # Delay before /get_server_info answers (a pod that just started).
+    info_delay_s: float = 0.0
 
 
 @dataclass
@@ -336,6 +338,8 @@ class StandinWorker:
 
         @app.get("/get_server_info")
         async def server_info() -> dict[str, Any]:
+            if self.behaviour.info_delay_s:
+                await asyncio.sleep(self.behaviour.info_delay_s)
             mode = {"prefill": "prefill", "decode": "decode", "colocated": "null"}[self.role]
             info: dict[str, Any] = {
                 "disaggregation_mode": self.behaviour.mode_override or mode,

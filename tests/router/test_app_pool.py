@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import time
 from collections import Counter
 from typing import Any
 
@@ -215,3 +216,42 @@ def test_discovery_changes_take_effect_without_restart(loop: LoopThread) -> None
             for _ in range(2):
                 assert http.post("/generate", json={"text": "a"}).status_code == 200
             assert served_by(cluster.decode) == [3, 1]
+
+
+def test_a_request_waits_for_a_new_workers_first_probe_when_none_is_healthy(
+    loop: LoopThread,
+) -> None:
+    """A rollout swaps pods: the old decode leaves as the new one, Ready in
+    Kubernetes, is still being probed. The request waits for that probe
+    instead of being refused; without a worker on its first probe it is not held."""
+    with start_cluster(loop, decode=2) as cluster:
+        old, new = cluster.decode
+        prefill = cluster.prefill[0]
+        state = cluster.state
+
+        def publish(decode_url: str) -> None:
+            targets = [
+                WorkerTarget(prefill.url, WorkerRole.prefill),
+                WorkerTarget(decode_url, WorkerRole.decode),
+            ]
+            cluster.loop.call(state.apply_targets, targets)
+
+        publish(old.url)
+        new.behaviour.info_delay_s = 0.5
+        with cluster.client() as http:
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+            publish(new.url)  # the old one is gone, the new one not probed yet
+            started = time.monotonic()
+            resp = http.post("/generate", json={"text": "a"})
+            waited = time.monotonic() - started
+            assert resp.status_code == 200, resp.text
+            assert served_by(cluster.decode) == [1, 1]
+            assert waited >= 0.3  # it did wait for the probe
+            # A worker whose first probe failed is not waited for: 503 at once.
+            new.behaviour.healthy = False
+            cluster.loop.run(state.checker.probe_all())
+            cluster.loop.run(state.checker.probe_all())
+            started = time.monotonic()
+            refused = http.post("/generate", json={"text": "a"})
+            assert refused.status_code == 503
+            assert time.monotonic() - started < 0.3

@@ -27,6 +27,7 @@ against one operator installed by `helm install` (as a pod) and share state:
 
 from __future__ import annotations
 
+import base64
 import secrets
 import time
 from collections.abc import Iterator
@@ -246,8 +247,6 @@ def wait_room_on(decode_url: str, token: str, prefill_ip: str, timeout_s: float 
 
 
 def cluster_token(kube: KubeApi, ns: str) -> str:
-    import base64
-
     secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token")
     assert secret is not None
     return base64.b64decode(secret["data"]["token"]).decode()

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null)
 
-.PHONY: setup run test lint links typecheck fmt crds clean
+.PHONY: setup run test lint links typecheck controlplane fmt crds clean
 
 setup: $(VENV)/.installed
 
@@ -35,7 +35,12 @@ links:
 typecheck: setup links
 	cd $(MYPY_ROOT) && $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml -p pdcluster.runtime -p pdcluster.operator
 
-test: lint typecheck
+# The Kubernetes binaries and helm are built (or found in the cache) before
+# pytest starts, so the chart tests have helm and no test is skipped for it.
+controlplane: setup
+	$(PY) -m e2e.controlplane.build
+
+test: lint typecheck controlplane
 	$(PY) -m pytest -q
 
 fmt: setup

@@ -250,6 +250,12 @@ class DecodeAgent(RankAgent):
             # Declared dead by the heartbeat: it may be back already. Held
             # rooms share one probe, started now (or the one in flight).
             self.ctx.stats["room_held_for_probe"] += 1
+            log.info(
+                "decode rank %s: room %d held for a probe of %s",
+                self.ctx.coord,
+                msg.room,
+                gate.probe,
+            )
             self.heartbeat.hasten(gate.probe, now)
             self._start_probes(now)
             return

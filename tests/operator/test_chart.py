@@ -2,7 +2,8 @@
 the Kubernetes schemas of the pinned version.
 
 `helm` is the binary the e2e control-plane build produces (or one on PATH);
-the lint/template tests are skipped, with the reason, when neither exists.
+the lint/template tests are skipped, with the reason, when neither exists
+(and fail under CI, which builds it before pytest starts).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .helpers import need
+from .helpers import need, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pdcluster-operator"
@@ -36,7 +37,16 @@ def find_helm() -> str | None:
 
 
 HELM = find_helm()
-needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (python -m e2e.cluster build)")
+
+
+@pytest.fixture
+def _helm_binary() -> str:
+    if HELM is None:
+        unavailable("no helm binary (python -m e2e.controlplane.build)")
+    return HELM
+
+
+needs_helm = pytest.mark.usefixtures("_helm_binary")
 
 
 def values_schema() -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 from pdcluster.operator.__main__ import build_kopf_args
 from pdcluster.operator.settings import OperatorSettings
-from pdcluster.operator.workqueue import WorkQueue
+from pdcluster.operator.workqueue import MAX_BACKOFF_EXPONENT, WorkQueue, retry_delay
 
 
 async def test_burst_of_triggers_becomes_one_reconcile() -> None:
@@ -90,6 +90,40 @@ async def test_requested_delay_and_retry_back_off() -> None:
     queue.forget("boom")
     assert not queue.is_pending("boom")
     await queue.stop()
+
+
+async def test_a_key_failing_forever_keeps_retrying_and_never_stops_the_queue() -> None:
+    # Past ~1,000 failures an uncapped 2**n back-off overflows a float; the
+    # exception used to end the worker task, and with it the queue.
+    clock = [0.0]
+    runs: list[str] = []
+
+    async def handler(key: str) -> float | None:
+        runs.append(key)
+        if key == "boom":
+            raise RuntimeError("always")
+        return None
+
+    queue: WorkQueue[str] = WorkQueue(
+        handler, num_workers=1, retry_delay_s=1.0, max_retry_delay_s=60.0, clock=lambda: clock[0]
+    )
+    queue.start()
+    queue.add("boom")
+    for _ in range(1100):
+        await queue.wait_idle(5)
+        clock[0] += 60.0
+        queue._wake.set()
+    await queue.wait_idle(5)
+    assert runs.count("boom") >= 1100 and queue.is_pending("boom")
+    queue.add("ok")
+    await queue.wait_idle(5)
+    assert runs[-1] == "ok"
+    await queue.stop()
+
+
+def test_retry_delay_doubles_and_is_capped_for_any_failure_count() -> None:
+    assert [retry_delay(n, 1.0, 60.0) for n in (1, 2, 3, 7, 10_000)] == [1, 2, 4, 60, 60]
+    assert retry_delay(10**9, 0.5, 1e300) == 0.5 * 2**MAX_BACKOFF_EXPONENT
 
 
 def test_handlers_register_every_trigger() -> None:

@@ -168,7 +168,7 @@ async def on_cluster_deleted(
     runtime.failover.forget_cluster(namespace, name, uid)
     runtime.queue.forget((namespace, name))
     runtime.controller.recorder.forget(uid)
-    runtime.controller.last_plans.pop((namespace, name), None)
+    runtime.controller.forget((namespace, name))
 
 
 def _enqueue_parent(memo: kopf.Memo, namespace: str | None, labels: Mapping[str, str]) -> None:

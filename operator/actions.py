@@ -37,6 +37,9 @@ class Reason(StrEnum):
     InvalidSpec = "InvalidSpec"
     TokenSecretMissing = "TokenSecretMissing"
     ApplyFailed = "ApplyFailed"
+    # Refused by the operator's policy (`policy.py`): nothing is changed.
+    ImageNotAllowed = "ImageNotAllowed"
+    SecretNotAllowed = "SecretNotAllowed"
     # Failover fast path (pod watch); emitted by the failover module.
     PrefillInstanceLost = "PrefillInstanceLost"
     DecodeInstanceLost = "DecodeInstanceLost"

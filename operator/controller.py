@@ -3,6 +3,8 @@
     body      <- GET the PDCluster (gone or being deleted: nothing to do;
                  owner references let the garbage collector remove children)
     desired   <- build_desired(validated spec)      (pure)
+    refusal   <- check_cluster(spec, named Secrets)  (pure, `policy.py`): a
+                 refused image or Secret changes nothing and is reported
     observed  <- LIST children by label, GET the names we need but did not see
     plan      <- plan_reconcile(desired, observed)   (pure)
     execute the plan; status <- compute_status(...)  (pure); write it if changed
@@ -35,6 +37,7 @@ from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError, Role
 from pdcluster.operator.observed import Observed, observe
 from pdcluster.operator.planner import MANAGED_KINDS, Plan, describe, plan_reconcile
+from pdcluster.operator.policy import Refusal, check_cluster, secret_references
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.restarts import ledger_from_status
 from pdcluster.operator.settings import OperatorSettings
@@ -109,11 +112,18 @@ class Controller:
         prev = parse_status(body.get("status"))
         try:
             cluster = cluster_from_body(body)
-            desired = build_desired(cluster)
+            desired = build_desired(cluster, operator_namespace=self.settings.operator_namespace)
         except (SpecError, BuildError, InvalidNameError) as err:
             await self._report_invalid(body, prev, str(err), now)
             self.metrics.reconciles.labels(result="invalid").inc()
             return None
+
+        refusal = await self._refusal(cluster)
+        if refusal is not None:
+            await self._report_invalid(body, prev, refusal.message, now, refusal.reason)
+            self.metrics.reconciles.labels(result="refused").inc()
+            # A label added to a Secret sends no event the operator watches.
+            return self.settings.resync_interval_s
 
         observed = await self.observe(desired)
         ledgers = {
@@ -138,6 +148,14 @@ class Controller:
         if plan.wake_at is not None:
             delay = min(delay, max(0.0, plan.wake_at - self._clock()))
         return delay
+
+    async def _refusal(self, cluster: Cluster) -> Refusal | None:
+        """Why the operator's policy refuses the cluster, reading the Secrets it names."""
+        secrets = {
+            ref.name: await self.api.get("Secret", cluster.namespace, ref.name)
+            for ref in secret_references(cluster)
+        }
+        return check_cluster(cluster, self.settings.image_allowlist, secrets)
 
     async def observe(self, desired: DesiredState) -> Observed:
         cluster = desired.cluster
@@ -181,16 +199,21 @@ class Controller:
             self.metrics.status_writes.inc()
 
     async def _report_invalid(
-        self, body: dict[str, Any], prev: PDClusterStatus, message: str, now: float
+        self,
+        body: dict[str, Any],
+        prev: PDClusterStatus,
+        message: str,
+        now: float,
+        reason: Reason = Reason.InvalidSpec,
     ) -> None:
         try:
             ref = ref_from_body(body)
         except SpecError:
             log.warning("ignoring a PDCluster without identity: %s", message)
             return
-        log.warning("PDCluster %s/%s is invalid: %s", ref.namespace, ref.name, message)
-        await self.recorder.record(ref, EventType.Warning.value, Reason.InvalidSpec.value, message)
-        status = compute_invalid_status(ref, message, prev, now)
+        log.warning("PDCluster %s/%s: %s: %s", ref.namespace, ref.name, reason.value, message)
+        await self.recorder.record(ref, EventType.Warning.value, reason.value, message)
+        status = compute_invalid_status(ref, message, prev, now, reason)
         if status_changed(body.get("status"), status):
             await self.api.patch_status(ref.namespace, ref.name, status_patch(status))
             self.metrics.status_writes.inc()

@@ -4,7 +4,7 @@ Stateless: everything it needs is in its arguments (the restart ledgers
 come from the stored status), so any operator replica, after any crash,
 plans the same next step from the same cluster state.
 
-- Cluster-wide children (RBAC, ConfigMap, router) are created when missing
+- Cluster-wide children (RBAC, NetworkPolicies, ConfigMap, router) are created when missing
   and applied when the hash of what we would apply differs from the hash
   stamped on the object at the last apply — an unchanged spec plans no
   writes. Only objects we own are ever applied (with force, and with the uid
@@ -56,6 +56,7 @@ MANAGED_KINDS = (
     "ServiceAccount",
     "Role",
     "RoleBinding",
+    "NetworkPolicy",
     "ConfigMap",
     "Secret",
     "Deployment",

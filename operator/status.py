@@ -205,19 +205,24 @@ def compute_status(
 
 
 def compute_invalid_status(
-    ref: ClusterRef, message: str, prev: PDClusterStatus, now: float
+    ref: ClusterRef,
+    message: str,
+    prev: PDClusterStatus,
+    now: float,
+    reason: Reason = Reason.InvalidSpec,
 ) -> PDClusterStatus:
-    """The spec was rejected: children are left as they are, so the per-role
-    counts of the last good spec stay; the conditions say what is wrong."""
-    degraded = _condition(
-        prev, ConditionType.Degraded, True, Reason.InvalidSpec, message, ref.generation, now
-    )
+    """The spec was rejected (`InvalidSpec`) or refused by the operator's policy
+    (`ImageNotAllowed`, `SecretNotAllowed`): children are left as they are, so
+    the per-role counts of the last good spec stay; the conditions say what is
+    wrong."""
+    degraded = _condition(prev, ConditionType.Degraded, True, reason, message, ref.generation, now)
+    why = "the spec is invalid" if reason == Reason.InvalidSpec else "the spec is refused"
     progressing = _condition(
         prev,
         ConditionType.Progressing,
         False,
-        Reason.InvalidSpec,
-        "the spec is invalid; nothing is changed until it is fixed",
+        reason,
+        f"{why}; nothing is changed until it is fixed",
         ref.generation,
         now,
     )

@@ -144,6 +144,41 @@ async def test_an_owned_object_replaced_before_its_apply_is_never_taken_over() -
     )
 
 
+async def test_a_foreign_secret_reference_is_refused_and_nothing_mounts_it() -> None:
+    spec = {**PD, "auth": {"tokenSecretName": "sa-token-like"}}
+    api, controller, clock = make(spec)
+    api.store.foreign("Secret", "sa-token-like")  # exists, neither ours nor opted in
+    assert await controller.reconcile(KEY) == 60.0  # re-checked at the resync
+    assert api.store.names("Pod") == [] and api.store.names("Deployment") == []
+    assert api.store.names("ConfigMap") == []
+    assert reasons(api) == {"SecretNotAllowed": 1}
+    degraded = condition(api, "Degraded")
+    assert degraded["reason"] == "SecretNotAllowed" and "sa-token-like" in degraded["message"]
+    # Opting in lets the next pass go ahead.
+    api.store.objects[("Secret", "sa-token-like")]["metadata"]["labels"] = {
+        "pdcluster.io/allow-reference": "true"
+    }
+    clock.now += 60
+    await controller.reconcile(KEY)
+    assert len(api.store.names("Pod")) == 2
+    assert condition(api, "Degraded")["reason"] != "SecretNotAllowed"
+
+
+async def test_an_image_outside_the_allowlist_creates_and_updates_nothing() -> None:
+    api, controller, clock = make()
+    await controller.reconcile(KEY)
+    pods_before = api.store.names("Pod")
+    api.store.objects[("PDCluster", "demo")]["spec"]["image"] = "evil.example/x:1"
+    controller.settings = OperatorSettings(metrics_port=0, image_allowlist=("pdcluster",))
+    writes_before = len(api.store.writes)
+    clock.now += 1
+    await controller.reconcile(KEY)
+    assert api.store.names("Pod") == pods_before
+    assert [w for w in api.store.writes[writes_before:] if w[1] != "Event"] == []
+    assert condition(api, "Degraded")["reason"] == "ImageNotAllowed"
+    assert "ImageNotAllowed" in reasons(api)
+
+
 async def test_invalid_spec_changes_nothing_and_reports_why() -> None:
     api, controller, _ = make()
     await controller.reconcile(KEY)

@@ -162,8 +162,12 @@ def test_settings_from_environment() -> None:
             "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2.5",
             "PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS": "0.5",
             "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
+            "PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST": "registry.example/team, pdcluster,",
+            "PDCLUSTER_OPERATOR_NAMESPACE": "pdcluster-system",
         }
     )
+    assert s.image_allowlist == ("registry.example/team", "pdcluster")
+    assert s.operator_namespace == "pdcluster-system"
     assert (s.metrics_port, s.apply_crds, s.resync_interval_s) == (0, False, 15.0)
     assert (s.not_ready_grace_s, s.failure_poll_interval_s, s.admin_timeout_s) == (0, 2.5, 0.5)
     assert s.metrics_host == "127.0.0.1"
@@ -186,3 +190,8 @@ def test_settings_from_environment() -> None:
 def test_bad_settings_are_refused_with_the_variable_named(env, words) -> None:
     with pytest.raises(ValueError, match=words):
         OperatorSettings.from_env(env)
+
+
+def test_an_allowlist_entry_with_spaces_is_refused() -> None:
+    with pytest.raises(ValueError, match="allowlist entry"):
+        OperatorSettings(image_allowlist=("registry example/x",))

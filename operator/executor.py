@@ -42,8 +42,9 @@ class ExecutionResult:
 
 
 def _with_uid(manifest: Manifest, uid: str) -> Manifest:
-    """The manifest with `metadata.uid`: the apiserver refuses the apply (409)
-    when the object under that name is no longer the one we own."""
+    """The manifest with `metadata.uid`: the apiserver refuses the apply (422,
+    "metadata.uid: field is immutable") when the object under that name is no
+    longer the one we own."""
     if not uid:
         return manifest
     return {**manifest, "metadata": {**manifest["metadata"], "uid": uid}}

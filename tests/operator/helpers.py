@@ -101,7 +101,8 @@ class Store:
             raise ApiError(409, "AlreadyExists", f"{kind} {name} already exists")
         uid = manifest["metadata"].get("uid")
         if uid and (existing is None or existing["metadata"]["uid"] != uid):
-            raise ApiError(409, "Conflict", f"{kind} {name}: uid precondition failed")
+            # What the apiserver answers an apply whose uid is not the object's.
+            raise ApiError(422, "Invalid", f"{kind} {name}: metadata.uid: field is immutable")
         obj = copy.deepcopy(dict(manifest))
         meta = obj.setdefault("metadata", {})
         meta.setdefault("namespace", NS)

@@ -6,7 +6,10 @@ leaving it Ready for the next: apply → Ready and serving; deleted children
 come back; a killed prefill makes decode fail its rooms in well under a
 second (heartbeats are set to 30 s, so only the operator's fast path can be
 that quick), then the instance restarts; `kubectl scale`; deleting the
-PDCluster removes everything. An invalid manifest is refused by the API.
+PDCluster removes everything. An invalid manifest (or one above the rank
+cap) is refused by the API; the operator refuses a foreign Secret reference,
+reports a quota that refuses its pods as ApplyFailed, and never applies over
+an object that replaced one of its own.
 """
 
 from __future__ import annotations
@@ -470,6 +473,7 @@ def test_deleting_the_cluster_removes_everything(
         "/api/v1/namespaces/{ns}/serviceaccounts",
         "/apis/apps/v1/namespaces/{ns}/deployments",
         "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+        "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
     ]
 
     def left() -> list[str]:
@@ -504,3 +508,141 @@ def test_invalid_manifest_is_refused_with_the_cel_message(
         kube.create(PDC_PATH.format(ns=namespace), {**bad, "metadata": {"name": "direct"}})
     assert err.value.status == 422
     assert "decode.topology.cp must be 1" in err.value.message
+
+
+# ------------------------------------------------- refusals (each in its own namespace)
+def wait_refused(
+    op: Operator, kube: KubeApi, ns: str, name: str, reason: str, timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """Wait for an Event `reason` on the PDCluster and Degraded=True with that reason."""
+    found: dict[str, Any] = {}
+
+    def refused() -> bool:
+        obj = pdc(kube, ns, name)
+        conds = ((obj or {}).get("status") or {}).get("conditions") or []
+        degraded = next((c for c in conds if c.get("type") == "Degraded"), None)
+        event = events(kube, ns).get(reason)
+        if event and degraded and degraded["status"] == "True" and degraded["reason"] == reason:
+            found.update(event=event, degraded=degraded)
+            return True
+        return False
+
+    try:
+        wait_until(refused, timeout_s, f"{reason} on {name}", interval_s=0.5)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\nstatus: {pdc(kube, ns, name)}\n{op.log_tail()}") from err
+    return found
+
+
+def listed(kube: KubeApi, path: str, name: str) -> list[str]:
+    got = kube.get(path, params={"labelSelector": f"pdcluster.io/cluster={name}"}) or {}
+    return [o["metadata"]["name"] for o in got.get("items", [])]
+
+
+def test_rank_product_above_the_cap_is_refused_by_the_apiserver(
+    operator: Operator, kube: KubeApi, kubectl: KubectlRunner, namespace: str, tmp_path: Path
+) -> None:
+    # Every axis is within its own bound (<= 64); the product is 128 ranks.
+    big = manifest("big", prefill={"topology": {"dp": 8, "tp": 8, "pp": 2}})
+    result = apply(kubectl, tmp_path, namespace, big, check=False)
+    assert result.returncode != 0
+    assert "ranks per instance (dp*tp*cp*pp) must be at most 64" in result.stderr
+    assert pdc(kube, namespace, "big") is None
+
+
+def test_a_foreign_secret_reference_is_refused_and_nothing_mounts_it(
+    operator: Operator, kube: KubeApi, kubectl: KubectlRunner, namespace: str, tmp_path: Path
+) -> None:
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "someone-elses"},
+            "type": "Opaque",
+            "data": {"token": base64.b64encode(b"not-yours").decode()},
+        },
+    )
+    doc = manifest("thief", auth={"tokenSecretName": "someone-elses"})
+    apply(kubectl, tmp_path, namespace, doc)
+    found = wait_refused(operator, kube, namespace, "thief", "SecretNotAllowed")
+    assert "someone-elses" in found["event"]["message"]
+    assert "pdcluster.io/allow-reference" in found["degraded"]["message"]
+    time.sleep(2)  # a further pass changes nothing either
+    assert listed(kube, f"/api/v1/namespaces/{namespace}/pods", "thief") == []
+    assert listed(kube, f"/apis/apps/v1/namespaces/{namespace}/deployments", "thief") == []
+
+
+def test_a_quota_refusing_the_pods_is_reported_as_apply_failed(
+    operator: Operator, kube: KubeApi, kubectl: KubectlRunner, namespace: str, tmp_path: Path
+) -> None:
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/resourcequotas",
+        {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "no-pods"},
+            "spec": {"hard": {"pods": "0"}},
+        },
+    )
+    wait_until(
+        lambda: (
+            (kube.get(f"/api/v1/namespaces/{namespace}/resourcequotas/no-pods") or {})
+            .get("status", {})
+            .get("hard")
+        ),
+        30,
+        "the quota's status",
+    )
+    apply(kubectl, tmp_path, namespace, manifest("quota"))
+    found = wait_refused(operator, kube, namespace, "quota", "ApplyFailed")
+    assert "exceeded quota" in found["event"]["message"]
+    assert found["event"]["message"].startswith("create Pod/")
+    assert "exceeded quota" in found["degraded"]["message"]
+    assert listed(kube, f"/api/v1/namespaces/{namespace}/pods", "quota") == []
+    # The children the quota allows were created; the NetworkPolicies passed the
+    # apiserver's validation (no CNI here enforces them).
+    policies = {
+        p["metadata"]["name"]: p
+        for p in (
+            kube.get(f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies") or {}
+        ).get("items", [])
+    }
+    assert set(policies) == {"quota-workers-ingress", "quota-router-ingress"}
+    workers = policies["quota-workers-ingress"]["spec"]
+    assert workers["podSelector"]["matchLabels"]["pdcluster.io/cluster"] == "quota"
+    assert workers["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {
+        "pdcluster.io/cluster": "quota"
+    }
+
+
+CM = {"apiVersion": "v1", "kind": "ConfigMap"}
+
+
+async def test_apply_carries_the_uid_so_a_replaced_object_is_not_taken_over(
+    k8s_cluster: ClusterInfo, kube: KubeApi, namespace: str
+) -> None:
+    from pdcluster.operator.kube import ApiError as OperatorApiError
+    from pdcluster.operator.kube import KubeClient, load_credentials
+
+    path = f"/api/v1/namespaces/{namespace}/configmaps"
+    first = kube.create(path, {**CM, "metadata": {"name": "cm"}, "data": {"who": "ours"}})
+    uid = first["metadata"]["uid"]
+    client = KubeClient(load_credentials(str(k8s_cluster.kubeconfig)))
+    doc = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"who": "applied"}}
+    try:
+        await client.apply({**doc, "metadata": {"name": "cm", "namespace": namespace, "uid": uid}})
+        assert (kube.get(f"{path}/cm") or {})["data"] == {"who": "applied"}
+        # Someone else's object now has the name: the same apply is refused.
+        kube.delete(f"{path}/cm")
+        wait_until(lambda: kube.get(f"{path}/cm") is None, 30, "the ConfigMap gone")
+        kube.create(path, {**CM, "metadata": {"name": "cm"}, "data": {"who": "theirs"}})
+        with pytest.raises(OperatorApiError) as err:
+            await client.apply(
+                {**doc, "metadata": {"name": "cm", "namespace": namespace, "uid": uid}}
+            )
+        # The apiserver answers 422 "metadata.uid: field is immutable".
+        assert err.value.status == 422 and "uid" in err.value.message
+        assert (kube.get(f"{path}/cm") or {})["data"] == {"who": "theirs"}
+    finally:
+        await client.aclose()

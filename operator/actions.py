@@ -1,10 +1,12 @@
 """What a reconcile decided to do: plain values the executor carries out in order.
 
-Cluster-wide children are *applied* (server-side apply: idempotent, updates
-in place). Instance members — pods and bootstrap Services — are *created*:
-pods are immutable, a template change rolls the instance instead, and a
-plain create fails on an existing name rather than taking over an object
-someone else made. Deletes carry the uid the planner saw, so a delete never
+Every new object is *created*: a plain create fails on an existing name
+rather than taking over an object someone else made. Cluster-wide children
+we already own are *applied* (server-side apply: idempotent, updates in
+place), carrying the uid the planner saw, so an apply never lands on a
+different object that took the name. Instance members — pods and bootstrap
+Services — are only ever created: pods are immutable, a template change
+rolls the instance instead. Deletes carry the uid the planner saw, so a delete never
 hits a newer object that reused the name.
 
 Pure module.
@@ -35,6 +37,9 @@ class Reason(StrEnum):
     InvalidSpec = "InvalidSpec"
     TokenSecretMissing = "TokenSecretMissing"
     ApplyFailed = "ApplyFailed"
+    # Refused by the operator's policy (`policy.py`): nothing is changed.
+    ImageNotAllowed = "ImageNotAllowed"
+    SecretNotAllowed = "SecretNotAllowed"
     # Failover fast path (pod watch); emitted by the failover module.
     PrefillInstanceLost = "PrefillInstanceLost"
     DecodeInstanceLost = "DecodeInstanceLost"
@@ -43,7 +48,10 @@ class Reason(StrEnum):
 
 @dataclass(frozen=True)
 class Apply:
+    """Server-side apply (with force) of an object we own, whose uid is `uid`."""
+
     manifest: Manifest
+    uid: str = ""
 
     @property
     def key(self) -> ObjectKey:

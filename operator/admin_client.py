@@ -5,17 +5,41 @@
 
 Both carry `Authorization: Bearer <cluster token>`. Calls never raise on a
 worker's failure: the result says what happened, so one dead or slow worker
-never delays telling the others.
+never delays telling the others. A worker's answer is read up to
+`MAX_RESPONSE_BYTES` and no further: a larger one counts as no answer, so a
+misbehaving (or hostile) pod cannot make the operator buffer without bound.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import httpx
 
 from pdcluster.operator.failure_counts import parse_failures
 from pdcluster.runtime.pd_worker.admin_body import FailPeerRequest
+
+# /admin/failures of a large instance is a few KiB; 1 MiB is far above it.
+MAX_RESPONSE_BYTES = 1 << 20
+ERROR_TEXT_CHARS = 200
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+async def read_capped(resp: httpx.Response, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+    """The body of a streamed response; raises ResponseTooLarge past `limit` bytes."""
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ResponseTooLarge(f"{declared} bytes declared (limit {limit})")
+    body = bytearray()
+    async for chunk in resp.aiter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise ResponseTooLarge(f"more than {limit} bytes")
+    return bytes(body)
 
 
 @dataclass(frozen=True)
@@ -28,10 +52,17 @@ class AdminResult:
 
 
 class AdminClient:
-    def __init__(self, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 2.0,
+        *,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         # Workers are addressed by pod IP; a proxy from the environment must not
         # sit between the operator and them.
-        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=False, transport=transport)
+        self._max_bytes = max_response_bytes
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -47,19 +78,29 @@ class AdminClient:
         url = f"{base_url}/admin/fail_peer"
         body = FailPeerRequest(peer, reason, gone).to_json()
         try:
-            resp = await self._http.post(url, json=body, headers=self._headers(token))
+            async with self._http.stream(
+                "POST", url, json=body, headers=self._headers(token)
+            ) as resp:
+                if resp.status_code < 400:
+                    return AdminResult(base_url, True, resp.status_code)
+                text = await read_capped(resp, self._max_bytes)
         except httpx.HTTPError as err:
             return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
-        if resp.status_code >= 400:
-            return AdminResult(base_url, False, resp.status_code, resp.text[:200])
-        return AdminResult(base_url, True, resp.status_code)
+        except ResponseTooLarge as err:
+            return AdminResult(base_url, False, resp.status_code, f"error body: {err}")
+        error = text.decode("utf-8", "replace")[:ERROR_TEXT_CHARS]
+        return AdminResult(base_url, False, resp.status_code, error)
 
     async def failures(self, base_url: str, token: str | None) -> dict[str, int] | None:
-        """Reason -> count, or None when the worker did not answer sensibly."""
+        """Reason -> count, or None when the worker did not answer sensibly
+        (an error, not JSON, or larger than the response limit)."""
         try:
-            resp = await self._http.get(f"{base_url}/admin/failures", headers=self._headers(token))
-            if resp.status_code != 200:
-                return None
-            return parse_failures(resp.json())
-        except (httpx.HTTPError, ValueError):
+            async with self._http.stream(
+                "GET", f"{base_url}/admin/failures", headers=self._headers(token)
+            ) as resp:
+                if resp.status_code != 200:
+                    return None
+                data = await read_capped(resp, self._max_bytes)
+            return parse_failures(json.loads(data))
+        except (httpx.HTTPError, ValueError, ResponseTooLarge):
             return None

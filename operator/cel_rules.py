@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.runtime.spec import MAX_RANKS_PER_INSTANCE
+
 
 @dataclass(frozen=True)
 class CelRule:
@@ -89,6 +91,10 @@ SPEC_RULES = (
 )
 
 ROLE_RULES = (
+    CelRule(
+        rule=f"{_ranks('')} <= {MAX_RANKS_PER_INSTANCE}",
+        message=f"ranks per instance (dp*tp*cp*pp) must be at most {MAX_RANKS_PER_INSTANCE}",
+    ),
     CelRule(
         rule=f"({_ranks('')}) % {_get('gpusPerPod', 1)} == 0",
         message="ranks per instance (dp*tp*cp*pp) must be divisible by gpusPerPod",

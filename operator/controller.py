@@ -3,13 +3,18 @@
     body      <- GET the PDCluster (gone or being deleted: nothing to do;
                  owner references let the garbage collector remove children)
     desired   <- build_desired(validated spec)      (pure)
+    refusal   <- check_cluster(spec, named Secrets)  (pure, `policy.py`): a
+                 refused image or Secret changes nothing and is reported
     observed  <- LIST children by label, GET the names we need but did not see
     plan      <- plan_reconcile(desired, observed)   (pure)
     execute the plan; status <- compute_status(...)  (pure); write it if changed
 
 The pass returns when it wants to run again: at the earliest back-off or
-budget deadline the plan names, soon after a failed write, and at the
-resync interval otherwise. It never sleeps.
+budget deadline the plan names, after a failed write (2 s, doubling for
+every pass in a row that fails again, capped), and at the resync interval
+otherwise. It never sleeps. A write the apiserver refuses (admission, quota,
+RBAC) becomes an `ApplyFailed` Event with the apiserver's message and the
+`Degraded` condition.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.actions import EventType, Reason
+from pdcluster.operator.actions import Action, EventType, Reason
 from pdcluster.operator.api import PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import ObjectKey, object_key
@@ -31,7 +36,8 @@ from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError, Role
 from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.planner import MANAGED_KINDS, Plan, plan_reconcile
+from pdcluster.operator.planner import MANAGED_KINDS, Plan, describe, plan_reconcile
+from pdcluster.operator.policy import Refusal, check_cluster, secret_references
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.restarts import ledger_from_status
 from pdcluster.operator.settings import OperatorSettings
@@ -41,6 +47,7 @@ from pdcluster.operator.status import (
     status_changed,
     status_patch,
 )
+from pdcluster.operator.workqueue import retry_delay
 from pdcluster.runtime.spec import SpecError
 
 log = logging.getLogger(__name__)
@@ -48,8 +55,14 @@ log = logging.getLogger(__name__)
 # Listed by label each pass. Secrets are only ever read by name, so the
 # operator needs no permission to list the namespace's secrets.
 LISTED_KINDS = tuple(k for k in MANAGED_KINDS if k != "Secret")
-# After a failed write, try again this soon (the work queue backs off on exceptions).
+# After a failed write, try again this soon, doubling per pass that fails again
+# up to the settings' max_retry_delay_s (the work queue backs off on exceptions).
 RETRY_AFTER_WRITE_ERROR_S = 2.0
+
+
+def describe_write(action: Action) -> str:
+    summary = describe(action)
+    return f"{summary['op']} {summary.get('object', '')}".strip()
 
 
 class Controller:
@@ -70,6 +83,13 @@ class Controller:
         self._clock = clock
         # Last plan per cluster, for logs, probes and tests.
         self.last_plans: dict[tuple[str, str], Plan] = {}
+        # Passes in a row whose writes the apiserver refused, per cluster.
+        self.write_failures: dict[tuple[str, str], int] = {}
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """Drop what is remembered of a deleted cluster."""
+        self.last_plans.pop(key, None)
+        self.write_failures.pop(key, None)
 
     async def reconcile(self, key: tuple[str, str]) -> float | None:
         """One pass for (namespace, name); returns seconds until the next wanted pass."""
@@ -92,11 +112,18 @@ class Controller:
         prev = parse_status(body.get("status"))
         try:
             cluster = cluster_from_body(body)
-            desired = build_desired(cluster)
+            desired = build_desired(cluster, operator_namespace=self.settings.operator_namespace)
         except (SpecError, BuildError, InvalidNameError) as err:
             await self._report_invalid(body, prev, str(err), now)
             self.metrics.reconciles.labels(result="invalid").inc()
             return None
+
+        refusal = await self._refusal(cluster)
+        if refusal is not None:
+            await self._report_invalid(body, prev, refusal.message, now, refusal.reason)
+            self.metrics.reconciles.labels(result="refused").inc()
+            # A label added to a Secret sends no event the operator watches.
+            return self.settings.resync_interval_s
 
         observed = await self.observe(desired)
         ledgers = {
@@ -105,14 +132,30 @@ class Controller:
         plan = plan_reconcile(desired, observed, ledgers, now)
         self.last_plans[(namespace, name)] = plan
         result = await self.executor.run(cluster, plan.actions)
-        await self._write_status(cluster, desired, plan, body.get("status"), prev, now)
+        failed = [f"{describe_write(action)}: {err}" for action, err in result.errors]
+        for message in failed:
+            await self.recorder.record(
+                cluster.ref, EventType.Warning.value, Reason.ApplyFailed.value, message
+            )
+        await self._write_status(cluster, desired, plan, body.get("status"), prev, now, failed)
         self.metrics.reconciles.labels(result="ok" if not result.errors else "error").inc()
         if result.errors:
-            return RETRY_AFTER_WRITE_ERROR_S
+            failures = self.write_failures.get((namespace, name), 0) + 1
+            self.write_failures[(namespace, name)] = failures
+            return retry_delay(failures, RETRY_AFTER_WRITE_ERROR_S, self.settings.max_retry_delay_s)
+        self.write_failures.pop((namespace, name), None)
         delay: float = self.settings.resync_interval_s
         if plan.wake_at is not None:
             delay = min(delay, max(0.0, plan.wake_at - self._clock()))
         return delay
+
+    async def _refusal(self, cluster: Cluster) -> Refusal | None:
+        """Why the operator's policy refuses the cluster, reading the Secrets it names."""
+        secrets = {
+            ref.name: await self.api.get("Secret", cluster.namespace, ref.name)
+            for ref in secret_references(cluster)
+        }
+        return check_cluster(cluster, self.settings.image_allowlist, secrets)
 
     async def observe(self, desired: DesiredState) -> Observed:
         cluster = desired.cluster
@@ -140,9 +183,12 @@ class Controller:
         stored: Any,
         prev: PDClusterStatus,
         now: float,
+        failed_writes: list[str],
     ) -> None:
         hashes: dict[Role, str] = {r.role: r.template_hash for r in desired.roles}
-        status = compute_status(cluster, plan, hashes, desired.revision, prev, now)
+        status = compute_status(
+            cluster, plan, hashes, desired.revision, prev, now, tuple(failed_writes)
+        )
         if status_changed(stored, status):
             try:
                 await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))
@@ -153,16 +199,21 @@ class Controller:
             self.metrics.status_writes.inc()
 
     async def _report_invalid(
-        self, body: dict[str, Any], prev: PDClusterStatus, message: str, now: float
+        self,
+        body: dict[str, Any],
+        prev: PDClusterStatus,
+        message: str,
+        now: float,
+        reason: Reason = Reason.InvalidSpec,
     ) -> None:
         try:
             ref = ref_from_body(body)
         except SpecError:
             log.warning("ignoring a PDCluster without identity: %s", message)
             return
-        log.warning("PDCluster %s/%s is invalid: %s", ref.namespace, ref.name, message)
-        await self.recorder.record(ref, EventType.Warning.value, Reason.InvalidSpec.value, message)
-        status = compute_invalid_status(ref, message, prev, now)
+        log.warning("PDCluster %s/%s: %s: %s", ref.namespace, ref.name, reason.value, message)
+        await self.recorder.record(ref, EventType.Warning.value, reason.value, message)
+        status = compute_invalid_status(ref, message, prev, now, reason)
         if status_changed(body.get("status"), status):
             await self.api.patch_status(ref.namespace, ref.name, status_patch(status))
             self.metrics.status_writes.inc()

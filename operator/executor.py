@@ -23,6 +23,7 @@ from pdcluster.operator.actions import (
     Reason,
 )
 from pdcluster.operator.builders.config import build_token_secret
+from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.cluster import Cluster
 from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
@@ -38,6 +39,15 @@ TOKEN_BYTES = 32
 class ExecutionResult:
     errors: list[tuple[Action, ApiError]] = field(default_factory=list)
     num_writes: int = 0
+
+
+def _with_uid(manifest: Manifest, uid: str) -> Manifest:
+    """The manifest with `metadata.uid`: the apiserver refuses the apply (422,
+    "metadata.uid: field is immutable") when the object under that name is no
+    longer the one we own."""
+    if not uid:
+        return manifest
+    return {**manifest, "metadata": {**manifest["metadata"], "uid": uid}}
 
 
 class Executor:
@@ -81,7 +91,7 @@ class Executor:
     async def _perform(self, cluster: Cluster, action: Action) -> None:
         ns = cluster.namespace
         if isinstance(action, Apply):
-            await self._api.apply(action.manifest)
+            await self._api.apply(_with_uid(action.manifest, action.uid))
         elif isinstance(action, Create):
             try:
                 await self._api.create(action.manifest)

@@ -42,7 +42,7 @@ FIELD_DOCS: dict[str, str] = {
     "transfer.checksum": "Verify a checksum of each received page range before decoding.",
     "transfer.failurePolicy": "On a failed transfer, fail the request with a clear error or "
     "recompute the prompt on decode.",
-    "<role>.topology": "Ranks of one instance: dp x tp x cp x pp processes.",
+    "<role>.topology": "Ranks of one instance: dp x tp x cp x pp processes, at most 64.",
     "<role>.topology.dp": "Data-parallel engine groups sharing the instance's bootstrap server.",
     "<role>.topology.tp": "Tensor-parallel ranks; KV heads are split evenly across them.",
     "<role>.topology.cp": "Context-parallel ranks, each owning a token range (prefill only).",
@@ -77,10 +77,11 @@ FIELD_DOCS: dict[str, str] = {
     "router.requestTimeoutSeconds": "Deadline of one request through the router.",
     "auth": "Cluster token and optional router API keys.",
     "auth.tokenSecretName": "Secret (key `token`) guarding bootstrap, ZMQ registration and "
-    "admin endpoints; empty: the operator creates `<cluster>-token` once.",
+    "admin endpoints; empty: the operator creates `<cluster>-token` once. A Secret of "
+    "your own needs the label pdcluster.io/allow-reference=true.",
     "auth.routerApiKeySecretName": "Secret whose key `keys` lists the API keys the router "
-    "requires (the router pods get it as PDCLUSTER_ROUTER_API_KEYS); empty: the router API "
-    "is open.",
+    "requires (the router pods get it as PDCLUSTER_ROUTER_API_KEYS); it needs the label "
+    "pdcluster.io/allow-reference=true; empty: the router API is open.",
     "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
 }
 

@@ -50,6 +50,7 @@ RESOURCES: dict[str, Resource] = {
     "ServiceAccount": Resource("/api/v1", "serviceaccounts"),
     "Event": Resource("/api/v1", "events"),
     "Deployment": Resource("/apis/apps/v1", "deployments"),
+    "NetworkPolicy": Resource("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": Resource("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "PDCluster": Resource(f"/apis/{GROUP}/{VERSION}", PLURAL),

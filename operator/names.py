@@ -116,6 +116,11 @@ def token_secret_name(cluster: str) -> str:
     return fit_name(cluster, "token")
 
 
+def network_policy_name(cluster: str, target: str) -> str:
+    """NetworkPolicy guarding the cluster's `target` pods ("workers", "router")."""
+    return fit_name(cluster, f"{target}-ingress")
+
+
 def runtime_account_name(cluster: str) -> str:
     """ServiceAccount, Role and RoleBinding of the cluster's pods share it."""
     return fit_name(cluster, "runtime")

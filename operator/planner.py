@@ -4,9 +4,11 @@ Stateless: everything it needs is in its arguments (the restart ledgers
 come from the stored status), so any operator replica, after any crash,
 plans the same next step from the same cluster state.
 
-- Cluster-wide children (RBAC, ConfigMap, router) are applied when missing
-  or when the hash of what we would apply differs from the hash stamped on
-  the object at the last apply — an unchanged spec plans no writes.
+- Cluster-wide children (RBAC, NetworkPolicies, ConfigMap, router) are created when missing
+  and applied when the hash of what we would apply differs from the hash
+  stamped on the object at the last apply — an unchanged spec plans no
+  writes. Only objects we own are ever applied (with force, and with the uid
+  we saw as a precondition), so a foreign object is never taken over.
 - The token Secret is created once and never rewritten; a Secret the user
   names is only checked for existence (no pods start without it).
 - Instances are planned per role (`rollout.plan_role`).
@@ -54,6 +56,7 @@ MANAGED_KINDS = (
     "ServiceAccount",
     "Role",
     "RoleBinding",
+    "NetworkPolicy",
     "ConfigMap",
     "Secret",
     "Deployment",
@@ -122,13 +125,15 @@ def _plan_cluster_objects(
         stamped = stamp(manifest)
         found = observed.get(object_key(manifest))
         if found is None:
-            actions.append(Apply(stamped))
+            # A plain create: should someone else's object appear under this
+            # name before it lands, the create fails instead of taking it over.
+            actions.append(Create(stamped))
         elif not found.is_owned_by(uid):
             foreign.append(found.key)
         elif found.terminating:
             continue  # re-created once gone
         elif found.annotations.get(names.ANNOTATION_APPLIED_HASH) != manifest_hash(manifest):
-            actions.append(Apply(stamped))
+            actions.append(Apply(stamped, uid=found.uid))
 
 
 def _bootstrap_identity(obj: ObservedObject) -> tuple[int, str] | None:

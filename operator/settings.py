@@ -13,6 +13,10 @@ Environment (all optional):
     PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS  a worker NotReady this long is lost (5)
     PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS     read the workers' failure counts this often (10)
     PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS    timeout of one call to a worker's admin API (2)
+    PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST    comma-separated image prefixes PDClusters may
+                                          run (see `policy.py`); empty: any image ("")
+    PDCLUSTER_OPERATOR_NAMESPACE          the operator's own namespace, which the
+                                          clusters' NetworkPolicies admit ("")
     KUBECONFIG                            used when not running in a pod
 """
 
@@ -42,6 +46,10 @@ class OperatorSettings:
     not_ready_grace_s: float = 5.0
     failure_poll_interval_s: float = 10.0
     admin_timeout_s: float = 2.0
+    # Image prefixes a PDCluster's spec.image must match; empty: any image.
+    image_allowlist: tuple[str, ...] = ()
+    # Namespace the operator's pods run in; their NetworkPolicies admit it.
+    operator_namespace: str = ""
     kubeconfig: str | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +70,9 @@ class OperatorSettings:
             raise ValueError("max_retry_delay_s must be >= retry_delay_s")
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"num_workers must be 1..64, got {self.num_workers}")
+        for entry in self.image_allowlist:
+            if not entry or entry != entry.strip() or any(c.isspace() for c in entry):
+                raise ValueError(f"image allowlist entry {entry!r} is empty or has spaces")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorSettings:
@@ -92,6 +103,11 @@ class OperatorSettings:
             kwargs["apply_crds"] = value in _TRUE
         if env.get("PDCLUSTER_OPERATOR_METRICS_HOST"):
             kwargs["metrics_host"] = env["PDCLUSTER_OPERATOR_METRICS_HOST"]
+        if "PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST" in env:
+            text = env["PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST"]
+            kwargs["image_allowlist"] = tuple(e.strip() for e in text.split(",") if e.strip())
+        if env.get("PDCLUSTER_OPERATOR_NAMESPACE"):
+            kwargs["operator_namespace"] = env["PDCLUSTER_OPERATOR_NAMESPACE"]
         if env.get("KUBECONFIG"):
             kwargs["kubeconfig"] = env["KUBECONFIG"]
         try:

@@ -8,7 +8,7 @@ Conditions (each with a reason a user can act on):
   `RestartBudgetExhausted` when it cannot move on by itself;
 - Degraded: something is wrong: an instance broken or backing off, the
   restart budget spent, a foreign object in the way, the token Secret
-  missing, an invalid spec.
+  missing, a write the apiserver refused (`ApplyFailed`), an invalid spec.
 
 A condition keeps its lastTransitionTime while its status stays the same,
 so computing the status of an unchanged cluster twice gives equal values
@@ -19,7 +19,7 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pdcluster.operator import names
@@ -39,6 +39,8 @@ from pdcluster.operator.planner import Plan
 from pdcluster.operator.restarts import ledger_status_fields
 from pdcluster.operator.rollout import RoleReport
 
+# The apiserver's message on a refused write can be long; the Event carries it whole.
+MAX_CONDITION_MESSAGE = 512
 STATUS_KEYS = frozenset(field.alias or name for name, field in PDClusterStatus.model_fields.items())
 
 
@@ -74,11 +76,14 @@ def _summary(roles: Iterable[RoleReport], plan: Plan) -> str:
     return ", ".join(parts) + " ready"
 
 
-def _degraded(plan: Plan) -> tuple[bool, str, str]:
+def _degraded(plan: Plan, failed_writes: Sequence[str]) -> tuple[bool, str, str]:
     exhausted = [r.role.value for r in plan.roles if r.budget_exhausted]
     restarting = [r for r in plan.roles if r.broken or r.waiting_backoff]
     if plan.token_secret_missing:
         return True, Reason.TokenSecretMissing, "the token Secret named in spec.auth is missing"
+    if failed_writes:
+        more = f" (and {len(failed_writes) - 1} more)" if len(failed_writes) > 1 else ""
+        return True, Reason.ApplyFailed, f"{failed_writes[0][:MAX_CONDITION_MESSAGE]}{more}"
     if exhausted:
         return (
             True,
@@ -134,7 +139,9 @@ def compute_status(
     revision: str,
     prev: PDClusterStatus,
     now: float,
+    failed_writes: Sequence[str] = (),
 ) -> PDClusterStatus:
+    """`failed_writes`: what the apiserver refused in this pass ("create Pod/x: 403 ...")."""
     generation = cluster.ref.generation
     all_ready = (
         all(r.ready >= r.desired for r in plan.roles)
@@ -144,7 +151,7 @@ def compute_status(
     ready_reason = "AllReady" if all_ready else "InstancesNotReady"
     if not all_ready and all(r.ready >= r.desired for r in plan.roles):
         ready_reason = "RouterNotReady"
-    degraded, degraded_reason, degraded_msg = _degraded(plan)
+    degraded, degraded_reason, degraded_msg = _degraded(plan, failed_writes)
     progressing, progress_reason, progress_msg = _progressing(plan)
     conditions = [
         _condition(
@@ -198,19 +205,24 @@ def compute_status(
 
 
 def compute_invalid_status(
-    ref: ClusterRef, message: str, prev: PDClusterStatus, now: float
+    ref: ClusterRef,
+    message: str,
+    prev: PDClusterStatus,
+    now: float,
+    reason: Reason = Reason.InvalidSpec,
 ) -> PDClusterStatus:
-    """The spec was rejected: children are left as they are, so the per-role
-    counts of the last good spec stay; the conditions say what is wrong."""
-    degraded = _condition(
-        prev, ConditionType.Degraded, True, Reason.InvalidSpec, message, ref.generation, now
-    )
+    """The spec was rejected (`InvalidSpec`) or refused by the operator's policy
+    (`ImageNotAllowed`, `SecretNotAllowed`): children are left as they are, so
+    the per-role counts of the last good spec stay; the conditions say what is
+    wrong."""
+    degraded = _condition(prev, ConditionType.Degraded, True, reason, message, ref.generation, now)
+    why = "the spec is invalid" if reason == Reason.InvalidSpec else "the spec is refused"
     progressing = _condition(
         prev,
         ConditionType.Progressing,
         False,
-        Reason.InvalidSpec,
-        "the spec is invalid; nothing is changed until it is fixed",
+        reason,
+        f"{why}; nothing is changed until it is fixed",
         ref.generation,
         now,
     )

@@ -8,7 +8,11 @@ triggers into one reconcile. Guarantees:
 - a key added with a delay runs at the earliest of its pending due times;
 - the handler returns the delay until the key wants to run again (None:
   only when triggered); a handler that raises is retried with per-key
-  exponential back-off, reset by the next success.
+  exponential back-off, reset by the next success; the exponent is capped
+  (`MAX_BACKOFF_EXPONENT`), so a key failing forever keeps retrying at the
+  maximum delay;
+- one key's failure never stops the queue: whatever a run raises, the
+  worker logs it and takes the next key.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from typing import Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 
 log = logging.getLogger(__name__)
+# 2**30 times any sensible first delay is past every maximum; larger exponents
+# would only risk an overflow.
+MAX_BACKOFF_EXPONENT = 30
+
+
+def retry_delay(failures: int, first_s: float, max_s: float) -> float:
+    """Delay before retry number `failures` (1: the first): doubles, capped at `max_s`."""
+    exponent = min(max(failures, 1) - 1, MAX_BACKOFF_EXPONENT)
+    return float(min(first_s * 2**exponent, max_s))
 
 
 class WorkQueue(Generic[K]):
@@ -119,6 +132,11 @@ class WorkQueue(Generic[K]):
             self._running.add(key)
             try:
                 await self._run(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in the retry path must not end the worker
+                log.exception("work queue: run of %s failed; retrying it later", key)
+                self.add(key, self._max_retry_delay_s)
             finally:
                 self._running.discard(key)
                 if key in self._rerun:
@@ -136,7 +154,7 @@ class WorkQueue(Generic[K]):
         except Exception:
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
-            delay = min(self._retry_delay_s * 2 ** (failures - 1), self._max_retry_delay_s)
+            delay = retry_delay(failures, self._retry_delay_s, self._max_retry_delay_s)
             log.exception(
                 "reconcile of %s failed (%d in a row); retrying in %.1fs", key, failures, delay
             )

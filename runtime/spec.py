@@ -120,6 +120,11 @@ class TransferSpec(_Model):
     failure_policy: FailurePolicy = FailurePolicy.fail
 
 
+# Ranks (processes) one instance may run: dp*tp*cp*pp. Each axis alone is
+# bounded; without this their product would allow 64**4 processes per instance.
+MAX_RANKS_PER_INSTANCE = 64
+
+
 class Topology(_Model):
     dp: int = Field(default=1, ge=1, le=64)
     tp: int = Field(default=1, ge=1, le=64)
@@ -160,6 +165,11 @@ class RoleSpec(_Model):
     @model_validator(mode="after")
     def _ranks_fill_pods(self) -> RoleSpec:
         ranks = self.topology.num_ranks
+        if ranks > MAX_RANKS_PER_INSTANCE:
+            raise ValueError(
+                f"ranks per instance ({ranks} = dp*tp*cp*pp) must be at most "
+                f"{MAX_RANKS_PER_INSTANCE}"
+            )
         if ranks % self.gpus_per_pod:
             raise ValueError(
                 f"ranks per instance ({ranks} = dp*tp*cp*pp) must be divisible by "

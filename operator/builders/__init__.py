@@ -13,6 +13,7 @@ from pdcluster.operator.builders.config import (
 )
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState, build_desired
 from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
     BuildError,
@@ -41,6 +42,7 @@ __all__ = [
     "build_config_map",
     "build_desired",
     "build_instance",
+    "build_network_policies",
     "build_router_deployment",
     "build_router_service",
     "build_runtime_rbac",

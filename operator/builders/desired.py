@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pdcluster.operator import names
 from pdcluster.operator.builders.config import build_config_map, build_runtime_rbac
 from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
     DEFAULT_PLACEMENT,
@@ -64,8 +65,13 @@ def roles_of(cluster: Cluster) -> tuple[Role, ...]:
     return (Role.colocated,)
 
 
-def build_desired(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) -> DesiredState:
-    """Raises BuildError when the spec cannot produce valid objects."""
+def build_desired(
+    cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT, operator_namespace: str = ""
+) -> DesiredState:
+    """Raises BuildError when the spec cannot produce valid objects.
+
+    `operator_namespace`: where the operator's pods run, for the NetworkPolicies.
+    """
     roles: list[DesiredRole] = []
     for role in roles_of(cluster):
         spec = role_spec(cluster.spec, role)
@@ -82,6 +88,7 @@ def build_desired(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) ->
         )
     objects: list[Manifest] = [
         *build_runtime_rbac(cluster),
+        *build_network_policies(cluster, operator_namespace),
         build_config_map(cluster, placement),
         build_router_deployment(cluster),
         build_router_service(cluster),

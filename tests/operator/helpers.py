@@ -116,6 +116,10 @@ class Store:
         existing = self.objects.get((kind, name))
         if existing is not None and create_only:
             raise ApiError(409, "AlreadyExists", f"{kind} {name} already exists")
+        uid = manifest["metadata"].get("uid")
+        if uid and (existing is None or existing["metadata"]["uid"] != uid):
+            # What the apiserver answers an apply whose uid is not the object's.
+            raise ApiError(422, "Invalid", f"{kind} {name}: metadata.uid: field is immutable")
         obj = copy.deepcopy(dict(manifest))
         meta = obj.setdefault("metadata", {})
         meta.setdefault("namespace", NS)
@@ -241,10 +245,16 @@ class FakeApi:
 
     def __init__(self, store: Store | None = None) -> None:
         self.store = store or Store()
-        self.fail_next: dict[str, ApiError] = {}  # op -> error raised once
+        # op ("create") or op:kind ("create:Pod") -> error raised once
+        self.fail_next: dict[str, ApiError] = {}
+        # op:kind -> error raised on every call
+        self.fail_always: dict[str, ApiError] = {}
 
-    def _maybe_fail(self, op: str) -> None:
-        err = self.fail_next.pop(op, None)
+    def _maybe_fail(self, op: str, kind: str = "") -> None:
+        always = self.fail_always.get(f"{op}:{kind}")
+        if always is not None:
+            raise always
+        err = self.fail_next.pop(f"{op}:{kind}", None) or self.fail_next.pop(op, None)
         if err is not None:
             raise err
 
@@ -257,11 +267,11 @@ class FakeApi:
         return self.store.list_objs(kind, selector)
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self._maybe_fail("apply")
+        self._maybe_fail("apply", str(manifest["kind"]))
         return self.store.put(manifest, create_only=False)
 
     async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        self._maybe_fail("create")
+        self._maybe_fail("create", str(manifest["kind"]))
         return self.store.put(manifest, create_only=True)
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:

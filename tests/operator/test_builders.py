@@ -17,6 +17,7 @@ from pdcluster.operator.builders import (
     build_config_map,
     build_desired,
     build_instance,
+    build_network_policies,
     build_router_deployment,
     build_router_service,
     build_runtime_rbac,
@@ -370,3 +371,51 @@ def test_runtime_rbac_reads_pods_and_posts_events_in_its_namespace_only() -> Non
 def test_builders_are_deterministic() -> None:
     spec = {"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {}}
     assert all_children(make_cluster(spec)) == all_children(make_cluster(spec))
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_network_policies_admit_only_own_pods_and_the_operator_to_workers() -> None:
+    cluster = make_cluster({**PD, "router": {"service": {"port": 443}}})
+    workers, router = build_network_policies(cluster, operator_namespace="ops")
+    for policy in (workers, router):
+        need("kubernetes_validate").validate(policy, K8S_VERSION, strict=True)
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+    worker_pod = build_worker_pod(cluster, Role.prefill, 0, 0)
+    router_pod = build_router_deployment(cluster)["spec"]["template"]
+    selects = workers["spec"]["podSelector"]["matchLabels"]
+    assert _matches(selects, worker_pod["metadata"]["labels"])
+    assert not _matches(selects, router_pod["metadata"]["labels"])
+    own, operator = workers["spec"]["ingress"]
+    # Peers and the router: any port (KV transfer, process group); no one else.
+    (peer,) = own["from"]
+    assert "ports" not in own and "namespaceSelector" not in peer
+    assert _matches(peer["podSelector"]["matchLabels"], router_pod["metadata"]["labels"])
+    assert _matches(peer["podSelector"]["matchLabels"], worker_pod["metadata"]["labels"])
+    other = make_cluster(PD, name="other")
+    other_pod = build_worker_pod(other, Role.prefill, 0, 0)
+    assert not _matches(peer["podSelector"]["matchLabels"], other_pod["metadata"]["labels"])
+    (op,) = operator["from"]
+    assert op["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # The router: its Service's target port (the container's "http"), from anywhere.
+    assert _matches(router["spec"]["podSelector"]["matchLabels"], router_pod["metadata"]["labels"])
+    service = build_router_service(cluster)
+    (svc_port,) = service["spec"]["ports"]
+    (container,) = router_pod["spec"]["containers"]
+    target = next(p for p in container["ports"] if p["name"] == svc_port["targetPort"])
+    assert router["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": target["containerPort"]}]}
+    ]
+
+
+def test_without_an_operator_namespace_no_operator_pods_are_admitted() -> None:
+    workers, _ = build_network_policies(make_cluster(PD))
+    assert len(workers["spec"]["ingress"]) == 1
+    assert {o["metadata"]["name"] for o in build_desired(make_cluster(PD)).objects} >= {
+        "demo-workers-ingress",
+        "demo-router-ingress",
+    }

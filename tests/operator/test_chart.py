@@ -66,8 +66,16 @@ def test_default_values_satisfy_the_values_schema() -> None:
         {"typo": 1},
         {"operator": {"workers": 0}},
         {"image": {"pullPolicy": "Sometimes"}},
+        {"imageAllowlist": ["a,b"]},
     ],
-    ids=["port-0", "bad-namespace", "unknown-key", "no-workers", "bad-pull-policy"],
+    ids=[
+        "port-0",
+        "bad-namespace",
+        "unknown-key",
+        "no-workers",
+        "bad-pull-policy",
+        "bad-allowlist",
+    ],
 )
 def test_values_schema_rejects_mistakes(patch: dict[str, Any]) -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -153,6 +161,22 @@ def test_cluster_wide_by_default_and_per_namespace_when_asked() -> None:
         "--namespace=team-a",
         "--namespace=team-b",
     ]
+    # Scoped: pods, secrets, role bindings are granted only in the watched namespaces.
+    cluster_wide = {
+        res for r in by_kind(scoped, "ClusterRole") for g in r["rules"] for res in g["resources"]
+    }
+    assert cluster_wide == {"customresourcedefinitions"}
+    (wide_role,) = [
+        r for r in by_kind(wide, "ClusterRole") if r["metadata"]["name"] == "rel-pdcluster-operator"
+    ]
+    for role in by_kind(scoped, "Role"):
+        assert role["rules"] == wide_role["rules"]
+    bindings = by_kind(scoped, "RoleBinding")
+    assert {(b["metadata"]["namespace"], b["roleRef"]["kind"]) for b in bindings} == {
+        ("team-a", "Role"),
+        ("team-b", "Role"),
+    }
+    assert all(b["subjects"][0]["namespace"] == "ops" for b in bindings)
 
 
 @needs_helm
@@ -190,6 +214,10 @@ def test_rbac_is_least_privilege() -> None:
         ("roles", "patch"),
         ("rolebindings", "patch"),
         ("serviceaccounts", "patch"),
+        ("networkpolicies", "create"),
+        ("networkpolicies", "patch"),
+        ("networkpolicies", "list"),
+        ("networkpolicies", "watch"),
     ]:
         assert (res, verb) in grants, (res, verb)
 
@@ -220,3 +248,20 @@ def test_probes_use_kopf_liveness_and_crd_comes_with_the_chart() -> None:
     assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "false"
     assert by_kind(minimal, "ServiceAccount") == [] and by_kind(minimal, "Service") == []
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+@needs_helm
+def test_image_allowlist_and_own_namespace_reach_the_operator() -> None:
+    def env_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        (dep,) = by_kind(docs, "Deployment")
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+    env = env_of(render("imageAllowlist={registry.example/team,pdcluster}"))
+    assert env["PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST"] == "registry.example/team,pdcluster"
+    assert env["PDCLUSTER_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    from pdcluster.operator.settings import OperatorSettings
+
+    parsed = OperatorSettings.from_env({k: v for k, v in env.items() if isinstance(v, str)})
+    assert parsed.image_allowlist == ("registry.example/team", "pdcluster")
+    assert env_of(render())["PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST"] == ""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from pdcluster.operator.controller import Controller
@@ -90,6 +93,92 @@ async def test_foreign_object_without_our_labels_is_found_by_name_and_refused() 
     assert len(foreign) == 1 and foreign[0]["count"] == 6
 
 
+class RacingApi(FakeApi):
+    """Someone else's object takes `name` between the pass's reads and its write."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__()
+        self.target = (kind, name)
+
+    def _race(self, manifest: Mapping[str, Any]) -> None:
+        if (manifest["kind"], manifest["metadata"]["name"]) == self.target:
+            self.store.foreign(*self.target)
+
+    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        self._race(manifest)
+        return await super().apply(manifest)
+
+    async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        self._race(manifest)
+        return await super().create(manifest)
+
+
+def make_racing(kind: str, name: str) -> tuple[RacingApi, Controller]:
+    api, clock = RacingApi(kind, name), Clock()
+    api.store.objects[("PDCluster", "demo")] = body(PD)
+    recorder = EventRecorder(api, clock=clock, min_interval_s=30, host="test")
+    settings = OperatorSettings(metrics_port=0)
+    return api, Controller(api, settings, OperatorMetrics(), recorder, clock=clock)
+
+
+async def test_an_object_appearing_before_its_create_is_never_taken_over() -> None:
+    api, controller = make_racing("ConfigMap", "demo-config")
+    await controller.reconcile(KEY)
+    cm = api.store.objects[("ConfigMap", "demo-config")]
+    assert (
+        cm["metadata"]["uid"] == "foreign-demo-config" and "ownerReferences" not in cm["metadata"]
+    )
+    assert reasons(api).get("ForeignObject") == 1
+
+
+async def test_an_owned_object_replaced_before_its_apply_is_never_taken_over() -> None:
+    api, controller = make_racing("ConfigMap", "never")
+    await controller.reconcile(KEY)
+    owned = api.store.objects[("ConfigMap", "demo-config")]
+    owned["metadata"]["annotations"]["pdcluster.io/applied-hash"] = "stale"
+    api.target = ("ConfigMap", "demo-config")  # swapped for a foreign one before the apply
+    await controller.reconcile(KEY)
+    cm = api.store.objects[("ConfigMap", "demo-config")]
+    assert (
+        cm["metadata"]["uid"] == "foreign-demo-config" and "ownerReferences" not in cm["metadata"]
+    )
+
+
+async def test_a_foreign_secret_reference_is_refused_and_nothing_mounts_it() -> None:
+    spec = {**PD, "auth": {"tokenSecretName": "sa-token-like"}}
+    api, controller, clock = make(spec)
+    api.store.foreign("Secret", "sa-token-like")  # exists, neither ours nor opted in
+    assert await controller.reconcile(KEY) == 60.0  # re-checked at the resync
+    assert api.store.names("Pod") == [] and api.store.names("Deployment") == []
+    assert api.store.names("ConfigMap") == []
+    assert reasons(api) == {"SecretNotAllowed": 1}
+    degraded = condition(api, "Degraded")
+    assert degraded["reason"] == "SecretNotAllowed" and "sa-token-like" in degraded["message"]
+    # Opting in lets the next pass go ahead.
+    api.store.objects[("Secret", "sa-token-like")]["metadata"]["labels"] = {
+        "pdcluster.io/allow-reference": "true"
+    }
+    clock.now += 60
+    await controller.reconcile(KEY)
+    assert len(api.store.names("Pod")) == 2
+    assert condition(api, "Degraded")["reason"] != "SecretNotAllowed"
+
+
+async def test_an_image_outside_the_allowlist_creates_and_updates_nothing() -> None:
+    api, controller, clock = make()
+    await controller.reconcile(KEY)
+    pods_before = api.store.names("Pod")
+    api.store.objects[("PDCluster", "demo")]["spec"]["image"] = "evil.example/x:1"
+    controller.settings = OperatorSettings(metrics_port=0, image_allowlist=("pdcluster",))
+    writes_before = len(api.store.writes)
+    clock.now += 1
+    await controller.reconcile(KEY)
+    assert api.store.names("Pod") == pods_before
+    assert [w for w in api.store.writes[writes_before:] if w[1] != "Event"] == []
+    assert condition(api, "Degraded")["reason"] == "ImageNotAllowed"
+    assert "ImageNotAllowed" in reasons(api)
+
+
 async def test_invalid_spec_changes_nothing_and_reports_why() -> None:
     api, controller, _ = make()
     await controller.reconcile(KEY)
@@ -127,12 +216,44 @@ async def test_back_off_deadline_is_the_next_requested_pass() -> None:
 
 async def test_failed_write_asks_for_a_quick_retry_and_other_writes_still_happen() -> None:
     api, controller, _ = make()
-    api.fail_next["apply"] = ApiError(500, "InternalError", "etcd hiccup")
+    api.fail_next["create:ServiceAccount"] = ApiError(500, "InternalError", "etcd hiccup")
     delay = await controller.reconcile(KEY)
     assert delay is not None and delay < 5
     assert len(api.store.names("Pod")) == 2  # creates went ahead
     await controller.reconcile(KEY)
     assert api.store.names("ServiceAccount") == ["demo-runtime"]
+
+
+def condition(api: FakeApi, kind: str) -> dict[str, Any]:
+    status = api.store.objects[("PDCluster", "demo")]["status"]
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+async def test_refused_writes_back_off_emit_apply_failed_and_degrade_until_they_pass() -> None:
+    api, controller, clock = make()
+    quota = (
+        "pods is forbidden: exceeded quota: tiny, requested: pods=1, used: pods=0, limited: pods=0"
+    )
+    api.fail_always["create:Pod"] = ApiError(403, "Forbidden", quota)
+    delays = []
+    for _ in range(8):
+        delays.append(await controller.reconcile(KEY))
+        clock.now += 1
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]  # capped at max_retry_delay_s
+    (event,) = [e for e in api.events() if e["reason"] == "ApplyFailed"][:1]
+    assert event["type"] == "Warning" and quota in event["message"]
+    assert event["message"].startswith("create Pod/demo-")
+    degraded = condition(api, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ApplyFailed"
+    assert quota in degraded["message"] and "(and 1 more)" in degraded["message"]
+    assert api.store.names("Pod") == []
+    del api.fail_always["create:Pod"]
+    assert await controller.reconcile(KEY) == 60.0
+    assert len(api.store.names("Pod")) == 2
+    assert condition(api, "Degraded")["reason"] != "ApplyFailed"
+    api.fail_always["create:Pod"] = ApiError(403, "Forbidden", quota)
+    api.store.objects.pop(("Pod", api.store.names("Pod")[0]))
+    assert await controller.reconcile(KEY) == 2.0  # a success reset the back-off
 
 
 async def test_read_failure_raises_for_the_queue_to_back_off() -> None:

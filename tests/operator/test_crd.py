@@ -17,7 +17,12 @@ from pdcluster.operator import cel_rules
 from pdcluster.operator.crdgen import build_crd, main, render_crd_yaml
 from pdcluster.operator.refdoc import render_reference
 from pdcluster.operator.structural import apply_defaults, check_structural, to_structural, walk
-from pdcluster.runtime.spec import SpecError, load_manifest_text, parse_spec
+from pdcluster.runtime.spec import (
+    MAX_RANKS_PER_INSTANCE,
+    SpecError,
+    load_manifest_text,
+    parse_spec,
+)
 
 from .helpers import need
 
@@ -200,6 +205,7 @@ def _failing_rules(spec: dict[str, Any]) -> list[str]:
 # Phrases shared by a model error and the CEL message for the same rule.
 PHRASES = (
     "divisible by gpusPerPod",
+    f"must be at most {MAX_RANKS_PER_INSTANCE}",
     "cp must be 1",
     "pp must be 1 or equal",
     "not both",
@@ -259,6 +265,19 @@ def test_name_rule_rejects_names_child_objects_cannot_carry() -> None:
     assert _eval(rule, {"metadata": {"name": "a" * 63}})
     assert not _eval(rule, {"metadata": {"name": "a" * 64}})
     assert not _eval(rule, {"metadata": {"name": "my.cluster"}})
+
+
+def test_rank_cap_refuses_a_huge_instance_in_both_places() -> None:
+    # Each axis alone is bounded (<= 64); their product was not: 64**4 ranks in
+    # one instance passed the CRD and the models.
+    huge = {"topology": {"dp": 64, "tp": 64, "cp": 64, "pp": 64}}
+    at_cap = {"topology": {"dp": 4, "tp": 4, "pp": 4}}
+    message = f"ranks per instance (dp*tp*cp*pp) must be at most {MAX_RANKS_PER_INSTANCE}"
+    assert [r.message for r in cel_rules.ROLE_RULES if not _eval(r, huge)] == [message]
+    assert all(_eval(r, at_cap) for r in cel_rules.ROLE_RULES)
+    with pytest.raises(SpecError, match=f"must be at most {MAX_RANKS_PER_INSTANCE}"):
+        parse_spec({"colocated": huge})
+    parse_spec({"colocated": at_cap})
 
 
 def test_model_message_names_the_model() -> None:

@@ -79,7 +79,8 @@ def test_deleted_cluster_child_comes_back(kind: str, name: str) -> None:
     converge(sim)
     sim.store.remove(kind, name)
     plan, _ = sim.step()
-    assert [(type(a), a.key.kind, a.key.name) for a in plan.writes] == [(Apply, kind, name)]
+    # Created, not applied: a create cannot take over an object that appeared meanwhile.
+    assert [(type(a), a.key.kind, a.key.name) for a in plan.writes] == [(Create, kind, name)]
     assert sim.store.get_obj(kind, name) is not None
 
 
@@ -92,6 +93,7 @@ def test_edited_child_is_reapplied_but_an_equal_one_is_not() -> None:
     cm["metadata"]["annotations"]["pdcluster.io/applied-hash"] = "something-else"
     (write,) = sim.plan().writes
     assert isinstance(write, Apply) and write.key.name == "demo-config"
+    assert write.uid == cm["metadata"]["uid"]  # applied only onto the object we saw
 
 
 def test_deleted_single_pod_instance_is_recreated_at_once_without_counting_a_restart() -> None:

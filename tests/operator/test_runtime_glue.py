@@ -9,7 +9,7 @@ import pytest
 
 from pdcluster.operator.__main__ import build_kopf_args
 from pdcluster.operator.settings import OperatorSettings
-from pdcluster.operator.workqueue import WorkQueue
+from pdcluster.operator.workqueue import MAX_BACKOFF_EXPONENT, WorkQueue, retry_delay
 
 
 async def test_burst_of_triggers_becomes_one_reconcile() -> None:
@@ -92,6 +92,40 @@ async def test_requested_delay_and_retry_back_off() -> None:
     await queue.stop()
 
 
+async def test_a_key_failing_forever_keeps_retrying_and_never_stops_the_queue() -> None:
+    # Past ~1,000 failures an uncapped 2**n back-off overflows a float; the
+    # exception used to end the worker task, and with it the queue.
+    clock = [0.0]
+    runs: list[str] = []
+
+    async def handler(key: str) -> float | None:
+        runs.append(key)
+        if key == "boom":
+            raise RuntimeError("always")
+        return None
+
+    queue: WorkQueue[str] = WorkQueue(
+        handler, num_workers=1, retry_delay_s=1.0, max_retry_delay_s=60.0, clock=lambda: clock[0]
+    )
+    queue.start()
+    queue.add("boom")
+    for _ in range(1100):
+        await queue.wait_idle(5)
+        clock[0] += 60.0
+        queue._wake.set()
+    await queue.wait_idle(5)
+    assert runs.count("boom") >= 1100 and queue.is_pending("boom")
+    queue.add("ok")
+    await queue.wait_idle(5)
+    assert runs[-1] == "ok"
+    await queue.stop()
+
+
+def test_retry_delay_doubles_and_is_capped_for_any_failure_count() -> None:
+    assert [retry_delay(n, 1.0, 60.0) for n in (1, 2, 3, 7, 10_000)] == [1, 2, 4, 60, 60]
+    assert retry_delay(10**9, 0.5, 1e300) == 0.5 * 2**MAX_BACKOFF_EXPONENT
+
+
 def test_handlers_register_every_trigger() -> None:
     from pdcluster.operator import handlers
 
@@ -128,8 +162,12 @@ def test_settings_from_environment() -> None:
             "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2.5",
             "PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS": "0.5",
             "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
+            "PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST": "registry.example/team, pdcluster,",
+            "PDCLUSTER_OPERATOR_NAMESPACE": "pdcluster-system",
         }
     )
+    assert s.image_allowlist == ("registry.example/team", "pdcluster")
+    assert s.operator_namespace == "pdcluster-system"
     assert (s.metrics_port, s.apply_crds, s.resync_interval_s) == (0, False, 15.0)
     assert (s.not_ready_grace_s, s.failure_poll_interval_s, s.admin_timeout_s) == (0, 2.5, 0.5)
     assert s.metrics_host == "127.0.0.1"
@@ -152,3 +190,8 @@ def test_settings_from_environment() -> None:
 def test_bad_settings_are_refused_with_the_variable_named(env, words) -> None:
     with pytest.raises(ValueError, match=words):
         OperatorSettings.from_env(env)
+
+
+def test_an_allowlist_entry_with_spaces_is_refused() -> None:
+    with pytest.raises(ValueError, match="allowlist entry"):
+        OperatorSettings(image_allowlist=("registry example/x",))

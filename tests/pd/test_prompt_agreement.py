@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.messages import TransferMeta, decode, encode
+from pdcluster.runtime.pd.messages import (
+    REJECT_VERSION,
+    ProtocolError,
+    TransferMeta,
+    decode,
+    encode,
+)
 from pdcluster.runtime.pd.prompt_digest import (
     PromptId,
     prompt_digest,
@@ -194,3 +200,22 @@ def test_open_refuses_a_prompt_id_of_another_length() -> None:
     with pytest.raises(RoomStateError):
         table.open_room(ROOM, RID, 5, 0.0, PromptId(num_tokens=6, digest=bytes(16)))
     assert ROOM not in table
+
+
+def test_a_version_1_frame_is_refused_not_read_without_its_prompt() -> None:
+    # Version 1 had no PromptId: a peer speaking it is refused at the header,
+    # never compared with nothing.
+    meta = TransferMeta(
+        room=ROOM,
+        generation=1,
+        rid=RID,
+        decode_rank=D0,
+        decode_endpoint=d_endpoint(D0),
+        dst_pages=[1],
+        num_destinations=1,
+    )
+    frame = encode(meta)
+    old = frame[:3] + bytes([1]) + frame[4:]
+    with pytest.raises(ProtocolError) as err:
+        decode(old)
+    assert err.value.reason == REJECT_VERSION

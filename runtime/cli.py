@@ -216,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dist-port", type=int, required=True)
     w.add_argument("--bootstrap-port", type=int)
     w.add_argument(
+        "--tokenizer",
+        help="directory with tokenizer.json to use instead of the model's own "
+        "(part of the model fingerprint: prefill and decode must agree)",
+    )
+    w.add_argument(
         "--pod-index",
         type=int,
         default=0,

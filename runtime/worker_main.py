@@ -49,6 +49,8 @@ class WorkerSettings:
     shm_dir: str | None
     # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1).
     dp_ports: tuple[int, ...] = ()
+    # A directory with tokenizer.json to use instead of the model's own.
+    tokenizer: str | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -160,7 +162,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     runner = ModelRunner.build(cfg, dist)
     agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)
     engine = LLMEngine(cfg, runner=runner, dist=dist)
-    tokenizer = load_tokenizer(cfg.model, engine.model_config.eos_token_id)
+    tokenizer = load_tokenizer(settings.tokenizer or cfg.model, engine.model_config.eos_token_id)
     service = EngineService(engine, tokenizer)
     metrics = WorkerMetrics(settings.role)
     metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
@@ -261,6 +263,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         bootstrap_port=args.bootstrap_port,
         token=os.environ.get("PDCLUSTER_TOKEN", ""),
         shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
+        tokenizer=getattr(args, "tokenizer", None),
     )
     if os.environ.get("KUBERNETES_SERVICE_HOST") and settings.role_spec.pods_per_instance > 1:
         # All ranks of an instance run as processes of one pod for now.

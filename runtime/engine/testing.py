@@ -49,6 +49,14 @@ def _train_tokenizer(path: Path, vocab_size: int) -> int:
     return size
 
 
+def write_tokenizer_dir(directory: str | Path, vocab_size: int = 300) -> Path:
+    """A directory holding only a trained tokenizer.json (a worker's `--tokenizer`)."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(root / "tokenizer.json", vocab_size)
+    return root
+
+
 def write_random_hf_dir(
     directory: str | Path,
     arch: Literal["llama", "qwen2"] = "llama",

@@ -1,6 +1,10 @@
 """Tokenizers (byte-level for `tiny`, `tokenizers` wrapper for HF dirs) and
 incremental detokenization for streaming.
 
+Each tokenizer has a `fingerprint` (its vocabulary, merges and special ids)
+and a `chat_template_fingerprint`: the prefill and decode legs tokenize on
+their own, so both go into the model fingerprint the PD handshake compares.
+
 `IncrementalDetokenizer` never emits a broken UTF-8 sequence: text whose
 last character is still incomplete (decodes to U+FFFD) is held back until
 the next token completes it. With stop strings it also holds back any tail
@@ -10,6 +14,7 @@ final answer will not contain.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +23,16 @@ from typing import Any, Protocol
 from pdcluster.runtime.engine.config import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE
 
 _REPLACEMENT = "\ufffd"
+# The chat format used when a model ships no template of its own.
+_BUILTIN_CHATML = "builtin:chatml-v1"
+
+
+def _digest(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:16]
 
 
 class Tokenizer(Protocol):
@@ -35,6 +50,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def chat_template_fingerprint(self) -> str: ...
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
@@ -81,6 +102,14 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
         return _chatml(messages)
 
+    @property
+    def fingerprint(self) -> str:
+        return _digest("byte-utf8", str(self.bos_token_id), str(self.eos_token_id))
+
+    @property
+    def chat_template_fingerprint(self) -> str:
+        return _digest(_BUILTIN_CHATML)
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (plus tokenizer_config.json when present)."""
@@ -95,6 +124,7 @@ class HFTokenizer:
                 f"{path} does not exist (a model directory needs tokenizer.json)"
             )
         self._tok = _HFTok.from_file(str(path))
+        self._file_digest = hashlib.sha256(path.read_bytes()).hexdigest()
         cfg: dict[str, Any] = {}
         cfg_path = root / "tokenizer_config.json"
         if cfg_path.is_file():
@@ -116,6 +146,15 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def fingerprint(self) -> str:
+        return _digest("hf", self._file_digest, str(self._bos), str(self._eos))
+
+    @property
+    def chat_template_fingerprint(self) -> str:
+        template = self._chat_template
+        return _digest(template if isinstance(template, str) else _BUILTIN_CHATML)
 
     @property
     def bos_token_id(self) -> int | None:

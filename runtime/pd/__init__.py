@@ -6,6 +6,7 @@ Pure modules (no sockets, HTTP, ZMQ or torch; `mypy --strict`):
 - `messages`     — versioned msgspec wire messages, `encode` / `decode`, `ProtocolStats`;
 - `coords`       — rank coordinates and instance shapes;
 - `compat`       — the compatibility fields both sides must agree on;
+- `prompt_digest` — the prompt's `PromptId` both legs compare before a byte moves;
 - `topology`     — which prefill rank sends which layers/heads/tokens to which decode rank;
 - `tombstones`   — bounded memory of concluded rooms;
 - `actions`      — what the room machines ask their I/O loop to do;

@@ -61,11 +61,35 @@ def find_mismatches(ours: CompatInfo, theirs: CompatInfo) -> list[Mismatch]:
     ]
 
 
+def fingerprint_parts(fingerprint: str) -> dict[str, str]:
+    """`weights=a tokenizer=b` → {"weights": "a", "tokenizer": "b"}; {} when not in that form."""
+    parts = dict(p.partition("=")[::2] for p in fingerprint.split())
+    return parts if all(parts.values()) else {}
+
+
+def _differing_parts(ours: object, theirs: object) -> list[str]:
+    if not isinstance(ours, str) or not isinstance(theirs, str):
+        return []
+    a, b = fingerprint_parts(ours), fingerprint_parts(theirs)
+    if not a or not b:
+        return []
+    return [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+
+
 def describe(mismatches: list[Mismatch], ours: str, theirs: str) -> str:
-    """'page_size mismatch: prefill=16, decode=32; kv_dtype ...'."""
-    return "; ".join(
-        f"{m.field} mismatch: {ours}={m.ours!s}, {theirs}={m.theirs!s}" for m in mismatches
-    )
+    """'page_size mismatch: prefill=16, decode=32; kv_dtype ...'.
+
+    A model fingerprint mismatch also says which of its parts differ
+    ('(differs in: tokenizer)').
+    """
+    out = []
+    for m in mismatches:
+        text = f"{m.field} mismatch: {ours}={m.ours!s}, {theirs}={m.theirs!s}"
+        parts = _differing_parts(m.ours, m.theirs) if m.field == "model_fingerprint" else []
+        if parts:
+            text += f" (differs in: {', '.join(parts)})"
+        out.append(text)
+    return "; ".join(out)
 
 
 def check_compat(

@@ -95,6 +95,7 @@ from pdcluster.runtime.pd.messages import (
     TransferMeta,
 )
 from pdcluster.runtime.pd.peer_verdicts import Gate, PeerVerdicts
+from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import (
     RoomError,
     RoomRejected,
@@ -234,8 +235,13 @@ class DecodeRoomTable:
 
     # ------------------------------------------------------------- local events
 
-    def add_room(self, room: int, rid: str, peer: str, now: float) -> int:
-        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation."""
+    def add_room(
+        self, room: int, rid: str, peer: str, now: float, prompt: PromptId | None = None
+    ) -> int:
+        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
+
+        `prompt` (the leg's PromptId) rides in every TransferMeta of the room.
+        """
         check_room(room)
         check_rid(rid)
         if not isinstance(peer, str) or not peer:
@@ -264,6 +270,7 @@ class DecodeRoomTable:
             poll=Poll.create(KVPoll.Bootstrapping),
             deadline=now + self.settings.bootstrap_s,
             deadline_reason="bootstrap_timeout",
+            prompt=prompt,
         )
         return generation
 
@@ -334,6 +341,7 @@ class DecodeRoomTable:
                 decode_endpoint=self.info.endpoint,
                 dst_pages=page_list,
                 num_destinations=state.source.num_destinations,
+                prompt=r.prompt,
             )
             acts.append(Send(state.source.endpoint, meta))
         r.poll = r.poll.update(KVPoll.WaitingForInput)

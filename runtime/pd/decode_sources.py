@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.prompt_digest import PromptId
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class DecodeRoom:
     sources: dict[RankCoord, SourceState] | None = None  # None until resolved
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     ready_emitted: bool = False
+    prompt: PromptId | None = None  # the decode leg's prompt, sent in TransferMeta
 
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())

@@ -7,8 +7,10 @@ Never pickle: a frame from a peer is untrusted input.
 Decode rank → prefill rank:
 - `KVLayoutRegister` once per peer, before any room traffic (carries the
   cluster token and the decode rank's KV layout and compatibility fields);
-- `TransferMeta` per room: destination page indices, generation, and how many
-  decode ranks this prefill rank must hear from for the room;
+- `TransferMeta` per room: destination page indices, generation, how many
+  decode ranks this prefill rank must hear from for the room, and the
+  `PromptId` of decode's prompt (prefill fails the room before any write
+  when its own prompt differs: `prompt_digest`);
 - `Bootstrap` per room under the `prefill_complete` policy (endpoint first,
   pages later);
 - `Abort(room, generation, rid)` once per notified prefill rank (the rid
@@ -47,8 +49,11 @@ import msgspec
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.prompt_digest import PromptId
 
-PROTOCOL_VERSION: Final = 1
+# 2: TransferMeta carries decode's PromptId. A version-1 peer would neither
+# send it nor accept it, so mixed versions are refused at the frame header.
+PROTOCOL_VERSION: Final = 2
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)
@@ -131,6 +136,9 @@ class TransferMeta(_Msg, tag="meta", frozen=True):
     dst_pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_PAGES_PER_ROOM)]
     # Distinct decode ranks this prefill rank must hear from for the room.
     num_destinations: Count
+    # Decode's prompt (length + digest of its token ids). Our decode always
+    # sends it; a frame without it is compared with nothing.
+    prompt: PromptId | None = None
 
 
 class Bootstrap(_Msg, tag="bootstrap", frozen=True):

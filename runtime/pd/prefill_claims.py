@@ -17,6 +17,7 @@ from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.messages import KVLayoutRegister, Status
+from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.topology import pages_for
 
 
@@ -47,6 +48,7 @@ class Dest:
     endpoint: str
     generation: int
     pages: tuple[int, ...] | None  # None until metadata (BOOTSTRAP came first)
+    prompt: PromptId | None = None  # decode's prompt, from its metadata
     ready_sent: bool = False
     aborted: bool = False
     dead: bool = False
@@ -62,6 +64,7 @@ class PrefillRoom:
     expected: int | None = None  # destinations announced by decode
     opened: bool = False
     num_tokens: int | None = None
+    prompt: PromptId | None = None  # the prefill leg's prompt, set at open
     dests: dict[RankCoord, Dest] = field(default_factory=dict)
     computing: bool = False  # StartCompute emitted: the engine holds the request
     computed: bool = False  # prefill_complete: KV is ready

@@ -30,10 +30,14 @@ Rules (DESIGN §5, §7):
   computed under `prefill_complete`), WaitingForInput/Transferring within
   `waiting_s`;
 - `prefill_complete` expects BOOTSTRAP before metadata, `early` refuses
-  BOOTSTRAP; the Failed status names both policies.
+  BOOTSTRAP; the Failed status names both policies;
+- both legs hold the same prompt: once the leg's `PromptId` and a
+  destination's (from its metadata) are known, whichever came first, a
+  mismatch fails the room before any write (`prompt_digest`).
 
 I/O contract:
-- `open_room(room, rid, num_tokens, now)` when the prefill leg arrives;
+- `open_room(room, rid, num_tokens, now, prompt=...)` when the prefill leg
+  arrives;
   `on_message(msg, now)` for each decode→prefill message;
 - early: on `StartCompute` run the request; per KV chunk check
   `can_send(room)`, write to `destinations(room)`, report
@@ -85,6 +89,7 @@ from pdcluster.runtime.pd.prefill_claims import (
     page_problem,
 )
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
+from pdcluster.runtime.pd.prompt_digest import PromptId, prompt_problem
 from pdcluster.runtime.pd.room_common import (
     RoomRejected,
     RoomStateError,
@@ -174,11 +179,20 @@ class PrefillRoomTable:
 
     # ------------------------------------------------------------- local events
 
-    def open_room(self, room: int, rid: str, num_tokens: int, now: float) -> list[Action]:
-        """The prefill leg of `rid` arrived. Raises RoomRejected / RoomError, table unchanged."""
+    def open_room(
+        self, room: int, rid: str, num_tokens: int, now: float, prompt: PromptId | None = None
+    ) -> list[Action]:
+        """The prefill leg of `rid` arrived. Raises RoomRejected / RoomError, table unchanged.
+
+        `prompt`: the leg's PromptId, compared with every destination's.
+        """
         check_room(room)
         check_rid(rid)
         check_int("num_tokens", num_tokens, 1, 1 << 31)
+        if prompt is not None and prompt.num_tokens != num_tokens:
+            raise RoomStateError(
+                f"room {room}: prompt of {prompt.num_tokens} tokens opened as {num_tokens}"
+            )
         tomb = self._tombs.get(room, now)
         if tomb is not None:
             raise RoomRejected(f"room {room} already concluded ({tomb})", "room_closed")
@@ -200,6 +214,7 @@ class PrefillRoomTable:
             )
         r.opened = True
         r.num_tokens = num_tokens
+        r.prompt = prompt
         acts: list[Action] = []
         if self.policy == PREFILL_COMPLETE:
             r.computing = True
@@ -367,7 +382,7 @@ class PrefillRoomTable:
                 return self._reject(msg.room, msg.generation, msg.decode_endpoint, problem)
             r = self._new_room(msg.room, msg.rid, msg.num_destinations, now)
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt
             )
             return self._after_claim(r, now)
         d = r.dests.get(msg.decode_rank)
@@ -389,10 +404,11 @@ class PrefillRoomTable:
         r.expected = msg.num_destinations
         if d is None:
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt
             )
         else:
             d.pages = pages
+            d.prompt = msg.prompt
         return self._after_claim(r, now)
 
     def _on_bootstrap(self, msg: Bootstrap, now: float) -> list[Action]:
@@ -485,7 +501,11 @@ class PrefillRoomTable:
         return r
 
     def _after_claim(self, r: PrefillRoom, now: float) -> list[Action]:
-        problem = page_count_problem(r, self.info.compat.page_size)
+        # The prompt first: a decode prompt of another length also asks for
+        # another page count, and the prompt is the reason worth reporting.
+        problem = prompt_problem(r.prompt, (d.prompt for d in r.dests.values()))
+        if problem is None:
+            problem = page_count_problem(r, self.info.compat.page_size)
         if problem is not None:
             return self._fail(r, problem, now)
         if not (r.opened and r.has_all_destinations and r.poll.state is KVPoll.Bootstrapping):

@@ -7,8 +7,11 @@ prefill rank its *destinations*. Both sides compute the same slices from the
 same inputs, so neither has to trust the other's arithmetic.
 
 Rules (DESIGN §2):
-- dp: a room's prefill dp group is `room % prefill.dp` (unless the router
-  names one); decode dp groups are chosen by the decode instance itself.
+- dp: a room's prefill dp group is `room % prefill.dp`, on both legs. A
+  request may name it (`data_parallel_rank`) only to say the same thing:
+  any other value fails at once (`prefill_dp_group`), since the two legs
+  would otherwise meet in different groups and wait for each other until a
+  timeout. Decode dp groups are chosen by the decode instance itself.
   The mapping is between one prefill dp group and one decode dp group.
 - tp: KV heads split evenly and contiguously over tp ranks; `num_kv_heads`
   must divide by both tp sizes. A decode rank receives its heads from every
@@ -47,6 +50,25 @@ Span = tuple[int, int]  # half-open [start, end)
 
 class TopologyError(ValueError):
     """An unsupported prefill/decode/model combination; the message names the values."""
+
+
+class DpRankConflict(ValueError):
+    """A request named a prefill dp group other than `room % dp`; the message names both."""
+
+
+def prefill_dp_group(room: int, num_groups: int, data_parallel_rank: int | None = None) -> int:
+    """The prefill dp group of `room`: `room % num_groups`, which an explicit rank must equal."""
+    if room < 0:
+        raise TopologyError(f"room must be non-negative, got {room}")
+    if num_groups < 1:
+        raise TopologyError(f"prefill dp must be >= 1, got {num_groups}")
+    group = room % num_groups
+    if data_parallel_rank is not None and data_parallel_rank != group:
+        raise DpRankConflict(
+            f"dp_rank_conflict: data_parallel_rank {data_parallel_rank} != "
+            f"room % {num_groups} = {group}"
+        )
+    return group
 
 
 class _HasDims(Protocol):
@@ -204,11 +226,9 @@ class PDTopology:
         self._by_prefill: dict[RankCoord, tuple[KVSlice, ...]] = {}
         self._build()
 
-    def prefill_dp_for_room(self, room: int) -> int:
-        if room < 0:
-            raise TopologyError(f"room must be non-negative, got {room}")
-        num_groups: int = self.prefill.dp
-        return room % num_groups
+    def prefill_dp_for_room(self, room: int, data_parallel_rank: int | None = None) -> int:
+        """`prefill_dp_group` over this prefill instance's dp size."""
+        return prefill_dp_group(room, self.prefill.dp, data_parallel_rank)
 
     def _layers(self, shape: InstanceShape, rank: RankCoord) -> Span:
         return layer_range(self.model.num_layers, shape.pp, rank.pp)

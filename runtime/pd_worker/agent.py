@@ -85,10 +85,18 @@ class AgentContext:
     stats: Counter[str] = field(default_factory=Counter)
 
 
-def model_fingerprint(model_name: str, seed: int, config: Any) -> str:
-    """Identifies the weights both sides must share (name, seed, architecture)."""
+def model_fingerprint(
+    model_name: str, seed: int, config: Any, tokenizer: str, chat_template: str
+) -> str:
+    """What both sides must share: the weights (name, seed, architecture), the
+    tokenizer and the chat template (each leg tokenizes the request itself).
+
+    `weights=… tokenizer=… chat_template=…`, so a mismatch can name the part
+    that differs (`compat.describe`).
+    """
     text = f"{model_name}|{seed}|{config!r}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    weights = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"weights={weights} tokenizer={tokenizer} chat_template={chat_template}"
 
 
 class AsyncRunner:

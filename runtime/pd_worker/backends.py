@@ -4,7 +4,10 @@ A PD worker receives the same body as its peer leg, with `bootstrap_host`,
 `bootstrap_port` and `bootstrap_room`. The prefill leg answers once every
 rank's KV reached decode (or with an error); the decode leg streams tokens
 once the KV arrived. A request without bootstrap fields is refused with 400:
-a PD worker cannot serve it alone.
+a PD worker cannot serve it alone. So is one whose `data_parallel_rank`
+is not `room % dp` (dp: the prefill instances' dp size, from the manifest),
+on both legs and before anything is reserved: the legs would otherwise meet
+in different prefill dp groups and only time out.
 
 Admin API (token-protected; the operator's fast path):
 - `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str, "gone": bool}` —
@@ -35,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group
 from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
 from pdcluster.runtime.pd_worker.coordinator import (
     DecodeCoordinator,
@@ -61,6 +65,8 @@ class _PDBackend:
         self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
         self._forwarded: dict[str, str] = {}
         self.counts: InstanceCounts | None = None  # set by build_pd_backend
+        # dp size of the prefill instances (both roles): a room's prefill group is room % it.
+        self.prefill_dp_size: int = int(info.pop("prefill_dp_size", 1))
         # The front of a dp>1 instance is healthy only once every dp group serves.
         self._groups_ready = threading.Event()
         if self.dp_ports and info["dp_rank"] == 0:
@@ -87,6 +93,14 @@ class _PDBackend:
                 f"a {self.role} worker needs bootstrap_host, bootstrap_port and bootstrap_room "
                 "(send requests through a PD router)"
             )
+        try:
+            prefill_dp_group(
+                req.bootstrap.bootstrap_room,
+                self.prefill_dp_size,
+                req.bootstrap.data_parallel_rank,
+            )
+        except DpRankConflict as err:
+            raise BadRequest(str(err)) from None
         check_capacity(self.service.engine, req)
         engine_request(req)
 
@@ -325,7 +339,12 @@ def build_pd_backend(
     spec = settings.manifest.spec
     topo = settings.role_spec.topology
     group_size = topo.cp * topo.tp * topo.pp
-    info: dict[str, Any] = {"dp_size": topo.dp, "dp_rank": dp_rank, "dp_ports": settings.dp_ports}
+    info: dict[str, Any] = {
+        "dp_size": topo.dp,
+        "dp_rank": dp_rank,
+        "dp_ports": settings.dp_ports,
+        "prefill_dp_size": spec.prefill.topology.dp if spec.prefill is not None else 1,
+    }
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
     if settings.role == "prefill":

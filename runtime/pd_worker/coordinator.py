@@ -28,6 +28,7 @@ from typing import Any
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
+from pdcluster.runtime.pd.prompt_digest import prompt_id
 from pdcluster.runtime.pd.room_common import reason_label
 from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
@@ -219,7 +220,7 @@ class PrefillCoordinator(_Coordinator):
     def open(self, room_id: int, rid: str, prompt: list[int], sampling: Any) -> None:
         """Engine thread: the prefill leg for `room_id` arrived."""
         self._register(room_id, _Room(rid, prompt, sampling))
-        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt)))
+        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt), prompt=prompt_id(prompt)))
 
     def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
         if rep.kind == "failed":
@@ -303,7 +304,9 @@ class DecodeCoordinator(_Coordinator):
         """Engine thread: the decode leg for `room_id` arrived."""
         room = _Room(rid, prompt, sampling, num_pages=self.num_pages_for(len(prompt)))
         self._register(room_id, room)
-        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt), peer, prefill_dp))
+        self.agent.broadcast(
+            GroupOpen(room_id, rid, len(prompt), peer, prefill_dp, prompt=prompt_id(prompt))
+        )
         if self.policy == "early":
             self._enqueue(room_id, room)
 

@@ -33,7 +33,7 @@ from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
 from pdcluster.runtime.pd.room_common import RoomError, peer_matches
-from pdcluster.runtime.pd.topology import ModelShape, PDTopology, TopologyError
+from pdcluster.runtime.pd.topology import DpRankConflict, ModelShape, PDTopology, TopologyError
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
 from pdcluster.runtime.pd_worker.group import (
     GroupFail,
@@ -229,7 +229,7 @@ class DecodeAgent(RankAgent):
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
-            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now)
+            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now, msg.prompt)
         except RoomError as err:
             self.report(msg.room, "failed", f"rejected: {err}")
             self.report(msg.room, "released")
@@ -295,10 +295,12 @@ class DecodeAgent(RankAgent):
                 self.ctx.shape,
                 ModelShape(self.ctx.num_layers, self.ctx.num_kv_heads),
             )
-            prefill_dp = (
-                r.prefill_dp if r.prefill_dp is not None else topo.prefill_dp_for_room(room)
-            )
+            # The instance's own dp size decides; the worker's entry check used the manifest's.
+            prefill_dp = topo.prefill_dp_for_room(room, r.prefill_dp)
             slices = topo.sources(self.ctx.coord, prefill_dp)
+        except DpRankConflict as err1:
+            self._fail(room, str(err1))
+            return
         except CompatError as err2:
             self._fail(room, f"incompatible: {err2}")
             return

@@ -20,6 +20,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from pdcluster.runtime.pd.prompt_digest import PromptId
+
 GROUP_MAGIC: Final = b"PDG\x01"
 MAX_GROUP_BYTES: Final = 1 << 20
 
@@ -35,6 +37,9 @@ class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=T
     # Decode only: the prefill instance's bootstrap address and dp group.
     peer: str = ""
     prefill_dp: int | None = None
+    # The leg's prompt (length + digest): decode sends it in TransferMeta,
+    # prefill compares it with decode's before any write.
+    prompt: PromptId | None = None
 
 
 class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.settings import RoomSettings
@@ -21,12 +22,20 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
     layers = info.layer_range(model.num_layers)
     heads = info.kv_head_range(model.num_kv_heads)
     cfg = runner.config
+    # The tokenizer this worker serves with (worker_main loads the same one).
+    tokenizer = load_tokenizer(settings.tokenizer or cfg.model, model.eos_token_id)
     compat = CompatInfo(
         page_size=cfg.page_size,
         kv_dtype=str(cfg.kv_dtype),
         kv_layout=str(cfg.kv_layout),
         allocation_policy=str(spec.transfer.allocation_policy),
-        model_fingerprint=model_fingerprint(spec.model.name, spec.model.seed, model),
+        model_fingerprint=model_fingerprint(
+            spec.model.name,
+            spec.model.seed,
+            model,
+            tokenizer.fingerprint,
+            tokenizer.chat_template_fingerprint,
+        ),
     )
     return AgentContext(
         role=settings.role,

@@ -7,6 +7,8 @@ the worker stays the authority on sampling parameters it supports.
 Invariants:
 - `rid` and the `bootstrap_*` fields are minted by the router; a client that
   sends them gets a 400, so no client can pick another request's room;
+- `data_parallel_rank` is the router's too (its rooms already say the
+  prefill dp group: `room % dp`); a client's is dropped, never forwarded;
 - in disaggregated mode one request is one room: batched prompts and
   ``n > 1`` are refused with a 400 instead of being half-served;
 - both legs of a request get the same body, differing in nothing.
@@ -27,6 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pdcluster.runtime.router.errors import RouterError
 
 ROUTER_OWNED_FIELDS = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# Router-owned too, but dropped rather than refused: clients written for other
+# PD routers send it, and the room the router mints already decides it.
+ROUTER_STRIPPED_FIELDS = ("data_parallel_rank",)
 
 
 class Endpoint(enum.StrEnum):
@@ -219,7 +224,7 @@ def build_leg_body(
     body: Mapping[str, Any], rid: str, bootstrap: Bootstrap | None
 ) -> dict[str, Any]:
     """The body both legs receive: the client's fields plus the router-owned ones."""
-    leg = dict(body)
+    leg = {k: v for k, v in body.items() if k not in ROUTER_STRIPPED_FIELDS}
     leg["rid"] = rid
     if bootstrap is not None:
         leg["bootstrap_host"] = bootstrap.host

@@ -120,3 +120,32 @@ def test_hf_streaming_matches_a_full_decode(llama_dir: Path) -> None:
     parts = [detok.push([i]) for i in ids] + [detok.flush()]
     assert "".join(parts) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in parts)
+
+
+def test_fingerprints_tell_tokenizers_and_chat_templates_apart(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    hf = load_tokenizer(llama_dir)
+    assert hf.fingerprint == load_tokenizer(llama_dir).fingerprint
+    assert hf.fingerprint != BYTES.fingerprint
+    assert BYTES.fingerprint == ByteTokenizer().fingerprint
+    # One vocabulary entry moved: another tokenizer.
+    data = json.loads((llama_dir / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = sorted(k for k, v in vocab.items() if v in (10, 11))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "tokenizer.json").write_text(json.dumps(data))
+    (moved / "tokenizer_config.json").write_text((llama_dir / "tokenizer_config.json").read_text())
+    assert load_tokenizer(moved).fingerprint != hf.fingerprint
+    assert load_tokenizer(moved).chat_template_fingerprint == hf.chat_template_fingerprint
+    # Same tokenizer, another chat template: only the template fingerprint moves.
+    cfg = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    templated = tmp_path / "templated"
+    templated.mkdir()
+    (templated / "tokenizer.json").write_text((llama_dir / "tokenizer.json").read_text())
+    (templated / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(templated).fingerprint == hf.fingerprint
+    assert load_tokenizer(templated).chat_template_fingerprint != hf.chat_template_fingerprint

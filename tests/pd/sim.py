@@ -19,6 +19,7 @@ from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.messages import decode, encode
 from pdcluster.runtime.pd.prefill_rooms import PrefillRankInfo, PrefillRoomTable
+from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import ModelShape, PDTopology
 
@@ -155,16 +156,18 @@ class Net:
 
     # -------------------------------------------------------- request helpers
 
-    def open_decode(self, room: int, rid: str, now: float) -> None:
+    def open_decode(self, room: int, rid: str, now: float, prompt: PromptId | None = None) -> None:
         for rank, table in self.decode.items():
-            table.add_room(room, rid, BOOTSTRAP, now)
+            table.add_room(room, rid, BOOTSTRAP, now, prompt)
             self.handle(d_endpoint(rank), table.resolve(room, self.sources(rank, room), now))
 
-    def open_prefill(self, room: int, rid: str, num_tokens: int, now: float) -> None:
+    def open_prefill(
+        self, room: int, rid: str, num_tokens: int, now: float, prompt: PromptId | None = None
+    ) -> None:
         dp = self.topology.prefill_dp_for_room(room)
         for rank, table in self.prefill.items():
             if rank.dp == dp:
-                self.handle(p_endpoint(rank), table.open_room(room, rid, num_tokens, now))
+                self.handle(p_endpoint(rank), table.open_room(room, rid, num_tokens, now, prompt))
 
     def assign(self, room: int, pages: list[int], now: float) -> None:
         for rank, table in self.decode.items():

@@ -7,6 +7,7 @@ import pytest
 from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.room_common import host_of, peer_matches, reason_label
 from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.pd_worker.agent import model_fingerprint
 from pdcluster.runtime.spec import TransferSpec
 
 from .sim import compat
@@ -93,3 +94,19 @@ def test_compat_error_names_every_field_and_both_values() -> None:
 )
 def test_reason_labels_are_bounded_codes(reason: str | None, label: str) -> None:
     assert reason_label(reason) == label
+
+
+def test_a_model_fingerprint_mismatch_names_the_part_that_differs() -> None:
+    ours = model_fingerprint("tiny", 0, "cfg", "tok-a", "chat-a")
+    theirs = model_fingerprint("tiny", 0, "cfg", "tok-b", "chat-a")
+    assert ours == model_fingerprint("tiny", 0, "cfg", "tok-a", "chat-a")
+    with pytest.raises(CompatError) as err:
+        check_compat(compat(model_fingerprint=ours), compat(model_fingerprint=theirs))
+    assert str(err.value).endswith("(differs in: tokenizer)")
+    assert "tokenizer=tok-a" in str(err.value) and "tokenizer=tok-b" in str(err.value)
+    other_weights = model_fingerprint("tiny", 1, "cfg", "tok-a", "chat-b")
+    with pytest.raises(CompatError, match=r"\(differs in: weights, chat_template\)$"):
+        check_compat(compat(model_fingerprint=ours), compat(model_fingerprint=other_weights))
+    # A fingerprint in another form still fails, naming both values.
+    with pytest.raises(CompatError, match="prefill=opaque-1, decode=opaque-2$"):
+        check_compat(compat(model_fingerprint="opaque-1"), compat(model_fingerprint="opaque-2"))

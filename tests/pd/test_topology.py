@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.topology import (
+    DpRankConflict,
     ModelShape,
     PDTopology,
     TopologyError,
     cp_token_range,
     layer_range,
     pages_for,
+    prefill_dp_group,
     shape_of,
     split_span,
 )
@@ -206,6 +208,30 @@ def test_room_picks_the_prefill_dp_group_by_modulo() -> None:
     assert [topo.prefill_dp_for_room(r) for r in (0, 1, 2, 3, 2**63 - 1)] == [0, 1, 2, 0, 1]
     with pytest.raises(TopologyError):
         topo.prefill_dp_for_room(-1)
+
+
+@given(st.integers(0, (1 << 63) - 1), st.integers(1, 8), st.integers(0, 8))
+def test_an_explicit_dp_rank_must_say_room_mod_dp(room: int, dp: int, explicit: int) -> None:
+    group = room % dp
+    assert prefill_dp_group(room, dp) == group
+    if explicit == group:
+        assert prefill_dp_group(room, dp, explicit) == group
+    else:
+        with pytest.raises(DpRankConflict) as err:
+            prefill_dp_group(room, dp, explicit)
+        assert str(err.value) == (
+            f"dp_rank_conflict: data_parallel_rank {explicit} != room % {dp} = {group}"
+        )
+
+
+def test_both_legs_apply_one_dp_rule() -> None:
+    # Decode resolves a room's prefill group through PDTopology, the worker's
+    # entry through prefill_dp_group: the same answer and the same refusal.
+    topo = PDTopology(InstanceShape(dp=2), InstanceShape(), ModelShape(2, 2))
+    assert topo.prefill_dp_for_room(5, 1) == prefill_dp_group(5, 2, 1) == 1
+    for check in (lambda: topo.prefill_dp_for_room(4, 1), lambda: prefill_dp_group(4, 2, 1)):
+        with pytest.raises(DpRankConflict, match=r"data_parallel_rank 1 != room % 2 = 0"):
+            check()
 
 
 def test_ranks_outside_the_instances_are_rejected() -> None:

@@ -238,3 +238,13 @@ def test_json_events_and_done() -> None:
     assert format_json_event({"a": 1}) == b'data: {"a":1}\n\n'
     assert json.loads(format_json_event({"x": "é"})[6:]) == {"x": "é"}
     assert DONE_EVENT == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("bootstrap", [Bootstrap(host="10.0.0.1", port=8998, room=7), None])
+def test_a_clients_data_parallel_rank_never_reaches_a_worker(bootstrap: Bootstrap | None) -> None:
+    body = {"input_ids": [1, 2, 3], "data_parallel_rank": 1}
+    check_request(Endpoint.generate, dict(body), disaggregated=True)  # accepted, not refused
+    leg = build_leg_body(body, "req-x", bootstrap)
+    assert "data_parallel_rank" not in leg
+    assert leg["input_ids"] == [1, 2, 3]
+    assert body["data_parallel_rank"] == 1  # the client's dict is not modified

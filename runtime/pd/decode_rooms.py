@@ -234,8 +234,14 @@ class DecodeRoomTable:
 
     # ------------------------------------------------------------- local events
 
-    def add_room(self, room: int, rid: str, peer: str, now: float) -> int:
-        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation."""
+    def add_room(
+        self, room: int, rid: str, peer: str, now: float, *, rid_is_local: bool = False
+    ) -> int:
+        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
+
+        `rid_is_local`: the worker minted `rid` (the caller sent none); the
+        messages to prefill then carry no rid, and the room alone pairs the legs.
+        """
         check_room(room)
         check_rid(rid)
         if not isinstance(peer, str) or not peer:
@@ -264,6 +270,7 @@ class DecodeRoomTable:
             poll=Poll.create(KVPoll.Bootstrapping),
             deadline=now + self.settings.bootstrap_s,
             deadline_reason="bootstrap_timeout",
+            rid_is_local=rid_is_local,
         )
         return generation
 
@@ -292,7 +299,7 @@ class DecodeRoomTable:
                 bootstrap = Bootstrap(
                     room=room,
                     generation=r.generation,
-                    rid=r.rid,
+                    rid=r.caller_rid,
                     decode_rank=self.info.rank,
                     decode_endpoint=self.info.endpoint,
                     num_destinations=state.source.num_destinations,
@@ -329,7 +336,7 @@ class DecodeRoomTable:
             meta = TransferMeta(
                 room=room,
                 generation=r.generation,
-                rid=r.rid,
+                rid=r.caller_rid,
                 decode_rank=self.info.rank,
                 decode_endpoint=self.info.endpoint,
                 dst_pages=page_list,
@@ -589,7 +596,7 @@ class DecodeRoomTable:
             abort = Abort(
                 room=r.room,
                 generation=r.generation,
-                rid=r.rid,
+                rid=r.caller_rid,
                 reason=reason,
                 decode_rank=self.info.rank,
                 decode_endpoint=self.info.endpoint,

@@ -122,6 +122,7 @@ class _PDBackend:
         body = {
             "input_ids": req.prompt_ids,
             "rid": req.rid,
+            "rid_is_local": req.rid_is_local,
             "stream": True,
             "sampling_params": {
                 "temperature": req.sampling["temperature"],
@@ -229,7 +230,9 @@ class PrefillBackend(_PDBackend):
     def open(self, req: PreparedRequest) -> None:
         sampling = engine_request(req).sampling
         assert req.bootstrap.bootstrap_room is not None
-        self.coordinator.open(req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling)
+        self.coordinator.open(
+            req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling, req.rid_is_local
+        )
 
 
 class DecodeBackend(_PDBackend):
@@ -246,7 +249,13 @@ class DecodeBackend(_PDBackend):
         peer = f"{b.bootstrap_host}:{b.bootstrap_port}"
         sampling = engine_request(req).sampling
         self.coordinator.open(
-            b.bootstrap_room, req.rid, req.prompt_ids, sampling, peer, b.data_parallel_rank
+            b.bootstrap_room,
+            req.rid,
+            req.prompt_ids,
+            sampling,
+            peer,
+            b.data_parallel_rank,
+            req.rid_is_local,
         )
 
 

@@ -35,6 +35,8 @@ class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=T
     # Decode only: the prefill instance's bootstrap address and dp group.
     peer: str = ""
     prefill_dp: int | None = None
+    # The worker minted `rid` (the caller sent none): it never leaves this instance.
+    rid_is_local: bool = False
 
 
 class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):

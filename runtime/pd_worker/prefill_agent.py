@@ -159,7 +159,11 @@ class PrefillAgent(RankAgent):
             self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
             self.rid_room[msg.rid] = msg.room
             try:
-                self.perform(self.table.open_room(msg.room, msg.rid, msg.num_tokens, now))
+                self.perform(
+                    self.table.open_room(
+                        msg.room, msg.rid, msg.num_tokens, now, rid_is_local=msg.rid_is_local
+                    )
+                )
             except RoomError as err:
                 self.rooms.pop(msg.room, None)
                 self.rid_room.pop(msg.rid, None)

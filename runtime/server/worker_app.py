@@ -59,6 +59,9 @@ class PreparedRequest:
     sampling: dict[str, Any]  # keyword arguments of engine SamplingParams
     stop_strings: list[str]
     bootstrap: BootstrapFields
+    # The worker minted `rid` (the caller sent none): it names the request on
+    # this worker only and is never compared with the other leg's.
+    rid_is_local: bool = False
 
 
 class Backend(Protocol):
@@ -161,6 +164,7 @@ def create_worker_app(
         sampling: dict[str, Any],
         stop: str | list[str] | None,
         bootstrap: BootstrapFields,
+        rid_is_local: bool = False,
     ) -> PreparedRequest:
         if isinstance(prompt, str):
             if len(prompt) > info.max_prompt_tokens * 8:
@@ -182,10 +186,11 @@ def create_worker_app(
             stops = normalize_stop(stop)
         except ValueError as err:
             raise BadRequest(str(err)) from None
+        rid_is_local = rid_is_local or rid is None
         rid = rid or uuid.uuid4().hex
         if rid in in_flight:
             raise BadRequest(f"rid {rid!r} is already in flight", status=409)
-        req = PreparedRequest(rid, ids, sampling, stops, bootstrap)
+        req = PreparedRequest(rid, ids, sampling, stops, bootstrap, rid_is_local)
         backend.check(req)
         return req
 
@@ -250,7 +255,7 @@ def create_worker_app(
             sp.stop_token_ids,
         )
         prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
-        req = prepare(body.rid, prompt, sampling, sp.stop, body)
+        req = prepare(body.rid, prompt, sampling, sp.stop, body, body.rid_is_local)
         if body.stream:
             text, ids = "", []
 

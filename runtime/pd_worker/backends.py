@@ -45,6 +45,7 @@ from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 log = logging.getLogger("pdcluster.pd")
@@ -349,7 +350,11 @@ def build_pd_backend(
             servers.append(
                 uvicorn.Server(
                     uvicorn.Config(
-                        app, host=settings.host, port=settings.bootstrap_port, log_level="warning"
+                        app,
+                        host=settings.host,
+                        port=settings.bootstrap_port,
+                        log_level="warning",
+                        http=Http1OnlyProtocol,
                     )
                 )
             )

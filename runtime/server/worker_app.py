@@ -197,16 +197,19 @@ def create_worker_app(
     async def run(req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
-        started, first = time.monotonic(), True
+        started, first, finished = time.monotonic(), True, False
         try:
             async for event in backend.events(req):
                 if first and event.token_ids:
                     metrics.ttft_seconds.observe(time.monotonic() - started)
                     first = False
                 if event.finished:
+                    finished = True
                     metrics.requests_total.labels(reason=reason_label(event.finish_reason)).inc()
                 yield event
         finally:
+            if not finished:  # the client went away mid-request (the backend aborts it)
+                metrics.requests_total.labels(reason="client_disconnect").inc()
             in_flight.discard(req.rid)
             metrics.requests_in_flight.dec()
 

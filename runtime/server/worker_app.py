@@ -381,6 +381,10 @@ def create_worker_app(
             "tokenizer_path": info.model_path,
             "is_generation": True,
             "model_name": info.model_name,
+            # What SGLang's router reads to name the model a worker serves.
+            "served_model_name": info.model_name,
+            "vocab_size": info.vocab_size,
+            "max_req_input_len": info.max_prompt_tokens,
         }
 
     app.get("/get_model_info")(lambda: model_info())
@@ -389,6 +393,7 @@ def create_worker_app(
     def server_info() -> dict[str, Any]:
         return {
             "disaggregation_mode": backend.role,
+            "served_model_name": info.model_name,
             "max_prompt_tokens": info.max_prompt_tokens,
             "max_new_tokens": info.max_new_tokens,
             **info.extra,

@@ -231,6 +231,14 @@ def test_chat_through_sglang_router_equals_colocated(
     assert resp.json()["choices"][0]["message"] == want
 
 
+def test_sglang_router_names_the_model_our_workers_serve(
+    routers: dict[str, SGLangRouter],
+) -> None:
+    # It reads `served_model_name` from the workers' /model_info (else "unknown").
+    models = httpx.get(routers["2p2d"].url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
 def test_decode_answers_the_routers_http2_preface_without_a_warning(
     cluster: FaultCluster, routers: dict[str, SGLangRouter]
 ) -> None:

@@ -7,9 +7,16 @@ worker must neither refuse them nor let them change the answer.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+
+from pdcluster.runtime.engine.tokenizer import load_tokenizer
+from pdcluster.runtime.metrics import WorkerMetrics
+from pdcluster.runtime.server.engine_service import TokenEvent
+from pdcluster.runtime.server.worker_app import PreparedRequest, WorkerInfo, create_worker_app
 
 EXTRAS: dict[str, Any] = {
     "model": None,
@@ -74,3 +81,61 @@ def test_model_and_server_info_name_the_served_model(worker) -> None:
         info = client.get(path).json()
         assert info["served_model_name"] == "tiny"
         assert info["disaggregation_mode"] == "null"
+
+
+class _Recorder:
+    """A backend that records what the HTTP layer prepared and answers one token."""
+
+    role = "decode"
+
+    def __init__(self) -> None:
+        self.seen: list[PreparedRequest] = []
+
+    def check(self, req: PreparedRequest) -> None:
+        self.seen.append(req)
+
+    async def events(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        yield TokenEvent([65], "A", True, "length")
+
+    def abort(self, rid: str) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def server_info(self) -> dict[str, Any]:
+        return {}
+
+    def is_healthy(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "local"),
+    [
+        ("/generate", {}, True),
+        ("/generate", {"rid": "caller-1"}, False),
+        # A worker relaying to another dp group of its instance passes its own rid on.
+        ("/generate", {"rid": "minted-1", "rid_is_local": True}, True),
+        ("/v1/completions", {}, True),
+        ("/v1/completions", {"rid": "caller-2"}, False),
+        ("/v1/chat/completions", {}, True),
+    ],
+)
+def test_a_rid_the_worker_mints_is_marked_local(
+    path: str, extra: dict[str, Any], local: bool
+) -> None:
+    backend = _Recorder()
+    info = WorkerInfo("tiny", "tiny", 64, 16, 256)
+    app = create_worker_app(backend, load_tokenizer("tiny"), info, WorkerMetrics("decode"))
+    body: dict[str, Any] = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
+    if path == "/generate":
+        body |= {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+    elif path == "/v1/completions":
+        body |= {"prompt": "hi", "max_tokens": 1}
+    else:
+        body |= {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(app) as client:
+        resp = client.post(path, json=body | extra)
+    assert resp.status_code == 200, resp.text
+    (req,) = backend.seen
+    assert req.rid_is_local is local
+    assert req.rid == extra.get("rid", req.rid) and req.rid

@@ -194,9 +194,10 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
         )
         servers.extend(extra_servers)
     app = create_worker_app(backend, tokenizer, info, metrics, extra_routes=extra_routes)
-    servers.insert(
-        0, uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    )
+    from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=Http1OnlyProtocol)
+    servers.insert(0, uvicorn.Server(config))
     service.start()
     try:
         asyncio.run(_serve_all(servers))

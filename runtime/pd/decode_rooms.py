@@ -236,11 +236,20 @@ class DecodeRoomTable:
     # ------------------------------------------------------------- local events
 
     def add_room(
-        self, room: int, rid: str, peer: str, now: float, prompt: PromptId | None = None
+        self,
+        room: int,
+        rid: str,
+        peer: str,
+        now: float,
+        prompt: PromptId | None = None,
+        *,
+        rid_is_local: bool = False,
     ) -> int:
         """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
 
         `prompt` (the leg's PromptId) rides in every TransferMeta of the room.
+        `rid_is_local`: the worker minted `rid` (the caller sent none); the
+        messages to prefill then carry no rid, and the room alone pairs the legs.
         """
         check_room(room)
         check_rid(rid)
@@ -271,6 +280,7 @@ class DecodeRoomTable:
             deadline=now + self.settings.bootstrap_s,
             deadline_reason="bootstrap_timeout",
             prompt=prompt,
+            rid_is_local=rid_is_local,
         )
         return generation
 
@@ -299,7 +309,7 @@ class DecodeRoomTable:
                 bootstrap = Bootstrap(
                     room=room,
                     generation=r.generation,
-                    rid=r.rid,
+                    rid=r.caller_rid,
                     decode_rank=self.info.rank,
                     decode_endpoint=self.info.endpoint,
                     num_destinations=state.source.num_destinations,
@@ -336,7 +346,7 @@ class DecodeRoomTable:
             meta = TransferMeta(
                 room=room,
                 generation=r.generation,
-                rid=r.rid,
+                rid=r.caller_rid,
                 decode_rank=self.info.rank,
                 decode_endpoint=self.info.endpoint,
                 dst_pages=page_list,
@@ -597,7 +607,7 @@ class DecodeRoomTable:
             abort = Abort(
                 room=r.room,
                 generation=r.generation,
-                rid=r.rid,
+                rid=r.caller_rid,
                 reason=reason,
                 decode_rank=self.info.rank,
                 decode_endpoint=self.info.endpoint,

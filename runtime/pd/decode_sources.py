@@ -65,6 +65,12 @@ class DecodeRoom:
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     ready_emitted: bool = False
     prompt: PromptId | None = None  # the decode leg's prompt, sent in TransferMeta
+    rid_is_local: bool = False  # this worker minted `rid`: it never goes to prefill
+
+    @property
+    def caller_rid(self) -> str | None:
+        """The rid sent to prefill: the caller's, or None (a local rid is never compared)."""
+        return None if self.rid_is_local else self.rid
 
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())

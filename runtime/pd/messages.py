@@ -13,8 +13,16 @@ Decode rank → prefill rank:
   when its own prompt differs: `prompt_digest`);
 - `Bootstrap` per room under the `prefill_complete` policy (endpoint first,
   pages later);
-- `Abort(room, generation, rid)` once per notified prefill rank (the rid
-  keeps an abort from touching another request that reuses the number).
+- `Abort(room, generation, rid)` once per notified prefill rank.
+
+The room is the pairing key (DESIGN §3). The `rid` of `TransferMeta`,
+`Bootstrap` and `Abort` is the rid the *caller* gave the decode leg, or None
+when it gave none: a rid a worker made up itself is local to that worker and
+never leaves it. A prefill rank checks a rid↔room binding only when both
+legs carry a caller rid (`prefill_claims.rid_conflict`). Version 2 made the
+field optional with this meaning; version 1 sent the decode worker's own rid
+whoever minted it, and a v1 frame is rejected (`unsupported_version`) rather
+than read with the wrong meaning.
 
 Prefill rank → decode rank:
 - `LayoutAck` answering a registration (accepted, or why not) — also sent,
@@ -51,8 +59,9 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.prompt_digest import PromptId
 
-# 2: TransferMeta carries decode's PromptId. A version-1 peer would neither
-# send it nor accept it, so mixed versions are refused at the frame header.
+# 2: TransferMeta carries decode's PromptId, and the rid of TransferMeta,
+# Bootstrap and Abort is the caller's or None. A version-1 peer would read
+# both differently, so mixed versions are refused at the frame header.
 PROTOCOL_VERSION: Final = 2
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
@@ -128,7 +137,7 @@ class LayoutAck(_Msg, tag="layout_ack", frozen=True):
 class TransferMeta(_Msg, tag="meta", frozen=True):
     room: Room
     generation: Generation
-    rid: Rid
+    rid: Rid | None  # the caller's rid of the decode leg; None: the caller sent none
     decode_rank: RankCoord
     decode_endpoint: Endpoint
     # The decode rank's whole page table for the prompt; each prefill rank
@@ -144,7 +153,7 @@ class TransferMeta(_Msg, tag="meta", frozen=True):
 class Bootstrap(_Msg, tag="bootstrap", frozen=True):
     room: Room
     generation: Generation
-    rid: Rid
+    rid: Rid | None  # as in TransferMeta
     decode_rank: RankCoord
     decode_endpoint: Endpoint
     num_destinations: Count
@@ -153,7 +162,9 @@ class Bootstrap(_Msg, tag="bootstrap", frozen=True):
 class Abort(_Msg, tag="abort", frozen=True):
     room: Room
     generation: Generation
-    rid: Rid  # a room number alone could name another request's room
+    # As in TransferMeta. A caller rid must match the room's; without one the
+    # room, the sender's binding and its generation decide (`abort_matches`).
+    rid: Rid | None
     reason: Reason
     decode_rank: RankCoord
     decode_endpoint: Endpoint

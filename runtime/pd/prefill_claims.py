@@ -1,10 +1,19 @@
 """Records of a prefill rank's room table, and which claims on a room are valid.
 
 A *claim* is a decode rank's metadata or BOOTSTRAP for a room, or the
-prefill leg opening it. The first claim binds the room to a rid and a
-destination count, each destination (decode rank) to one endpoint and one
-generation. A later claim that disagrees with any of these is refused —
-never merged — so a stale or foreign message cannot redirect a room's KV.
+prefill leg opening it. The room is the pairing key. The first claim binds
+the room to a destination count, each destination (decode rank) to one
+endpoint and one generation; a later claim that disagrees with any of these
+is refused — never merged — so a stale or foreign message cannot redirect a
+room's KV.
+
+Rids: the first claim carrying a *caller* rid (one the client or router
+supplied, not one a worker made up) binds the room to it, and a later claim
+with a different caller rid is refused (`rid_conflict`). A claim without one
+(a PD router that sends no rid, so each worker mints its own) pairs by room
+alone: a worker's own rid is local to it and never compared with the other
+leg's. The prefill leg's own rid (`PrefillRoom.rid`) names the request in
+this worker's engine only.
 
 Pure module.
 """
@@ -16,7 +25,7 @@ from dataclasses import dataclass, field
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
-from pdcluster.runtime.pd.messages import KVLayoutRegister, Status
+from pdcluster.runtime.pd.messages import Abort, KVLayoutRegister, Status
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.topology import pages_for
 
@@ -57,7 +66,8 @@ class Dest:
 @dataclass
 class PrefillRoom:
     room: int
-    rid: str | None
+    rid: str | None  # the prefill leg's rid in this worker's engine; None until opened
+    caller_rid: str | None  # the caller rid bound to the room, if any claim carried one
     poll: Poll
     created_at: float
     deadline: float | None
@@ -101,14 +111,25 @@ class PrefillRoom:
         )
 
 
+def rid_conflict(r: PrefillRoom, caller_rid: str | None) -> str | None:
+    """Why a claim with `caller_rid` (None: the caller sent no rid) cannot join `r`, or None.
+
+    Only two caller rids are compared; a missing one pairs by room.
+    """
+    if r.caller_rid is None or caller_rid is None or caller_rid == r.caller_rid:
+        return None
+    return f"room_conflict: room {r.room} is bound to rid {r.caller_rid!r}, got {caller_rid!r}"
+
+
 def claim_conflict(
-    r: PrefillRoom, rid: str, expected: int, decode_rank: RankCoord, endpoint: str
+    r: PrefillRoom, rid: str | None, expected: int, decode_rank: RankCoord, endpoint: str
 ) -> str | None:
-    """Why a decode claim cannot join room `r`, or None."""
+    """Why a decode claim (its caller rid or None) cannot join room `r`, or None."""
     if r.poll.state is KVPoll.Failed:
         return f"room_failed: {r.poll.reason}"
-    if r.rid is not None and rid != r.rid:
-        return f"room_conflict: room {r.room} is bound to rid {r.rid!r}, got {rid!r}"
+    conflict = rid_conflict(r, rid)
+    if conflict is not None:
+        return conflict
     if r.expected is not None and expected != r.expected:
         return (
             f"room_conflict: room {r.room} expects {r.expected} destinations, "
@@ -123,6 +144,26 @@ def claim_conflict(
     if d is None and r.expected is not None and len(r.dests) >= r.expected:
         return f"room_conflict: room {r.room} already has all {r.expected} destinations"
     return None
+
+
+def abort_matches(r: PrefillRoom, msg: Abort, trusted: bool) -> bool:
+    """Whether decode's ABORT `msg` is for the request in room `r`.
+
+    `trusted`: the sender is bound to the room or a registered decode rank.
+    With two caller rids, they must be equal. Without (either leg's rid was
+    local), the room pairs them, and the sender must be the room's bound
+    destination of that generation — or, not bound yet, a registered rank the
+    room still has a destination free for: an abort from a rank that cannot
+    be one of the room's destinations is about another request.
+    """
+    if not trusted:
+        return False
+    if r.caller_rid is not None and msg.rid is not None:
+        return msg.rid == r.caller_rid
+    d = r.dests.get(msg.decode_rank)
+    if d is not None:
+        return d.endpoint == msg.decode_endpoint and d.generation == msg.generation
+    return r.expected is None or len(r.dests) < r.expected
 
 
 def page_problem(pages: list[int], num_pages: int) -> str | None:

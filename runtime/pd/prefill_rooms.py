@@ -12,13 +12,17 @@ The I/O loop feeds events (decoded messages, engine and transfer progress,
 Rules (DESIGN §5, §7):
 - a room is created by the prefill leg (`open_room`) or by the first decode
   claim (metadata / BOOTSTRAP), whichever comes first; both create it in
-  Bootstrapping. The first claim wins; a disagreeing later claim is refused
-  with a Failed status and changes nothing (`prefill_claims`);
+  Bootstrapping. The room is the pairing key: a rid binds it only when the
+  claims carry rids the caller supplied (a worker's own rid is local to it).
+  The first claim wins; a disagreeing later claim is refused with a Failed
+  status and changes nothing (`prefill_claims`);
 - only registered decode endpoints (`prefill_peers`) may claim a room; a
   claim from an unregistered one is answered with a rejected `LayoutAck`
   (decode fails the room and registers again). An ABORT fails a room only
   if its rid matches and its sender is registered or bound to the room;
-  any other ABORT is simply acked — nothing of the sender's is in flight;
+  any other ABORT is simply acked — nothing of the sender's is in flight.
+  Without two caller rids to compare, the sender's binding and generation
+  decide instead (`abort_matches`);
 - Failed is sticky (first reason kept). A Failed room accepts no new writes
   (`can_send` False), tells each destination once, and sends
   `AbortAck(room, rank, generation)` to each aborting decode rank only once
@@ -36,8 +40,9 @@ Rules (DESIGN §5, §7):
   mismatch fails the room before any write (`prompt_digest`).
 
 I/O contract:
-- `open_room(room, rid, num_tokens, now, prompt=...)` when the prefill leg
-  arrives;
+- `open_room(room, rid, num_tokens, now, prompt=..., rid_is_local=...)` when
+  the prefill leg arrives (`rid_is_local`: this worker minted the rid, the
+  caller sent none);
   `on_message(msg, now)` for each decode→prefill message;
 - early: on `StartCompute` run the request; per KV chunk check
   `can_send(room)`, write to `destinations(room)`, report
@@ -84,9 +89,11 @@ from pdcluster.runtime.pd.prefill_claims import (
     DestinationView,
     PrefillRankInfo,
     PrefillRoom,
+    abort_matches,
     claim_conflict,
     page_count_problem,
     page_problem,
+    rid_conflict,
 )
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
 from pdcluster.runtime.pd.prompt_digest import PromptId, prompt_problem
@@ -180,11 +187,20 @@ class PrefillRoomTable:
     # ------------------------------------------------------------- local events
 
     def open_room(
-        self, room: int, rid: str, num_tokens: int, now: float, prompt: PromptId | None = None
+        self,
+        room: int,
+        rid: str,
+        num_tokens: int,
+        now: float,
+        prompt: PromptId | None = None,
+        *,
+        rid_is_local: bool = False,
     ) -> list[Action]:
         """The prefill leg of `rid` arrived. Raises RoomRejected / RoomError, table unchanged.
 
         `prompt`: the leg's PromptId, compared with every destination's.
+        `rid_is_local`: the worker minted `rid` (the caller sent none), so it
+        names the request here only and binds nothing.
         """
         check_room(room)
         check_rid(rid)
@@ -204,14 +220,17 @@ class PrefillRoomTable:
                     f"(limit {self.settings.max_rooms})",
                     "too_many_rooms",
                 )
-            r = self._new_room(room, rid, None, now)
+            r = self._new_room(room, None, None, now)
         elif r.opened:
             raise RoomRejected(f"duplicate room {room}: opened by rid {r.rid!r}", "duplicate_room")
-        elif r.rid != rid:
+        caller_rid = None if rid_is_local else rid
+        if rid_conflict(r, caller_rid) is not None:
             raise RoomRejected(
-                f"room {room} is bound to rid {r.rid!r} by decode metadata, not {rid!r}",
+                f"room {room} is bound to rid {r.caller_rid!r} by decode metadata, not {rid!r}",
                 "room_conflict",
             )
+        r.rid = rid
+        r.caller_rid = r.caller_rid or caller_rid
         r.opened = True
         r.num_tokens = num_tokens
         r.prompt = prompt
@@ -402,6 +421,7 @@ class PrefillRoomTable:
                 return self._fail(r, bad_pages, now)
             return self._reject(msg.room, msg.generation, msg.decode_endpoint, bad_pages)
         r.expected = msg.num_destinations
+        r.caller_rid = r.caller_rid or msg.rid
         if d is None:
             r.dests[msg.decode_rank] = Dest(
                 msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt
@@ -434,6 +454,7 @@ class PrefillRoomTable:
             if msg.decode_rank in r.dests:
                 return [Dropped(msg.room, "Bootstrap", "duplicate_bootstrap")]
             r.expected = msg.num_destinations
+            r.caller_rid = r.caller_rid or msg.rid
         d = Dest(msg.decode_rank, msg.decode_endpoint, msg.generation, None)
         r.dests[msg.decode_rank] = d
         return self._ready(r, d) if r.computed else []
@@ -444,7 +465,7 @@ class PrefillRoomTable:
         d = r.dests.get(msg.decode_rank) if r is not None else None
         bound = d is not None and d.endpoint == msg.decode_endpoint
         trusted = bound or self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank)
-        if r is None or r.rid != msg.rid or not trusted:
+        if r is None or not abort_matches(r, msg, trusted):
             # Nothing of the sender's is in flight here, so the ack is true
             # whoever asks; only a trusted sender may leave a tombstone (so a
             # prefill leg arriving after the abort is refused).
@@ -488,10 +509,14 @@ class PrefillRoomTable:
             return None
         return f"prefill_overloaded: {len(self._rooms)} live rooms"
 
-    def _new_room(self, room: int, rid: str, expected: int | None, now: float) -> PrefillRoom:
+    def _new_room(
+        self, room: int, caller_rid: str | None, expected: int | None, now: float
+    ) -> PrefillRoom:
+        """A room in Bootstrapping; its own rid comes with the prefill leg (`open_room`)."""
         r = PrefillRoom(
             room=room,
-            rid=rid,
+            rid=None,
+            caller_rid=caller_rid,
             poll=Poll.create(KVPoll.Bootstrapping),
             created_at=now,
             deadline=now + self.settings.bootstrap_s,

@@ -49,6 +49,7 @@ from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 log = logging.getLogger("pdcluster.pd")
@@ -136,6 +137,7 @@ class _PDBackend:
         body = {
             "input_ids": req.prompt_ids,
             "rid": req.rid,
+            "rid_is_local": req.rid_is_local,
             "stream": True,
             "sampling_params": {
                 "temperature": req.sampling["temperature"],
@@ -243,7 +245,9 @@ class PrefillBackend(_PDBackend):
     def open(self, req: PreparedRequest) -> None:
         sampling = engine_request(req).sampling
         assert req.bootstrap.bootstrap_room is not None
-        self.coordinator.open(req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling)
+        self.coordinator.open(
+            req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling, req.rid_is_local
+        )
 
 
 class DecodeBackend(_PDBackend):
@@ -260,7 +264,13 @@ class DecodeBackend(_PDBackend):
         peer = f"{b.bootstrap_host}:{b.bootstrap_port}"
         sampling = engine_request(req).sampling
         self.coordinator.open(
-            b.bootstrap_room, req.rid, req.prompt_ids, sampling, peer, b.data_parallel_rank
+            b.bootstrap_room,
+            req.rid,
+            req.prompt_ids,
+            sampling,
+            peer,
+            b.data_parallel_rank,
+            req.rid_is_local,
         )
 
 
@@ -359,7 +369,11 @@ def build_pd_backend(
             servers.append(
                 uvicorn.Server(
                     uvicorn.Config(
-                        app, host=settings.host, port=settings.bootstrap_port, log_level="warning"
+                        app,
+                        host=settings.host,
+                        port=settings.bootstrap_port,
+                        log_level="warning",
+                        http=Http1OnlyProtocol,
                     )
                 )
             )

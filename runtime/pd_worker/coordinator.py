@@ -217,10 +217,21 @@ class _Coordinator:
 class PrefillCoordinator(_Coordinator):
     role = "prefill"
 
-    def open(self, room_id: int, rid: str, prompt: list[int], sampling: Any) -> None:
+    def open(
+        self,
+        room_id: int,
+        rid: str,
+        prompt: list[int],
+        sampling: Any,
+        rid_is_local: bool = False,
+    ) -> None:
         """Engine thread: the prefill leg for `room_id` arrived."""
         self._register(room_id, _Room(rid, prompt, sampling))
-        self.agent.broadcast(GroupOpen(room_id, rid, len(prompt), prompt=prompt_id(prompt)))
+        self.agent.broadcast(
+            GroupOpen(
+                room_id, rid, len(prompt), prompt=prompt_id(prompt), rid_is_local=rid_is_local
+            )
+        )
 
     def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
         if rep.kind == "failed":
@@ -300,12 +311,21 @@ class DecodeCoordinator(_Coordinator):
         sampling: Any,
         peer: str,
         prefill_dp: int | None,
+        rid_is_local: bool = False,
     ) -> None:
         """Engine thread: the decode leg for `room_id` arrived."""
         room = _Room(rid, prompt, sampling, num_pages=self.num_pages_for(len(prompt)))
         self._register(room_id, room)
         self.agent.broadcast(
-            GroupOpen(room_id, rid, len(prompt), peer, prefill_dp, prompt=prompt_id(prompt))
+            GroupOpen(
+                room_id,
+                rid,
+                len(prompt),
+                peer,
+                prefill_dp,
+                prompt=prompt_id(prompt),
+                rid_is_local=rid_is_local,
+            )
         )
         if self.policy == "early":
             self._enqueue(room_id, room)

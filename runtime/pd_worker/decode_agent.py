@@ -229,7 +229,9 @@ class DecodeAgent(RankAgent):
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
-            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now, msg.prompt)
+            gen = self.table.add_room(
+                msg.room, msg.rid, msg.peer, now, msg.prompt, rid_is_local=msg.rid_is_local
+            )
         except RoomError as err:
             self.report(msg.room, "failed", f"rejected: {err}")
             self.report(msg.room, "released")

@@ -40,6 +40,8 @@ class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=T
     # The leg's prompt (length + digest): decode sends it in TransferMeta,
     # prefill compares it with decode's before any write.
     prompt: PromptId | None = None
+    # The worker minted `rid` (the caller sent none): it never leaves this instance.
+    rid_is_local: bool = False
 
 
 class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):

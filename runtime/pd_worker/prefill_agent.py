@@ -160,7 +160,14 @@ class PrefillAgent(RankAgent):
             self.rid_room[msg.rid] = msg.room
             try:
                 self.perform(
-                    self.table.open_room(msg.room, msg.rid, msg.num_tokens, now, msg.prompt)
+                    self.table.open_room(
+                        msg.room,
+                        msg.rid,
+                        msg.num_tokens,
+                        now,
+                        msg.prompt,
+                        rid_is_local=msg.rid_is_local,
+                    )
                 )
             except RoomError as err:
                 self.rooms.pop(msg.room, None)

@@ -52,6 +52,9 @@ class GenerateRequest(BootstrapFields):
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=MAX_RID_LEN)
+    # Set by a worker relaying to another dp group of its instance: `rid` is
+    # one it minted itself, not the caller's, so it binds no room.
+    rid_is_local: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -72,7 +75,7 @@ class AbortRequest(_Lenient):
 
 
 class CompletionRequest(BootstrapFields):
-    model: str = Field(default="", max_length=256)
+    model: str | None = Field(default=None, max_length=256)  # null: the served model
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
@@ -104,7 +107,7 @@ class ChatMessage(_Lenient):
 
 
 class ChatCompletionRequest(BootstrapFields):
-    model: str = Field(default="", max_length=256)
+    model: str | None = Field(default=None, max_length=256)  # null: the served model
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

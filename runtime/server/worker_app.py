@@ -59,6 +59,9 @@ class PreparedRequest:
     sampling: dict[str, Any]  # keyword arguments of engine SamplingParams
     stop_strings: list[str]
     bootstrap: BootstrapFields
+    # The worker minted `rid` (the caller sent none): it names the request on
+    # this worker only and is never compared with the other leg's.
+    rid_is_local: bool = False
 
 
 class Backend(Protocol):
@@ -161,6 +164,7 @@ def create_worker_app(
         sampling: dict[str, Any],
         stop: str | list[str] | None,
         bootstrap: BootstrapFields,
+        rid_is_local: bool = False,
     ) -> PreparedRequest:
         if isinstance(prompt, str):
             if len(prompt) > info.max_prompt_tokens * 8:
@@ -182,26 +186,30 @@ def create_worker_app(
             stops = normalize_stop(stop)
         except ValueError as err:
             raise BadRequest(str(err)) from None
+        rid_is_local = rid_is_local or rid is None
         rid = rid or uuid.uuid4().hex
         if rid in in_flight:
             raise BadRequest(f"rid {rid!r} is already in flight", status=409)
-        req = PreparedRequest(rid, ids, sampling, stops, bootstrap)
+        req = PreparedRequest(rid, ids, sampling, stops, bootstrap, rid_is_local)
         backend.check(req)
         return req
 
     async def run(req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
-        started, first = time.monotonic(), True
+        started, first, finished = time.monotonic(), True, False
         try:
             async for event in backend.events(req):
                 if first and event.token_ids:
                     metrics.ttft_seconds.observe(time.monotonic() - started)
                     first = False
                 if event.finished:
+                    finished = True
                     metrics.requests_total.labels(reason=reason_label(event.finish_reason)).inc()
                 yield event
         finally:
+            if not finished:  # the client went away mid-request (the backend aborts it)
+                metrics.requests_total.labels(reason="client_disconnect").inc()
             in_flight.discard(req.rid)
             metrics.requests_in_flight.dec()
 
@@ -250,7 +258,7 @@ def create_worker_app(
             sp.stop_token_ids,
         )
         prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
-        req = prepare(body.rid, prompt, sampling, sp.stop, body)
+        req = prepare(body.rid, prompt, sampling, sp.stop, body, body.rid_is_local)
         if body.stream:
             text, ids = "", []
 
@@ -373,6 +381,10 @@ def create_worker_app(
             "tokenizer_path": info.model_path,
             "is_generation": True,
             "model_name": info.model_name,
+            # What SGLang's router reads to name the model a worker serves.
+            "served_model_name": info.model_name,
+            "vocab_size": info.vocab_size,
+            "max_req_input_len": info.max_prompt_tokens,
         }
 
     app.get("/get_model_info")(lambda: model_info())
@@ -381,6 +393,7 @@ def create_worker_app(
     def server_info() -> dict[str, Any]:
         return {
             "disaggregation_mode": backend.role,
+            "served_model_name": info.model_name,
             "max_prompt_tokens": info.max_prompt_tokens,
             "max_new_tokens": info.max_new_tokens,
             **info.extra,

@@ -11,6 +11,10 @@ failed or finished room is dropped, never written.
 Every room this rank knew ends with exactly one `released` report, sent when
 the room leaves the table (after success, or after failure once every source
 is settled), so the leader frees pages only when no rank can still be written.
+Whatever path ends the room (success, abort, timeout, a heartbeat or operator
+verdict), `released` also waits until no frame of it is still being scattered
+into its pages: a frame already past resolve when the room failed finishes
+before the pages can go to another request (`_sweep`, `release_fenced`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISS
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 log = logging.getLogger("pdcluster.pd.decode")
+
+# How long one sweep waits for a frame still being written into a finished
+# room's pages before leaving `released` to a later tick (seconds).
+FENCE_WAIT_S = 0.05
 
 
 @dataclass
@@ -89,6 +97,8 @@ class DecodeAgent(RankAgent):
         )
         self.endpoint.on_kv = self.receiver.on_kv
         self.rooms: dict[int, _Room] = {}
+        # Rooms out of the table whose `released` waits for a write in flight.
+        self._fenced: set[int] = set()
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
         self.heartbeat = HeartbeatTracker(hb.interval_seconds, hb.failure_threshold)
@@ -140,11 +150,20 @@ class DecodeAgent(RankAgent):
             return None
         return f"incomplete_transfer: received {got} of {expected} KV bytes"
 
-    def _stop_receiving(self, room: int) -> None:
-        if self._receiving.pop(room, None) is not None:
-            # A frame already past resolve may still be landing: let it finish.
-            self.receiver.quiesce(room, timeout=5.0)
+    def _stop_receiving(self, room: int) -> bool:
+        """Stop accepting the room's frames; True once none of them is being written.
+
+        Whatever took the room out of `_receiving` first (a failure pops it at
+        once, so no new frame is written), a frame already past resolve may
+        still be landing in its pages: until it returned, the pages must not
+        be reported released. A short wait covers the usual case; a write
+        that takes longer is fenced: the caller retries on a later tick.
+        """
+        self._receiving.pop(room, None)
+        if not self.receiver.quiesce(room, timeout=FENCE_WAIT_S):
+            return False
         self.receiver.clear(room)
+        return True
 
     # ------------------------------------------------------------ actions
     def perform(self, acts: list[Any]) -> None:
@@ -178,17 +197,24 @@ class DecodeAgent(RankAgent):
                 self._receiving.pop(act.room, None)
                 self.report(act.room, "failed", act.reason)
             elif isinstance(act, A.ReleasePages):
-                self._stop_receiving(act.room)
+                # `released` itself waits in _sweep until no write is in flight.
+                self._receiving.pop(act.room, None)
             elif isinstance(act, A.PrefillReady):
                 self.report(act.room, "ready")
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
 
     def _sweep(self, room: int) -> None:
-        """Report `released` once the room left this rank's table."""
+        """Report `released` once the room left this rank's table and no frame
+        of it is still being written into its pages (else a later tick retries)."""
         if room in self.rooms and room not in self.table:
+            if not self._stop_receiving(room):
+                if room not in self._fenced:
+                    self._fenced.add(room)
+                    self.ctx.stats["release_fenced"] += 1
+                return
+            self._fenced.discard(room)
             del self.rooms[room]
-            self._stop_receiving(room)
             self.report(room, "released")
 
     def _fail(self, room: int, reason: str) -> None:

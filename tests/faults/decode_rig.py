@@ -131,6 +131,10 @@ class DecodeRig:
         assert found, f"no {kind!r} report for room {room}: {self.reports}"
         return found
 
+    def has_report(self, room: int, kind: str) -> bool:
+        with self._cond:
+            return any(r.room == room and r.kind == kind for _, r in self.reports)
+
     def poll_report(self, room: int, kind: str, timeout: float) -> tuple[float, GroupReport] | None:
         """Like `wait_report`, but None when none came within `timeout`."""
         try:

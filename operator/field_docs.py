@@ -33,6 +33,9 @@ FIELD_DOCS: dict[str, str] = {
     "within this time.",
     "transfer.prefillWaitTimeoutSeconds": "prefill_complete only: decode fails a room whose "
     "prefill has not reported its KV computed within this time.",
+    "transfer.waitingPerTokenMilliseconds": "Added per prompt token to the waiting and prefill "
+    "wait timeouts (and to prefill's own transfer deadline), so a long prompt gets the time its "
+    "compute and transfer need: deadline = timeout + tokens x this.",
     "transfer.abortReleaseTimeoutSeconds": "After an abort, decode frees the room's pages once "
     "every prefill rank acknowledged or this time passed.",
     "transfer.heartbeat": "Decode's health polling of each prefill instance it talks to.",

@@ -114,6 +114,9 @@ class TransferSpec(_Model):
     waiting_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     # prefill_complete: how long decode waits for prefill's "KV computed".
     prefill_wait_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    # Added to the waiting (and prefill wait) timeout per prompt token: a long
+    # prompt takes longer to compute and to move (see RoomSettings).
+    waiting_per_token_milliseconds: float = Field(default=1.0, ge=0, le=1000)
     abort_release_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     checksum: bool = False

@@ -31,7 +31,8 @@ Rules (DESIGN §3, §5, §7, §8):
 - deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
   `prefill_complete` Ready from every source within `prefill_wait_s`, then
   pages within `bootstrap_s`; WaitingForInput/Transferring within
-  `waiting_s`. `tick(now)` fails late rooms (and so sends ABORT);
+  `waiting_s`, each of the two waits extended per prompt token
+  (`RoomSettings.waiting_budget_s`). `tick(now)` fails late rooms (and so sends ABORT);
 - `fail_peer(peer, reason)` fails every unfinished room tied to a prefill
   instance (bootstrap address), rank endpoint or host, marks those sources
   dead (which settles them) and forgets their layout registration (re-sent
@@ -234,10 +235,16 @@ class DecodeRoomTable:
 
     # ------------------------------------------------------------- local events
 
-    def add_room(self, room: int, rid: str, peer: str, now: float) -> int:
-        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation."""
+    def add_room(self, room: int, rid: str, peer: str, now: float, *, num_tokens: int = 0) -> int:
+        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
+
+        `num_tokens` (the prompt's length) extends the waiting deadlines by
+        `settings.waiting_per_token_s` a token.
+        """
         check_room(room)
         check_rid(rid)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise RoomError(f"num_tokens must be an int >= 0, got {num_tokens!r}", "bad_num_tokens")
         if not isinstance(peer, str) or not peer:
             raise RoomError(
                 f"peer must name the prefill bootstrap address, got {peer!r}", "bad_peer"
@@ -264,6 +271,7 @@ class DecodeRoomTable:
             poll=Poll.create(KVPoll.Bootstrapping),
             deadline=now + self.settings.bootstrap_s,
             deadline_reason="bootstrap_timeout",
+            num_tokens=num_tokens,
         )
         return generation
 
@@ -298,7 +306,7 @@ class DecodeRoomTable:
                     num_destinations=state.source.num_destinations,
                 )
                 acts.append(Send(state.source.endpoint, bootstrap))
-            r.deadline = now + self.settings.prefill_wait_s
+            r.deadline = now + self.settings.prefill_wait_budget_s(r.num_tokens)
             r.deadline_reason = "prefill_wait_timeout"
         return acts
 
@@ -337,7 +345,7 @@ class DecodeRoomTable:
             )
             acts.append(Send(state.source.endpoint, meta))
         r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_s
+        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens)
         r.deadline_reason = "waiting_timeout"
         return acts
 

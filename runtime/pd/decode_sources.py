@@ -63,6 +63,7 @@ class DecodeRoom:
     sources: dict[RankCoord, SourceState] | None = None  # None until resolved
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     ready_emitted: bool = False
+    num_tokens: int = 0  # prompt length: sizes the waiting deadlines
 
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())

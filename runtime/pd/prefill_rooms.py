@@ -28,7 +28,7 @@ Rules (DESIGN §5, §7):
   `open_room` is refused, an ABORT for an unknown room leaves one too;
 - deadlines: Bootstrapping within `bootstrap_s` (re-armed when the KV is
   computed under `prefill_complete`), WaitingForInput/Transferring within
-  `waiting_s`;
+  `waiting_s` plus the prompt's per-token budget (`waiting_budget_s`);
 - `prefill_complete` expects BOOTSTRAP before metadata, `early` refuses
   BOOTSTRAP; the Failed status names both policies.
 
@@ -491,7 +491,7 @@ class PrefillRoomTable:
         if not (r.opened and r.has_all_destinations and r.poll.state is KVPoll.Bootstrapping):
             return []
         r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_s
+        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens or 0)
         if self.policy == EARLY and r.rid is not None:
             r.computing = True
             return [StartCompute(r.room, r.rid)]

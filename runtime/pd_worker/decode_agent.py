@@ -255,7 +255,7 @@ class DecodeAgent(RankAgent):
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
-            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now)
+            gen = self.table.add_room(msg.room, msg.rid, msg.peer, now, num_tokens=msg.num_tokens)
         except RoomError as err:
             self.report(msg.room, "failed", f"rejected: {err}")
             self.report(msg.room, "released")

@@ -27,7 +27,10 @@ Rules (DESIGN §3, §5, §7, §8):
   only an ack or a definitive `fail_peer` (the operator's fast path for a
   crashed or deleted pod, or the instance seen back on new addresses)
   frees them — a heartbeat verdict is not enough there
-  (`fail_peer(..., definitive=False)`: a hung writer may resume);
+  (`fail_peer(..., definitive=False)`: a hung writer may resume); so
+  there the ABORT is sent again every `abort_resend_interval_s` to each
+  source that has neither acked nor been declared dead (a lost ABORT or
+  ack must not hold the pages forever; prefill acks a repeat again);
 - deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
   `prefill_complete` Ready from every source within `prefill_wait_s`, then
   pages within `bootstrap_s`; WaitingForInput/Transferring within
@@ -474,6 +477,8 @@ class DecodeRoomTable:
     def tick(self, now: float) -> list[Action]:
         acts: list[Action] = []
         for r in list(self._rooms.values()):
+            if r.poll.state is KVPoll.Failed and r.abort_due is not None and now >= r.abort_due:
+                acts.extend(self._resend_aborts(r, now))
             if r.deadline is None or now < r.deadline:
                 continue
             if r.poll.state is KVPoll.Failed:
@@ -594,20 +599,33 @@ class DecodeRoomTable:
             if s.dead or s.succeeded or s.abort_sent:
                 continue
             s.abort_sent = True
-            abort = Abort(
-                room=r.room,
-                generation=r.generation,
-                rid=r.rid,
-                reason=reason,
-                decode_rank=self.info.rank,
-                decode_endpoint=self.info.endpoint,
-            )
-            acts.append(Send(s.source.endpoint, abort))
+            acts.append(Send(s.source.endpoint, self._abort_message(r)))
         # A one-sided writer may still be writing: only its ack or death frees the pages.
         r.deadline = None if self.info.one_sided else now + self.settings.release_s
+        if self.info.one_sided:
+            r.abort_due = now + self.settings.abort_resend_interval_s
         r.deadline_reason = "release_timeout"
         acts.extend(self._maybe_release(r))
         return acts
+
+    def _abort_message(self, r: DecodeRoom) -> Abort:
+        return Abort(
+            room=r.room,
+            generation=r.generation,
+            rid=r.rid,
+            reason=r.poll.reason or "aborted",
+            decode_rank=self.info.rank,
+            decode_endpoint=self.info.endpoint,
+        )
+
+    def _resend_aborts(self, r: DecodeRoom, now: float) -> list[Action]:
+        """One-sided: ABORT again to every source that may still write and has not acked."""
+        r.abort_due = now + self.settings.abort_resend_interval_s
+        return [
+            Send(s.source.endpoint, self._abort_message(r))
+            for s in (r.sources.values() if r.sources is not None else ())
+            if s.abort_sent and not s.settled
+        ]
 
     def _maybe_release(self, r: DecodeRoom) -> list[Action]:
         if r.poll.state is not KVPoll.Failed or not r.all_settled():

@@ -64,6 +64,7 @@ class DecodeRoom:
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     ready_emitted: bool = False
     num_tokens: int = 0  # prompt length: sizes the waiting deadlines
+    abort_due: float | None = None  # one-sided, failed: when unacked ABORTs go out again
 
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())

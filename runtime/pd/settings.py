@@ -18,6 +18,11 @@ passed explicitly to the room tables.
   waiting for ABORT_ACKs (never for one-sided `shm` writes); a failed
   prefill room waits this long for its writes to drain before asking the
   transfer engine to cancel them.
+- `abort_resend_s`: a failed room on a one-sided transport (shm), which
+  keeps its pages until every source acked, sends its ABORT again this
+  often to each source that has neither acked nor been declared gone: a
+  lost ABORT (or a lost ack) would otherwise hold the pages forever.
+  Default `release_s / 4`.
 - `tombstone_s`: how long a concluded room is remembered (default
   bootstrap + waiting, so a message delayed by a full timeout still finds it).
 - `max_rooms`: live rooms per rank (bounds memory against a flood of
@@ -51,6 +56,7 @@ class RoomSettings:
     release_s: float = 10.0
     waiting_per_token_s: float = 0.001
     tombstone_s: float | None = None
+    abort_resend_s: float | None = None
     max_rooms: int = 4096
     max_tombstones: int = 1 << 16
 
@@ -63,6 +69,10 @@ class RoomSettings:
             raise ValueError(
                 "RoomSettings.waiting_per_token_s must be in [0, 1] seconds, "
                 f"got {self.waiting_per_token_s}"
+            )
+        if self.abort_resend_s is not None and not self.abort_resend_s > 0:
+            raise ValueError(
+                f"RoomSettings.abort_resend_s must be > 0 seconds, got {self.abort_resend_s}"
             )
         if self.tombstone_s is not None and not self.tombstone_s > 0:
             raise ValueError(
@@ -78,6 +88,10 @@ class RoomSettings:
     def prefill_wait_budget_s(self, num_tokens: int) -> float:
         """`prefill_complete`: how long decode waits for the prompt's KV to be computed."""
         return self.prefill_wait_s + max(0, num_tokens) * self.waiting_per_token_s
+
+    @property
+    def abort_resend_interval_s(self) -> float:
+        return self.abort_resend_s if self.abort_resend_s is not None else self.release_s / 4
 
     @property
     def tombstone_ttl(self) -> float:

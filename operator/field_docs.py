@@ -40,6 +40,8 @@ FIELD_DOCS: dict[str, str] = {
     "every prefill rank acknowledged or this time passed.",
     "transfer.heartbeat": "Decode's health polling of each prefill instance it talks to.",
     "transfer.heartbeat.intervalSeconds": "Seconds between two polls.",
+    "transfer.heartbeat.idleSeconds": "A prefill instance no room has used for this long is "
+    "no longer polled and its bootstrap client is dropped; the next room on it brings both back.",
     "transfer.heartbeat.failureThreshold": "Consecutive failed polls that fail every room "
     "tied to that prefill.",
     "transfer.checksum": "Verify a checksum of each received page range before decoding.",

@@ -105,6 +105,9 @@ class KVCacheSpec(_Model):
 class HeartbeatSpec(_Model):
     interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     failure_threshold: int = Field(default=2, ge=1, le=100)
+    # A prefill instance no room used for this long stops being probed and
+    # its bootstrap client is dropped; its next room brings both back.
+    idle_seconds: float = Field(default=300.0, gt=0, le=86400)
 
 
 class TransferSpec(_Model):

@@ -101,7 +101,9 @@ class DecodeAgent(RankAgent):
         self._fenced: set[int] = set()
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
-        self.heartbeat = HeartbeatTracker(hb.interval_seconds, hb.failure_threshold)
+        self.heartbeat = HeartbeatTracker(
+            hb.interval_seconds, hb.failure_threshold, idle_s=hb.idle_seconds
+        )
         # peer -> when its probe in flight started.
         self._probing: dict[str, float] = {}
         # fail_peer target (as given) -> when it was declared lost. Only a probe
@@ -359,7 +361,16 @@ class DecodeAgent(RankAgent):
         self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
         for room in list(self.rooms):
             self._sweep(room)
+        self._drop_idle_peers(now)
         self._start_probes(now)
+
+    def _drop_idle_peers(self, now: float) -> None:
+        """Stop probing prefill instances no room used for `heartbeat.idleSeconds`."""
+        in_use = {r.peer for r in self.rooms.values()} | set(self._quarantined)
+        for peer in self.heartbeat.prune_idle(now, in_use):
+            log.info("decode rank %s: prefill %s idle; no longer probed", self.ctx.coord, peer)
+            self.ctx.stats["peer_idle_dropped"] += 1
+            self.bootstrap.discard(peer)
 
     def _start_probes(self, now: float) -> None:
         for peer in self.heartbeat.due(now):

@@ -167,6 +167,10 @@ class DecodeRig:
         meta: pdmsg.TransferMeta = self.wait_message(pdmsg.TransferMeta, room)
         return meta
 
+    def open_room_only(self, room: int, rid: str, num_tokens: int) -> None:
+        """Open the room without pages (it fetches /route first)."""
+        self.group(GroupOpen(room=room, rid=rid, num_tokens=num_tokens, peer=PREFILL_PEER))
+
     def send_frame(
         self, meta: pdmsg.TransferMeta, token_start: int, token_end: int, fill: float
     ) -> np.ndarray:

@@ -52,6 +52,8 @@ Pure module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pdcluster.runtime.pd.actions import (
     Action,
     CancelWrites,
@@ -63,6 +65,7 @@ from pdcluster.runtime.pd.actions import (
     SendHeldKV,
     StartCompute,
 )
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.messages import (
     Abort,
@@ -250,9 +253,19 @@ class PrefillRoomTable:
         return self._maybe_succeed(r, now)
 
     def finish_sending(
-        self, room: int, first_token: int | None, checksum: int | None, now: float
+        self,
+        room: int,
+        first_token: int | None,
+        checksum: int | None,
+        now: float,
+        *,
+        checksums: Mapping[RankCoord, int] | None = None,
     ) -> list[Action]:
-        """The room's last KV write is enqueued; Success follows once every write drained."""
+        """The room's last KV write is enqueued; Success follows once every write drained.
+
+        `checksums` (per decode rank, of the KV written to it) override
+        `checksum` in that rank's Success.
+        """
         r = self._rooms.get(room)
         if r is None or r.poll.state is KVPoll.Failed:
             return [Dropped(room, "finish_sending", "room_not_live")]
@@ -262,7 +275,10 @@ class PrefillRoomTable:
             check_int("first_token", first_token, 0, 1 << 31)
         if checksum is not None:
             check_int("checksum", checksum, 0, 1 << 63)
+        for value in (checksums or {}).values():
+            check_int("checksum", value, 0, 1 << 63)
         r.finished = True
+        r.checksums = dict(checksums or {})
         r.first_token = first_token
         r.checksum = checksum
         return self._maybe_succeed(r, now)

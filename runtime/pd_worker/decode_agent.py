@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdcluster.runtime.pd import actions as A
@@ -33,11 +33,12 @@ from pdcluster.runtime.pd.bootstrap_client import (
 )
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo
 from pdcluster.runtime.pd.compat import CompatError, check_compat
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
 from pdcluster.runtime.pd.room_common import RoomError, peer_matches
-from pdcluster.runtime.pd.topology import ModelShape, PDTopology, TopologyError
+from pdcluster.runtime.pd.topology import KVSlice, ModelShape, PDTopology, TopologyError
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
 from pdcluster.runtime.pd_worker.group import (
     GroupFail,
@@ -47,6 +48,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
 )
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
+from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 log = logging.getLogger("pdcluster.pd.decode")
@@ -65,6 +67,8 @@ class _Room:
     num_tokens: int
     resolved: bool = False
     pending_pages: list[int] | None = None
+    # What each prefill rank writes here (its KV slice), for the page checksums.
+    slices: dict[RankCoord, KVSlice] = field(default_factory=dict)
 
 
 class DecodeAgent(RankAgent):
@@ -152,6 +156,40 @@ class DecodeAgent(RankAgent):
             return None
         return f"incomplete_transfer: received {got} of {expected} KV bytes"
 
+    def _bad_checksum(self, act: A.TransferComplete) -> str | None:
+        """With `transfer.checksum`: why the pages do not hold what the sources
+        sent (`checksum_mismatch`, `checksum_missing`), or None.
+
+        Computed over this rank's pages as the room's page table names them,
+        after every write landed (tcp and shm alike), against each source's
+        checksum of its own source pages (see `transfer.page_checksum`).
+        """
+        r = self.rooms.get(act.room)
+        if not self.ctx.transfer.checksum or r is None:
+            return None
+        if not act.checksums:
+            return CHECKSUM_MISSING
+        ps = self.ctx.page_size
+        for rank, expected in act.checksums:
+            s = r.slices.get(rank)
+            if s is None:
+                continue  # a replicated-KV source sends nothing real to check
+            start, end = s.token_range(r.num_tokens, ps)
+            layers = range(*s.decode_local_layers)
+            slots = token_slots(act.pages, start, end, ps)
+            got = compute_kv_checksum(self.pool, layers, slots, s.decode_local_heads)
+            if got != expected:
+                log.warning(
+                    "decode rank %s: room %s: pages from prefill rank %s hash to %08x, sent %08x",
+                    self.ctx.coord,
+                    act.room,
+                    rank,
+                    got,
+                    expected,
+                )
+                return CHECKSUM_MISMATCH
+        return None
+
     def _stop_receiving(self, room: int) -> bool:
         """Stop accepting the room's frames; True once none of them is being written.
 
@@ -175,6 +213,8 @@ class DecodeAgent(RankAgent):
             elif isinstance(act, A.TransferComplete):
                 missing = self._missing_kv(act.room)
                 self._stop_receiving(act.room)
+                if missing is None:
+                    missing = self._bad_checksum(act)
                 if missing is not None:
                     log.warning(
                         "decode rank %s: room %s rid %s failed: %s",
@@ -183,7 +223,7 @@ class DecodeAgent(RankAgent):
                         act.rid,
                         missing,
                     )
-                    self.ctx.stats["room_failed:incomplete_transfer"] += 1
+                    self.ctx.stats[f"room_failed:{missing.split(':')[0]}"] += 1
                     self.report(act.room, "failed", missing)
                     continue
                 self.report(act.room, "complete", first_token=act.first_token)
@@ -335,6 +375,13 @@ class DecodeAgent(RankAgent):
                 self._fail(room, f"bootstrap_error: no address for prefill rank {prefill_rank}")
                 return
             sources.append(Source(prefill_rank, endpoint, topo.num_destinations(prefill_rank)))
+        # One slice per prefill rank (its layers and heads in common with ours).
+        per_rank = [s.prefill_rank for s in slices]
+        r.slices = {
+            s.prefill_rank: s
+            for s in slices
+            if not s.is_dummy and per_rank.count(s.prefill_rank) == 1
+        }
         now = time.monotonic()
         self.perform(self.table.resolve(room, sources, now))
         r.resolved = True

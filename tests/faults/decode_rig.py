@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
@@ -29,6 +28,7 @@ from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.decode_agent import DecodeAgent
 from pdcluster.runtime.pd_worker.group import GroupMessage, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.spec import TransferSpec
+from pdcluster.runtime.transfer.checksum import compute_checksum
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
 
@@ -172,11 +172,20 @@ class DecodeRig:
         self.group(GroupOpen(room=room, rid=rid, num_tokens=num_tokens, peer=PREFILL_PEER))
 
     def send_frame(
-        self, meta: pdmsg.TransferMeta, token_start: int, token_end: int, fill: float
-    ) -> np.ndarray:
-        """One KV frame of every layer and head for tokens [start, end), all `fill`."""
+        self,
+        meta: pdmsg.TransferMeta,
+        token_start: int,
+        token_end: int,
+        fill: float | torch.Tensor,
+    ) -> torch.Tensor:
+        """One KV frame of every layer and head for tokens [start, end): all
+        `fill`, or the given [L, 2, n, H, D] tensor. Returns the payload."""
         n = token_end - token_start
-        payload = torch.full((LAYERS, 2, n, HEADS, HEAD_DIM), fill, dtype=torch.float32)
+        if isinstance(fill, torch.Tensor):
+            payload = fill.to(torch.float32).contiguous()
+        else:
+            payload = torch.full((LAYERS, 2, n, HEADS, HEAD_DIM), fill, dtype=torch.float32)
+        raw = payload.reshape(-1).view(torch.uint8).numpy()
         header = KVFrameHeader(
             room=meta.room,
             generation=meta.generation,
@@ -188,10 +197,10 @@ class DecodeRig:
             head_end=HEADS,
             dtype="float32",
             shape=tuple(payload.shape),
+            checksum=compute_checksum(raw) if self.ctx.transfer.checksum else None,
         )
-        raw = payload.reshape(-1).view(torch.uint8).numpy()
         self.prefill.send_kv(self.agent.address, encode_header(header), raw)
-        return raw
+        return payload
 
     def send_status(self, meta: pdmsg.TransferMeta, state: KVPoll, **kw: Any) -> None:
         status = pdmsg.Status(

@@ -44,7 +44,8 @@ FIELD_DOCS: dict[str, str] = {
     "no longer polled and its bootstrap client is dropped; the next room on it brings both back.",
     "transfer.heartbeat.failureThreshold": "Consecutive failed polls that fail every room "
     "tied to that prefill.",
-    "transfer.checksum": "Verify a checksum of each received page range before decoding.",
+    "transfer.checksum": "Prefill sends a CRC-32 of the KV it read from its pages, decode "
+    "checks it over the pages it holds before decoding (tcp and shm; tcp frames also carry one).",
     "transfer.failurePolicy": "On a failed transfer, fail the request with a clear error or "
     "recompute the prompt on decode.",
     "<role>.topology": "Ranks of one instance: dp x tp x cp x pp processes.",

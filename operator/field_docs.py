@@ -33,13 +33,19 @@ FIELD_DOCS: dict[str, str] = {
     "within this time.",
     "transfer.prefillWaitTimeoutSeconds": "prefill_complete only: decode fails a room whose "
     "prefill has not reported its KV computed within this time.",
+    "transfer.waitingPerTokenMilliseconds": "Added per prompt token to the waiting and prefill "
+    "wait timeouts (and to prefill's own transfer deadline), so a long prompt gets the time its "
+    "compute and transfer need: deadline = timeout + tokens x this.",
     "transfer.abortReleaseTimeoutSeconds": "After an abort, decode frees the room's pages once "
     "every prefill rank acknowledged or this time passed.",
     "transfer.heartbeat": "Decode's health polling of each prefill instance it talks to.",
     "transfer.heartbeat.intervalSeconds": "Seconds between two polls.",
+    "transfer.heartbeat.idleSeconds": "A prefill instance no room has used for this long is "
+    "no longer polled and its bootstrap client is dropped; the next room on it brings both back.",
     "transfer.heartbeat.failureThreshold": "Consecutive failed polls that fail every room "
     "tied to that prefill.",
-    "transfer.checksum": "Verify a checksum of each received page range before decoding.",
+    "transfer.checksum": "Prefill sends a CRC-32 of the KV it read from its pages, decode "
+    "checks it over the pages it holds before decoding (tcp and shm; tcp frames also carry one).",
     "transfer.failurePolicy": "On a failed transfer, fail the request with a clear error or "
     "recompute the prompt on decode.",
     "<role>.topology": "Ranks of one instance: dp x tp x cp x pp processes, at most 64.",

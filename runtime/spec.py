@@ -105,6 +105,9 @@ class KVCacheSpec(_Model):
 class HeartbeatSpec(_Model):
     interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     failure_threshold: int = Field(default=2, ge=1, le=100)
+    # A prefill instance no room used for this long stops being probed and
+    # its bootstrap client is dropped; its next room brings both back.
+    idle_seconds: float = Field(default=300.0, gt=0, le=86400)
 
 
 class TransferSpec(_Model):
@@ -114,6 +117,9 @@ class TransferSpec(_Model):
     waiting_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     # prefill_complete: how long decode waits for prefill's "KV computed".
     prefill_wait_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    # Added to the waiting (and prefill wait) timeout per prompt token: a long
+    # prompt takes longer to compute and to move (see RoomSettings).
+    waiting_per_token_milliseconds: float = Field(default=1.0, ge=0, le=1000)
     abort_release_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     checksum: bool = False

@@ -280,5 +280,19 @@ class BootstrapPool:
         if client is not None:
             client.invalidate()
 
+    def discard(self, address: str) -> bool:
+        """Close and forget the client of `address` (its cached answers go with it).
+
+        The next `get` makes a fresh one. True if there was one.
+        """
+        client = self._clients.pop(base_url(address), None)
+        if client is None:
+            return False
+        client.invalidate()
+        return True
+
+    def __contains__(self, address: object) -> bool:
+        return isinstance(address, str) and base_url(address) in self._clients
+
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -27,11 +27,15 @@ Rules (DESIGN §3, §5, §7, §8):
   only an ack or a definitive `fail_peer` (the operator's fast path for a
   crashed or deleted pod, or the instance seen back on new addresses)
   frees them — a heartbeat verdict is not enough there
-  (`fail_peer(..., definitive=False)`: a hung writer may resume);
+  (`fail_peer(..., definitive=False)`: a hung writer may resume); so
+  there the ABORT is sent again every `abort_resend_interval_s` to each
+  source that has neither acked nor been declared dead (a lost ABORT or
+  ack must not hold the pages forever; prefill acks a repeat again);
 - deadlines: Bootstrapping (route + pages) within `bootstrap_s`; under
   `prefill_complete` Ready from every source within `prefill_wait_s`, then
   pages within `bootstrap_s`; WaitingForInput/Transferring within
-  `waiting_s`. `tick(now)` fails late rooms (and so sends ABORT);
+  `waiting_s`, each of the two waits extended per prompt token
+  (`RoomSettings.waiting_budget_s`). `tick(now)` fails late rooms (and so sends ABORT);
 - `fail_peer(peer, reason)` fails every unfinished room tied to a prefill
   instance (bootstrap address), rank endpoint or host, marks those sources
   dead (which settles them) and forgets their layout registration (re-sent
@@ -244,15 +248,20 @@ class DecodeRoomTable:
         prompt: PromptId | None = None,
         *,
         rid_is_local: bool = False,
+        num_tokens: int = 0,
     ) -> int:
         """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
 
         `prompt` (the leg's PromptId) rides in every TransferMeta of the room.
         `rid_is_local`: the worker minted `rid` (the caller sent none); the
         messages to prefill then carry no rid, and the room alone pairs the legs.
+        `num_tokens` (the prompt's length) extends the waiting deadlines by
+        `settings.waiting_per_token_s` a token.
         """
         check_room(room)
         check_rid(rid)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise RoomError(f"num_tokens must be an int >= 0, got {num_tokens!r}", "bad_num_tokens")
         if not isinstance(peer, str) or not peer:
             raise RoomError(
                 f"peer must name the prefill bootstrap address, got {peer!r}", "bad_peer"
@@ -281,6 +290,7 @@ class DecodeRoomTable:
             deadline_reason="bootstrap_timeout",
             prompt=prompt,
             rid_is_local=rid_is_local,
+            num_tokens=num_tokens,
         )
         return generation
 
@@ -315,7 +325,7 @@ class DecodeRoomTable:
                     num_destinations=state.source.num_destinations,
                 )
                 acts.append(Send(state.source.endpoint, bootstrap))
-            r.deadline = now + self.settings.prefill_wait_s
+            r.deadline = now + self.settings.prefill_wait_budget_s(r.num_tokens)
             r.deadline_reason = "prefill_wait_timeout"
         return acts
 
@@ -355,7 +365,7 @@ class DecodeRoomTable:
             )
             acts.append(Send(state.source.endpoint, meta))
         r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_s
+        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens)
         r.deadline_reason = "waiting_timeout"
         return acts
 
@@ -484,6 +494,8 @@ class DecodeRoomTable:
     def tick(self, now: float) -> list[Action]:
         acts: list[Action] = []
         for r in list(self._rooms.values()):
+            if r.poll.state is KVPoll.Failed and r.abort_due is not None and now >= r.abort_due:
+                acts.extend(self._resend_aborts(r, now))
             if r.deadline is None or now < r.deadline:
                 continue
             if r.poll.state is KVPoll.Failed:
@@ -604,20 +616,33 @@ class DecodeRoomTable:
             if s.dead or s.succeeded or s.abort_sent:
                 continue
             s.abort_sent = True
-            abort = Abort(
-                room=r.room,
-                generation=r.generation,
-                rid=r.caller_rid,
-                reason=reason,
-                decode_rank=self.info.rank,
-                decode_endpoint=self.info.endpoint,
-            )
-            acts.append(Send(s.source.endpoint, abort))
+            acts.append(Send(s.source.endpoint, self._abort_message(r)))
         # A one-sided writer may still be writing: only its ack or death frees the pages.
         r.deadline = None if self.info.one_sided else now + self.settings.release_s
+        if self.info.one_sided:
+            r.abort_due = now + self.settings.abort_resend_interval_s
         r.deadline_reason = "release_timeout"
         acts.extend(self._maybe_release(r))
         return acts
+
+    def _abort_message(self, r: DecodeRoom) -> Abort:
+        return Abort(
+            room=r.room,
+            generation=r.generation,
+            rid=r.caller_rid,
+            reason=r.poll.reason or "aborted",
+            decode_rank=self.info.rank,
+            decode_endpoint=self.info.endpoint,
+        )
+
+    def _resend_aborts(self, r: DecodeRoom, now: float) -> list[Action]:
+        """One-sided: ABORT again to every source that may still write and has not acked."""
+        r.abort_due = now + self.settings.abort_resend_interval_s
+        return [
+            Send(s.source.endpoint, self._abort_message(r))
+            for s in (r.sources.values() if r.sources is not None else ())
+            if s.abort_sent and not s.settled
+        ]
 
     def _maybe_release(self, r: DecodeRoom) -> list[Action]:
         if r.poll.state is not KVPoll.Failed or not r.all_settled():

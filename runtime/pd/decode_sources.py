@@ -72,6 +72,9 @@ class DecodeRoom:
         """The rid sent to prefill: the caller's, or None (a local rid is never compared)."""
         return None if self.rid_is_local else self.rid
 
+    num_tokens: int = 0  # prompt length: sizes the waiting deadlines
+    abort_due: float | None = None  # one-sided, failed: when unacked ABORTs go out again
+
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())
 

@@ -19,6 +19,14 @@ I/O contract: `due(now)` returns the peers to probe now (and marks them in
 flight); the I/O loop probes them without blocking, with `probe_timeout_s`,
 and reports each with `on_result(peer, ok, now)`.
 
+Idle peers: a peer stays watched only while it is used. `prune_idle(now,
+in_use)` (called on every tick with the peers some room or quarantine still
+needs) forgets a peer that no one used for `idle_s` (default 300 s) and
+returns it, so the I/O loop can drop its bootstrap client too; the next room
+on it `add`s it again (its first probe due at once). Without this every
+prefill a decode rank ever talked to would be probed for the life of the
+process, long after a scale-down or a rollout removed it.
+
 Pure module.
 """
 
@@ -44,6 +52,7 @@ class _Peer:
     dead: bool = False
     in_flight: bool = False
     last_start: float | None = None  # when the latest probe started
+    last_used: float = 0.0  # when a room (or quarantine) last needed it
 
 
 class HeartbeatTracker:
@@ -52,7 +61,10 @@ class HeartbeatTracker:
         interval_s: float = 5.0,
         failure_threshold: int = 2,
         probe_timeout_s: float | None = None,
+        idle_s: float = 300.0,
     ) -> None:
+        if not idle_s > 0:
+            raise ValueError(f"heartbeat needs idle_s > 0, got {idle_s}")
         if not interval_s > 0 or failure_threshold < 1:
             raise ValueError(
                 f"heartbeat needs interval_s > 0 and failure_threshold >= 1, "
@@ -64,13 +76,31 @@ class HeartbeatTracker:
         self.interval_s = interval_s
         self.failure_threshold = failure_threshold
         self.probe_timeout_s = timeout
+        self.idle_s = idle_s
         self._peers: dict[str, _Peer] = {}
 
     def add(self, peer: str, now: float) -> None:
         """Start watching `peer` (idempotent); its first probe is due at once."""
         if not peer:
             raise ValueError("peer must be a non-empty address")
-        self._peers.setdefault(peer, _Peer(next_probe=now))
+        self._peers.setdefault(peer, _Peer(next_probe=now, last_used=now))
+
+    def prune_idle(self, now: float, in_use: set[str]) -> list[str]:
+        """Forget the peers nobody used for `idle_s`; returns them, sorted.
+
+        `in_use`: peers some room or quarantine needs now (they count as
+        used at `now`). A peer with a probe in flight is kept until its
+        result came: that result may still decide about rooms.
+        """
+        dropped = []
+        for name, p in self._peers.items():
+            if name in in_use or p.in_flight:
+                p.last_used = now
+            elif now - p.last_used >= self.idle_s:
+                dropped.append(name)
+        for name in dropped:
+            del self._peers[name]
+        return sorted(dropped)
 
     def remove(self, peer: str) -> None:
         self._peers.pop(peer, None)

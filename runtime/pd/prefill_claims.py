@@ -82,6 +82,8 @@ class PrefillRoom:
     finished: bool = False  # last write enqueued
     first_token: int | None = None
     checksum: int | None = None
+    # Per decode rank: the checksum of the KV owed to it (each gets its own slice).
+    checksums: dict[RankCoord, int] = field(default_factory=dict)
     inflight: int = 0
     cancel_sent: bool = False
     acks: dict[str, int] = field(default_factory=dict)  # endpoint → generation owed an AbortAck
@@ -107,7 +109,7 @@ class PrefillRoom:
             state=state,
             reason=reason,
             first_token=self.first_token if success else None,
-            checksum=self.checksum if success else None,
+            checksum=self.checksums.get(d.decode_rank, self.checksum) if success else None,
         )
 
 

@@ -32,7 +32,7 @@ Rules (DESIGN §5, §7):
   `open_room` is refused, an ABORT for an unknown room leaves one too;
 - deadlines: Bootstrapping within `bootstrap_s` (re-armed when the KV is
   computed under `prefill_complete`), WaitingForInput/Transferring within
-  `waiting_s`;
+  `waiting_s` plus the prompt's per-token budget (`waiting_budget_s`);
 - `prefill_complete` expects BOOTSTRAP before metadata, `early` refuses
   BOOTSTRAP; the Failed status names both policies;
 - both legs hold the same prompt: once the leg's `PromptId` and a
@@ -61,6 +61,8 @@ Pure module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pdcluster.runtime.pd.actions import (
     Action,
     CancelWrites,
@@ -72,6 +74,7 @@ from pdcluster.runtime.pd.actions import (
     SendHeldKV,
     StartCompute,
 )
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.messages import (
     Abort,
@@ -284,9 +287,19 @@ class PrefillRoomTable:
         return self._maybe_succeed(r, now)
 
     def finish_sending(
-        self, room: int, first_token: int | None, checksum: int | None, now: float
+        self,
+        room: int,
+        first_token: int | None,
+        checksum: int | None,
+        now: float,
+        *,
+        checksums: Mapping[RankCoord, int] | None = None,
     ) -> list[Action]:
-        """The room's last KV write is enqueued; Success follows once every write drained."""
+        """The room's last KV write is enqueued; Success follows once every write drained.
+
+        `checksums` (per decode rank, of the KV written to it) override
+        `checksum` in that rank's Success.
+        """
         r = self._rooms.get(room)
         if r is None or r.poll.state is KVPoll.Failed:
             return [Dropped(room, "finish_sending", "room_not_live")]
@@ -296,7 +309,10 @@ class PrefillRoomTable:
             check_int("first_token", first_token, 0, 1 << 31)
         if checksum is not None:
             check_int("checksum", checksum, 0, 1 << 63)
+        for value in (checksums or {}).values():
+            check_int("checksum", value, 0, 1 << 63)
         r.finished = True
+        r.checksums = dict(checksums or {})
         r.first_token = first_token
         r.checksum = checksum
         return self._maybe_succeed(r, now)
@@ -536,7 +552,7 @@ class PrefillRoomTable:
         if not (r.opened and r.has_all_destinations and r.poll.state is KVPoll.Bootstrapping):
             return []
         r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_s
+        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens or 0)
         if self.policy == EARLY and r.rid is not None:
             r.computing = True
             return [StartCompute(r.room, r.rid)]

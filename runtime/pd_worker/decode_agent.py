@@ -11,13 +11,17 @@ failed or finished room is dropped, never written.
 Every room this rank knew ends with exactly one `released` report, sent when
 the room leaves the table (after success, or after failure once every source
 is settled), so the leader frees pages only when no rank can still be written.
+Whatever path ends the room (success, abort, timeout, a heartbeat or operator
+verdict), `released` also waits until no frame of it is still being scattered
+into its pages: a frame already past resolve when the room failed finishes
+before the pages can go to another request (`_sweep`, `release_fenced`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdcluster.runtime.pd import actions as A
@@ -29,11 +33,18 @@ from pdcluster.runtime.pd.bootstrap_client import (
 )
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo
 from pdcluster.runtime.pd.compat import CompatError, check_compat
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
 from pdcluster.runtime.pd.room_common import RoomError, peer_matches
-from pdcluster.runtime.pd.topology import DpRankConflict, ModelShape, PDTopology, TopologyError
+from pdcluster.runtime.pd.topology import (
+    DpRankConflict,
+    KVSlice,
+    ModelShape,
+    PDTopology,
+    TopologyError,
+)
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
 from pdcluster.runtime.pd_worker.group import (
     GroupFail,
@@ -43,9 +54,14 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
 )
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
+from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 log = logging.getLogger("pdcluster.pd.decode")
+
+# How long one sweep waits for a frame still being written into a finished
+# room's pages before leaving `released` to a later tick (seconds).
+FENCE_WAIT_S = 0.05
 
 
 @dataclass
@@ -57,6 +73,8 @@ class _Room:
     num_tokens: int
     resolved: bool = False
     pending_pages: list[int] | None = None
+    # What each prefill rank writes here (its KV slice), for the page checksums.
+    slices: dict[RankCoord, KVSlice] = field(default_factory=dict)
 
 
 class DecodeAgent(RankAgent):
@@ -89,9 +107,13 @@ class DecodeAgent(RankAgent):
         )
         self.endpoint.on_kv = self.receiver.on_kv
         self.rooms: dict[int, _Room] = {}
+        # Rooms out of the table whose `released` waits for a write in flight.
+        self._fenced: set[int] = set()
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
-        self.heartbeat = HeartbeatTracker(hb.interval_seconds, hb.failure_threshold)
+        self.heartbeat = HeartbeatTracker(
+            hb.interval_seconds, hb.failure_threshold, idle_s=hb.idle_seconds
+        )
         # peer -> when its probe in flight started.
         self._probing: dict[str, float] = {}
         # fail_peer target (as given) -> when it was declared lost. Only a probe
@@ -140,11 +162,54 @@ class DecodeAgent(RankAgent):
             return None
         return f"incomplete_transfer: received {got} of {expected} KV bytes"
 
-    def _stop_receiving(self, room: int) -> None:
-        if self._receiving.pop(room, None) is not None:
-            # A frame already past resolve may still be landing: let it finish.
-            self.receiver.quiesce(room, timeout=5.0)
+    def _bad_checksum(self, act: A.TransferComplete) -> str | None:
+        """With `transfer.checksum`: why the pages do not hold what the sources
+        sent (`checksum_mismatch`, `checksum_missing`), or None.
+
+        Computed over this rank's pages as the room's page table names them,
+        after every write landed (tcp and shm alike), against each source's
+        checksum of its own source pages (see `transfer.page_checksum`).
+        """
+        r = self.rooms.get(act.room)
+        if not self.ctx.transfer.checksum or r is None:
+            return None
+        if not act.checksums:
+            return CHECKSUM_MISSING
+        ps = self.ctx.page_size
+        for rank, expected in act.checksums:
+            s = r.slices.get(rank)
+            if s is None:
+                continue  # a replicated-KV source sends nothing real to check
+            start, end = s.token_range(r.num_tokens, ps)
+            layers = range(*s.decode_local_layers)
+            slots = token_slots(act.pages, start, end, ps)
+            got = compute_kv_checksum(self.pool, layers, slots, s.decode_local_heads)
+            if got != expected:
+                log.warning(
+                    "decode rank %s: room %s: pages from prefill rank %s hash to %08x, sent %08x",
+                    self.ctx.coord,
+                    act.room,
+                    rank,
+                    got,
+                    expected,
+                )
+                return CHECKSUM_MISMATCH
+        return None
+
+    def _stop_receiving(self, room: int) -> bool:
+        """Stop accepting the room's frames; True once none of them is being written.
+
+        Whatever took the room out of `_receiving` first (a failure pops it at
+        once, so no new frame is written), a frame already past resolve may
+        still be landing in its pages: until it returned, the pages must not
+        be reported released. A short wait covers the usual case; a write
+        that takes longer is fenced: the caller retries on a later tick.
+        """
+        self._receiving.pop(room, None)
+        if not self.receiver.quiesce(room, timeout=FENCE_WAIT_S):
+            return False
         self.receiver.clear(room)
+        return True
 
     # ------------------------------------------------------------ actions
     def perform(self, acts: list[Any]) -> None:
@@ -154,6 +219,8 @@ class DecodeAgent(RankAgent):
             elif isinstance(act, A.TransferComplete):
                 missing = self._missing_kv(act.room)
                 self._stop_receiving(act.room)
+                if missing is None:
+                    missing = self._bad_checksum(act)
                 if missing is not None:
                     log.warning(
                         "decode rank %s: room %s rid %s failed: %s",
@@ -162,7 +229,7 @@ class DecodeAgent(RankAgent):
                         act.rid,
                         missing,
                     )
-                    self.ctx.stats["room_failed:incomplete_transfer"] += 1
+                    self.ctx.stats[f"room_failed:{missing.split(':')[0]}"] += 1
                     self.report(act.room, "failed", missing)
                     continue
                 self.report(act.room, "complete", first_token=act.first_token)
@@ -178,17 +245,24 @@ class DecodeAgent(RankAgent):
                 self._receiving.pop(act.room, None)
                 self.report(act.room, "failed", act.reason)
             elif isinstance(act, A.ReleasePages):
-                self._stop_receiving(act.room)
+                # `released` itself waits in _sweep until no write is in flight.
+                self._receiving.pop(act.room, None)
             elif isinstance(act, A.PrefillReady):
                 self.report(act.room, "ready")
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
 
     def _sweep(self, room: int) -> None:
-        """Report `released` once the room left this rank's table."""
+        """Report `released` once the room left this rank's table and no frame
+        of it is still being written into its pages (else a later tick retries)."""
         if room in self.rooms and room not in self.table:
+            if not self._stop_receiving(room):
+                if room not in self._fenced:
+                    self._fenced.add(room)
+                    self.ctx.stats["release_fenced"] += 1
+                return
+            self._fenced.discard(room)
             del self.rooms[room]
-            self._stop_receiving(room)
             self.report(room, "released")
 
     def _fail(self, room: int, reason: str) -> None:
@@ -230,7 +304,13 @@ class DecodeAgent(RankAgent):
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
             gen = self.table.add_room(
-                msg.room, msg.rid, msg.peer, now, msg.prompt, rid_is_local=msg.rid_is_local
+                msg.room,
+                msg.rid,
+                msg.peer,
+                now,
+                msg.prompt,
+                rid_is_local=msg.rid_is_local,
+                num_tokens=msg.num_tokens,
             )
         except RoomError as err:
             self.report(msg.room, "failed", f"rejected: {err}")
@@ -317,6 +397,13 @@ class DecodeAgent(RankAgent):
                 self._fail(room, f"bootstrap_error: no address for prefill rank {prefill_rank}")
                 return
             sources.append(Source(prefill_rank, endpoint, topo.num_destinations(prefill_rank)))
+        # One slice per prefill rank (its layers and heads in common with ours).
+        per_rank = [s.prefill_rank for s in slices]
+        r.slices = {
+            s.prefill_rank: s
+            for s in slices
+            if not s.is_dummy and per_rank.count(s.prefill_rank) == 1
+        }
         now = time.monotonic()
         self.perform(self.table.resolve(room, sources, now))
         r.resolved = True
@@ -343,7 +430,16 @@ class DecodeAgent(RankAgent):
         self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
         for room in list(self.rooms):
             self._sweep(room)
+        self._drop_idle_peers(now)
         self._start_probes(now)
+
+    def _drop_idle_peers(self, now: float) -> None:
+        """Stop probing prefill instances no room used for `heartbeat.idleSeconds`."""
+        in_use = {r.peer for r in self.rooms.values()} | set(self._quarantined)
+        for peer in self.heartbeat.prune_idle(now, in_use):
+            log.info("decode rank %s: prefill %s idle; no longer probed", self.ctx.coord, peer)
+            self.ctx.stats["peer_idle_dropped"] += 1
+            self.bootstrap.discard(peer)
 
     def _start_probes(self, now: float) -> None:
         for peer in self.heartbeat.due(now):

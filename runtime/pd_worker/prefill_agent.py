@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from pdcluster.runtime.engine.kv_pool import KVPoolShape
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.bootstrap_client import BootstrapClient
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.room_common import RoomError
@@ -33,6 +34,7 @@ from pdcluster.runtime.pd.topology import cp_token_range
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
 from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import TcpTransport
@@ -51,6 +53,9 @@ class _Room:
     kv_done: bool = False
     first_token: int | None = None
     finish_pending: bool = False  # leader: finish once the first token is known
+    # transfer.checksum: decode rank -> CRC so far of the KV sent to it, read
+    # from the source pages by the request's own page table (page_checksum).
+    checksums: dict[RankCoord, int] = field(default_factory=dict)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -67,6 +72,7 @@ class PrefillAgent(RankAgent):
             ctx.room_settings,
         )
         self.one_sided = str(ctx.transfer.backend) == "shm"
+        self.checksum = bool(ctx.transfer.checksum)
         self.transport: Any = (
             ShmTransport(self.endpoint) if self.one_sided else TcpTransport(self.endpoint)
         )
@@ -257,13 +263,17 @@ class PrefillAgent(RankAgent):
             return
         r.finish_pending = False
         if room in self.table and self.table.can_send(room):
-            self.perform(self.table.finish_sending(room, r.first_token, None, time.monotonic()))
+            acts = self.table.finish_sending(
+                room, r.first_token, None, time.monotonic(), checksums=r.checksums
+            )
+            self.perform(acts)
 
     def _send_held(self, room: int) -> None:
         r = self.rooms.get(room)
         if r is None:
             return
         r.sent_upto = 0
+        r.checksums.clear()
         self._maybe_send(room)
         self._finish(room)
 
@@ -287,9 +297,22 @@ class PrefillAgent(RankAgent):
             job = self._job(room, r, dest, t0, t1)
             if job is not None and self.sender.submit(job):
                 n += 1
+                if self.checksum:
+                    self._add_checksum(r, dest.decode_rank, job, t0, t1)
         if n:
             r.jobs += n
             self.perform(self.table.writes_enqueued(room, n, time.monotonic()))
+
+    def _add_checksum(
+        self, r: _Room, decode_rank: RankCoord, job: TransferJob, t0: int, t1: int
+    ) -> None:
+        # From the pages the request's page table names, not the job's slots:
+        # a job reading a wrong page then disagrees with what decode finds.
+        slots = token_slots(r.page_table, t0, t1, self.ctx.page_size)
+        crc = r.checksums.get(decode_rank, 0)
+        r.checksums[decode_rank] = compute_kv_checksum(
+            self.pool, job.src_layers, slots, job.src_heads, crc
+        )
 
     def _job(
         self, room: int, r: _Room, dest: DestinationView, t0: int, t1: int

@@ -355,17 +355,12 @@ def test_router_rolls_when_what_it_reads_changes_but_not_on_scaling() -> None:
     assert router_hash({**PD, "image": "pdcluster:0.2.0"}) != base
 
 
-def test_runtime_rbac_reads_pods_and_posts_events_in_its_namespace_only() -> None:
+def test_runtime_rbac_only_reads_pods_in_its_namespace() -> None:
     account, role, binding = build_runtime_rbac(make_cluster(PD))
     assert role["kind"] == "Role"  # namespaced, never a ClusterRole
     granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
-    assert granted == {
-        ("pods", "get"),
-        ("pods", "list"),
-        ("pods", "watch"),
-        ("events", "create"),
-        ("events", "patch"),
-    }
+    # What the router's discovery needs; no pod posts events or writes anything.
+    assert granted == {("pods", "get"), ("pods", "list"), ("pods", "watch")}
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NS}
     ]

@@ -174,8 +174,13 @@ def test_secret_volume_files_reach_the_process_read_only(
     kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
     path = f"/api/v1/namespaces/{namespace}/pods/files"
     # Like a kubelet: no Secret, no mount, the container waits (the pod stays Pending).
+    # Every container starts out waiting in ContainerCreating; wait for the mount's message.
     stuck = wait_for_object(
-        kube, path, lambda p: "waiting" in container_status(p).get("state", {}), 30, "waiting"
+        kube,
+        path,
+        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
+        30,
+        "waiting on the mount",
     )
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "ContainerCreating" and "mounted" in waiting["message"]

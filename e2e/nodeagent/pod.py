@@ -31,7 +31,12 @@ from e2e.nodeagent.backoff import (
 )
 from e2e.nodeagent.container import ContainerRun, has_succeeded
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
-from e2e.nodeagent.podapi import delete_pod_object, issue_service_account_env, read_object_data
+from e2e.nodeagent.podapi import (
+    delete_pod_object,
+    issue_service_account_env,
+    read_object_data,
+    service_host_env,
+)
 from e2e.nodeagent.prober import run_probe
 from e2e.nodeagent.probes import ProbeError, ProbeTracker, parse_probe
 from e2e.nodeagent.settings import AgentSettings
@@ -371,6 +376,8 @@ class PodWorker(threading.Thread):
                     self.env.api, pod, self.directory, self.env.settings.token_expiration_s
                 )
             env.update(self._service_env)
+        else:
+            env.update(service_host_env(self.env.api))
         env.update({k: podspec.translate_mount_paths(v, mounts) for k, v in own.items()})
         return env
 

@@ -18,7 +18,8 @@ COPY runtime ./runtime
 COPY operator ./operator
 RUN pip install . && cd / && rm -rf /tmp/build
 
-# The chart runs the operator as this user (runAsNonRoot).
+# The chart runs the operator, and the operator every PDCluster pod, as this
+# user (runAsNonRoot, read-only root file system).
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin pdcluster
 USER 10001:10001
 WORKDIR /

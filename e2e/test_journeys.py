@@ -5,6 +5,9 @@ against one operator installed by `helm install` (as a pod) and share state:
 1. helm install → operator Ready → kubectl apply the 1P1D example → `kubectl
    get pdc` Ready → the openai client gets completions and chat (streaming
    and not) through the router pod's address, equal to colocated output.
+   Both namespaces enforce Pod Security `restricted` (a root pod is refused;
+   the operator's and the cluster's pods run); with router API keys set, the
+   router reads them from the mounted Secret and refuses a request without one.
 2. A prefill pod's process is killed during a burst of long requests → its
    in-flight requests end fast with a clear error, the others complete →
    Events show the loss and the failed rooms → it comes back → serves.
@@ -28,6 +31,7 @@ against one operator installed by `helm install` (as a pod) and share state:
 from __future__ import annotations
 
 import base64
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -42,9 +46,9 @@ import yaml
 from e2e.cluster import ClusterInfo
 from e2e.conftest import KubectlRunner
 from e2e.journey_load import Burst, Outcome, PodTimeline, SteadyLoad, complete, long_prompt
-from e2e.kubetest import is_ready
+from e2e.kubetest import is_ready, make_pod
 from e2e.nodeagent.client import NodeAgentClient
-from e2e.nodeagent.kubeapi import KubeApi
+from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.processes import wait_until
 
 pytestmark = pytest.mark.k8s
@@ -57,6 +61,10 @@ NAME = "journey"  # the cluster journeys 2-5 use
 CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdclusters.pdcluster.io"
 HEARTBEAT_S, HEARTBEAT_MISSES = 1.0, 2
 MAX_PROMPT_TOKENS = 2048
+RESTRICTED = [
+    "pod-security.kubernetes.io/enforce=restricted",
+    "pod-security.kubernetes.io/enforce-version=latest",
+]
 # Helm values: Events and failure counts fast enough to assert on within seconds.
 OPERATOR_VALUES = [
     "--set", "failover.failurePollSeconds=2",
@@ -77,7 +85,10 @@ class Release:
 def release(kube: KubeApi, kubectl: KubectlRunner) -> Iterator[Release]:
     name = f"pdc-{secrets.token_hex(3)}"
     rel = Release(name, f"{name}-system", f"{name}-apps")
-    kubectl("kubectl", "create", "namespace", rel.apps)
+    # Both namespaces enforce Pod Security `restricted` (the apiserver's admission).
+    for namespace in (rel.apps, rel.system):
+        kubectl("kubectl", "create", "namespace", namespace)
+        kubectl("kubectl", "label", "namespace", namespace, *RESTRICTED)
     try:
         kubectl(
             "helm", "install", name, str(CHART), "-n", rel.system, "--create-namespace",
@@ -258,6 +269,45 @@ def assert_clear_prefill_failure(o: Outcome, words: tuple[str, ...]) -> None:
     assert any(w in error["message"] for w in words), error
 
 
+def check_restricted_pods(kube: KubeApi, ns: str) -> None:
+    """The namespace really enforces `restricted`, and the tour's pods got in."""
+    root = {"securityContext": {"runAsUser": 0, "privileged": True}}
+    with pytest.raises(ApiError, match="violates PodSecurity") as refused:
+        kube.create(f"/api/v1/namespaces/{ns}/pods", make_pod("root", ["true"], container=root))
+    assert refused.value.status == 403
+    workers = pods(kube, ns, TOUR, "prefill") + pods(kube, ns, TOUR, "decode")
+    assert workers and all(p["spec"]["automountServiceAccountToken"] is False for p in workers)
+    for pod in workers:
+        env = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+        assert "PDCLUSTER_TOKEN_FILE" in env and "PDCLUSTER_TOKEN" not in env
+
+
+def check_router_api_keys(kube: KubeApi, kubectl: KubectlRunner, ns: str) -> None:
+    """With `auth.routerApiKeySecretName` the router reads its keys from the mounted
+    Secret: a request without a key is refused, one with it served."""
+    key = secrets.token_hex(8)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tour-keys"}}
+    kube.create(f"/api/v1/namespaces/{ns}/secrets", {**secret, "stringData": {"keys": key}})
+    patch = {"spec": {"auth": {"routerApiKeySecretName": "tour-keys"}}}
+    kubectl("kubectl", "patch", "pdc", TOUR, "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+
+    def rolled() -> bool:
+        routers = pods(kube, ns, TOUR, "router")
+        return (
+            len(routers) == 1
+            and is_ready(routers[0])
+            and ("--api-key-file" in routers[0]["spec"]["containers"][0]["args"])
+        )
+
+    wait_until(rolled, 120, "the router rolled with an API key file", interval_s=1)
+    url = f"{router_url(kube, ns, TOUR)}/v1/completions"
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    authorized = {"Authorization": f"Bearer {key}"}
+    assert httpx.post(url, json=body, headers=authorized, timeout=60).status_code == 200
+    kube.delete(f"/api/v1/namespaces/{ns}/secrets/tour-keys")
+
+
 # ---------------------------------------------------------------- 1
 def test_1_install_apply_and_serve_with_the_openai_client(
     release: Release, kube: KubeApi, kubectl: KubectlRunner
@@ -308,6 +358,8 @@ def test_1_install_apply_and_serve_with_the_openai_client(
 
     reasons = {e["reason"] for e in kubectl_events(kubectl, release.apps, TOUR)}
     assert "InstanceCreated" in reasons
+    check_restricted_pods(kube, release.apps)
+    check_router_api_keys(kube, kubectl, release.apps)
     # The tour is over; the next journeys use a cluster of their own.
     kubectl("kubectl", "delete", "-n", release.apps, "-f", str(EXAMPLE), "--wait=true")
 

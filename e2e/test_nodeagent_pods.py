@@ -123,12 +123,13 @@ def test_missing_secret_is_reported_then_picked_up_once_created(
     pod = make_pod("waits", ["python", "-c", "import time; time.sleep(60)"], container={"env": env})
     kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
     path = f"/api/v1/namespaces/{namespace}/pods/waits"
+    # Past the ContainerCreating every container starts out in: the first start attempt.
     stuck = wait_for_object(
         kube,
         path,
-        lambda p: "waiting" in container_status(p).get("state", {}),
+        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
         30,
-        "a waiting container",
+        "a container waiting with a reason",
     )
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
@@ -143,6 +144,68 @@ def test_missing_secret_is_reported_then_picked_up_once_created(
         },
     )
     wait_for_object(kube, path, is_ready, 30, "the pod to start once the Secret exists")
+
+
+def test_secret_volume_files_reach_the_process_read_only_without_a_token(
+    kube: KubeApi, namespace: str, node_agent: NodeAgentClient
+) -> None:
+    volumes = [{"name": "tok", "secret": {"secretName": "mounted", "items": [
+        {"key": "value", "path": "token"}]}}]  # fmt: skip
+    script = textwrap.dedent(
+        """
+        import json, os, stat, sys
+        path = os.environ["TOKEN_FILE"]
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        print(json.dumps({"arg": sys.argv[1], "path": path,
+                          "text": open(path).read(), "mode": mode,
+                          "kubeconfig": "KUBECONFIG" in os.environ,
+                          "api_host": os.environ.get("KUBERNETES_SERVICE_HOST")}))
+        """
+    )
+    container = {
+        "args": ["/etc/pdc/tok/token"],
+        "env": [{"name": "TOKEN_FILE", "value": "/etc/pdc/tok/token"}],
+        "volumeMounts": [{"name": "tok", "mountPath": "/etc/pdc/tok", "readOnly": True}],
+    }
+    pod = make_pod(
+        "files",
+        ["python", "-c", script],
+        restartPolicy="Never",
+        automountServiceAccountToken=False,
+        volumes=volumes,
+        container=container,
+    )
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/files"
+    # Like a kubelet: no Secret, no mount, the container waits (the pod stays Pending).
+    # Every container starts out waiting in ContainerCreating; wait for the mount's message.
+    stuck = wait_for_object(
+        kube,
+        path,
+        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
+        30,
+        "waiting on the mount",
+    )
+    waiting = container_status(stuck)["state"]["waiting"]
+    assert waiting["reason"] == "ContainerCreating" and "mounted" in waiting["message"]
+    assert stuck["status"]["phase"] == "Pending"
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "mounted"},
+            "stringData": {"value": "from-a-file"},
+        },
+    )
+    wait_for_object(
+        kube, path, lambda p: p.get("status", {}).get("phase") == "Succeeded", 30, "Succeeded"
+    )
+    seen = json.loads(node_agent.pod_log(namespace, "files"))
+    assert seen["text"] == "from-a-file" and seen["mode"] == 0o400
+    assert seen["arg"] == seen["path"] != "/etc/pdc/tok/token"  # rewritten to the pod's folder
+    # No token without automount, but the API's address, as the kubelet gives every container.
+    assert seen["kubeconfig"] is False and seen["api_host"]
 
 
 def test_kill_freeze_and_thaw_hooks(

@@ -10,12 +10,17 @@ from hypothesis import strategies as st
 
 from e2e.nodeagent.podspec import (
     ContainerConfigError,
+    VolumeMountError,
     build_base_environment,
     check_volumes,
     expand_references,
     referenced_objects,
     resolve_argv,
     resolve_environment,
+    secret_mount_paths,
+    secret_volume_files,
+    secret_volume_secrets,
+    translate_mount_paths,
     wants_service_account_token,
 )
 
@@ -162,12 +167,13 @@ def test_a_container_without_command_is_refused() -> None:
         resolve_argv({"name": "c", "image": "busybox", "args": ["x"]}, {})
 
 
-def test_only_token_and_empty_dir_volumes_are_accepted() -> None:
+def test_only_token_empty_dir_and_secret_volumes_are_accepted() -> None:
     pod = {
         "spec": {
             "volumes": [
                 {"name": "kube-api-access-abcde", "projected": {}},
                 {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                {"name": "key", "secret": {"secretName": "key"}},
                 {"name": "cfg", "configMap": {"name": "cfg"}},
             ]
         }
@@ -179,6 +185,7 @@ def test_only_token_and_empty_dir_volumes_are_accepted() -> None:
                 "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
             },
             {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "key", "mountPath": "/var/run/key"},
         ]
     }
     check_volumes(pod, fine)
@@ -186,6 +193,76 @@ def test_only_token_and_empty_dir_volumes_are_accepted() -> None:
         ContainerConfigError, match="volume 'cfg' \\(configMap\\) mounted at '/etc/cfg'"
     ):
         check_volumes(pod, {"volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]})
+
+
+SECRET_POD: dict[str, Any] = {
+    "metadata": {"name": "w", "namespace": "prod"},
+    "spec": {
+        "volumes": [
+            {
+                "name": "tok",
+                "secret": {"secretName": "cluster", "items": [{"key": "token", "path": "t/token"}]},
+            },
+            {"name": "all", "secret": {"secretName": "keys"}},
+            {"name": "maybe", "secret": {"secretName": "absent", "optional": True}},
+            {"name": "unmounted", "secret": {"secretName": "never-read"}},
+        ]
+    },
+}
+SECRET_CONTAINER: dict[str, Any] = {
+    "volumeMounts": [
+        {"name": "tok", "mountPath": "/var/run/tok"},
+        {"name": "all", "mountPath": "/etc/keys/"},
+        {"name": "maybe", "mountPath": "/etc/maybe"},
+    ]
+}
+
+
+def test_secret_volumes_become_files_of_their_keys() -> None:
+    assert secret_volume_secrets(SECRET_POD, SECRET_CONTAINER) == {
+        ("Secret", "cluster"),
+        ("Secret", "keys"),
+        ("Secret", "absent"),
+    }
+    objects = {
+        ("Secret", "cluster"): {"token": "s3cret", "other": "not picked"},
+        ("Secret", "keys"): {"a": "1", "b": "2"},
+        ("Secret", "absent"): None,
+    }
+    files = secret_volume_files(SECRET_POD, SECRET_CONTAINER, objects)
+    assert files == {"tok": {"t/token": "s3cret"}, "all": {"a": "1", "b": "2"}, "maybe": {}}
+
+
+@pytest.mark.parametrize(
+    ("objects", "words"),
+    [
+        ({("Secret", "keys"): {}}, 'secret "cluster" not found in namespace prod'),
+        ({("Secret", "cluster"): {"other": "x"}}, "couldn't find key token in Secret prod/cluster"),
+    ],
+)
+def test_a_missing_secret_or_key_keeps_the_volume_unmounted(objects, words) -> None:
+    with pytest.raises(VolumeMountError, match=words):
+        secret_volume_files(SECRET_POD, SECRET_CONTAINER, {("Secret", "keys"): {}, **objects})
+
+
+def test_an_item_path_may_not_leave_its_volume() -> None:
+    pod = {"spec": {"volumes": [{"name": "v", "secret": {"secretName": "s", "items": [
+        {"key": "k", "path": "../escape"}]}}]}}  # fmt: skip
+    container = {"volumeMounts": [{"name": "v", "mountPath": "/x"}]}
+    with pytest.raises(ContainerConfigError, match="item path"):
+        secret_volume_files(pod, container, {("Secret", "s"): {"k": "v"}})
+
+
+def test_paths_under_a_secret_mount_are_rewritten_to_its_folder() -> None:
+    mounts = secret_mount_paths(
+        SECRET_POD, SECRET_CONTAINER, {"tok": "/pod/tok", "all": "/pod/all", "maybe": "/pod/m"}
+    )
+    assert mounts == {"/var/run/tok": "/pod/tok", "/etc/keys": "/pod/all", "/etc/maybe": "/pod/m"}
+    assert translate_mount_paths("/var/run/tok/t/token", mounts) == "/pod/tok/t/token"
+    assert translate_mount_paths("/etc/keys", mounts) == "/pod/all"
+    # Only whole path components under a mount, nothing else.
+    for untouched in ("/var/run/tokens/x", "--flag=/var/run/tok/t", "relative/var/run/tok"):
+        assert translate_mount_paths(untouched, mounts) == untouched
 
 
 def test_service_account_token_follows_automount() -> None:

@@ -132,8 +132,11 @@ def operator(
 @pytest.fixture(scope="module")
 def ns(kube: KubeApi) -> Iterator[str]:
     name = f"pdc-op-{secrets.token_hex(3)}"
+    # The cluster's pods must fit a namespace enforcing Pod Security `restricted`.
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
     kube.create(
-        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}},
     )
     wait_until(
         lambda: kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default") is not None,

@@ -58,7 +58,8 @@ FIELD_DOCS: dict[str, str] = {
     "that count.",
     "<role>.device": "cuda requests one `nvidia.com/gpu` per rank of the instance's pod; cpu "
     "requests none.",
-    "<role>.resources": "Container resources (requests/limits) of each pod of this role.",
+    "<role>.resources": "Container resources (requests/limits) of each pod of this role. "
+    "Requests default to cpu 1 and memory 2Gi; a request or limit given here wins.",
     "<role>.nodeSelector": "Node labels each pod of this role must match.",
     "<role>.tolerations": "Tolerations of each pod of this role.",
     "<role>.affinity": "Affinity of each pod of this role.",
@@ -81,12 +82,15 @@ FIELD_DOCS: dict[str, str] = {
     "router.service.port": "Service port of the router (the pods listen on 8000).",
     "router.healthCheckIntervalSeconds": "Seconds between the router's worker health checks.",
     "router.requestTimeoutSeconds": "Deadline of one request through the router.",
+    "router.resources": "Container resources (requests/limits) of each router pod. Requests "
+    "default to cpu 250m and memory 256Mi; a request or limit given here wins.",
     "auth": "Cluster token and optional router API keys.",
     "auth.tokenSecretName": "Secret (key `token`) guarding bootstrap, ZMQ registration and "
     "admin endpoints; empty: the operator creates `<cluster>-token` once. A Secret of "
     "your own needs the label pdcluster.io/allow-reference=true.",
     "auth.routerApiKeySecretName": "Secret whose key `keys` lists the API keys the router "
-    "requires (the router pods get it as PDCLUSTER_ROUTER_API_KEYS); it needs the label "
+    "requires, comma- or newline-separated (mounted as a file in the router pods, never "
+    "passed as an environment variable); it needs the label "
     "pdcluster.io/allow-reference=true; empty: the router API is open.",
     "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
 }

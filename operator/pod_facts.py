@@ -22,8 +22,10 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.api import KIND
 from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
+from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
 from pdcluster.operator.names import Role
 
+# Pods built before the token came as a file read it from this variable.
 TOKEN_ENV = "PDCLUSTER_TOKEN"
 
 
@@ -50,7 +52,7 @@ class PodFacts:
     # The worker container exited (restartPolicy Never: the instance is gone).
     terminated: bool
     terminated_at: float | None
-    # Secret holding the cluster token (from the pod's PDCLUSTER_TOKEN env).
+    # Secret holding the cluster token (the pod's token volume, or its PDCLUSTER_TOKEN env).
     token_secret: str | None
     created_at: float | None
 
@@ -133,6 +135,11 @@ def _terminated(status: Mapping[str, Any]) -> tuple[bool, float | None]:
 
 
 def _token_secret(spec: Mapping[str, Any]) -> str | None:
+    volumes = spec.get("volumes")
+    for volume in volumes if isinstance(volumes, list) else []:
+        if isinstance(volume, Mapping) and volume.get("name") == TOKEN_VOLUME:
+            name = _mapping(volume.get("secret")).get("secretName")
+            return name if isinstance(name, str) and name else None
     containers = spec.get("containers")
     for container in containers if isinstance(containers, list) else []:
         env = _mapping(container).get("env")

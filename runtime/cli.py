@@ -4,6 +4,7 @@ pdcluster up -f examples/pd-1p1d.yaml [--demo] [--port 8000]
 pdcluster ps | down
 pdcluster worker -f M --role prefill|decode|colocated --instance N --port P ...
 pdcluster router -f M --port P --prefill URL --decode URL | --colocated URL
+pdcluster render -f M [--namespace NS]   (with the operator package installed)
 """
 
 from __future__ import annotations
@@ -238,8 +239,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kubernetes", action="store_true", help="discover worker pods by label")
     r.add_argument("--namespace", default="")
     r.add_argument("--cluster", default="", help="PDCluster name (label pdcluster.io/cluster)")
+    r.add_argument("--api-key-file", help="API keys the router requires (one a line, or commas)")
     r.set_defaults(fn=cmd_router)
+    _register_plugins(sub)
     return p
+
+
+PLUGIN_GROUP = "pdcluster.commands"
+
+
+def _register_plugins(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Commands other installed packages add (`render`, from the operator package):
+    each entry point of PLUGIN_GROUP is a function that adds its subparser."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=PLUGIN_GROUP):
+        entry.load()(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,8 @@ def router_argv(manifest: PDCluster | None, args: argparse.Namespace) -> list[st
         argv += ["--manifest", f.name]
     elif args.file:
         argv += ["--manifest", args.file]
+    if getattr(args, "api_key_file", None):
+        argv += ["--api-key-file", args.api_key_file]
     for role in ("prefill", "decode", "colocated"):
         for url in getattr(args, role):
             argv += [f"--{role}", url]

@@ -204,6 +204,7 @@ class RouterSpec(_Model):
     service: RouterServiceSpec = RouterServiceSpec()
     health_check_interval_seconds: float = Field(default=2.0, gt=0, le=3600)
     request_timeout_seconds: float = Field(default=300.0, gt=0, le=86400)
+    resources: dict[str, Any] = Field(default_factory=dict)
 
 
 class AuthSpec(_Model):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -30,7 +31,12 @@ from e2e.nodeagent.backoff import (
 )
 from e2e.nodeagent.container import ContainerRun, has_succeeded
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
-from e2e.nodeagent.podapi import delete_pod_object, issue_service_account_env, read_object_data
+from e2e.nodeagent.podapi import (
+    delete_pod_object,
+    issue_service_account_env,
+    read_object_data,
+    service_host_env,
+)
 from e2e.nodeagent.prober import run_probe
 from e2e.nodeagent.probes import ProbeError, ProbeTracker, parse_probe
 from e2e.nodeagent.settings import AgentSettings
@@ -267,8 +273,13 @@ class PodWorker(threading.Thread):
     def _start(self, run: ContainerRun, now: float) -> None:
         pod = self._pod
         try:
-            env = self._container_environment(pod, run)
-            argv = podspec.resolve_argv(run.spec, env)
+            podspec.check_volumes(pod, run.spec)
+            mounts = self._mount_secret_volumes(pod, run)
+            env = self._container_environment(pod, run, mounts)
+            argv = [
+                podspec.translate_mount_paths(a, mounts)
+                for a in podspec.resolve_argv(run.spec, env)
+            ]
             trackers = {
                 kind: parse_probe(run.spec[kind], run.spec, f"{run.name}.{kind}")
                 for kind in ("startupProbe", "livenessProbe", "readinessProbe")
@@ -281,6 +292,11 @@ class PodWorker(threading.Thread):
                     raise podspec.ContainerConfigError(
                         f"workingDir {str(cwd)!r} does not exist here"
                     )
+        except podspec.VolumeMountError as exc:
+            # The kubelet keeps such a pod in ContainerCreating until the mount works.
+            run.state = Waiting("ContainerCreating", str(exc))
+            run.not_before = now + self.env.settings.config_retry_s
+            return
         except (podspec.ContainerConfigError, ProbeError, ApiError) as exc:
             run.state = Waiting("CreateContainerConfigError", str(exc))
             run.not_before = now + self.env.settings.config_retry_s
@@ -317,8 +333,33 @@ class PodWorker(threading.Thread):
         run.ready = run.started and run.readiness is None
         log.info("pod %s: started %s (pid %d): %s", self.key, run.name, record.pid, argv)
 
-    def _container_environment(self, pod: Mapping[str, Any], run: ContainerRun) -> dict[str, str]:
-        podspec.check_volumes(pod, run.spec)
+    def _mount_secret_volumes(self, pod: Mapping[str, Any], run: ContainerRun) -> dict[str, str]:
+        """Write the files of the container's secret volumes (read now, so a rotated
+        Secret reaches a restarted container); mountPath -> local folder."""
+        namespace = pod["metadata"]["namespace"]
+        objects: dict[podspec.ObjectKey, Mapping[str, str] | None] = {
+            key: read_object_data(self.env.api, namespace, *key)
+            for key in podspec.secret_volume_secrets(pod, run.spec)
+        }
+        dirs: dict[str, str] = {}
+        for volume, files in podspec.secret_volume_files(pod, run.spec, objects).items():
+            folder = self.directory / "volumes" / volume
+            folder.mkdir(parents=True, exist_ok=True)
+            for relative, content in files.items():
+                target = folder / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                staged = target.with_name(f".{target.name}.new")
+                staged.unlink(missing_ok=True)
+                fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, podspec.SECRET_FILE_MODE)
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(content)
+                os.replace(staged, target)
+            dirs[volume] = str(folder)
+        return podspec.secret_mount_paths(pod, run.spec, dirs)
+
+    def _container_environment(
+        self, pod: Mapping[str, Any], run: ContainerRun, mounts: Mapping[str, str]
+    ) -> dict[str, str]:
         namespace = pod["metadata"]["namespace"]
         objects: dict[podspec.ObjectKey, Mapping[str, str] | None] = {}
         for kind, name in podspec.referenced_objects(run.spec):
@@ -335,7 +376,9 @@ class PodWorker(threading.Thread):
                     self.env.api, pod, self.directory, self.env.settings.token_expiration_s
                 )
             env.update(self._service_env)
-        env.update(own)
+        else:
+            env.update(service_host_env(self.env.api))
+        env.update({k: podspec.translate_mount_paths(v, mounts) for k, v in own.items()})
         return env
 
     def _probe(self, run: ContainerRun, now: float) -> None:

@@ -64,12 +64,13 @@ def issue_service_account_env(
     kubeconfig = directory / "kubeconfig"
     user = f"system:serviceaccount:{metadata['namespace']}:{account}"
     kubeconfig.write_text(render_kubeconfig(api.server, api.ca_file, user, token))
+    return {"KUBECONFIG": str(kubeconfig), **service_host_env(api)}
+
+
+def service_host_env(api: KubeApi) -> dict[str, str]:
+    """Where the API is: the kubelet gives every container these, token or not."""
     host, _, port = api.server.removeprefix("https://").partition(":")
-    return {
-        "KUBECONFIG": str(kubeconfig),
-        "KUBERNETES_SERVICE_HOST": host,
-        "KUBERNETES_SERVICE_PORT": port,
-    }
+    return {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
 
 
 def delete_pod_object(api: KubeApi, namespace: str, name: str, uid: str) -> None:

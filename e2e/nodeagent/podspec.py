@@ -25,10 +25,16 @@ INHERITED_NAMES = frozenset(
 INHERITED_PREFIXES = ("LC_", "PYTHON", "OPENBLAS_", "OMP_", "MKL_", "HF_", "TORCH", "CUDA_", "UV_")
 
 # The volumes a pod may carry: the service-account token volume the apiserver adds
-# (served through KUBECONFIG instead, see pod.py) and emptyDir, which has no
-# effect here (the process sees the host's file system at the mount path).
-ALLOWED_VOLUME_KINDS = ("emptyDir",)
+# (served through KUBECONFIG instead, see pod.py); emptyDir, which has no
+# effect here (the process sees the host's file system at the mount path); and
+# secret, whose files the agent writes into the pod's folder (mode 0400, the
+# Secret read through the API) and whose mount path it rewrites to that folder
+# wherever the container's arguments or variables name a path under it (a
+# process has no mount namespace of its own). A Secret that does not exist
+# keeps the container waiting in ContainerCreating, as a failed mount does.
+ALLOWED_VOLUME_KINDS = ("emptyDir", "secret")
 SERVICE_ACCOUNT_VOLUME_PREFIX = "kube-api-access-"
+SECRET_FILE_MODE = 0o400
 
 _LABEL_REF = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
@@ -36,6 +42,10 @@ _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 class ContainerConfigError(ValueError):
     """The container cannot be started as specified; the message says why."""
+
+
+class VolumeMountError(ContainerConfigError):
+    """A volume cannot be set up yet (its Secret is missing): the container waits."""
 
 
 def build_base_environment(
@@ -197,6 +207,86 @@ def check_volumes(pod: Mapping[str, Any], container: Mapping[str, Any]) -> None:
             f"volume {name!r} ({', '.join(kinds)}) mounted at {mount.get('mountPath')!r}: the "
             "node agent runs pods as local processes and supports only emptyDir volumes"
         )
+
+
+def _mounted_volumes(
+    pod: Mapping[str, Any], container: Mapping[str, Any], kind: str
+) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """(volume, mount) of every mount of the container whose volume is of `kind`."""
+    volumes = {v["name"]: v for v in (pod.get("spec") or {}).get("volumes") or []}
+    found = []
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes.get(mount["name"], {})
+        if kind in volume:
+            found.append((volume, mount))
+    return found
+
+
+def secret_volume_secrets(pod: Mapping[str, Any], container: Mapping[str, Any]) -> set[ObjectKey]:
+    """The Secrets behind the container's secret volumes."""
+    return {
+        ("Secret", str(volume["secret"]["secretName"]))
+        for volume, _ in _mounted_volumes(pod, container, "secret")
+    }
+
+
+def secret_volume_files(
+    pod: Mapping[str, Any], container: Mapping[str, Any], objects: Objects
+) -> dict[str, dict[str, str]]:
+    """Volume name -> {relative file path: content} for the container's secret volumes.
+
+    `items` picks and renames keys, as the kubelet does; without it every key
+    is a file. A missing Secret (or key) raises VolumeMountError unless the
+    volume (or item) is optional.
+    """
+    namespace = (pod.get("metadata") or {}).get("namespace", "")
+    files: dict[str, dict[str, str]] = {}
+    for volume, _ in _mounted_volumes(pod, container, "secret"):
+        source = volume["secret"]
+        name, optional = str(source["secretName"]), bool(source.get("optional"))
+        data = objects.get(("Secret", name))
+        if data is None:
+            if optional:
+                files[volume["name"]] = {}
+                continue
+            raise VolumeMountError(
+                f'MountVolume.SetUp failed for volume "{volume["name"]}": '
+                f'secret "{name}" not found in namespace {namespace}'
+            )
+        items = source.get("items")
+        chosen: dict[str, str] = {}
+        for item in items if items is not None else [{"key": k, "path": k} for k in data]:
+            path = str(item["path"])
+            if path.startswith("/") or ".." in path.split("/"):
+                raise ContainerConfigError(f"volume {volume['name']!r}: item path {path!r}")
+            if item["key"] not in data:
+                if optional:
+                    continue
+                raise VolumeMountError(
+                    f'MountVolume.SetUp failed for volume "{volume["name"]}": '
+                    f"couldn't find key {item['key']} in Secret {namespace}/{name}"
+                )
+            chosen[path] = data[item["key"]]
+        files[volume["name"]] = chosen
+    return files
+
+
+def secret_mount_paths(
+    pod: Mapping[str, Any], container: Mapping[str, Any], volume_dirs: Mapping[str, str]
+) -> dict[str, str]:
+    """mountPath -> local folder of each secret volume the container mounts."""
+    return {
+        str(mount["mountPath"]).rstrip("/"): volume_dirs[volume["name"]]
+        for volume, mount in _mounted_volumes(pod, container, "secret")
+    }
+
+
+def translate_mount_paths(value: str, mounts: Mapping[str, str]) -> str:
+    """`value` with a leading mount path (the whole value, or a path under it) rewritten."""
+    for mount_path, local in mounts.items():
+        if value == mount_path or value.startswith(mount_path + "/"):
+            return local + value[len(mount_path) :]
+    return value
 
 
 def wants_service_account_token(pod: Mapping[str, Any]) -> bool:

@@ -1,5 +1,5 @@
 """Cluster-wide children: the manifest ConfigMap, the token Secret and the
-RBAC the pods need (the router lists pods; followers look up their leader).
+RBAC the pods need (the router lists pods).
 
 The token Secret is built from a token the caller passes in: builders draw
 no randomness, and the planner creates the Secret once and never rewrites
@@ -70,13 +70,12 @@ def build_token_secret(cluster: Cluster, token: str) -> Manifest:
 def build_runtime_rbac(cluster: Cluster) -> list[Manifest]:
     """ServiceAccount, Role and RoleBinding of the cluster's pods, in apply order.
 
-    The pods read pods (router discovery, leader lookup) and post events in
-    their own namespace, nothing else.
+    Only the router mounts the account's token (worker pods opt out): it
+    reads pods in its own namespace for discovery, nothing else.
     """
     name = names.runtime_account_name(cluster.name)
     rules: list[dict[str, Any]] = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     ]
     account = {
         "apiVersion": "v1",

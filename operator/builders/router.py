@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.builders import meta
+from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.workers import token_secret_for
+from pdcluster.operator.builders.workers import BuildError
 from pdcluster.operator.cluster import Cluster
 from pdcluster.operator.revision import compute_cluster_revision, compute_router_hash
 
@@ -25,22 +25,47 @@ def router_selector(cluster: Cluster) -> dict[str, str]:
     return selector
 
 
+def router_resources(cluster: Cluster) -> dict[str, Any]:
+    """`router.resources` with the default requests; raises BuildError on a malformed one."""
+    given = cluster.spec.router.resources
+    unknown = set(given) - {"limits", "requests", "claims"}
+    if unknown:
+        raise BuildError(
+            f"router.resources: unknown keys {sorted(unknown)} (expected limits, requests, claims)"
+        )
+    for key in ("limits", "requests"):
+        if key in given and not isinstance(given[key], dict):
+            raise BuildError(f"router.resources.{key} must be a mapping")
+    return podsecurity.with_default_requests(given, "router")
+
+
 def build_router_deployment(cluster: Cluster) -> Manifest:
     spec = cluster.spec
+    # The router needs no cluster token: it only proxies the OpenAI API.
     env: list[dict[str, Any]] = [
         *meta.manifest_env(names.config_map_name(cluster.name)),
-        meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
+        meta.env_value("HOME", podsecurity.HOME_DIR),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
     ]
+    volumes, mounts = podsecurity.writable_volumes()
+    key_args: list[str] = []
     if spec.auth.router_api_key_secret_name:
-        env.append(
-            meta.env_secret(
-                "PDCLUSTER_ROUTER_API_KEYS",
+        volumes.append(
+            podsecurity.secret_volume(
+                podsecurity.API_KEYS_VOLUME,
                 spec.auth.router_api_key_secret_name,
                 meta.ROUTER_API_KEYS_KEY,
             )
         )
+        mounts.append(
+            {
+                "name": podsecurity.API_KEYS_VOLUME,
+                "mountPath": podsecurity.API_KEYS_DIR,
+                "readOnly": True,
+            }
+        )
+        key_args = ["--api-key-file", f"{podsecurity.API_KEYS_DIR}/{meta.ROUTER_API_KEYS_KEY}"]
     labels = {
         **names.cluster_labels(cluster.name),
         names.LABEL_COMPONENT: ROUTER_ROLE,
@@ -64,6 +89,7 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
             cluster.namespace,
             "--cluster",
             cluster.name,
+            *key_args,
         ],
         "env": env,
         "ports": [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}],
@@ -72,6 +98,9 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         # Alive while it answers at all: /health is 503 without workers, and
         # restarting the router would not bring any worker back.
         "livenessProbe": meta.http_probe(10, 3, timeout_s=5, path="/metrics"),
+        "resources": router_resources(cluster),
+        "securityContext": podsecurity.container_security_context(),
+        "volumeMounts": mounts,
     }
     return {
         "apiVersion": "apps/v1",
@@ -93,9 +122,14 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
                     "annotations": {ANNOTATION_ROUTER_HASH: compute_router_hash(spec)},
                 },
                 "spec": {
+                    # The router watches the cluster's pods (discovery): it keeps
+                    # the token of the runtime account, which may only read pods.
                     "serviceAccountName": names.runtime_account_name(cluster.name),
+                    "automountServiceAccountToken": True,
                     "enableServiceLinks": False,
+                    "securityContext": podsecurity.pod_security_context(),
                     "containers": [container],
+                    "volumes": volumes,
                 },
             },
         },

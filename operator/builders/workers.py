@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.builders import meta
+from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.cluster import Cluster
 from pdcluster.operator.names import Role
@@ -210,7 +210,8 @@ def _worker_env(
 ) -> list[dict[str, Any]]:
     return [
         *meta.manifest_env(names.config_map_name(cluster.name)),
-        meta.env_secret("PDCLUSTER_TOKEN", token_secret_for(cluster), meta.TOKEN_KEY),
+        meta.env_value(podsecurity.TOKEN_FILE_ENV, f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"),
+        meta.env_value("HOME", podsecurity.HOME_DIR),
         meta.env_field("POD_NAME", "metadata.name"),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
@@ -283,16 +284,32 @@ def build_worker_pod(
         "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "readinessProbe": meta.http_probe(READINESS_PERIOD_S, READINESS_FAILURES),
         "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+        "resources": podsecurity.with_default_requests(
+            build_resources(spec, role, placement), "worker"
+        ),
+        "securityContext": podsecurity.container_security_context(),
     }
-    resources = build_resources(spec, role, placement)
-    if resources:
-        container["resources"] = resources
+    volumes, mounts = podsecurity.writable_volumes()
+    volumes.append(
+        podsecurity.secret_volume(
+            podsecurity.TOKEN_VOLUME, token_secret_for(cluster), meta.TOKEN_KEY
+        )
+    )
+    mounts.append(
+        {"name": podsecurity.TOKEN_VOLUME, "mountPath": podsecurity.TOKEN_DIR, "readOnly": True}
+    )
+    container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         # A rank that dies must fail the pod so the whole gang restarts.
         "restartPolicy": "Never",
         "serviceAccountName": names.runtime_account_name(cluster.name),
+        # Workers never call the API (leaders are found through the bootstrap
+        # Service), so they carry no service-account token.
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        "securityContext": podsecurity.pod_security_context(),
         "containers": [container],
+        "volumes": volumes,
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)

@@ -4,7 +4,8 @@ Flags map onto `RouterConfig`; a PDCluster manifest (``--manifest``) supplies
 the model name, policies and timeouts, and flags given explicitly win over
 it. API keys never come from flags (they would show in ``ps``): they come
 from ``PDCLUSTER_ROUTER_API_KEYS`` (comma-separated) or ``--api-key-file``
-(one key per line).
+(one key per line, or comma-separated; what the operator mounts from the
+`auth.routerApiKeySecretName` Secret).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _api_keys(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ..
             text = args.api_key_file.read_text()
         except OSError as err:
             raise ValueError(f"cannot read --api-key-file: {err}") from None
-        keys += [line.strip() for line in text.splitlines() if line.strip()]
+        # One key per line, or comma-separated like the variable.
+        keys += [k.strip() for k in text.replace(",", "\n").splitlines() if k.strip()]
     return tuple(keys)
 
 

@@ -69,6 +69,14 @@ def test_api_keys_come_from_env_and_file_not_flags(tmp_path: Path) -> None:
     assert inv.config.api_keys == ("env-key", "other-key", "file-key-1", "file-key-2")
 
 
+def test_an_api_key_file_may_hold_the_variables_comma_separated_form(tmp_path: Path) -> None:
+    # The operator mounts the Secret key `keys` as this file; users wrote it for the variable.
+    keys = tmp_path / "keys"
+    keys.write_text("key-a, key-b\nkey-c\n")
+    inv = parse_invocation([*P, "--api-key-file", str(keys)], env={})
+    assert inv.config.api_keys == ("key-a", "key-b", "key-c")
+
+
 def test_kubernetes_discovery_flags() -> None:
     inv = parse_invocation(
         ["--k8s-namespace", "ns", "--k8s-selector", "app=x", "--k8s-mode", "pd"], env={}

@@ -1,0 +1,16 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.operator.helpers import unavailable
+from tests.operator.test_chart import HELM
+
+
+@pytest.fixture
+def helm_binary() -> str:
+    """The helm binary; a test that needs it is skipped without one, and fails under CI."""
+    if HELM is None:
+        unavailable("no helm binary (python -m e2e.controlplane.build)")
+    return HELM

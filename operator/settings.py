@@ -13,6 +13,7 @@ Environment (all optional):
     PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS  a worker NotReady this long is lost (5)
     PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS     read the workers' failure counts this often (10)
     PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS    timeout of one call to a worker's admin API (2)
+    PDCLUSTER_OPERATOR_REGISTRATION_WARN_SECONDS  a prefill unregistered this long: Warning (60)
     KUBECONFIG                            used when not running in a pod
 """
 
@@ -42,6 +43,9 @@ class OperatorSettings:
     not_ready_grace_s: float = 5.0
     failure_poll_interval_s: float = 10.0
     admin_timeout_s: float = 2.0
+    # A prefill worker whose instance is not fully registered with its
+    # bootstrap server this long gets a Warning Event (read at each poll).
+    registration_warn_s: float = 60.0
     kubeconfig: str | None = None
 
     def __post_init__(self) -> None:
@@ -55,6 +59,7 @@ class OperatorSettings:
             "retry_delay_s",
             "failure_poll_interval_s",
             "admin_timeout_s",
+            "registration_warn_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -75,6 +80,7 @@ class OperatorSettings:
             ("PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS", "not_ready_grace_s", float),
             ("PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS", "failure_poll_interval_s", float),
             ("PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS", "admin_timeout_s", float),
+            ("PDCLUSTER_OPERATOR_REGISTRATION_WARN_SECONDS", "registration_warn_s", float),
         )
         for var, field, kind in numbers:
             if var in env:

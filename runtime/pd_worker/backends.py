@@ -35,6 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
+from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
 from pdcluster.runtime.pd_worker.coordinator import (
     DecodeCoordinator,
@@ -44,10 +46,13 @@ from pdcluster.runtime.pd_worker.coordinator import (
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 log = logging.getLogger("pdcluster.pd")
+
+# Seconds a client refused for a full prefill queue should wait before retrying.
+RETRY_AFTER_S = 1
 
 
 class _PDBackend:
@@ -61,6 +66,8 @@ class _PDBackend:
         self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
         self._forwarded: dict[str, str] = {}
         self.counts: InstanceCounts | None = None  # set by build_pd_backend
+        # The front of a prefill instance: its bootstrap server's registry.
+        self.registry: Any = None
         # The front of a dp>1 instance is healthy only once every dp group serves.
         self._groups_ready = threading.Event()
         if self.dp_ports and info["dp_rank"] == 0:
@@ -106,6 +113,10 @@ class _PDBackend:
         except RoomConflict as err:
             self.service._tracked.pop(req.rid, None)
             raise BadRequest(str(err), status=409) from None
+        except (QueueFull, EngineStalled) as err:
+            self.service._tracked.pop(req.rid, None)
+            yield TokenEvent([], "", True, _reason_of(err), error=str(err), status=503)
+            return
         except BaseException:
             self.service._tracked.pop(req.rid, None)
             raise
@@ -219,12 +230,44 @@ class _PDBackend:
             "pd_stats_missing": view.missing,
         }
 
+    def not_ready_reason(self) -> str | None:
+        """Why /health answers 503 (readiness.py), None when the worker may take requests."""
+        registry = self.registry
+        return compute_not_ready(
+            ReadinessFacts(
+                engine_alive=self.service.is_alive,
+                engine_stalled=self.service.is_stalled,
+                groups_ready=self._groups_ready.is_set(),
+                registered=getattr(self.agent, "registered", None),
+                registration_error=getattr(self.agent, "registration_error", None),
+                num_registered=None if registry is None else registry.num_registered,
+                num_expected=None if registry is None else registry.num_expected,
+            )
+        )
+
     def is_healthy(self) -> bool:
-        return self.service.is_alive and self._groups_ready.is_set()
+        return self.not_ready_reason() is None
+
+    def is_live(self) -> bool:
+        """The liveness probe: False only when the engine is gone or hung (restart it)."""
+        return self.service.is_alive and not self.service.is_stalled
+
+
+def _reason_of(err: Exception) -> str:
+    return "engine_stalled" if isinstance(err, EngineStalled) else QueueFull.reason
 
 
 class PrefillBackend(_PDBackend):
     role = "prefill"
+
+    def check(self, req: PreparedRequest) -> None:
+        super().check(req)
+        if self.coordinator.is_full():
+            raise BadRequest(
+                f"{QueueFull.reason}: every room slot is taken and the queue is full; retry later",
+                status=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def open(self, req: PreparedRequest) -> None:
         sampling = engine_request(req).sampling
@@ -329,7 +372,14 @@ def build_pd_backend(
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
     if settings.role == "prefill":
-        coord: Any = PrefillCoordinator(agent, service, group_size, metrics)
+        coord: Any = PrefillCoordinator(
+            agent,
+            service,
+            group_size,
+            metrics,
+            max_rooms=spec.transfer.max_rooms,
+            queue_limit=spec.transfer.room_queue_limit,
+        )
         backend = PrefillBackend(service, agent, coord, info)
         info["bootstrap_port"] = settings.bootstrap_port
         if dp_rank == 0:
@@ -337,6 +387,7 @@ def build_pd_backend(
 
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)
+            backend.registry = app.state.registry
             servers.append(
                 uvicorn.Server(
                     uvicorn.Config(

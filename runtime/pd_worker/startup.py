@@ -27,6 +27,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         kv_layout=str(cfg.kv_layout),
         allocation_policy=str(spec.transfer.allocation_policy),
         model_fingerprint=model_fingerprint(spec.model.name, spec.model.seed, model),
+        transfer_backend=str(spec.transfer.backend),
     )
     return AgentContext(
         role=settings.role,
@@ -39,7 +40,11 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         compat=compat,
         token=settings.token,
         room_settings=RoomSettings.from_spec(
-            spec.transfer, prefill_wait_s=spec.transfer.prefill_wait_timeout_seconds
+            spec.transfer,
+            prefill_wait_s=spec.transfer.prefill_wait_timeout_seconds,
+            # A queued prefill leg's room already lives on decode and in the
+            # prefill tables (decode's metadata): the tables hold both.
+            max_rooms=spec.transfer.max_rooms + spec.transfer.room_queue_limit,
         ),
         transfer=spec.transfer,
         layers=(layers.start, layers.stop),

@@ -21,9 +21,11 @@ Admin API (token-protected; the operator's fast path):
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -53,6 +55,19 @@ log = logging.getLogger("pdcluster.pd")
 
 # Seconds a client refused for a full prefill queue should wait before retrying.
 RETRY_AFTER_S = 1
+# Fault injection for tests only: the bootstrap server starts listening this
+# many seconds after the worker (a slow rank 0; the ranks must keep retrying).
+BOOTSTRAP_DELAY_ENV = "PDCLUSTER_TEST_BOOTSTRAP_DELAY_S"
+
+
+class _LateServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, delay_s: float) -> None:
+        super().__init__(config)
+        self.delay_s = delay_s
+
+    async def serve(self, sockets: Any = None) -> None:
+        await asyncio.sleep(self.delay_s)
+        await super().serve(sockets)
 
 
 class _PDBackend:
@@ -388,13 +403,11 @@ def build_pd_backend(
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)
             backend.registry = app.state.registry
-            servers.append(
-                uvicorn.Server(
-                    uvicorn.Config(
-                        app, host=settings.host, port=settings.bootstrap_port, log_level="warning"
-                    )
-                )
+            config = uvicorn.Config(
+                app, host=settings.host, port=settings.bootstrap_port, log_level="warning"
             )
+            delay_s = float(os.environ.get(BOOTSTRAP_DELAY_ENV) or 0)
+            servers.append(_LateServer(config, delay_s) if delay_s > 0 else uvicorn.Server(config))
     else:
         coord = DecodeCoordinator(agent, service, group_size, metrics, spec)
         backend = DecodeBackend(service, agent, coord, info)

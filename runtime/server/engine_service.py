@@ -159,13 +159,14 @@ class EngineService:
                 "engine stalled: work pending and no step finished for %.1fs; failing requests",
                 idle,
             )
-            for rid in list(self._tracked):
-                self.fail(rid, STALL_REASON, status=503)
+            # Hooks first: by the time a client reads the error, its room is failed too.
             for hook in self.stall_hooks:
                 try:
                     hook()
                 except Exception:
                     log.exception("engine stall hook failed")
+            for rid in list(self._tracked):
+                self.fail(rid, STALL_REASON, status=503)
 
     def add_tick(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread before every step (must not block)."""

@@ -370,3 +370,12 @@ def test_runtime_rbac_reads_pods_and_posts_events_in_its_namespace_only() -> Non
 def test_builders_are_deterministic() -> None:
     spec = {"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {}}
     assert all_children(make_cluster(spec)) == all_children(make_cluster(spec))
+
+
+@pytest.mark.parametrize("role", [Role.prefill, Role.decode])
+def test_liveness_reads_the_engine_stall_and_readiness_the_full_health(role: Role) -> None:
+    (container,) = build_worker_pod(make_cluster(PD), role, 0, 0)["spec"]["containers"]
+    # A hung engine fails /health/live (engine_stalled): the kubelet restarts it.
+    # A worker only waiting for its peers fails /health alone: out of the pool, kept alive.
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"

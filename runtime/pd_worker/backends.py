@@ -277,7 +277,8 @@ class PrefillBackend(_PDBackend):
 
     def check(self, req: PreparedRequest) -> None:
         super().check(req)
-        if self.coordinator.is_full():
+        # Another dp group's leader answers for its own queue.
+        if self.target_dp(req) == self.info["dp_rank"] and self.coordinator.is_full():
             raise BadRequest(
                 f"{QueueFull.reason}: every room slot is taken and the queue is full; retry later",
                 status=503,

@@ -44,6 +44,8 @@ class Reason(StrEnum):
     PrefillInstanceLost = "PrefillInstanceLost"
     DecodeInstanceLost = "DecodeInstanceLost"
     RoomsFailed = "RoomsFailed"
+    # A prefill instance whose ranks stay unregistered with its bootstrap server.
+    InstanceUnregistered = "InstanceUnregistered"
 
 
 @dataclass(frozen=True)

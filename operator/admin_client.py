@@ -2,12 +2,14 @@
 
     POST {worker}/admin/fail_peer {"peer", "reason", "gone"}     fail the peer's rooms now
     GET  {worker}/admin/failures                                 cumulative failure counts
+    GET  {worker}/health                                         200, or 503 {status, reason}
 
-Both carry `Authorization: Bearer <cluster token>`. Calls never raise on a
-worker's failure: the result says what happened, so one dead or slow worker
-never delays telling the others. A worker's answer is read up to
-`MAX_RESPONSE_BYTES` and no further: a larger one counts as no answer, so a
-misbehaving (or hostile) pod cannot make the operator buffer without bound.
+The admin calls carry `Authorization: Bearer <cluster token>` (/health is
+open). Calls never raise on a worker's failure: the result says what
+happened, so one dead or slow worker never delays telling the others. A
+worker's answer is read up to `MAX_RESPONSE_BYTES` and no further: a larger
+one counts as no answer, so a misbehaving (or hostile) pod cannot make the
+operator buffer without bound.
 """
 
 from __future__ import annotations
@@ -104,3 +106,18 @@ class AdminClient:
             return parse_failures(json.loads(data))
         except (httpx.HTTPError, ValueError, ResponseTooLarge):
             return None
+
+    async def health(self, base_url: str) -> tuple[bool, str | None]:
+        """(answered, reason): reason None when healthy, the worker's 503 reason otherwise."""
+        try:
+            resp = await self._http.get(f"{base_url}/health")
+        except httpx.HTTPError:
+            return False, None
+        if resp.status_code == 200:
+            return True, None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        reason = body.get("reason") if isinstance(body, dict) else None
+        return True, str(reason) if reason else f"http_{resp.status_code}"

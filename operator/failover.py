@@ -11,6 +11,10 @@ restarts the instance is even queued:
         operator's own deletions: those already have their Normal Event)
       → a poll of the workers' /admin/failures shortly after
 
+The same poller reads the prefill workers' /health: an instance whose ranks
+stay unregistered with its bootstrap server past `registration_warn_s` gets
+one Warning Event `InstanceUnregistered` per episode (registration.py).
+
 Failure counts: every `failure_poll_interval_s` (and right after a loss)
 each PD worker's `/admin/failures` is read; the increase per (role, reason)
 becomes one aggregated `RoomsFailed` Event whose count is the number of
@@ -54,6 +58,7 @@ from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PEER_ROLE, PodIndex
 from pdcluster.operator.pod_facts import PodFacts, parse_pod_facts
 from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.registration import RegistrationWatch, Unregistered
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.pd.room_common import reason_label
 
@@ -131,6 +136,7 @@ class Failover:
         # uid -> loss told to the peers with `gone: false`, until told `gone: true`.
         self._maybe_alive: dict[str, Loss] = {}
         self.counts = FailureCounts()
+        self.registration = RegistrationWatch(settings.registration_warn_s)
 
     # ------------------------------------------------------------ pod events
     async def on_pod_event(self, event_type: str | None, raw: Mapping[str, Any]) -> Loss | None:
@@ -373,12 +379,40 @@ class Failover:
         # second counts as new (its failures are news), not as stale.
         return pod.created_at is not None and pod.created_at < int(self._started_at)
 
+    async def poll_registration(self, key: tuple[str, str]) -> list[Unregistered]:
+        """Read the prefill workers' /health; warn for an instance unregistered too long."""
+        pods = [p for p in self.index.reachable(key) if p.role == Role.prefill]
+
+        async def read(pod: PodFacts) -> tuple[bool, str | None]:
+            assert pod.http_url is not None
+            return await self.admin.health(pod.http_url)
+
+        answers = await asyncio.gather(*(read(p) for p in pods))
+        warnings: list[Unregistered] = []
+        now = self._clock()
+        for pod, (answered, reason) in zip(pods, answers, strict=True):
+            verdict = self.registration.observe(pod.uid, pod.name, reason, answered, now)
+            if verdict is None:
+                continue
+            warnings.append(verdict)
+            log.warning("%s", verdict.message())
+            ref = ClusterRef(key[1], key[0], pod.cluster_uid)
+            await self.recorder.record(
+                ref,
+                EventType.Warning.value,
+                Reason.InstanceUnregistered.value,
+                verdict.message(),
+            )
+        return warnings
+
     async def poll_all(self) -> None:
         live = {p.uid for key in self.index.clusters() for p in self.index.pods(key)}
         self.counts.retain(live)
+        self.registration.retain(live)
         for key in self.index.clusters():
             try:
                 await self.poll_failures(key)
+                await self.poll_registration(key)
             except Exception:  # one cluster's trouble must not stop the others' reports
                 log.exception("polling failure counts of %s/%s failed", *key)
 

@@ -17,6 +17,7 @@ Environment (all optional):
                                           run (see `policy.py`); empty: any image ("")
     PDCLUSTER_OPERATOR_NAMESPACE          the operator's own namespace, which the
                                           clusters' NetworkPolicies admit ("")
+    PDCLUSTER_OPERATOR_REGISTRATION_WARN_SECONDS  a prefill unregistered this long: Warning (60)
     KUBECONFIG                            used when not running in a pod
 """
 
@@ -50,6 +51,9 @@ class OperatorSettings:
     image_allowlist: tuple[str, ...] = ()
     # Namespace the operator's pods run in; their NetworkPolicies admit it.
     operator_namespace: str = ""
+    # A prefill worker whose instance is not fully registered with its
+    # bootstrap server this long gets a Warning Event (read at each poll).
+    registration_warn_s: float = 60.0
     kubeconfig: str | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +67,7 @@ class OperatorSettings:
             "retry_delay_s",
             "failure_poll_interval_s",
             "admin_timeout_s",
+            "registration_warn_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -86,6 +91,7 @@ class OperatorSettings:
             ("PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS", "not_ready_grace_s", float),
             ("PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS", "failure_poll_interval_s", float),
             ("PDCLUSTER_OPERATOR_ADMIN_TIMEOUT_SECONDS", "admin_timeout_s", float),
+            ("PDCLUSTER_OPERATOR_REGISTRATION_WARN_SECONDS", "registration_warn_s", float),
         )
         for var, field, kind in numbers:
             if var in env:

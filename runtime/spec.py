@@ -124,6 +124,18 @@ class TransferSpec(_Model):
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     checksum: bool = False
     failure_policy: FailurePolicy = FailurePolicy.fail
+    max_rooms: int = Field(
+        default=4096,
+        ge=1,
+        le=1 << 16,
+        description="rooms a prefill dp group computes and transfers at once; more legs queue",
+    )
+    room_queue_limit: int = Field(
+        default=4096,
+        ge=0,
+        le=1 << 16,
+        description="prefill legs waiting (FIFO) for a room slot; past it: 503 with Retry-After",
+    )
 
 
 # Ranks (processes) one instance may run: dp*tp*cp*pp. Each axis alone is
@@ -154,6 +166,12 @@ class EngineSpec(_Model):
     chunk_size: int = Field(default=512, ge=16, le=1 << 20, description="prefill chunk, tokens")
     max_prompt_tokens: int = Field(default=4096, ge=1, le=1 << 22)
     max_new_tokens: int = Field(default=1024, ge=1, le=1 << 20)
+    stall_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="work pending and no engine step finished this long: engine_stalled",
+    )
 
 
 class RoleSpec(_Model):

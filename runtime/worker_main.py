@@ -34,6 +34,10 @@ from pdcluster.runtime.spec import PDCluster, RoleSpec
 
 log = logging.getLogger("pdcluster.worker")
 
+# Fault injection for tests only: "<role>:<step>:<seconds>" makes that
+# role's engine block for <seconds> in its <step>-th step (a hung step).
+HANG_ENV = "PDCLUSTER_TEST_HANG_STEP"
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -163,9 +167,21 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     cfg, dist = _init_group(settings, dp_rank, 0)
     runner = ModelRunner.build(cfg, dist)
     agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)
-    engine = LLMEngine(cfg, runner=runner, dist=dist)
+    engine: Any = LLMEngine(cfg, runner=runner, dist=dist)
     tokenizer = load_tokenizer(settings.tokenizer or cfg.model, engine.model_config.eos_token_id)
-    service = EngineService(engine, tokenizer)
+    hang = os.environ.get(HANG_ENV)
+    if hang:
+        from pdcluster.runtime.engine.testing import hang_at_step
+
+        engine = hang_at_step(engine, settings.role, hang)
+    service = EngineService(
+        engine, tokenizer, stall_s=settings.role_spec.engine.stall_timeout_seconds
+    )
+    if agent is not None:
+        # A hung engine thread fails nothing itself: the agent fails its rooms
+        # (prefill: decode sees the verdict at once) while the watchdog ends
+        # the tracked requests.
+        service.stall_hooks.append(lambda: agent.fail_all_rooms("engine_stalled"))
     metrics = WorkerMetrics(settings.role)
     metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
     model = settings.manifest.spec.model

@@ -283,7 +283,10 @@ def build_worker_pod(
         "ports": ports,
         "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "readinessProbe": meta.http_probe(READINESS_PERIOD_S, READINESS_FAILURES),
-        "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+        # /health/live fails only for an engine that is gone or hung
+        # (engine_stalled): the kubelet restarts it; a worker still waiting
+        # for its peers stays alive (readiness keeps it out of the pool).
+        "livenessProbe": meta.http_probe(10, 3, timeout_s=5, path="/health/live"),
         "resources": podsecurity.with_default_requests(
             build_resources(spec, role, placement), "worker"
         ),

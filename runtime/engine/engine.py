@@ -218,9 +218,12 @@ class LLMEngine:
             if self.dist is not None:
                 self.dist.broadcast_plan(plan)
             sampled = self.runner.execute(plan)
-        except BaseException:
-            for seq in self.scheduler.fail_step():
-                self._requests.pop(seq.rid, None)
+        except BaseException as err:
+            failed = [seq.rid for seq in self.scheduler.fail_step()]
+            for rid in failed:
+                self._requests.pop(rid, None)
+            if isinstance(err, Exception):
+                raise StepFailed(tuple(failed), err) from err
             raise
         return self._outputs(self.scheduler.on_step_done(sampled))
 
@@ -269,6 +272,15 @@ class LLMEngine:
             if finished and seq.status is not SequenceStatus.HELD:
                 del self._requests[seq.rid]
         return outputs
+
+
+class StepFailed(RuntimeError):
+    """A forward step raised; `rids` are the requests it dropped (the engine stays usable)."""
+
+    def __init__(self, rids: tuple[str, ...], cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.rids = rids
+        self.cause = cause
 
 
 def _is_token(value: object) -> bool:

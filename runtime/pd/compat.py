@@ -22,6 +22,7 @@ COMPAT_FIELDS: tuple[str, ...] = (
     "kv_layout",
     "allocation_policy",
     "model_fingerprint",
+    "transfer_backend",
 )
 
 ShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -33,6 +34,8 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: ShortText
     allocation_policy: ShortText
     model_fingerprint: ShortText
+    # tcp | shm: the prefill writes with the decode's backend, or not at all.
+    transfer_backend: ShortText = "tcp"
 
 
 class Mismatch(msgspec.Struct, frozen=True):
@@ -77,19 +80,22 @@ def _differing_parts(ours: object, theirs: object) -> list[str]:
 
 
 def describe(mismatches: list[Mismatch], ours: str, theirs: str) -> str:
-    """'page_size mismatch: prefill=16, decode=32; kv_dtype ...'.
+    """'page_size mismatch: prefill=16, decode=32; backend_mismatch: prefill shm, decode tcp'.
 
     A model fingerprint mismatch also says which of its parts differ
     ('(differs in: tokenizer)').
     """
-    out = []
-    for m in mismatches:
-        text = f"{m.field} mismatch: {ours}={m.ours!s}, {theirs}={m.theirs!s}"
-        parts = _differing_parts(m.ours, m.theirs) if m.field == "model_fingerprint" else []
-        if parts:
-            text += f" (differs in: {', '.join(parts)})"
-        out.append(text)
-    return "; ".join(out)
+    return "; ".join(_describe_one(m, ours, theirs) for m in mismatches)
+
+
+def _describe_one(m: Mismatch, ours: str, theirs: str) -> str:
+    if m.field == "transfer_backend":
+        return f"backend_mismatch: {ours} {m.ours!s}, {theirs} {m.theirs!s}"
+    text = f"{m.field} mismatch: {ours}={m.ours!s}, {theirs}={m.theirs!s}"
+    parts = _differing_parts(m.ours, m.theirs) if m.field == "model_fingerprint" else []
+    if parts:
+        text += f" (differs in: {', '.join(parts)})"
+    return text
 
 
 def check_compat(

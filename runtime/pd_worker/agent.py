@@ -212,6 +212,21 @@ class RankAgent:
     def tick(self, now: float) -> None:
         """Role hook: timeouts, drains; called under the lock every TICK_S."""
 
+    def fail_all_rooms(self, reason: str) -> None:
+        """Any thread: fail every live room of this rank's table (the engine is hung)."""
+
+        def run() -> None:
+            now = time.monotonic()
+            for view in self.table_views(now):
+                if view["state"] not in ("Failed", "Success"):
+                    self.fail_room(int(view["room"]), reason, now)
+
+        self.post(run)
+
+    def fail_room(self, room: int, reason: str, now: float) -> None:
+        """Role hook (agent thread): fail one room of the table with `reason`."""
+        raise NotImplementedError
+
     def publish_stats(self) -> None:
         """Copy the endpoint's drop counters into `ctx.stats` (server info, metrics).
 

@@ -24,9 +24,11 @@ Admin API (token-protected; the operator's fast path):
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +40,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
+from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group
 from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
 from pdcluster.runtime.pd_worker.coordinator import (
@@ -48,11 +52,27 @@ from pdcluster.runtime.pd_worker.coordinator import (
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 log = logging.getLogger("pdcluster.pd")
+
+# Seconds a client refused for a full prefill queue should wait before retrying.
+RETRY_AFTER_S = 1
+# Fault injection for tests only: the bootstrap server starts listening this
+# many seconds after the worker (a slow rank 0; the ranks must keep retrying).
+BOOTSTRAP_DELAY_ENV = "PDCLUSTER_TEST_BOOTSTRAP_DELAY_S"
+
+
+class _LateServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, delay_s: float) -> None:
+        super().__init__(config)
+        self.delay_s = delay_s
+
+    async def serve(self, sockets: Any = None) -> None:
+        await asyncio.sleep(self.delay_s)
+        await super().serve(sockets)
 
 
 class _PDBackend:
@@ -68,6 +88,8 @@ class _PDBackend:
         self.counts: InstanceCounts | None = None  # set by build_pd_backend
         # dp size of the prefill instances (both roles): a room's prefill group is room % it.
         self.prefill_dp_size: int = int(info.pop("prefill_dp_size", 1))
+        # The front of a prefill instance: its bootstrap server's registry.
+        self.registry: Any = None
         # The front of a dp>1 instance is healthy only once every dp group serves.
         self._groups_ready = threading.Event()
         if self.dp_ports and info["dp_rank"] == 0:
@@ -121,6 +143,10 @@ class _PDBackend:
         except RoomConflict as err:
             self.service._tracked.pop(req.rid, None)
             raise BadRequest(str(err), status=409) from None
+        except (QueueFull, EngineStalled) as err:
+            self.service._tracked.pop(req.rid, None)
+            yield TokenEvent([], "", True, _reason_of(err), error=str(err), status=503)
+            return
         except BaseException:
             self.service._tracked.pop(req.rid, None)
             raise
@@ -235,12 +261,45 @@ class _PDBackend:
             "pd_stats_missing": view.missing,
         }
 
+    def not_ready_reason(self) -> str | None:
+        """Why /health answers 503 (readiness.py), None when the worker may take requests."""
+        registry = self.registry
+        return compute_not_ready(
+            ReadinessFacts(
+                engine_alive=self.service.is_alive,
+                engine_stalled=self.service.is_stalled,
+                groups_ready=self._groups_ready.is_set(),
+                registered=getattr(self.agent, "registered", None),
+                registration_error=getattr(self.agent, "registration_error", None),
+                num_registered=None if registry is None else registry.num_registered,
+                num_expected=None if registry is None else registry.num_expected,
+            )
+        )
+
     def is_healthy(self) -> bool:
-        return self.service.is_alive and self._groups_ready.is_set()
+        return self.not_ready_reason() is None
+
+    def is_live(self) -> bool:
+        """The liveness probe: False only when the engine is gone or hung (restart it)."""
+        return self.service.is_alive and not self.service.is_stalled
+
+
+def _reason_of(err: Exception) -> str:
+    return "engine_stalled" if isinstance(err, EngineStalled) else QueueFull.reason
 
 
 class PrefillBackend(_PDBackend):
     role = "prefill"
+
+    def check(self, req: PreparedRequest) -> None:
+        super().check(req)
+        # Another dp group's leader answers for its own queue.
+        if self.target_dp(req) == self.info["dp_rank"] and self.coordinator.is_full():
+            raise BadRequest(
+                f"{QueueFull.reason}: every room slot is taken and the queue is full; retry later",
+                status=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def open(self, req: PreparedRequest) -> None:
         sampling = engine_request(req).sampling
@@ -358,7 +417,14 @@ def build_pd_backend(
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
     if settings.role == "prefill":
-        coord: Any = PrefillCoordinator(agent, service, group_size, metrics)
+        coord: Any = PrefillCoordinator(
+            agent,
+            service,
+            group_size,
+            metrics,
+            max_rooms=spec.transfer.max_rooms,
+            queue_limit=spec.transfer.room_queue_limit,
+        )
         backend = PrefillBackend(service, agent, coord, info)
         info["bootstrap_port"] = settings.bootstrap_port
         if dp_rank == 0:
@@ -366,17 +432,16 @@ def build_pd_backend(
 
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)
-            servers.append(
-                uvicorn.Server(
-                    uvicorn.Config(
-                        app,
-                        host=settings.host,
-                        port=settings.bootstrap_port,
-                        log_level="warning",
-                        http=Http1OnlyProtocol,
-                    )
-                )
+            backend.registry = app.state.registry
+            config = uvicorn.Config(
+                app,
+                host=settings.host,
+                port=settings.bootstrap_port,
+                log_level="warning",
+                http=Http1OnlyProtocol,
             )
+            delay_s = float(os.environ.get(BOOTSTRAP_DELAY_ENV) or 0)
+            servers.append(_LateServer(config, delay_s) if delay_s > 0 else uvicorn.Server(config))
     else:
         coord = DecodeCoordinator(agent, service, group_size, metrics, spec)
         backend = DecodeBackend(service, agent, coord, info)

@@ -11,6 +11,12 @@ prefill:  all ranks `start`      → add the request (prefill_only)
 decode:   all ranks `complete`   → add the request (prefilled) with the pages
           all ranks `released`   → (failed room) free the reserved pages
 either:   any rank `failed`      → fail the room on every rank, tell the client
+          a step failed its rid  → fail the room (the engine keeps serving)
+
+Prefill backpressure: at most `transfer.maxRooms` rooms of the group are
+open on the ranks at once; a leg beyond that waits in a FIFO queue of
+`transfer.roomQueueLimit` (`room_queue.py`) and is opened on the ranks when
+a room ends. Only a leg past both bounds is refused (503, `Retry-After`).
 
 Reports arrive from the agent thread through a thread-safe queue and are
 drained in `tick()`, so engine and allocator calls stay on one thread.
@@ -30,6 +36,7 @@ from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmissio
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.prompt_digest import prompt_id
 from pdcluster.runtime.pd.room_common import reason_label
+from pdcluster.runtime.pd.room_queue import Offer, RoomQueue
 from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
@@ -61,6 +68,7 @@ class _Room:
     rid: str
     prompt: list[int]
     sampling: Any
+    rid_is_local: bool = False  # the worker minted `rid`: it never leaves this instance
     reports: dict[str, set[int]] = field(default_factory=lambda: collections.defaultdict(set))
     failed: str | None = None
     engine_added: bool = False
@@ -97,6 +105,7 @@ class _Coordinator:
         service.add_tick(self.tick)
         service.output_hooks.append(self.on_output)
         service.abort_hooks.append(self.on_abort)
+        service.fail_hooks.append(self.on_engine_failure)
 
     def _queue_report(self, rep: GroupReport) -> None:
         with self._lock:
@@ -203,6 +212,12 @@ class _Coordinator:
             self.rooms[room_id].aborted = True
             self.fail(room_id, "aborted")
 
+    def on_engine_failure(self, rid: str, reason: str) -> None:
+        """Engine thread: a step (or a hook) failed this request; the engine goes on."""
+        room_id = self.rid_room.get(rid)
+        if room_id is not None:
+            self.fail(room_id, reason)
+
     # role hooks
     def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
         raise NotImplementedError
@@ -217,6 +232,22 @@ class _Coordinator:
 class PrefillCoordinator(_Coordinator):
     role = "prefill"
 
+    def __init__(
+        self,
+        agent: Any,
+        service: EngineService,
+        group_size: int,
+        metrics: Any,
+        max_rooms: int = 4096,
+        queue_limit: int = 4096,
+    ) -> None:
+        super().__init__(agent, service, group_size, metrics)
+        self.queue = RoomQueue(max_rooms, queue_limit)
+
+    def is_full(self) -> bool:
+        """Any thread: a new leg would be refused now (a racy read, rechecked in `open`)."""
+        return self.queue.is_full()
+
     def open(
         self,
         room_id: int,
@@ -225,13 +256,39 @@ class PrefillCoordinator(_Coordinator):
         sampling: Any,
         rid_is_local: bool = False,
     ) -> None:
-        """Engine thread: the prefill leg for `room_id` arrived."""
-        self._register(room_id, _Room(rid, prompt, sampling))
+        """Engine thread: the prefill leg for `room_id` arrived. Raises QueueFull past the queue."""
+        self._register(room_id, _Room(rid, prompt, sampling, rid_is_local=rid_is_local))
+        try:
+            offer = self.queue.offer(room_id)
+        except Exception:
+            self._forget(room_id)
+            raise
+        if offer is Offer.start:
+            self._broadcast_open(room_id, self.rooms[room_id])
+        else:
+            log.info(
+                "prefill: room %s rid %s queued (%d waiting)", room_id, rid, self.queue.num_queued
+            )
+
+    def _broadcast_open(self, room_id: int, room: _Room) -> None:
         self.agent.broadcast(
             GroupOpen(
-                room_id, rid, len(prompt), prompt=prompt_id(prompt), rid_is_local=rid_is_local
+                room_id,
+                room.rid,
+                len(room.prompt),
+                prompt=prompt_id(room.prompt),
+                rid_is_local=room.rid_is_local,
             )
         )
+
+    def _forget(self, room_id: int) -> None:
+        super()._forget(room_id)
+        for started in self.queue.release(room_id):
+            room = self.rooms.get(started)
+            if room is None or room.failed is not None:
+                self._forget(started)
+                continue
+            self._broadcast_open(started, room)
 
     def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
         if rep.kind == "failed":

@@ -265,6 +265,9 @@ class DecodeAgent(RankAgent):
             del self.rooms[room]
             self.report(room, "released")
 
+    def fail_room(self, room: int, reason: str, now: float) -> None:
+        self._fail(room, reason)
+
     def _fail(self, room: int, reason: str) -> None:
         if room in self.table:
             self.perform(self.table.abort(room, reason, time.monotonic()))

@@ -15,7 +15,9 @@ sender says nothing of the room can move any more (`in_flight == 0`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,11 +26,13 @@ import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPoolShape
 from pdcluster.runtime.pd import actions as A
-from pdcluster.runtime.pd.bootstrap_client import BootstrapClient
+from pdcluster.runtime.pd.bootstrap_client import BootstrapClient, BootstrapUnreachable, RetryPolicy
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.messages import KVLayoutRegister, LayoutAck
 from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
+from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import cp_token_range
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
@@ -88,18 +92,42 @@ class PrefillAgent(RankAgent):
         self.rid_room: dict[str, int] = {}
         self._shm_peers: set[str] = set()
         self.registered = False
+        self.registration_error: str | None = None
+        self.register_backoff = RegistrationBackoff()
 
     # ------------------------------------------------------------ start-up
     def register(self) -> None:
-        """PUT /route with this rank's address; retried until the server answers."""
-        client = BootstrapClient(self.ctx.bootstrap_address, self.ctx.token or None)
+        """PUT /route with this rank's address, retried with capped back-off until it lands.
+
+        Rank 0's bootstrap server listens only once the whole worker is built,
+        and a follower may come up long before it: an unreachable server or a
+        5xx is retried for as long as the rank runs. A 4xx (wrong token,
+        inconsistent compatibility fields) is final and kept in
+        `registration_error`, which keeps the worker's /health at 503.
+        """
+        client = BootstrapClient(
+            self.ctx.bootstrap_address, self.ctx.token or None, retry=RetryPolicy(attempts=1)
+        )
         reg = RankRegistration(
             rank=self.ctx.coord, shape=self.ctx.shape, endpoint=self.address, compat=self.ctx.compat
         )
 
-        async def go() -> bool:
+        async def go() -> None:
+            delays = self.register_backoff.delays()
             try:
-                return await client.register(reg)
+                while not self._stopping.is_set():
+                    try:
+                        await client.register(reg)
+                        return
+                    except BootstrapUnreachable as err:
+                        self.ctx.stats["bootstrap_register_retry"] += 1
+                        if self.ctx.stats["bootstrap_register_retry"] in (1, 10, 100):
+                            log.warning(
+                                "rank %s: bootstrap server not answering yet, retrying: %s",
+                                self.ctx.coord,
+                                err,
+                            )
+                    await asyncio.sleep(next(delays))
             finally:
                 await client.aclose()
 
@@ -107,7 +135,9 @@ class PrefillAgent(RankAgent):
             if err is not None:
                 log.error("rank %s: bootstrap registration failed: %s", self.ctx.coord, err)
                 self.ctx.stats["bootstrap_register_failed"] += 1
-            else:
+                self.registration_error = str(err)
+            elif not self._stopping.is_set():
+                log.info("rank %s: registered with the bootstrap server", self.ctx.coord)
                 self.registered = True
 
         self.aio.submit(go(), done)
@@ -154,7 +184,10 @@ class PrefillAgent(RankAgent):
 
     # ------------------------------------------------------------ events
     def on_message(self, msg: Any, now: float) -> None:
-        self.perform(self.table.on_message(msg, now))
+        acts = self.table.on_message(msg, now)
+        if isinstance(msg, KVLayoutRegister) and self.one_sided:
+            acts = self._check_shm_layout(msg, acts)
+        self.perform(acts)
         room = getattr(msg, "room", None)
         if room is not None:
             self._maybe_send(room)
@@ -187,6 +220,11 @@ class PrefillAgent(RankAgent):
             # `gone` does not matter here: a decode never writes into prefill's
             # pages, so even a hung one that resumes cannot touch what is freed.
             self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+
+    def fail_room(self, room: int, reason: str, now: float) -> None:
+        if room in self.table:
+            self.perform(self.table.fail(room, reason, now))
+        self._forget_if_done(room)
 
     def tick(self, now: float) -> None:
         self.perform(self.table.tick(now))
@@ -226,26 +264,107 @@ class PrefillAgent(RankAgent):
         if room in self.table:
             self.perform(self.table.fail(room, f"transfer_failed: {reason}", now))
 
+    def _check_shm_layout(self, msg: KVLayoutRegister, acts: list[Any]) -> list[Any]:
+        """`shm` writes straight into decode's pool file: refuse a layout whose pool is not here.
+
+        A decode on another node (or in another pod without a shared
+        /dev/shm) registers a path this rank cannot open; accepting it would
+        fail the first write inside the engine's step. Refused at
+        registration instead, so its rooms fail with the reason at once.
+        """
+        accepted = [
+            a
+            for a in acts
+            if isinstance(a, A.Send)
+            and isinstance(a.message, LayoutAck)
+            and a.message.accepted
+            and a.endpoint == msg.decode_endpoint
+        ]
+        if not accepted:
+            return acts
+        problem = self._shm_problem(msg)
+        if problem is None:
+            return acts
+        self.table.peers.forget_matching(msg.decode_endpoint)
+        self.ctx.stats["dropped:backend_mismatch"] += 1
+        log.warning(
+            "prefill rank %s: layout of %s refused: %s",
+            self.ctx.coord,
+            msg.decode_endpoint,
+            problem,
+        )
+        ack = LayoutAck(
+            rank=self.ctx.coord,
+            endpoint=self.address,
+            accepted=False,
+            reason=f"backend_mismatch: {problem}",
+        )
+        return [a for a in acts if a not in accepted] + [A.Send(msg.decode_endpoint, ack)]
+
+    def _shm_problem(self, lay: KVLayoutRegister) -> str | None:
+        path = lay.shm_pool_path
+        if not path:
+            return "prefill shm, decode offers no shared-memory pool (tcp)"
+        try:
+            size = os.stat(path).st_size
+        except OSError as err:
+            return (
+                f"prefill shm cannot open decode's pool {path!r} ({err.strerror}): shm needs "
+                "prefill and decode on one host sharing its shared memory"
+            )
+        need = self._peer_shape(lay).nbytes
+        if size != need:
+            return (
+                f"prefill shm: decode's pool {path!r} holds {size} bytes, its layout needs {need}"
+            )
+        return None
+
+    def _peer_shape(self, lay: KVLayoutRegister) -> KVPoolShape:
+        return KVPoolShape(
+            num_layers=lay.layer_end - lay.layer_start,
+            num_pages=lay.num_pages,
+            page_size=self.ctx.page_size,
+            num_kv_heads=lay.head_end - lay.head_start,
+            head_dim=self.ctx.head_dim,
+            dtype=self.ctx.compat.kv_dtype,
+            layout=self.pool.shape.layout,
+        )
+
     # ------------------------------------------------------------ KV out
     def on_chunk(self, rid: str, page_table: Any, start: int, end: int) -> None:
-        """Runner thread: KV of tokens [start, end) is now in this rank's pool."""
+        """Runner thread: KV of tokens [start, end) is now in this rank's pool.
+
+        One room's error (a destination that cannot be written) fails that
+        room, never the step: the engine thread runs this hook.
+        """
         with self.lock:
             room = self.rid_room.get(rid)
             if room is None:
                 return
-            r = self.rooms[room]
-            r.page_table = tuple(page_table)
-            r.computed = max(r.computed, end)
-            now = time.monotonic()
-            if self.table.policy == "early":
-                self._maybe_send(room)
-            if r.computed >= r.num_tokens and not r.kv_done:
-                r.kv_done = True
-                if self.table.policy == "prefill_complete":
-                    if room in self.table:
-                        self.perform(self.table.kv_computed(room, now))
-                elif not self.is_leader:
-                    self._finish(room)
+            try:
+                self._on_chunk(room, page_table, end)
+            except Exception as err:
+                log.exception(
+                    "prefill rank %s: room %s: sending its KV failed", self.ctx.coord, room
+                )
+                if room in self.table:
+                    reason = f"transfer_failed: {type(err).__name__}: {err}"
+                    self.perform(self.table.fail(room, reason, time.monotonic()))
+
+    def _on_chunk(self, room: int, page_table: Any, end: int) -> None:
+        r = self.rooms[room]
+        r.page_table = tuple(page_table)
+        r.computed = max(r.computed, end)
+        now = time.monotonic()
+        if self.table.policy == "early":
+            self._maybe_send(room)
+        if r.computed >= r.num_tokens and not r.kv_done:
+            r.kv_done = True
+            if self.table.policy == "prefill_complete":
+                if room in self.table:
+                    self.perform(self.table.kv_computed(room, now))
+            elif not self.is_leader:
+                self._finish(room)
 
     def leader_first_token(self, room: int, first_token: int) -> None:
         """Leader (agent thread): the engine sampled the room's first token."""
@@ -348,15 +467,7 @@ class PrefillAgent(RankAgent):
         lay = dest.layout
         if not lay.shm_pool_path:
             raise ValueError(f"decode rank {dest.decode_rank} offers no shared-memory pool")
-        shape = KVPoolShape(
-            num_layers=lay.layer_end - lay.layer_start,
-            num_pages=lay.num_pages,
-            page_size=self.ctx.page_size,
-            num_kv_heads=lay.head_end - lay.head_start,
-            head_dim=self.ctx.head_dim,
-            dtype=self.ctx.compat.kv_dtype,
-            layout=self.pool.shape.layout,
-        )
+        shape = self._peer_shape(lay)
         # The chunk hook runs inside the runner's inference mode; a pool mapped
         # there would be an inference tensor the sender thread may not write.
         with torch.inference_mode(False):

@@ -36,6 +36,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
             tokenizer.fingerprint,
             tokenizer.chat_template_fingerprint,
         ),
+        transfer_backend=str(spec.transfer.backend),
     )
     return AgentContext(
         role=settings.role,
@@ -48,7 +49,11 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         compat=compat,
         token=settings.token,
         room_settings=RoomSettings.from_spec(
-            spec.transfer, prefill_wait_s=spec.transfer.prefill_wait_timeout_seconds
+            spec.transfer,
+            prefill_wait_s=spec.transfer.prefill_wait_timeout_seconds,
+            # A queued prefill leg's room already lives on decode and in the
+            # prefill tables (decode's metadata): the tables hold both.
+            max_rooms=spec.transfer.max_rooms + spec.transfer.room_queue_limit,
         ),
         transfer=spec.transfer,
         layers=(layers.start, layers.stop),

@@ -327,8 +327,10 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
 
     @app.exception_handler(RouterError)
     async def on_router_error(_: Request, exc: RouterError) -> JSONResponse:
-        headers = {"x-request-id": exc.rid} if exc.rid else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = {"x-request-id": exc.rid} if exc.rid else {}
+        if exc.retry_after is not None:
+            headers["retry-after"] = exc.retry_after
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -55,9 +55,11 @@ class RouterError(Exception):
         code: str | int | None = None,
         param: str | None = None,
         reason: str = "",
+        retry_after: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # sent as the Retry-After header
         self.message = message
         self.code = code
         self.param = param

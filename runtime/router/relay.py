@@ -49,7 +49,14 @@ T = TypeVar("T")
 
 class LegError(Exception):
     def __init__(
-        self, worker: Worker, status: int, message: str, reason: str, *, may_run: bool = False
+        self,
+        worker: Worker,
+        status: int,
+        message: str,
+        reason: str,
+        *,
+        may_run: bool = False,
+        retry_after: str | None = None,
     ) -> None:
         super().__init__(message)
         self.worker = worker
@@ -58,11 +65,22 @@ class LegError(Exception):
         self.reason = reason
         # The worker may still be working on the request (so it needs an abort).
         self.may_run = may_run
+        # A worker's 503 with Retry-After (a full prefill queue): backpressure
+        # the client sees as such, not as a broken worker.
+        self.retry_after = retry_after
 
     def to_router_error(self) -> RouterError:
         role = self.worker.role.value
         if 400 <= self.status < 500:
             return RouterError(self.status, self.message, reason=self.reason)
+        if self.status == 503 and self.retry_after is not None:
+            return RouterError(
+                503,
+                f"{role} worker busy: {self.message}",
+                code="busy",
+                reason=f"{role}_busy",
+                retry_after=self.retry_after,
+            )
         status = 504 if self.status == 504 else 502
         return RouterError(status, f"{role} worker failed: {self.message}", reason=self.reason)
 
@@ -205,7 +223,13 @@ class Relay:
                     if resp.status_code >= 400:
                         raw = await resp.aread()
                         message = error_message_of(raw, resp.status_code)
-                        raise LegError(worker, resp.status_code, message, "prefill_error_status")
+                        raise LegError(
+                            worker,
+                            resp.status_code,
+                            message,
+                            "prefill_error_status",
+                            retry_after=resp.headers.get("retry-after"),
+                        )
                     if self.plan.stream:
                         reader = SSEReader()
                         async for line in resp.aiter_lines():

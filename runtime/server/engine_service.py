@@ -10,12 +10,22 @@ can poll transfers and admit requests without locking the engine.
 Invariants:
 - every submitted request gets exactly one terminal event (finished or error),
   also when it is aborted or the service stops;
-- an abort names an exact rid; unknown rids change nothing.
+- an abort names an exact rid; unknown rids change nothing;
+- one request's error never stops the engine thread: a command, tick hook or
+  output hook that raises is logged and the loop goes on; a step that raises
+  fails the requests of that step (`StepFailed`), through `fail_hooks` for
+  the ones a PD coordinator drives;
+- a hung engine is reported, not waited for: with `stall_s` set, once work
+  is pending and no loop iteration finished for `stall_s` seconds
+  (`engine/stall.py`), `stalled_for()` says so, new calls fail at once with
+  `engine_stalled`, and the watchdog fails every tracked request and runs
+  `stall_hooks` (a PD agent fails its rooms) once per stall.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -24,7 +34,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdcluster.runtime.engine.stall import STALL_REASON, Progress, stalled_for
+
 log = logging.getLogger("pdcluster.engine")
+
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineStalled(RuntimeError):
+    """The engine thread made no progress for the stall bound; nothing was queued."""
+
+    status = 503
 
 
 class Tokenizer(Protocol):
@@ -62,7 +82,14 @@ class _Tracked:
 class EngineService:
     """Owns the engine thread. `engine` follows the LLMEngine contract."""
 
-    def __init__(self, engine: Any, tokenizer: Tokenizer, *, idle_wait_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Tokenizer,
+        *,
+        idle_wait_s: float = 0.002,
+        stall_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -77,11 +104,25 @@ class EngineService:
         # PD coordinators claim the outputs and aborts of requests they drive.
         self.output_hooks: list[Callable[[Any], bool]] = []
         self.abort_hooks: list[Callable[[str], None]] = []
+        # (rid, reason): a step failed these requests; engine thread.
+        self.fail_hooks: list[Callable[[str, str], None]] = []
+        # Watchdog thread, once per stall: the engine thread is hung.
+        self.stall_hooks: list[Callable[[], None]] = []
+        self.stall_s = stall_s
+        self._working = False  # engine thread: inside an iteration with work
+        self._stall_reported = False
+        self._emit_lock = threading.Lock()
+        self._watchdog: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        if self.stall_s is not None:
+            self._watchdog = threading.Thread(
+                target=self._watch, name="engine-watchdog", daemon=True
+            )
+            self._watchdog.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -93,6 +134,40 @@ class EngineService:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stalled_for(self, now: float | None = None) -> float | None:
+        """Seconds the engine has been stalled (work pending, no progress), None if not."""
+        if self.stall_s is None:
+            return None
+        pending = self._working or not self._commands.empty()
+        progress = Progress(self.last_step_at, pending)
+        return stalled_for(progress, time.monotonic() if now is None else now, self.stall_s)
+
+    @property
+    def is_stalled(self) -> bool:
+        return self.stalled_for() is not None
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(WATCHDOG_INTERVAL_S):
+            idle = self.stalled_for()
+            if idle is None:
+                self._stall_reported = False
+                continue
+            if self._stall_reported:
+                continue
+            self._stall_reported = True
+            log.error(
+                "engine stalled: work pending and no step finished for %.1fs; failing requests",
+                idle,
+            )
+            # Hooks first: by the time a client reads the error, its room is failed too.
+            for hook in self.stall_hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("engine stall hook failed")
+            for rid in list(self._tracked):
+                self.fail(rid, STALL_REASON, status=503)
+
     def add_tick(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the engine thread before every step (must not block)."""
         self._ticks.append(fn)
@@ -101,6 +176,9 @@ class EngineService:
         """Run `fn` on the engine thread; await its result from the event loop."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
+        if self.is_stalled:
+            fut.set_exception(EngineStalled(STALL_REASON))
+            return fut
 
         def run() -> None:
             try:
@@ -185,28 +263,34 @@ class EngineService:
 
     def emit(self, rid: str, event: TokenEvent) -> None:
         """Engine thread: hand an event to the request's asyncio queue."""
-        tracked = self._tracked.get(rid)
-        if tracked is None or tracked.done:
-            return
-        if event.finished:
-            tracked.done = True
+        # The watchdog thread emits too (a hung engine thread never will).
+        with self._emit_lock:
+            tracked = self._tracked.get(rid)
+            if tracked is None or tracked.done:
+                return
+            if event.finished:
+                tracked.done = True
         tracked.loop.call_soon_threadsafe(tracked.out.put_nowait, event)
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._working = True
                 self._drain_commands()
                 for tick in self._ticks:
-                    tick()
+                    self._guarded(tick, "tick hook")
                 if self.engine.has_work():
-                    outputs = self.engine.step()
+                    outputs = self._step()
                     self.num_steps += 1
                     self.last_step_at = time.monotonic()
                     for output in outputs:
-                        self._on_output(output)
+                        self._guarded(
+                            functools.partial(self._on_output, output), "output", output.rid
+                        )
                 else:
                     self.last_step_at = time.monotonic()
+                    self._working = False
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
         except Exception:
@@ -218,13 +302,51 @@ class EngineService:
                     rid, TokenEvent([], "", True, "shutdown", error="engine stopped", status=503)
                 )
 
+    def _step(self) -> list[Any]:
+        from pdcluster.runtime.engine.engine import StepFailed
+
+        try:
+            outputs: list[Any] = self.engine.step()
+            return outputs
+        except StepFailed as err:
+            # The engine already dropped the step's requests; end them here.
+            log.error("engine step failed (%s); failing %d request(s)", err, len(err.rids))
+            reason = f"engine_error: {err}"
+            for rid in err.rids:
+                for hook in self.fail_hooks:
+                    try:
+                        hook(rid, reason)
+                    except Exception:
+                        log.exception("engine loop: fail hook failed for rid %s", rid)
+                self.fail(rid, reason, status=500)
+            return []
+
+    def _guarded(self, fn: Callable[[], Any], what: str, rid: str | None = None) -> None:
+        """Run one per-request piece of the loop; its error ends that request, not the engine."""
+        try:
+            fn()
+        except Exception as err:
+            log.exception("engine loop: %s failed%s", what, f" for rid {rid}" if rid else "")
+            if rid is not None:
+                reason = f"engine_error: {type(err).__name__}: {err}"
+                for hook in self.fail_hooks:
+                    try:
+                        hook(rid, reason)
+                    except Exception:
+                        log.exception("engine loop: fail hook failed for rid %s", rid)
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    log.exception("engine loop: abort of rid %s failed", rid)
+                self.fail(rid, reason, status=500)
+
     def _drain_commands(self) -> None:
         while True:
             try:
                 fn = self._commands.get_nowait()
             except queue.Empty:
                 return
-            fn()
+            self._guarded(fn, "command")
 
     def _on_output(self, output: Any) -> None:
         if any(hook(output) for hook in self.output_hooks):

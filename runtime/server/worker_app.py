@@ -6,7 +6,7 @@ layer validates, tokenizes, checks capacity (400 before anything is
 reserved) and formats; it never touches the engine directly.
 
 Endpoints: POST /generate, /v1/completions, /v1/chat/completions,
-GET /v1/models, /health, /health_generate, /get_model_info, /model_info,
+GET /v1/models, /health, /health/live, /health_generate, /get_model_info, /model_info,
 /get_server_info, /server_info, POST /abort_request, GET /metrics.
 """
 
@@ -47,9 +47,12 @@ DEFAULT_MAX_NEW_TOKENS = 128
 class BadRequest(ValueError):
     """A request the worker refuses with a 4xx; nothing was reserved."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(
+        self, message: str, status: int = 400, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers  # e.g. Retry-After on a 503
 
 
 @dataclass
@@ -133,7 +136,7 @@ def create_worker_app(
     @app.exception_handler(BadRequest)
     async def on_bad(_: Request, exc: BadRequest) -> JSONResponse:
         metrics.rejected.labels(reason="bad_request").inc()
-        return JSONResponse(R.error_body(str(exc), code=exc.status), exc.status)
+        return JSONResponse(R.error_body(str(exc), code=exc.status), exc.status, exc.headers)
 
     def sampling_of(
         temperature: float | None,
@@ -360,7 +363,21 @@ def create_worker_app(
     async def health() -> Response:
         if backend.is_healthy():
             return Response(status_code=200)
-        return Response(status_code=503)
+        # PD backends say why (readiness.py); the router and the probes read the status.
+        why = getattr(backend, "not_ready_reason", None)
+        reason = (why() if why is not None else None) or "not_ready"
+        return JSONResponse({"status": "not_ready", "reason": reason}, 503)
+
+    @app.get("/health/live")
+    async def health_live() -> Response:
+        # The liveness probe: 503 only for an engine that is gone or hung
+        # (`engine_stalled`), never for one still waiting on its peers.
+        is_live = getattr(backend, "is_live", backend.is_healthy)
+        if is_live():
+            return Response(status_code=200)
+        why = getattr(backend, "not_ready_reason", None)
+        reason = (why() if why is not None else None) or "engine_stopped"
+        return JSONResponse({"status": "not_live", "reason": reason}, 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:

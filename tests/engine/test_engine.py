@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine, RequestRejected
+from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine, RequestRejected, StepFailed
 from pdcluster.runtime.engine.engine_config import EngineConfig, EngineConfigError
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import ScheduledBatch
@@ -171,8 +171,10 @@ def test_a_failing_step_aborts_its_requests_and_frees_their_pages() -> None:
 
     engine.on_prefill_chunk = broken_transfer
     engine.add_request(_req("a", "some prompt"))
-    with pytest.raises(OSError, match="went away"):
+    with pytest.raises(StepFailed, match="went away") as failed:
         engine.step()
+    # The caller learns which requests the step dropped, and why.
+    assert failed.value.rids == ("a",) and isinstance(failed.value.cause, OSError)
     assert engine.num_free_pages == engine.num_total_pages
     assert engine.abort("a") is False
     engine.on_prefill_chunk = None

@@ -420,3 +420,12 @@ def test_without_an_operator_namespace_no_operator_pods_are_admitted() -> None:
         "demo-workers-ingress",
         "demo-router-ingress",
     }
+
+
+@pytest.mark.parametrize("role", [Role.prefill, Role.decode])
+def test_liveness_reads_the_engine_stall_and_readiness_the_full_health(role: Role) -> None:
+    (container,) = build_worker_pod(make_cluster(PD), role, 0, 0)["spec"]["containers"]
+    # A hung engine fails /health/live (engine_stalled): the kubelet restarts it.
+    # A worker only waiting for its peers fails /health alone: out of the pool, kept alive.
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"

@@ -48,6 +48,8 @@ class FakeWorker:
     delay_s: float = 0.0
     calls: list[tuple[str, str]] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    # What /health answers: 200, or 503 with this reason (readiness.py).
+    health_reason: str | None = None
     server: uvicorn.Server | None = None
 
     def app(self) -> FastAPI:
@@ -68,6 +70,12 @@ class FakeWorker:
             key = f"room_failed:{data['reason']}"
             self.failures[key] = self.failures.get(key, 0) + self.rooms_per_peer
             return JSONResponse({"peer": data["peer"], "reason": data["reason"]})
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            if self.health_reason is None:
+                return JSONResponse({})
+            return JSONResponse({"status": "not_ready", "reason": self.health_reason}, 503)
 
         @app.get("/admin/failures")
         async def failures(request: Request) -> JSONResponse:
@@ -108,7 +116,7 @@ class Clock:
 
 
 def make_failover(
-    grace_s: float = 5.0, admin_timeout_s: float = 2.0
+    grace_s: float = 5.0, admin_timeout_s: float = 2.0, registration_warn_s: float = 60.0
 ) -> tuple[FakeApi, Failover, Clock]:
     api, clock = FakeApi(), Clock()
     api.store.objects[("PDCluster", "demo")] = body(PD)
@@ -118,7 +126,10 @@ def make_failover(
         "data": {"token": base64.b64encode(TOKEN.encode()).decode()},
     }
     settings = OperatorSettings(
-        metrics_port=0, not_ready_grace_s=grace_s, admin_timeout_s=admin_timeout_s
+        metrics_port=0,
+        not_ready_grace_s=grace_s,
+        admin_timeout_s=admin_timeout_s,
+        registration_warn_s=registration_warn_s,
     )
     metrics = OperatorMetrics()
     recorder = EventRecorder(api, clock=clock, min_interval_s=30, host="test")
@@ -285,4 +296,35 @@ async def test_a_wrong_cached_token_is_read_again(workers) -> None:
     prefill = worker_pod(Role.prefill, ip="127.0.0.99")
     await failover.on_pod_event("ADDED", terminated(prefill))
     assert all(w.calls == [("127.0.0.99:8998", "prefill_pod_lost")] for w in workers)
+    await failover.aclose()
+
+
+async def test_a_prefill_unregistered_past_the_bound_gets_one_warning_per_episode(
+    workers,
+) -> None:
+    api, failover, clock = make_failover(registration_warn_s=30)
+    stuck, fine = workers
+    stuck.health_reason = "unregistered: 1/2 ranks registered"
+    for i, w in enumerate(workers):
+        await failover.on_pod_event(
+            "ADDED", worker_pod(Role.prefill, i, ip="127.0.0.1", http_port=w.port)
+        )
+    await failover.poll_all()
+    assert "InstanceUnregistered" not in events(api)  # start-up takes a while: no alarm yet
+    clock.now += 31
+    await failover.poll_all()
+    count, message = events(api)["InstanceUnregistered"]
+    assert count == 1
+    assert "prefill-0" in message and "unregistered: 1/2 ranks registered" in message
+    clock.now += 60
+    await failover.poll_all()
+    assert events(api)["InstanceUnregistered"][0] == 1  # one Warning per episode
+    # It registers; a later episode is a new problem and warns again.
+    stuck.health_reason = None
+    await failover.poll_all()
+    stuck.health_reason = "unregistered: 1/2 ranks registered"
+    await failover.poll_all()
+    clock.now += 31
+    await failover.poll_all()
+    assert events(api)["InstanceUnregistered"][0] == 2
     await failover.aclose()

@@ -28,7 +28,7 @@ from typing import Any
 
 import uvicorn
 
-from pdcluster.runtime.spec import PDCluster, RoleSpec
+from pdcluster.runtime.spec import PDCluster, RoleSpec, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -49,6 +49,9 @@ class WorkerSettings:
     shm_dir: str | None
     # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1).
     dp_ports: tuple[int, ...] = ()
+    # Decode: the prefill bootstrap servers it may contact, when given at start
+    # (local mode); None waits for `PUT /admin/prefill_peers` (Kubernetes).
+    prefill_peers: frozenset[str] | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -86,12 +89,25 @@ def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
-    # The advertised host: pods sharing a network (hostNetwork, the test node
-    # agent) must not collide on 127.0.0.1.
     dist = init_distributed(
-        cfg.parallel, group_rank, settings.advertise_host, settings.dist_port + dp_rank, cfg.device
+        cfg.parallel,
+        group_rank,
+        store_host(settings.advertise_host),
+        settings.dist_port + dp_rank,
+        cfg.device,
     )
     return cfg, dist
+
+
+def store_host(advertise_host: str) -> str:
+    """Where the torch.distributed store of an instance listens.
+
+    The store is unauthenticated and its object exchange unpickles, so it
+    must never face the pod network: every rank of an instance runs in one
+    pod, hence loopback. A loopback advertise host (the test node agent's
+    127.0.x.y pods, which share one network) is kept so pods do not collide.
+    """
+    return advertise_host if advertise_host.startswith("127.") else "127.0.0.1"
 
 
 def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
@@ -153,6 +169,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
     from pdcluster.runtime.metrics import WorkerMetrics
     from pdcluster.runtime.server.engine_service import EngineService
+    from pdcluster.runtime.server.limits import server_config
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
 
     torch.set_num_threads(_torch_threads())
@@ -191,10 +208,17 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
             settings, service, agent, metrics, dp_rank
         )
         servers.extend(extra_servers)
-    app = create_worker_app(backend, tokenizer, info, metrics, extra_routes=extra_routes)
-    servers.insert(
-        0, uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    auth = settings.manifest.spec.auth  # workerApi: open lets a keyless PD router in
+    app = create_worker_app(
+        backend,
+        tokenizer,
+        info,
+        metrics,
+        token=settings.token,
+        data_plane_open=auth.worker_api is WorkerApiAccess.open,
+        extra_routes=extra_routes,
     )
+    servers.insert(0, uvicorn.Server(server_config(app, host, port)))
     service.start()
     try:
         asyncio.run(_serve_all(servers))
@@ -261,7 +285,14 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         bootstrap_port=args.bootstrap_port,
         token=os.environ.get("PDCLUSTER_TOKEN", ""),
         shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
+        prefill_peers=_prefill_peers_arg(args),
     )
+    if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        # An empty token would turn every check off; the operator always sets one.
+        raise SystemExit(
+            "pdcluster worker: PDCLUSTER_TOKEN is empty; on Kubernetes a worker needs the "
+            "cluster token (the operator sets it from the cluster's Secret)"
+        )
     if os.environ.get("KUBERNETES_SERVICE_HOST") and settings.role_spec.pods_per_instance > 1:
         # All ranks of an instance run as processes of one pod for now.
         raise SystemExit(
@@ -286,6 +317,18 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
+
+
+def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[str] | None:
+    from pdcluster.runtime.pd.known_peers import PeerSetError, parse_peers_env
+
+    raw = getattr(args, "prefill_peers", None)
+    if raw is None:
+        return None
+    try:
+        return parse_peers_env(raw)
+    except PeerSetError as err:
+        raise SystemExit(f"pdcluster worker: --prefill-peers: {err}") from None
 
 
 def _run_instance(settings: WorkerSettings) -> int:

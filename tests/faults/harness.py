@@ -36,6 +36,8 @@ from pdcluster.runtime.spec import PDCluster
 from tests.local.cluster import write_manifest
 
 TOKEN = "fault-suite-" + secrets.token_hex(8)
+# Workers' data plane and info need the cluster token, as a PD router sends it.
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VOCAB = 256
 T = TypeVar("T")
 
@@ -88,7 +90,7 @@ class FaultCluster:
         self.state_dir = tmp / "state" / name
         self.token = token
         self.launcher = LocalCluster(self.plan, self.state_dir, token=token)
-        self.http = httpx.Client(timeout=10.0)
+        self.http = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
         self._stopped: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
@@ -367,7 +369,7 @@ class PDResult:
 def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
     t0 = time.monotonic()
     try:
-        resp = httpx.post(url + "/generate", json=body, timeout=timeout)
+        resp = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=timeout)
     except httpx.HTTPError as err:
         end = time.monotonic()
         return LegResult(599, {"error": f"transport: {err!r}"}, end - t0, end)
@@ -383,7 +385,7 @@ def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
 
 def abort_leg(url: str, rid: str) -> None:
     try:
-        httpx.post(url + "/abort_request", json={"rid": rid}, timeout=5)
+        httpx.post(url + "/abort_request", json={"rid": rid}, headers=AUTH, timeout=5)
     except httpx.HTTPError:
         pass  # the worker is gone: nothing of the request is left there
 

@@ -2,8 +2,9 @@
 
     POST {worker}/admin/fail_peer {"peer", "reason", "gone"}     fail the peer's rooms now
     GET  {worker}/admin/failures                                 cumulative failure counts
+    PUT  {decode}/admin/prefill_peers {"peers": [...]}           bootstrap servers it may contact
 
-Both carry `Authorization: Bearer <cluster token>`. Calls never raise on a
+Each carries `Authorization: Bearer <cluster token>`. Calls never raise on a
 worker's failure: the result says what happened, so one dead or slow worker
 never delays telling the others.
 """
@@ -48,6 +49,22 @@ class AdminClient:
         body = FailPeerRequest(peer, reason, gone).to_json()
         try:
             resp = await self._http.post(url, json=body, headers=self._headers(token))
+        except httpx.HTTPError as err:
+            return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
+        if resp.status_code >= 400:
+            return AdminResult(base_url, False, resp.status_code, resp.text[:200])
+        return AdminResult(base_url, True, resp.status_code)
+
+    async def prefill_peers(
+        self, base_url: str, token: str | None, peers: list[str]
+    ) -> AdminResult:
+        """Replace the set of prefill bootstrap servers a decode worker may contact."""
+        try:
+            resp = await self._http.put(
+                f"{base_url}/admin/prefill_peers",
+                json={"peers": peers},
+                headers=self._headers(token),
+            )
         except httpx.HTTPError as err:
             return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
         if resp.status_code >= 400:

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import tempfile
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
@@ -308,9 +307,12 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         and settings.shm_dir is None
         and str(spec.transfer.backend) == "shm"
     ):
+        from pdcluster.runtime.transfer.shm_dirs import make_pool_dir, sweep_stale_pool_dirs
+
         # Decode's KV pool lives in shared memory so same-node prefill ranks can write it.
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        owned_shm = tempfile.mkdtemp(prefix=f"pdcluster-{manifest.metadata.name}-", dir=base)
+        # Directories left by killed workers of this cluster are removed first.
+        sweep_stale_pool_dirs(manifest.metadata.name)
+        owned_shm = make_pool_dir(manifest.metadata.name)
         settings = replace(settings, shm_dir=owned_shm)
     try:
         return _run_instance(settings)

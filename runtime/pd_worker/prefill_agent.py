@@ -16,6 +16,7 @@ sender says nothing of the room can move any more (`in_flight == 0`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMes
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.shm_dirs import shm_base
+from pdcluster.runtime.transfer.shm_paths import check_pool_path
 from pdcluster.runtime.transfer.tcp import TcpTransport
 
 log = logging.getLogger("pdcluster.pd.prefill")
@@ -316,6 +319,13 @@ class PrefillAgent(RankAgent):
         lay = dest.layout
         if not lay.shm_pool_path:
             raise ValueError(f"decode rank {dest.decode_rank} offers no shared-memory pool")
+        # Only a pool file of this cluster: a registration must not make us write elsewhere.
+        check_pool_path(
+            os.path.realpath(lay.shm_pool_path),
+            shm_base(),
+            self.ctx.cluster,
+            os.environ.get("PDCLUSTER_SHM_DIR"),
+        )
         shape = KVPoolShape(
             num_layers=lay.layer_end - lay.layer_start,
             num_pages=lay.num_pages,

@@ -110,7 +110,9 @@ class Bench:
         return [r for r in self.rooms(decode) if peer in r["peers"] and r["state"] != "Failed"]
 
     def clean(self, name: str) -> bool:
-        info = self.http.get(self.url(name) + "/get_server_info").json()
+        info = self.http.get(
+            self.url(name) + "/get_server_info", headers={"Authorization": f"Bearer {self.token}"}
+        ).json()
         return bool(info["num_free_pages"] == info["num_total_pages"] and info["num_rooms"] == 0)
 
     def wait(self, check: Callable[[], bool], timeout: float) -> float:
@@ -126,7 +128,12 @@ class Bench:
 
     def pd_leg(self, worker: str, body: dict[str, Any]) -> None:
         try:
-            httpx.post(self.url(worker) + "/generate", json=body, timeout=30)
+            httpx.post(
+                self.url(worker) + "/generate",
+                json=body,
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=30,
+            )
         except httpx.HTTPError:
             pass  # the killed or hung side
 

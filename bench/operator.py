@@ -225,7 +225,7 @@ class Bench:
                 "bootstrap_port": 8998,
                 "bootstrap_room": secrets.randbits(62),
             }
-            resp = httpx.post(f"{decode_url}/generate", json=body, timeout=120)
+            resp = httpx.post(f"{decode_url}/generate", json=body, headers=admin, timeout=120)
             answered.update(status=resp.status_code, text=resp.text, at=time.monotonic())
 
         asker = threading.Thread(target=ask, daemon=True)

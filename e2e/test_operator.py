@@ -341,7 +341,7 @@ def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
             "bootstrap_port": 8998,
             "bootstrap_room": secrets.randbits(62),
         }
-        resp = httpx.post(f"{decode_url}/generate", json=body, timeout=90)
+        resp = httpx.post(f"{decode_url}/generate", json=body, headers=admin, timeout=90)
         answer.update(status=resp.status_code, text=resp.text, at=time.monotonic())
 
     asker = threading.Thread(target=ask, daemon=True)
@@ -422,7 +422,8 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
             "bootstrap_port": 8998,
             "bootstrap_room": secrets.randbits(62),
         }
-        resp = httpx.post(f"{decode_url}/generate", json=body, timeout=90)
+        auth = {"Authorization": f"Bearer {token(kube, ns)}"}  # the worker API is guarded
+        resp = httpx.post(f"{decode_url}/generate", json=body, headers=auth, timeout=90)
         took = time.monotonic() - frozen_at
     finally:
         node_agent.thaw_pod(ns, name)

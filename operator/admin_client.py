@@ -3,6 +3,7 @@
     POST {worker}/admin/fail_peer {"peer", "reason", "gone"}     fail the peer's rooms now
     GET  {worker}/admin/failures                                 cumulative failure counts
     GET  {worker}/health                                         200, or 503 {status, reason}
+    PUT  {decode}/admin/prefill_peers {"peers": [...]}           bootstrap servers it may contact
 
 The admin calls carry `Authorization: Bearer <cluster token>` (/health is
 open). Calls never raise on a worker's failure: the result says what
@@ -92,6 +93,22 @@ class AdminClient:
             return AdminResult(base_url, False, resp.status_code, f"error body: {err}")
         error = text.decode("utf-8", "replace")[:ERROR_TEXT_CHARS]
         return AdminResult(base_url, False, resp.status_code, error)
+
+    async def prefill_peers(
+        self, base_url: str, token: str | None, peers: list[str]
+    ) -> AdminResult:
+        """Replace the set of prefill bootstrap servers a decode worker may contact."""
+        try:
+            resp = await self._http.put(
+                f"{base_url}/admin/prefill_peers",
+                json={"peers": peers},
+                headers=self._headers(token),
+            )
+        except httpx.HTTPError as err:
+            return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
+        if resp.status_code >= 400:
+            return AdminResult(base_url, False, resp.status_code, resp.text[:200])
+        return AdminResult(base_url, True, resp.status_code)
 
     async def failures(self, base_url: str, token: str | None) -> dict[str, int] | None:
         """Reason -> count, or None when the worker did not answer sensibly

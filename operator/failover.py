@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import time
 from collections import defaultdict
@@ -57,6 +58,7 @@ from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PEER_ROLE, PodIndex
 from pdcluster.operator.pod_facts import PodFacts, parse_pod_facts
+from pdcluster.operator.prefill_peers import PeerPublisher
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.registration import RegistrationWatch, Unregistered
 from pdcluster.operator.settings import OperatorSettings
@@ -110,6 +112,11 @@ def rooms_failed_message(role: Role, reason: str) -> str:
     return f"rooms failed at {role.value} workers: {reason}"
 
 
+# A decode pod still loading does not answer its admin API yet: ask again.
+PUBLISH_ATTEMPTS = 60
+PUBLISH_RETRY_S = 1.0
+
+
 class Failover:
     def __init__(
         self,
@@ -137,6 +144,8 @@ class Failover:
         self._maybe_alive: dict[str, Loss] = {}
         self.counts = FailureCounts()
         self.registration = RegistrationWatch(settings.registration_warn_s)
+        self.peers = PeerPublisher(self.admin)
+        self._publish_locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     # ------------------------------------------------------------ pod events
     async def on_pod_event(self, event_type: str | None, raw: Mapping[str, Any]) -> Loss | None:
@@ -147,7 +156,10 @@ class Failover:
             return None
         gone = event_type == "DELETED"
         self.index.update(pod, gone=gone)
+        # Decode workers learn which bootstrap servers they may contact (off the fast path).
+        self._spawn(self.publish_peers(pod.key))
         if gone:
+            self.peers.forget(pod.uid)
             self.counts.forget(pod.uid)
             self._cancel_recheck(pod.uid)
         if pod.cluster_uid in self._deleted_clusters:
@@ -374,6 +386,32 @@ class Failover:
             )
         return dict(totals)
 
+    async def publish_peers(self, key: tuple[str, str], *, force: bool = False) -> int:
+        """Send the cluster's prefill set to its decode pods; retry the ones not answering.
+
+        One publication per cluster at a time, each reading the index afresh,
+        so an older set never lands after a newer one. Returns calls that failed.
+        """
+        lock = self._publish_locks.setdefault(key, asyncio.Lock())
+        if force and lock.locked():
+            return 0  # a publication is running and reads the index afresh anyway
+        failed = 0
+        async with lock:
+            for attempt in range(PUBLISH_ATTEMPTS):
+                pods = self.index.pods(key)
+                if not pods:
+                    return 0
+                secret = pods[0].token_secret
+                failed = await self.peers.publish(
+                    pods,
+                    functools.partial(self._token, key[0], secret),
+                    force=force and attempt == 0,
+                )
+                if not failed:
+                    return 0
+                await asyncio.sleep(PUBLISH_RETRY_S)
+        return failed
+
     def _predates_operator(self, pod: PodFacts) -> bool:
         # Whole-second creation times: a pod created in the operator's first
         # second counts as new (its failures are news), not as stale.
@@ -411,6 +449,7 @@ class Failover:
         self.registration.retain(live)
         for key in self.index.clusters():
             try:
+                self._spawn(self.publish_peers(key, force=True))
                 await self.poll_failures(key)
                 await self.poll_registration(key)
             except Exception:  # one cluster's trouble must not stop the others' reports

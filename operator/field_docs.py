@@ -93,6 +93,11 @@ FIELD_DOCS: dict[str, str] = {
     "passed as an environment variable); it needs the label "
     "pdcluster.io/allow-reference=true; empty: the router API is open.",
     "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
+    "auth.workerApi": (
+        "Workers' /generate, /abort_request and /v1/*: `token` needs the cluster token as a "
+        "Bearer header (our router sends it; give it to another PD router as its worker API "
+        "key); `open` only for a router that cannot send one. Server info stays guarded."
+    ),
 }
 
 

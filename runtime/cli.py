@@ -227,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="pod of a multi-pod instance (0 runs the leader ranks and the HTTP server)",
     )
+    w.add_argument(
+        "--prefill-peers",
+        help="decode: comma-separated host:port of the prefill bootstrap servers it may "
+        "contact (without it, it waits for PUT /admin/prefill_peers)",
+    )
     w.set_defaults(fn=cmd_worker)
 
     r = sub.add_parser("router", help="run the OpenAI-compatible router")

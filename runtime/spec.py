@@ -225,12 +225,20 @@ class RouterSpec(_Model):
     resources: dict[str, Any] = Field(default_factory=dict)
 
 
+class WorkerApiAccess(enum.StrEnum):
+    token = "token"
+    open = "open"
+
+
 class AuthSpec(_Model):
     # Name of a Secret holding `token`; empty → the operator creates one.
     token_secret_name: str = ""
     # Router API keys are optional; none means the router API is open.
     router_api_key_secret_name: str = ""
     zmq_curve: bool = False
+    # Workers' /generate, /abort_request and /v1/*: `token` needs the cluster
+    # token as a Bearer header; `open` only for a PD router that cannot send one.
+    worker_api: WorkerApiAccess = WorkerApiAccess.token
 
 
 class PDClusterSpec(_Model):

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from typing import Any
 
 import uvicorn
 
-from pdcluster.runtime.spec import PDCluster, RoleSpec
+from pdcluster.runtime.spec import PDCluster, RoleSpec, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -57,6 +56,9 @@ class WorkerSettings:
     dp_ports: tuple[int, ...] = ()
     # A directory with tokenizer.json to use instead of the model's own.
     tokenizer: str | None = None
+    # Decode: the prefill bootstrap servers it may contact, when given at start
+    # (local mode); None waits for `PUT /admin/prefill_peers` (Kubernetes).
+    prefill_peers: frozenset[str] | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -94,12 +96,25 @@ def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
-    # The advertised host: pods sharing a network (hostNetwork, the test node
-    # agent) must not collide on 127.0.0.1.
     dist = init_distributed(
-        cfg.parallel, group_rank, settings.advertise_host, settings.dist_port + dp_rank, cfg.device
+        cfg.parallel,
+        group_rank,
+        store_host(settings.advertise_host),
+        settings.dist_port + dp_rank,
+        cfg.device,
     )
     return cfg, dist
+
+
+def store_host(advertise_host: str) -> str:
+    """Where the torch.distributed store of an instance listens.
+
+    The store is unauthenticated and its object exchange unpickles, so it
+    must never face the pod network: every rank of an instance runs in one
+    pod, hence loopback. A loopback advertise host (the test node agent's
+    127.0.x.y pods, which share one network) is kept so pods do not collide.
+    """
+    return advertise_host if advertise_host.startswith("127.") else "127.0.0.1"
 
 
 def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
@@ -161,6 +176,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
     from pdcluster.runtime.metrics import WorkerMetrics
     from pdcluster.runtime.server.engine_service import EngineService
+    from pdcluster.runtime.server.limits import server_config
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
 
     torch.set_num_threads(_torch_threads())
@@ -211,11 +227,17 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
             settings, service, agent, metrics, dp_rank
         )
         servers.extend(extra_servers)
-    app = create_worker_app(backend, tokenizer, info, metrics, extra_routes=extra_routes)
-    from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
-
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=Http1OnlyProtocol)
-    servers.insert(0, uvicorn.Server(config))
+    auth = settings.manifest.spec.auth  # workerApi: open lets a keyless PD router in
+    app = create_worker_app(
+        backend,
+        tokenizer,
+        info,
+        metrics,
+        token=settings.token,
+        data_plane_open=auth.worker_api is WorkerApiAccess.open,
+        extra_routes=extra_routes,
+    )
+    servers.insert(0, uvicorn.Server(server_config(app, host, port)))
     service.start()
     try:
         asyncio.run(_serve_all(servers))
@@ -309,7 +331,14 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         token=read_cluster_token(os.environ),
         shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
         tokenizer=getattr(args, "tokenizer", None),
+        prefill_peers=_prefill_peers_arg(args),
     )
+    if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        # An empty token would turn every check off; the operator always sets one.
+        raise SystemExit(
+            "pdcluster worker: PDCLUSTER_TOKEN is empty; on Kubernetes a worker needs the "
+            "cluster token (the operator sets it from the cluster's Secret)"
+        )
     if os.environ.get("KUBERNETES_SERVICE_HOST") and settings.role_spec.pods_per_instance > 1:
         # All ranks of an instance run as processes of one pod for now.
         raise SystemExit(
@@ -325,15 +354,30 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         and settings.shm_dir is None
         and str(spec.transfer.backend) == "shm"
     ):
+        from pdcluster.runtime.transfer.shm_dirs import make_pool_dir, sweep_stale_pool_dirs
+
         # Decode's KV pool lives in shared memory so same-node prefill ranks can write it.
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        owned_shm = tempfile.mkdtemp(prefix=f"pdcluster-{manifest.metadata.name}-", dir=base)
+        # Directories left by killed workers of this cluster are removed first.
+        sweep_stale_pool_dirs(manifest.metadata.name)
+        owned_shm = make_pool_dir(manifest.metadata.name)
         settings = replace(settings, shm_dir=owned_shm)
     try:
         return _run_instance(settings)
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
+
+
+def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[str] | None:
+    from pdcluster.runtime.pd.known_peers import PeerSetError, parse_peers_env
+
+    raw = getattr(args, "prefill_peers", None)
+    if raw is None:
+        return None
+    try:
+        return parse_peers_env(raw)
+    except PeerSetError as err:
+        raise SystemExit(f"pdcluster worker: --prefill-peers: {err}") from None
 
 
 def _run_instance(settings: WorkerSettings) -> int:

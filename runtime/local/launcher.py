@@ -25,6 +25,7 @@ import httpx
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
 
 STATE_FILE = "state.json"
+TOKEN_FILE = "token"
 
 
 def free_ports(n: int) -> list[int]:
@@ -65,6 +66,11 @@ class LocalCluster:
 
     def start(self) -> None:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # The cluster token, for a third-party PD router's worker API key (owner-only).
+        token_file = self.state_dir / TOKEN_FILE
+        token_file.touch(mode=0o600, exist_ok=True)
+        token_file.chmod(0o600)
+        token_file.write_text(self.token + "\n")
         env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         try:
             for spec in self.plan.processes:

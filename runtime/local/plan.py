@@ -103,6 +103,10 @@ def build_local_plan(
             if role == "prefill":
                 bport = next(free)
                 argv += ["--bootstrap-port", str(bport)]
+            elif role == "decode":
+                # The only bootstrap servers decode may contact (and send the token to).
+                peers = [f"{HOST}:{w.bootstrap_port}" for w in workers if w.role == "prefill"]
+                argv += ["--prefill-peers", ",".join(peers)]
             workers.append(
                 ProcessSpec(
                     name=f"{role}-{i}",

@@ -48,6 +48,7 @@ from pdcluster.runtime.pd.bootstrap_registry import (
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.messages import MAX_ROOM
 from pdcluster.runtime.pd.topology import shape_of
+from pdcluster.runtime.server.limits import BodyTooLarge, read_limited, server_config
 
 MAX_BODY_BYTES = 64 * 1024
 _T = TypeVar("_T")
@@ -97,16 +98,12 @@ def _authorize(request: Request, token: str | None) -> None:
 
 async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _HttpError(413, f"body of {declared} bytes exceeds {MAX_BODY_BYTES}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _HttpError(413, f"body exceeds {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    if declared is not None and not declared.isdigit():
+        declared = None  # the server's h11 refuses a malformed length before this
+    try:
+        return await read_limited(request.stream(), declared, MAX_BODY_BYTES)
+    except BodyTooLarge:
+        raise _HttpError(413, f"body exceeds {MAX_BODY_BYTES} bytes") from None
 
 
 def _parse(body: bytes, kind: type[_T]) -> _T:
@@ -239,7 +236,7 @@ class BootstrapServer:
         self._sock.bind((host, port))
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        config = server_config(app, host, 0, lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
 

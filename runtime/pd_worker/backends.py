@@ -14,6 +14,9 @@ Admin API (token-protected; the operator's fast path):
   fail every room tied to that peer on every rank of this group now;
   `gone: false` (the peer may be hung, not dead) keeps those rooms' pages on
   a one-sided transport until the peer acks or is reported gone (admin_body.py);
+- `PUT /admin/prefill_peers {"peers": ["host:port", ...]}` (decode) — replace
+  the set of prefill bootstrap servers this worker may contact
+  (known_peers.py); the operator sends it whenever the prefill pods change;
 - `GET /admin/rooms` — rooms with state, age and peers (this rank's view);
 - `GET /admin/failures` — failure counts of the whole instance (every rank of
   every dp group; rooms counted once), for the operator's Events:
@@ -40,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group
@@ -51,9 +55,10 @@ from pdcluster.runtime.pd_worker.coordinator import (
 )
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
+from pdcluster.runtime.server.auth import bearer_headers, check_bearer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request
 from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
-from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
+from pdcluster.runtime.server.limits import server_config
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 log = logging.getLogger("pdcluster.pd")
@@ -84,6 +89,8 @@ class _PDBackend:
         self.coordinator = coordinator
         self.info = info
         self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
+        # Sent on relays to the other dp groups' leaders (their data plane is guarded).
+        self.headers: dict[str, str] = bearer_headers(info.pop("token", ""))
         self._forwarded: dict[str, str] = {}
         self.counts: InstanceCounts | None = None  # set by build_pd_backend
         # dp size of the prefill instances (both roles): a room's prefill group is room % it.
@@ -184,7 +191,9 @@ class _PDBackend:
         ended = False
         try:
             async with httpx.AsyncClient(timeout=None) as client:
-                async with client.stream("POST", url + "/generate", json=body) as resp:
+                async with client.stream(
+                    "POST", url + "/generate", json=body, headers=self.headers
+                ) as resp:
                     if resp.status_code != 200:
                         detail = (await resp.aread()).decode(errors="replace")
                         yield TokenEvent(
@@ -227,7 +236,9 @@ class _PDBackend:
 
             def relay() -> None:
                 try:
-                    httpx.post(url + "/abort_request", json={"rid": rid}, timeout=2)
+                    httpx.post(
+                        url + "/abort_request", json={"rid": rid}, headers=self.headers, timeout=2
+                    )
                 except httpx.HTTPError:
                     pass
 
@@ -316,11 +327,29 @@ class DecodeBackend(_PDBackend):
         # Prefills this group's leader refuses new rooms for (declared dead, not back yet).
         return {**super().server_info(), "peers_down": self.agent.peers_down()}
 
-    def open(self, req: PreparedRequest) -> None:
+    # The prefill bootstrap servers this worker may contact (known_peers.py).
+    known = KnownPeers()
+
+    def is_healthy(self) -> bool:
+        # Not ready before it knows whom it may fetch KV from.
+        return self.known.is_published and super().is_healthy()
+
+    def check(self, req: PreparedRequest) -> None:
         b = req.bootstrap
         if b.bootstrap_host is None or b.bootstrap_port is None or b.bootstrap_room is None:
             raise BadRequest("decode needs bootstrap_host, bootstrap_port and bootstrap_room")
-        peer = f"{b.bootstrap_host}:{b.bootstrap_port}"
+        # Before anything else: the address is where decode would send the token.
+        try:
+            self.known.check(b.bootstrap_host, b.bootstrap_port)
+        except PeerSetError as err:
+            raise BadRequest(str(err), status=400 if self.known.is_published else 503) from None
+        super().check(req)
+
+    def open(self, req: PreparedRequest) -> None:
+        b = req.bootstrap
+        assert b.bootstrap_host is not None and b.bootstrap_port is not None
+        assert b.bootstrap_room is not None
+        peer = self.known.check(b.bootstrap_host, b.bootstrap_port)
         sampling = engine_request(req).sampling
         self.coordinator.open(
             b.bootstrap_room,
@@ -402,6 +431,45 @@ def _admin_routes(
     return add
 
 
+def _prefill_peers_route(
+    backend: DecodeBackend, token: str, dp_ports: tuple[int, ...]
+) -> Callable[[FastAPI], None]:
+    """`PUT /admin/prefill_peers {"peers": ["host:port", ...]}`: replace the known set."""
+
+    def add(app: FastAPI) -> None:
+        @app.put("/admin/prefill_peers")
+        async def prefill_peers(request: Request) -> JSONResponse:
+            if token:
+                denied = check_bearer(request.headers.get("authorization"), token)
+                if denied is not None:
+                    return JSONResponse(
+                        {"error": {"message": denied.message, "code": denied.status}},
+                        denied.status,
+                    )
+            try:
+                peers = parse_peers_body(json.loads(await request.body()))
+            except (PeerSetError, ValueError) as err:
+                msg = str(err) if isinstance(err, PeerSetError) else "body is not JSON"
+                return JSONResponse({"error": {"message": msg, "code": 400}}, 400)
+            if peers != backend.known.peers:
+                log.info("admin: prefill peers now %s", ", ".join(sorted(peers)) or "(none)")
+            backend.known = backend.known.replaced(peers)
+            # Other dp groups check their own requests: relay to their leaders.
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+                for port in dp_ports:
+                    try:
+                        await client.put(
+                            f"http://127.0.0.1:{port}/admin/prefill_peers",
+                            json={"peers": sorted(peers)},
+                            headers=bearer_headers(token),
+                        )
+                    except httpx.HTTPError as err:
+                        log.warning("prefill_peers relay to dp port %s failed: %s", port, err)
+            return JSONResponse({"peers": sorted(peers)})
+
+    return add
+
+
 def build_pd_backend(
     settings: Any, service: EngineService, agent: Any, metrics: Any, dp_rank: int
 ) -> tuple[Any, Callable[[FastAPI], None], list[uvicorn.Server]]:
@@ -413,6 +481,7 @@ def build_pd_backend(
         "dp_rank": dp_rank,
         "dp_ports": settings.dp_ports,
         "prefill_dp_size": spec.prefill.topology.dp if spec.prefill is not None else 1,
+        "token": settings.token,
     }
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
@@ -433,21 +502,25 @@ def build_pd_backend(
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)
             backend.registry = app.state.registry
-            config = uvicorn.Config(
-                app,
-                host=settings.host,
-                port=settings.bootstrap_port,
-                log_level="warning",
-                http=Http1OnlyProtocol,
-            )
+            config = server_config(app, settings.host, settings.bootstrap_port)
             delay_s = float(os.environ.get(BOOTSTRAP_DELAY_ENV) or 0)
             servers.append(_LateServer(config, delay_s) if delay_s > 0 else uvicorn.Server(config))
     else:
         coord = DecodeCoordinator(agent, service, group_size, metrics, spec)
         backend = DecodeBackend(service, agent, coord, info)
+        if settings.prefill_peers is not None:  # local mode: the launcher's list
+            backend.known = KnownPeers(frozenset(settings.prefill_peers))
 
     # Only the front (dp group 0) relays admin calls to the other groups.
     relay_ports = tuple(settings.dp_ports) if dp_rank == 0 else ()
     counts = InstanceCounts(agent, coord, settings.token, relay_ports)
     backend.counts = counts
-    return backend, _admin_routes(agent, settings.token, counts, relay_ports), servers
+    routes = _admin_routes(agent, settings.token, counts, relay_ports)
+    if isinstance(backend, DecodeBackend):
+        admin, peers_route = routes, _prefill_peers_route(backend, settings.token, relay_ports)
+
+        def routes(app: FastAPI) -> None:
+            admin(app)
+            peers_route(app)
+
+    return backend, routes, servers

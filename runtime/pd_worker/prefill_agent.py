@@ -41,6 +41,8 @@ from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.shm_dirs import shm_base
+from pdcluster.runtime.transfer.shm_paths import check_pool_path
 from pdcluster.runtime.transfer.tcp import TcpTransport
 
 log = logging.getLogger("pdcluster.pd.prefill")
@@ -467,6 +469,13 @@ class PrefillAgent(RankAgent):
         lay = dest.layout
         if not lay.shm_pool_path:
             raise ValueError(f"decode rank {dest.decode_rank} offers no shared-memory pool")
+        # Only a pool file of this cluster: a registration must not make us write elsewhere.
+        check_pool_path(
+            os.path.realpath(lay.shm_pool_path),
+            shm_base(),
+            self.ctx.cluster,
+            os.environ.get("PDCLUSTER_SHM_DIR"),
+        )
         shape = self._peer_shape(lay)
         # The chunk hook runs inside the runner's inference mode; a pool mapped
         # there would be an inference tensor the sender thread may not write.

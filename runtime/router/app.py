@@ -54,6 +54,8 @@ from pdcluster.runtime.router.streaming import (
     run_until_disconnect,
 )
 from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole, WorkerTarget
+from pdcluster.runtime.server.auth import bearer_headers
+from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
 
 log = logging.getLogger(__name__)
 
@@ -98,24 +100,14 @@ class _MetricsMiddleware:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise RouterError(400, "invalid Content-Length header", reason="bad_length")
-        if int(declared) > limit:
-            raise RouterError(
-                413, f"request body is over the {limit}-byte limit", reason="body_too_large"
-            )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(
-                413, f"request body is over the {limit}-byte limit", reason="body_too_large"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_limited(request.stream(), request.headers.get("content-length"), limit)
+    except BadLength as err:
+        raise RouterError(400, str(err), reason="bad_length") from None
+    except BodyTooLarge:
+        raise RouterError(
+            413, f"request body is over the {limit}-byte limit", reason="body_too_large"
+        ) from None
 
 
 class RouterState:
@@ -153,8 +145,10 @@ class RouterState:
             max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
         )
         # trust_env=False: a proxy variable must never divert worker traffic.
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
-        control = httpx.AsyncClient(timeout=cfg.abort_timeout_s, trust_env=False)
+        # Every call to a worker carries the cluster token (their data plane is guarded).
+        headers = bearer_headers(cfg.worker_token)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=headers)
+        control = httpx.AsyncClient(timeout=cfg.abort_timeout_s, trust_env=False, headers=headers)
         self.ctx = RelayContext(
             config=cfg, pool=self.pool, client=client, control=control, metrics=self.metrics
         )

@@ -134,6 +134,8 @@ def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) 
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
+    # The cluster token (local mode and the operator set it) guards the workers' API.
+    fields["worker_token"] = (os.environ if env is None else env).get("PDCLUSTER_TOKEN", "")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     return Invocation(

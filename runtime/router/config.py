@@ -46,6 +46,8 @@ class RouterConfig:
     # Bearer keys; empty means the API is open. /health and /metrics stay open.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The cluster token, sent as a Bearer header on every call to a worker.
+    worker_token: str = field(default="", repr=False)
     # Whole-request deadline, streaming included: no request outlives it.
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 5.0

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import uvicorn
 
 from pdcluster.runtime.router.app import create_router_app
 from pdcluster.runtime.router.config import RouterConfig
+from pdcluster.runtime.server.limits import DEFAULT_LIMITS, server_config
 
 
 def _uvicorn_config(config: RouterConfig, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
-        create_router_app(config),
-        host=host,
-        port=port,
-        log_level=log_level,
-        # Streams can be long; do not cut keep-alive connections mid-use.
-        timeout_keep_alive=30,
-        access_log=False,
+    # Streams can be long; do not cut keep-alive connections mid-use.
+    limits = replace(DEFAULT_LIMITS, keep_alive_s=30.0)
+    return server_config(
+        create_router_app(config), host, port, limits, log_level=log_level, access_log=False
     )
 
 

@@ -36,12 +36,16 @@ from pdcluster.runtime.server.api_models import (
     GenerateRequest,
     normalize_stop,
 )
+from pdcluster.runtime.server.auth import check_bearer, is_guarded
 from pdcluster.runtime.server.engine_service import TokenEvent
+from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
 
 log = logging.getLogger("pdcluster.worker")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_NEW_TOKENS = 128
+# Checked against every sampled token: bounded so a body cannot slow every step.
+MAX_STOP_TOKEN_IDS = 64
 
 
 class BadRequest(ValueError):
@@ -107,21 +111,41 @@ def create_worker_app(
     metrics: WorkerMetrics,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    token: str = "",
+    data_plane_open: bool = False,
     extra_routes: Callable[[FastAPI], None] | None = None,
 ) -> FastAPI:
     app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
     in_flight: set[str] = set()
 
     @app.middleware("http")
-    async def limit_body(
+    async def guard(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+        # Auth first: an unauthenticated client gets no further than the headers.
+        if token and is_guarded(request.url.path, data_plane_open=data_plane_open):
+            denied = check_bearer(request.headers.get("authorization"), token)
+            if denied is not None:
+                metrics.rejected.labels(reason="unauthorized").inc()
+                return JSONResponse(
+                    R.error_body(denied.message, code=denied.status),
+                    denied.status,
+                    headers={"WWW-Authenticate": "Bearer"} if denied.status == 401 else None,
+                )
+        # Counted while streaming: a chunked body has no Content-Length to check.
+        try:
+            body = await read_limited(
+                request.stream(), request.headers.get("content-length"), max_body_bytes
+            )
+        except BodyTooLarge:
             metrics.rejected.labels(reason="body_too_large").inc()
             return JSONResponse(
                 R.error_body(f"request body over {max_body_bytes} bytes", code=413), 413
             )
+        except BadLength as err:
+            metrics.rejected.labels(reason="bad_request").inc()
+            return JSONResponse(R.error_body(str(err), code=400), 400)
+        request._body = body  # replayed to the endpoint by Starlette
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -151,6 +175,10 @@ def create_worker_app(
         mt = min(DEFAULT_MAX_NEW_TOKENS, limit) if max_tokens is None else max_tokens
         if mt > limit:
             raise BadRequest(f"max_tokens {mt} exceeds this server's limit {limit}")
+        if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(
+                f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         return {
             "temperature": 1.0 if temperature is None else temperature,
             "top_p": 1.0 if top_p is None else top_p,

@@ -99,7 +99,16 @@ class Outbound:
         on_sent: SentCallback | None = None,
         tag: int | None = None,
     ) -> None:
-        peer = self._peers.get(addr) or self._connect(addr)
+        peer = self._peers.get(addr)
+        if peer is None:
+            try:
+                peer = self._connect(addr)
+            except zmq.ZMQError as err:
+                # An address libzmq refuses (it came from a peer's frame): drop
+                # this send, never the I/O loop that serves every other peer.
+                if on_sent is not None:
+                    on_sent(f"cannot connect to {addr!r}: {err}")
+                return
         if peer.outbox:
             peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
             return
@@ -200,7 +209,11 @@ class Outbound:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self._curve is not None:
             make_client(sock, self._curve)
-        sock.connect(addr)
+        try:
+            sock.connect(addr)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
         peer = _Peer(sock)
         self._peers[addr] = peer
         return peer

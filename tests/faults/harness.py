@@ -33,9 +33,12 @@ from pdcluster.runtime.cli import load_manifest
 from pdcluster.runtime.local.launcher import LocalCluster, free_ports
 from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_ports
 from pdcluster.runtime.spec import PDCluster
+from tests.faults.rogue import PREFILL_LISTENERS
 from tests.local.cluster import write_manifest
 
 TOKEN = "fault-suite-" + secrets.token_hex(8)
+# Workers' data plane and info need the cluster token, as a PD router sends it.
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VOCAB = 256
 T = TypeVar("T")
 
@@ -88,8 +91,9 @@ class FaultCluster:
         self.state_dir = tmp / "state" / name
         self.token = token
         self.launcher = LocalCluster(self.plan, self.state_dir, token=token)
-        self.http = httpx.Client(timeout=10.0)
+        self.http = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {token}"})
         self._stopped: set[str] = set()
+        self._extra_prefills: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 240.0) -> FaultCluster:
@@ -97,9 +101,31 @@ class FaultCluster:
         self.launcher.wait_ready(timeout)
         for name in self.workers("prefill"):
             self.wait_healthy(name, timeout)
+        PREFILL_LISTENERS.append(self._on_extra_prefill)
         return self
 
+    # ------------------------------------------------------------ prefill peers
+    def prefill_peers(self) -> list[str]:
+        """What decode may contact: the plan's prefills plus the running rogue ones."""
+        return sorted({self.peer(p) for p in self.workers("prefill")} | self._extra_prefills)
+
+    def publish_prefill_peers(self, peers: Iterable[str] | None = None) -> None:
+        """`PUT /admin/prefill_peers` to every live decode worker (the operator's call)."""
+        body = {"peers": sorted(self.prefill_peers() if peers is None else peers)}
+        for name in self.workers("decode"):
+            if self.launcher.procs[name].poll() is None and name not in self._stopped:
+                self.admin(name, "PUT", "/admin/prefill_peers", json=body).raise_for_status()
+
+    def _on_extra_prefill(self, address: str, running: bool) -> None:
+        if running:
+            self._extra_prefills.add(address)
+        else:
+            self._extra_prefills.discard(address)
+        self.publish_prefill_peers()
+
     def close(self) -> None:
+        if self._on_extra_prefill in PREFILL_LISTENERS:
+            PREFILL_LISTENERS.remove(self._on_extra_prefill)
         for name in list(self._stopped):
             self.cont(name)
         self.launcher.stop(grace=5.0)
@@ -179,6 +205,8 @@ class FaultCluster:
             self.wait_healthy(name, timeout)
             if self.spec(name).bootstrap_port is not None:
                 self.wait_seen_answering([name])
+            elif self._extra_prefills:  # a restarted decode knows only the plan's prefills
+                self.publish_prefill_peers()
 
     def wait_seen_answering(self, prefills: Iterable[str], timeout: float = 30.0) -> None:
         """Until no live decode refuses new rooms on these prefills any more.
@@ -367,7 +395,7 @@ class PDResult:
 def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
     t0 = time.monotonic()
     try:
-        resp = httpx.post(url + "/generate", json=body, timeout=timeout)
+        resp = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=timeout)
     except httpx.HTTPError as err:
         end = time.monotonic()
         return LegResult(599, {"error": f"transport: {err!r}"}, end - t0, end)
@@ -383,7 +411,7 @@ def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
 
 def abort_leg(url: str, rid: str) -> None:
     try:
-        httpx.post(url + "/abort_request", json={"rid": rid}, timeout=5)
+        httpx.post(url + "/abort_request", json={"rid": rid}, headers=AUTH, timeout=5)
     except httpx.HTTPError:
         pass  # the worker is gone: nothing of the request is left there
 

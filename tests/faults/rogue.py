@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -126,6 +127,13 @@ class _Peer:
         self.endpoint.close()
 
 
+# Called with (bootstrap address, True) when a rogue prefill starts and
+# (address, False) when it stops: a running FaultCluster publishes it to its
+# decode workers, as the operator publishes a new prefill pod, since decode
+# contacts only the bootstrap servers it was told about.
+PREFILL_LISTENERS: list[Callable[[str, bool], None]] = []
+
+
 class RoguePrefill(_Peer):
     """One-rank prefill instance whose rank does only what the test says."""
 
@@ -146,6 +154,8 @@ class RoguePrefill(_Peer):
         self.rank = RankCoord()
         self.start(curve)
         self.server = BootstrapServer(create_bootstrap_app(self.shape, token), port=port).start()
+        for tell in list(PREFILL_LISTENERS):
+            tell(f"127.0.0.1:{self.server.port}", True)
         if register:
             self.register()
 
@@ -223,6 +233,8 @@ class RoguePrefill(_Peer):
         return payload
 
     def close(self) -> None:
+        for tell in list(PREFILL_LISTENERS):
+            tell(f"127.0.0.1:{self.server.port}", False)
         self.server.stop()
         super().close()
 

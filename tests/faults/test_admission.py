@@ -42,6 +42,8 @@ def test_unreachable_bootstrap_fails_fast_then_the_late_instance_is_used(
 ) -> None:
     port = free_ports(1)[0]
     nowhere = ("127.0.0.1", port)
+    # A published prefill that does not answer (its pod not up yet): decode may try it.
+    pd.publish_prefill_peers([*pd.prefill_peers(), f"127.0.0.1:{port}"])
     # Whichever notices first: the /route retries or the heartbeat.
     reasons = ("bootstrap_unreachable", "prefill_unreachable")
 

@@ -49,7 +49,12 @@ DECODE_STATES = ["Bootstrapping", "WaitingForInput", "Transferring", "Success"]
 
 
 def abort(cluster: FaultCluster, worker: str, rid: str) -> dict[str, Any]:
-    resp = httpx.post(cluster.url(worker) + "/abort_request", json={"rid": rid}, timeout=5)
+    resp = httpx.post(
+        cluster.url(worker) + "/abort_request",
+        json={"rid": rid},
+        headers={"Authorization": f"Bearer {cluster.token}"},
+        timeout=5,
+    )
     assert resp.status_code == 200, resp.text
     data: dict[str, Any] = resp.json()
     return data

@@ -156,21 +156,42 @@ def test_garbage_on_the_http_apis_is_refused_and_changes_nothing(
     for name in ("prefill-0", "decode-0"):
         url = pd.url(name)
         checks += [
-            (f"{name} /generate not json", h.post(url + "/generate", content=b"{nope"), {422}),
-            (f"{name} /generate list", h.post(url + "/generate", json=[1, 2]), {422}),
-            (f"{name} /generate huge", h.post(url + "/generate", content=big), {413}),
+            (
+                f"{name} /generate not json",
+                h.post(url + "/generate", content=b"{nope", headers=token),
+                {422},
+            ),
+            (
+                f"{name} /generate list",
+                h.post(url + "/generate", json=[1, 2], headers=token),
+                {422},
+            ),
+            (
+                f"{name} /generate huge",
+                h.post(url + "/generate", content=big, headers=token),
+                {413},
+            ),
             (
                 f"{name} /generate bad ids",
-                h.post(url + "/generate", json={"input_ids": [-1], "bootstrap_room": 1}),
+                h.post(
+                    url + "/generate", json={"input_ids": [-1], "bootstrap_room": 1}, headers=token
+                ),
                 {400, 422},
             ),
             (
                 f"{name} /generate no bootstrap",
-                h.post(url + "/generate", json={"input_ids": [1, 2]}),
+                h.post(url + "/generate", json={"input_ids": [1, 2]}, headers=token),
                 {400},
             ),
-            (f"{name} /abort_request", h.post(url + "/abort_request", content=b"\x00"), {422}),
+            (
+                f"{name} /abort_request",
+                h.post(url + "/abort_request", content=b"\x00", headers=token),
+                {422},
+            ),
             (f"{name} admin no token", h.get(url + "/admin/rooms"), {401}),
+            (f"{name} /generate no token", h.post(url + "/generate", json=[1]), {401}),
+            (f"{name} abort_all no token", h.post(url + "/abort_request", json={}), {401}),
+            (f"{name} server_info no token", h.get(url + "/get_server_info"), {401}),
             (
                 f"{name} admin wrong token",
                 h.post(

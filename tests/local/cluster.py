@@ -27,6 +27,12 @@ class RunningCluster:
     def worker(self, name: str) -> dict[str, Any]:
         return next(p for p in self.state["processes"] if p["name"] == name)
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The cluster token `pdcluster up` wrote to its state dir, as a Bearer header."""
+        token = (self.state_dir / self.state["cluster"] / "token").read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
     def pids(self) -> list[int]:
         return [p["pid"] for p in self.state["processes"]]
 

@@ -43,3 +43,15 @@ def test_too_few_ports_is_an_error() -> None:
     m = cluster({"prefill": {}, "decode": {}})
     with pytest.raises(ValueError, match="needs"):
         build_local_plan(m, "/m.yaml", [1, 2], python="py")
+
+
+def test_decode_is_told_exactly_the_prefill_bootstrap_servers() -> None:
+    m = cluster({"prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    plan = build_local_plan(m, "/m.yaml", list(range(41000, 41000 + count_ports(m))), python="py")
+    want = ",".join(f"127.0.0.1:{w.bootstrap_port}" for w in plan.workers if w.role == "prefill")
+    for w in plan.workers:
+        argv = list(w.argv)
+        if w.role == "decode":
+            assert argv[argv.index("--prefill-peers") + 1] == want
+        else:
+            assert "--prefill-peers" not in argv

@@ -48,7 +48,9 @@ def assert_no_page_leak(cluster, timeout: float = 10.0) -> None:
             continue
         deadline = time.monotonic() + timeout
         while True:
-            info = httpx.get(proc["url"] + "/get_server_info", timeout=10).json()
+            info = httpx.get(
+                proc["url"] + "/get_server_info", headers=cluster.auth, timeout=10
+            ).json()
             if info["num_free_pages"] == info["num_total_pages"]:
                 break
             assert time.monotonic() < deadline, f"{proc['name']} leaked pages: {info}"
@@ -138,11 +140,15 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path, backend: str) -> N
         got = [generate(cluster.endpoint, p) for p in prompts]
         assert got == expected
         decode = cluster.worker("decode-0")
-        stats = httpx.get(decode["url"] + "/get_server_info", timeout=10).json()["kv_receive_stats"]
+        stats = httpx.get(
+            decode["url"] + "/get_server_info", headers=cluster.auth, timeout=10
+        ).json()["kv_receive_stats"]
         if backend == "tcp":  # shm writes land without the receiver
             assert stats.get("accepted", 0) >= len(prompts)
         assert not any("checksum" in k for k in stats), stats
-        failed = httpx.get(decode["url"] + "/get_server_info", timeout=10).json()
+        failed = httpx.get(
+            decode["url"] + "/get_server_info", headers=cluster.auth, timeout=10
+        ).json()
         assert not any("checksum" in k for k in failed.get("pd_stats", {})), failed["pd_stats"]
         # The transfer is visible in both workers' metrics.
         measured = (("decode-0", "in"), ("prefill-0", "out")) if backend == "tcp" else ()

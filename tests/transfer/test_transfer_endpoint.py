@@ -285,3 +285,15 @@ def test_discard_withdraws_only_the_tagged_messages_still_waiting():
     assert results[2] == []  # still waiting for its peer
     client.close()
     assert results[2] == ["endpoint_closed"]
+
+
+def test_an_address_libzmq_refuses_drops_that_send_not_the_endpoint(pair):
+    # Passes the shape check but not libzmq (a fuzzed frame named it as its sender).
+    server, client, inbox = pair
+    errors: list[str | None] = []
+    client.send_kv('tcp://"27.0.0.1:9', b"h", b"p", on_sent=errors.append)
+    client.send_control('tcp://"27.0.0.1:9', b"lost")
+    wait_until(lambda: errors, 5)
+    assert errors[0] is not None and "cannot connect" in errors[0]
+    client.send_control(server.address, b"still-serving")
+    inbox.wait_for(b"still-serving")

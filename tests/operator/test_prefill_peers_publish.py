@@ -1,0 +1,107 @@
+"""The operator tells decode workers which prefill bootstrap servers they may contact."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdcluster.operator.names import Role
+from pdcluster.operator.pod_facts import parse_pod_facts
+from pdcluster.operator.prefill_peers import compute_prefill_peers, decode_targets
+
+from .podmaker import terminated, worker_pod
+from .test_failover_io import TOKEN, free_port, make_failover
+
+
+class FakeDecode:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.sets: list[list[str]] = []
+        self.refuse = 0  # answer 503 this many times first (a decode still loading)
+        app = FastAPI()
+
+        @app.put("/admin/prefill_peers")
+        async def put(request: Request) -> JSONResponse:
+            if request.headers.get("authorization") != f"Bearer {TOKEN}":
+                return JSONResponse({"error": {"message": "wrong token"}}, 403)
+            if self.refuse:
+                self.refuse -= 1
+                return JSONResponse({"error": {"message": "loading"}}, 503)
+            peers = (await request.json())["peers"]
+            self.sets.append(peers)
+            return JSONResponse({"peers": peers})
+
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(cfg)
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[FakeDecode]:
+    d = FakeDecode()
+    task = asyncio.create_task(d.server.serve())
+    deadline = time.monotonic() + 10
+    while not d.server.started:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    yield d
+    d.server.should_exit = True
+    await task
+
+
+def facts(pod: dict[str, Any]) -> Any:
+    f = parse_pod_facts(pod)
+    assert f is not None
+    return f
+
+
+def test_the_set_is_every_running_prefill_of_the_cluster() -> None:
+    p0 = facts(worker_pod(Role.prefill, 0, ip="10.0.0.1"))
+    p1 = facts(worker_pod(Role.prefill, 1, ip="10.0.0.2"))
+    gone = facts(terminated(worker_pod(Role.prefill, 2, ip="10.0.0.3")))
+    no_ip = facts(worker_pod(Role.prefill, 3, ip=None))
+    d0 = facts(worker_pod(Role.decode, 0, ip="10.0.1.1"))
+    pending = facts(worker_pod(Role.decode, 1, ip="10.0.1.2", phase="Pending"))
+    pods = [p0, p1, gone, no_ip, d0, pending]
+    assert compute_prefill_peers(pods, p0.cluster_uid) == {"10.0.0.1:8998", "10.0.0.2:8998"}
+    assert compute_prefill_peers(pods, "another-cluster") == frozenset()
+    assert decode_targets(pods, p0.cluster_uid) == [d0]
+
+
+async def test_pod_events_publish_the_set_and_a_loading_decode_is_asked_again(
+    decode: FakeDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pdcluster.operator.failover.PUBLISH_RETRY_S", 0.05)
+    _, failover, _ = make_failover()
+    decode.refuse = 2
+    await failover.on_pod_event(
+        "ADDED", worker_pod(Role.decode, 0, ip="127.0.0.1", http_port=decode.port)
+    )
+    prefill = worker_pod(Role.prefill, 0, ip="127.0.0.9")
+    await failover.on_pod_event("ADDED", prefill)
+
+    async def until(want: list[str]) -> None:
+        deadline = time.monotonic() + 5
+        while not decode.sets or decode.sets[-1] != want:
+            assert time.monotonic() < deadline, decode.sets
+            await asyncio.sleep(0.02)
+
+    await until(["127.0.0.9:8998"])
+    told = len(decode.sets)
+    # Nothing changed: a pod event tells nobody again; a poll does.
+    await failover.on_pod_event("MODIFIED", prefill)
+    await asyncio.sleep(0.2)
+    assert len(decode.sets) == told
+    await failover.poll_all()
+    await asyncio.sleep(0.2)
+    assert len(decode.sets) == told + 1
+    # The prefill dies: decode must not contact its address any more.
+    await failover.on_pod_event("MODIFIED", terminated(prefill))
+    await until([])
+    await failover.aclose()

@@ -59,6 +59,7 @@ class SGLangRouter:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    headers: dict[str, str]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -77,6 +78,9 @@ def start_router(
         "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus),
         "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
         "--disable-retries", "--disable-circuit-breaker",
+        # Our workers' data plane wants the cluster token; with --api-key the
+        # router sends it to both legs (and wants it from its own clients).
+        "--api-key", cluster.token,
     ]  # fmt: skip
     log_path = tmp / f"sglang-router-{port}.log"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -86,7 +90,8 @@ def start_router(
         proc = subprocess.Popen(
             argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log_path)
+    headers = {"Authorization": f"Bearer {cluster.token}"}
+    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log_path, headers)
 
     def ready() -> bool:
         if proc.poll() is not None:
@@ -207,7 +212,15 @@ def test_outputs_through_sglang_router_equal_colocated(
     want = [expected(colocated, path, p, stream) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         resps = list(
-            pool.map(lambda p: httpx.post(url, json=body_for(path, p, stream), timeout=60), PROMPTS)
+            pool.map(
+                lambda p: httpx.post(
+                    url,
+                    json=body_for(path, p, stream),
+                    headers=routers[topology].headers,
+                    timeout=60,
+                ),
+                PROMPTS,
+            )
         )
     got = [answer_text(path, r, stream) for r in resps]
     for prompt, g, w in zip(PROMPTS, got, want, strict=True):
@@ -226,7 +239,12 @@ def test_chat_through_sglang_router_equals_colocated(
         "ignore_eos": True,
     }
     want = colocated.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    resp = httpx.post(routers["2p2d"].url + "/v1/chat/completions", json=body, timeout=60)
+    resp = httpx.post(
+        routers["2p2d"].url + "/v1/chat/completions",
+        json=body,
+        headers=routers["2p2d"].headers,
+        timeout=60,
+    )
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"] == want
 
@@ -235,7 +253,9 @@ def test_sglang_router_names_the_model_our_workers_serve(
     routers: dict[str, SGLangRouter],
 ) -> None:
     # It reads `served_model_name` from the workers' /model_info (else "unknown").
-    models = httpx.get(routers["2p2d"].url + "/v1/models", timeout=10).json()
+    models = httpx.get(
+        routers["2p2d"].url + "/v1/models", headers=routers["2p2d"].headers, timeout=10
+    ).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
 
 
@@ -257,7 +277,7 @@ def test_client_disconnect_through_sglang_router_frees_both_legs(
     limit = int(cluster.info("decode-0")["max_new_tokens"])
     before = _requests_by_reason(cluster, "decode-0").get("client_disconnect", 0.0)
     body = body_for("/v1/completions", "Hello", stream=True, max_tokens=limit)
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers=routers["1p1d"].headers) as client:
         with client.stream("POST", routers["1p1d"].url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
@@ -287,7 +307,12 @@ def test_kill9_of_one_prefill_fails_only_its_requests(
     with ThreadPoolExecutor(4) as pool:
         resps = list(
             pool.map(
-                lambda p: httpx.post(url, json=body_for("/generate", p, False), timeout=60),
+                lambda p: httpx.post(
+                    url,
+                    json=body_for("/generate", p, False),
+                    headers=routers["2p2d"].headers,
+                    timeout=60,
+                ),
                 prompts,
             )
         )

@@ -46,6 +46,7 @@ from pdcluster.runtime.pd_worker.group import (
 )
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
+from pdcluster.runtime.transfer.identity import claim_mismatch
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -116,6 +117,14 @@ class AsyncRunner:
         self._thread.join(5)
 
 
+def _claimed_sender(msg: Any) -> str | None:
+    """The endpoint a message names as its own sender, if it names one."""
+    if isinstance(msg, pdmsg.LayoutAck):
+        return msg.endpoint
+    claimed = getattr(msg, "decode_endpoint", None)
+    return claimed if isinstance(claimed, str) else None
+
+
 class RankAgent:
     """Shared machinery; `PrefillAgent` and `DecodeAgent` add the role's logic."""
 
@@ -133,6 +142,7 @@ class RankAgent:
                 # than let it hold the sender's buffers and stall every other room.
                 send_timeout=ctx.room_settings.release_s,
                 curve=cluster_keys(ctx.token) if ctx.curve else None,
+                token=ctx.token,
             ),
             on_control=self._on_control,
         )
@@ -265,6 +275,12 @@ class RankAgent:
         except pdmsg.ProtocolError as err:
             self.ctx.stats[f"reject:{err.reason}"] += 1
             log.debug("rank %s: dropped frame from %s: %s", self.ctx.coord, sender, err)
+            return
+        if claim_mismatch(sender, _claimed_sender(msg)):
+            # The connection proved `sender`; a message speaking for another
+            # endpoint is forged: acting on it (or answering there) would let
+            # any peer fail another's rooms.
+            self.ctx.stats["reject:sender_mismatch"] += 1
             return
         self.post(lambda: self.on_message(msg, time.monotonic()))
 

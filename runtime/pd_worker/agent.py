@@ -46,7 +46,7 @@ from pdcluster.runtime.pd_worker.group import (
 )
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
-from pdcluster.runtime.transfer.identity import claim_mismatch
+from pdcluster.runtime.transfer.identity import claim_mismatch, group_must_be_local, group_route
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -146,6 +146,9 @@ class RankAgent:
             ),
             on_control=self._on_control,
         )
+        if group_must_be_local(ctx.host):
+            # Ranks of an instance share a pod: their group traffic stays on loopback.
+            self.endpoint.local_only = is_group_frame
         self.endpoint.start()
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
         self.leader_address: str | None = None
@@ -244,7 +247,11 @@ class RankAgent:
                 return
         self._pushed = (now, counts)
         msg = GroupStats(self.ctx.group_rank, str(self.ctx.coord), counts)
-        self.endpoint.send_control(self.leader_address, encode_group(msg))
+        self.send_group(self.leader_address, encode_group(msg))
+
+    def send_group(self, address: str, data: bytes) -> None:
+        """A group frame to a rank of this instance, over loopback when it listens there."""
+        self.endpoint.send_control(group_route(address, self.ctx.host), data)
 
     def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:
         """Leader: each follower's last counters and the followers missing (any thread)."""
@@ -324,7 +331,7 @@ class RankAgent:
         if self.report_sink is not None:
             self.report_sink(rep)
         elif self.leader_address is not None:
-            self.endpoint.send_control(self.leader_address, encode_group(rep))
+            self.send_group(self.leader_address, encode_group(rep))
         else:
             log.error("rank %s: no leader to report %s for room %s", self.ctx.coord, kind, room)
 
@@ -332,7 +339,7 @@ class RankAgent:
         """Leader: a group command to every follower and to this rank itself."""
         data = encode_group(msg)
         for addr in self.follower_addresses:
-            self.endpoint.send_control(addr, data)
+            self.send_group(addr, data)
         self.post(lambda: self.on_group(msg, time.monotonic()))
 
     def room_views(self, now: float) -> list[dict[str, Any]]:

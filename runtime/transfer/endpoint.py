@@ -46,7 +46,7 @@ import zmq
 
 from pdcluster.runtime.transfer.curve import CurveKeys, make_server
 from pdcluster.runtime.transfer.frames import MAX_HEADER_BYTES, MiB
-from pdcluster.runtime.transfer.identity import check_proof, identity_key
+from pdcluster.runtime.transfer.identity import check_proof, identity_key, is_loopback
 from pdcluster.runtime.transfer.outbound import Outbound, SentCallback
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,15 @@ def check_address(address: str) -> str:
     return address
 
 
+def _peer_ip(frame: zmq.Frame) -> str | None:
+    """The IP the frame's connection comes from (libzmq's Peer-Address), if known."""
+    try:
+        ip = frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError, TypeError):
+        return None
+    return ip if isinstance(ip, str) else None
+
+
 class Endpoint:
     """A rank's ZMQ endpoint. `start()` binds and starts the I/O thread."""
 
@@ -111,10 +120,14 @@ class Endpoint:
         self.config = config or EndpointConfig()
         if self.config.host in ("0.0.0.0", "*", "::") and not self.config.advertise_host:
             raise ValueError("binding a wildcard host needs advertise_host for peers to dial")
+        if self.config.max_peers < 1 or self.config.peer_idle_timeout <= 0:
+            raise ValueError("max_peers must be >= 1 and peer_idle_timeout > 0")
         self.on_control = on_control
         self.on_kv = on_kv
         # Set by the owner before traffic: KV frames it refuses are dropped ("kv_wrong_source").
         self.accept_kv: KVFilter | None = None
+        # Set by the owner: control frames it marks are taken only over loopback ("not_loopback").
+        self.local_only: Callable[[bytes], bool] | None = None
         self._key = identity_key(self.config.token)
         self._stats: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -362,8 +375,13 @@ class Endpoint:
             if len(data) > self.config.max_control_bytes:
                 self._reject("oversized")
                 return
+            body = data.bytes
+            if self.local_only is not None and self.local_only(body):
+                if not is_loopback(_peer_ip(parts[1])):
+                    self._reject("not_loopback")
+                    return
             if self.on_control is not None:
-                self.on_control(sender_addr, data.bytes)
+                self.on_control(sender_addr, body)
             return
         header, payload = parts[4], parts[5]
         if len(header) > MAX_HEADER_BYTES or len(payload) > self.config.max_kv_bytes:

@@ -75,3 +75,33 @@ def kv_source_ok(sender: str, sources: frozenset[str] | None) -> bool:
     receiver then drops the frame itself, by its own rules.
     """
     return sources is None or sender in sources
+
+
+_LOOPBACK_BINDS = ("0.0.0.0", "*", "::", "127.0.0.1", "localhost")
+
+
+def is_loopback(peer_ip: str | None) -> bool:
+    """True for a connection from this host (127.0.0.0/8, ::1)."""
+    if not peer_ip:
+        return False
+    ip = peer_ip.removeprefix("::ffff:")
+    return ip.startswith("127.") or ip == "::1"
+
+
+def group_route(address: str, bind_host: str) -> str:
+    """Where to dial a rank of this instance for group traffic.
+
+    All ranks of an instance share a pod (and its bind host), so a rank
+    listening on a wildcard or loopback host is reached on 127.0.0.1: group
+    commands never cross the pod network. A rank bound to one specific
+    interface is dialled as advertised.
+    """
+    if bind_host not in _LOOPBACK_BINDS:
+        return address
+    port = address.rpartition(":")[2]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def group_must_be_local(bind_host: str) -> bool:
+    """Whether group frames must arrive over loopback (see `group_route`)."""
+    return bind_host in _LOOPBACK_BINDS

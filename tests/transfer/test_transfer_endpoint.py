@@ -339,3 +339,78 @@ def test_kv_frames_a_filter_refuses_are_dropped_and_counted(pair):
     assert done.wait(5)
     wait_until(lambda: got == [b"ok"], what="accepted frame")
     assert server.stats.get("kv_wrong_source") == 1
+
+
+def test_frames_marked_local_only_are_taken_only_over_loopback(pair, monkeypatch):
+    import pdcluster.runtime.transfer.endpoint as endpoint_mod
+
+    server, client, inbox = pair
+    server.local_only = lambda data: data.startswith(b"group")
+    client.send_control(server.address, b"group over loopback")
+    inbox.wait_for(b"group over loopback")
+    monkeypatch.setattr(endpoint_mod, "_peer_ip", lambda frame: "10.0.0.5")
+    client.send_control(server.address, b"group from the pod network")
+    client.send_control(server.address, b"other traffic")
+    inbox.wait_for(b"other traffic")
+    assert [m for _, m in inbox.messages] == [b"group over loopback", b"other traffic"]
+    assert server.stats.get("not_loopback") == 1
+
+
+def test_a_forged_group_frame_claiming_the_leader_is_refused():
+    # A follower trusts group commands from its leader's address: a peer
+    # without the token that names that address is refused before the agent.
+    inbox = Inbox()
+    follower = Endpoint(EndpointConfig(token="t"), on_control=inbox)
+    leader = Endpoint(EndpointConfig(token="t"))
+    follower.start()
+    leader.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(follower.address)
+    try:
+        unkeyed = prove(identity_key(""), b"\x01x", leader.address.encode())
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01x")
+        sock.send_multipart([b"C", leader.address.encode(), unkeyed, b"PDG\x01fail"])
+        assert sock.poll(5000)
+        assert sock.recv_multipart() == [b"R", b"bad_proof"]
+        leader.send_control(follower.address, b"PDG\x01genuine")
+        inbox.wait_for(b"PDG\x01genuine")
+        assert inbox.messages == [(leader.address, b"PDG\x01genuine")]
+    finally:
+        sock.close(0)
+        ctx.term()
+        leader.close()
+        follower.close()
+
+
+def test_outbound_dealers_are_capped_lru_and_idle_ones_close():
+    servers = [Endpoint() for _ in range(3)]
+    for s in servers:
+        s.start()
+    inboxes = [Inbox() for _ in servers]
+    for s, box in zip(servers, inboxes, strict=True):
+        s.on_control = box
+    client = Endpoint(EndpointConfig(max_peers=2, peer_idle_timeout=0.5))
+    client.start()
+    try:
+        for s, box in zip(servers, inboxes, strict=True):
+            client.send_control(s.address, b"hi")
+            box.wait_for(b"hi")
+        # The third peer closed the least recently used DEALER (the first one).
+        wait_until(lambda: client.stats.get("peer_evicted") == 1, what="one evicted")
+        # Unused ones close on their own; a later send reconnects.
+        wait_until(lambda: client.stats.get("peer_idle_closed") == 2, what="idle ones closed")
+        client.send_control(servers[0].address, b"again")
+        inboxes[0].wait_for(b"again")
+        assert client.stats.get("send_dropped", 0) == 0
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+
+
+def test_outbound_settings_are_checked():
+    for bad in ({"max_peers": 0}, {"peer_idle_timeout": 0.0}):
+        with pytest.raises(ValueError, match="max_peers"):
+            Endpoint(EndpointConfig(**bad))

@@ -82,7 +82,10 @@ FIELD_DOCS: dict[str, str] = {
     "auth.routerApiKeySecretName": "Secret whose key `keys` lists the API keys the router "
     "requires (the router pods get it as PDCLUSTER_ROUTER_API_KEYS); it needs the label "
     "pdcluster.io/allow-reference=true; empty: the router API is open.",
-    "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
+    "auth.zmqCurve": (
+        "Encrypt ZMQ control and KV traffic with CURVE. Unset: on for pods the"
+        " operator builds, off in local mode."
+    ),
 }
 
 

@@ -205,7 +205,9 @@ class AuthSpec(_Model):
     token_secret_name: str = ""
     # Router API keys are optional; none means the router API is open.
     router_api_key_secret_name: str = ""
-    zmq_curve: bool = False
+    # CURVE on every rank's ZMQ endpoint. Unset: on for pods the operator
+    # builds (it writes `true` into the manifest they read), off in local mode.
+    zmq_curve: bool | None = None
 
 
 class PDClusterSpec(_Model):

@@ -146,9 +146,8 @@ class RankAgent:
             ),
             on_control=self._on_control,
         )
-        if group_must_be_local(ctx.host):
-            # Ranks of an instance share a pod: their group traffic stays on loopback.
-            self.endpoint.local_only = is_group_frame
+        # Ranks of an instance sharing a pod keep their group traffic on loopback.
+        self.endpoint.local_only = self._group_frame_must_be_local
         self.endpoint.start()
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
         self.leader_address: str | None = None
@@ -250,8 +249,15 @@ class RankAgent:
         self.send_group(self.leader_address, encode_group(msg))
 
     def send_group(self, address: str, data: bytes) -> None:
-        """A group frame to a rank of this instance, over loopback when it listens there."""
-        self.endpoint.send_control(group_route(address, self.ctx.host), data)
+        """A group frame to a rank of this instance, over loopback when it shares the pod."""
+        self.endpoint.send_control(group_route(address, self.ctx.host, self.address), data)
+
+    def _group_frame_must_be_local(self, data: bytes) -> bool:
+        # Endpoint I/O thread; the group's addresses are set once at start-up.
+        if not is_group_frame(data):
+            return False
+        peers = [a for a in (self.leader_address, *self.follower_addresses) if a]
+        return group_must_be_local(self.ctx.host, self.address, peers)
 
     def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:
         """Leader: each follower's last counters and the followers missing (any thread)."""

@@ -88,20 +88,27 @@ def is_loopback(peer_ip: str | None) -> bool:
     return ip.startswith("127.") or ip == "::1"
 
 
-def group_route(address: str, bind_host: str) -> str:
+def _host(address: str) -> str:
+    return address.removeprefix("tcp://").rpartition(":")[0]
+
+
+def group_route(address: str, bind_host: str, own_address: str) -> str:
     """Where to dial a rank of this instance for group traffic.
 
-    All ranks of an instance share a pod (and its bind host), so a rank
-    listening on a wildcard or loopback host is reached on 127.0.0.1: group
-    commands never cross the pod network. A rank bound to one specific
-    interface is dialled as advertised.
+    A rank advertising the same host as this one shares its pod (its network
+    namespace), so when it listens on a wildcard or loopback host it is
+    reached on 127.0.0.1: group commands never cross the pod network. Any
+    other rank is dialled as advertised.
     """
-    if bind_host not in _LOOPBACK_BINDS:
+    if not group_must_be_local(bind_host, own_address, [address]):
         return address
     port = address.rpartition(":")[2]
     return f"tcp://127.0.0.1:{port}"
 
 
-def group_must_be_local(bind_host: str) -> bool:
-    """Whether group frames must arrive over loopback (see `group_route`)."""
-    return bind_host in _LOOPBACK_BINDS
+def group_must_be_local(bind_host: str, own_address: str, peers: list[str]) -> bool:
+    """Whether group frames between this rank and `peers` must travel over loopback."""
+    if bind_host not in _LOOPBACK_BINDS:
+        return False
+    own = _host(own_address)
+    return all(_host(peer) == own for peer in peers)

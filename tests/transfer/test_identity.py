@@ -96,14 +96,27 @@ def test_is_loopback(ip, local) -> None:
 
 
 @pytest.mark.parametrize(
-    ("bind", "route", "local"),
+    ("bind", "peer", "route"),
     [
-        ("0.0.0.0", "tcp://127.0.0.1:7000", True),
-        ("::", "tcp://127.0.0.1:7000", True),
-        ("127.0.0.1", "tcp://127.0.0.1:7000", True),
-        ("10.1.2.3", "tcp://10.1.2.3:7000", False),  # one interface: dialled as advertised
+        ("0.0.0.0", "tcp://10.1.2.3:7000", "tcp://127.0.0.1:7000"),
+        ("::", "tcp://10.1.2.3:7000", "tcp://127.0.0.1:7000"),
+        ("127.0.0.1", "tcp://10.1.2.3:7000", "tcp://127.0.0.1:7000"),
+        ("10.1.2.3", "tcp://10.1.2.3:7000", "tcp://10.1.2.3:7000"),  # one interface only
+        ("0.0.0.0", "tcp://10.9.9.9:7000", "tcp://10.9.9.9:7000"),  # another pod
     ],
 )
-def test_group_route(bind, route, local) -> None:
-    assert group_route("tcp://10.1.2.3:7000", bind) == route
-    assert group_must_be_local(bind) is local
+def test_group_route(bind, peer, route) -> None:
+    assert group_route(peer, bind, "tcp://10.1.2.3:6000") == route
+
+
+@pytest.mark.parametrize(
+    ("bind", "peers", "local"),
+    [
+        ("0.0.0.0", ["tcp://10.1.2.3:7000", "tcp://10.1.2.3:7001"], True),
+        ("0.0.0.0", [], True),
+        ("0.0.0.0", ["tcp://10.1.2.3:7000", "tcp://10.9.9.9:7001"], False),
+        ("10.1.2.3", ["tcp://10.1.2.3:7000"], False),
+    ],
+)
+def test_group_must_be_local(bind, peers, local) -> None:
+    assert group_must_be_local(bind, "tcp://10.1.2.3:6000", peers) is local

@@ -120,3 +120,22 @@ def test_group_route(bind, peer, route) -> None:
 )
 def test_group_must_be_local(bind, peers, local) -> None:
     assert group_must_be_local(bind, "tcp://10.1.2.3:6000", peers) is local
+
+
+def test_identity_refusals_are_protocol_rejects_and_socket_upkeep_is_not() -> None:
+    # What `pdcluster_protocol_rejects_total` counts, by the worker's own rule.
+    from pdcluster.runtime.pd_worker.coordinator import NOT_REJECTS, REJECT_PREFIXES
+
+    def counted(key: str) -> bool:
+        return key.startswith(REJECT_PREFIXES) and key not in NOT_REJECTS
+
+    for key in (
+        "endpoint:bad_proof",
+        "endpoint:bad_identity",
+        "endpoint:kv_wrong_source",
+        "endpoint:not_loopback",
+        "reject:sender_mismatch",
+    ):
+        assert counted(key), key
+    for key in ("endpoint:peer_evicted", "endpoint:peer_idle_closed", "endpoint:peers_over_cap"):
+        assert not counted(key), key

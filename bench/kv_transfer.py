@@ -1,6 +1,6 @@
 """KV transfer throughput: each transport next to its raw limit, in one run.
 
-    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256] [--repeats 5] [--threads 1]
+    .venv/bin/python bench/kv_transfer.py [--sizes 1,16,256] [--repeats 5] [--threads 1] [--curve]
 
 For every size (MiB of KV moved for one request):
 - raw pyzmq: DEALER -> ROUTER on 127.0.0.1, zero-copy, the same number and
@@ -10,7 +10,10 @@ For every size (MiB of KV moved for one request):
   of the completion message, which travels behind the last frame;
 - memcpy: one torch copy of the same number of contiguous bytes;
 - shm: KVSender (gather) -> ShmTransport (scatter into the peer's pool file),
-  timed from submit to completion.
+  timed from submit to completion;
+- tcp+curve (`--curve`): the tcp path again between two endpoints running
+  CURVE (`spec.auth.zmqCurve`, keys from a fixed token), taking turns with
+  the plain one; curve / tcp is its cost.
 Each cell is the median of `--repeats` runs after one warm-up; ratio = the
 transport's GiB/s over its raw limit's.
 """
@@ -34,7 +37,8 @@ import zmq
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.curve import cluster_keys
+from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import MiB
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
@@ -56,6 +60,9 @@ class Row:
     shm_ratio: float
     raw_zmq_cpu_s_per_gib: float
     tcp_cpu_s_per_gib: float
+    curve_gibs: float | None = None  # --curve: the tcp path under CURVE
+    curve_over_tcp: float | None = None
+    curve_cpu_s_per_gib: float | None = None
 
 
 Timed = Callable[[], float]  # runs once, returns wall seconds
@@ -153,7 +160,12 @@ class Bench:
     """One prefill pool and one decode pool (in a shared-memory file), both shuffled."""
 
     def __init__(
-        self, shape: KVPoolShape, num_tokens: int, config: SenderConfig, device: str
+        self,
+        shape: KVPoolShape,
+        num_tokens: int,
+        config: SenderConfig,
+        device: str,
+        curve: bool = False,
     ) -> None:
         self.shape, self.num_tokens, self.config = shape, num_tokens, config
         self.tmp = tempfile.TemporaryDirectory(
@@ -180,19 +192,28 @@ class Bench:
         self.receiver = KVReceiver(self.dst_tcp, lambda room, gen: self.dst_table)
         self.decode.on_kv = self.receiver.on_kv
         self.counter = 0
+        self.decode_curve: Endpoint | None = None
+        self.prefill_curve: Endpoint | None = None
+        if curve:
+            keyed = EndpointConfig(curve=cluster_keys("bench-token"), token="bench-token")
+            self.decode_curve = Endpoint(keyed, on_control=self._on_control)
+            self.prefill_curve = Endpoint(keyed)
+            self.decode_curve.start()
+            self.prefill_curve.start()
+            self.decode_curve.on_kv = self.receiver.on_kv
 
     def _on_control(self, sender: str, data: bytes) -> None:
         with self.arrived:
             self.notes.add(data)
             self.arrived.notify_all()
 
-    def job(self, one_sided: bool) -> TransferJob:
+    def job(self, one_sided: bool, peer: str | None = None) -> TransferJob:
         self.counter += 1
         layers = tuple(range(self.shape.num_layers))
         return TransferJob(
             room=self.counter,
             generation=0,
-            peer=self.decode.address,
+            peer=peer or self.decode.address,
             src_slots=self.src_slots,
             dst_slots=self.dst_slots if one_sided else None,
             token_start=0,
@@ -205,9 +226,9 @@ class Bench:
             notify=b"done-%d" % self.counter,
         )
 
-    def timed(self, sender: KVSender, one_sided: bool) -> Timed:
+    def timed(self, sender: KVSender, one_sided: bool, peer: str | None = None) -> Timed:
         def run() -> float:
-            job = self.job(one_sided)
+            job = self.job(one_sided, peer)
             start = time.perf_counter()
             sender.submit(job)
             with self.arrived:
@@ -225,8 +246,9 @@ class Bench:
             raise SystemExit("transfer corrupted the KV: benchmark numbers are void")
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
+        for endpoint in (self.prefill_curve, self.decode_curve, self.prefill, self.decode):
+            if endpoint is not None:
+                endpoint.close()
         self.tmp.cleanup()
 
 
@@ -243,31 +265,37 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     config = SenderConfig(max_frame_bytes=args.max_frame_mib * MiB, checksum=args.checksum)
     repeats = args.repeats if size_mib < 256 else max(2, args.repeats // 2)
 
-    bench = Bench(shape, num_tokens, config, args.device)
+    bench = Bench(shape, num_tokens, config, args.device, curve=args.curve)
     plan = plan_job_frames(bench.job(one_sided=False), shape, config)  # what the sender will cut
     raw = raw_zmq([(e - s) * bytes_per_token for s, e in plan])
     tcp = KVSender(bench.src, TcpTransport(bench.prefill), config)
     shm_transport = ShmTransport(bench.prefill)
     shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)
     shm = KVSender(bench.src, shm_transport, config)
+    curved: KVSender | None = None
+    if bench.prefill_curve is not None and bench.decode_curve is not None:
+        curved = KVSender(bench.src, TcpTransport(bench.prefill_curve), config)
     try:
         tcp.start()
         shm.start()
-        rates = measure(
-            nbytes,
-            {
-                "raw": raw,
-                "tcp": bench.timed(tcp, one_sided=False),
-                "memcpy": memcpy(nbytes),
-                "shm": bench.timed(shm, one_sided=True),
-            },
-            repeats,
-        )
+        runs = {
+            "raw": raw,
+            "tcp": bench.timed(tcp, one_sided=False),
+            "memcpy": memcpy(nbytes),
+            "shm": bench.timed(shm, one_sided=True),
+        }
+        if curved is not None:
+            assert bench.decode_curve is not None
+            curved.start()
+            runs["curve"] = bench.timed(curved, one_sided=False, peer=bench.decode_curve.address)
+        rates = measure(nbytes, runs, repeats)
         bench.check(bench.dst_tcp)
         bench.check(bench.dst_shm)
     finally:
         tcp.close()
         shm.close()
+        if curved is not None:
+            curved.close()
         bench.close()
         raw.close()  # type: ignore[attr-defined]
     return Row(
@@ -281,6 +309,11 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         shm_ratio=round(rates["shm"].gibs / rates["memcpy"].gibs, 2),
         raw_zmq_cpu_s_per_gib=round(rates["raw"].cpu_s_per_gib, 3),
         tcp_cpu_s_per_gib=round(rates["tcp"].cpu_s_per_gib, 3),
+        curve_gibs=round(rates["curve"].gibs, 2) if "curve" in rates else None,
+        curve_over_tcp=(
+            round(rates["curve"].gibs / rates["tcp"].gibs, 2) if "curve" in rates else None
+        ),
+        curve_cpu_s_per_gib=(round(rates["curve"].cpu_s_per_gib, 3) if "curve" in rates else None),
     )
 
 
@@ -296,6 +329,18 @@ def markdown(rows: list[Row]) -> str:
             f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} "
             f"| {r.raw_zmq_cpu_s_per_gib:.3f} | {r.tcp_cpu_s_per_gib:.3f} |"
         )
+    if all(r.curve_gibs is not None for r in rows):
+        lines += [
+            "",
+            "| KV size | tcp GiB/s | tcp+curve GiB/s | curve / tcp | CPU s/GiB tcp "
+            "| CPU s/GiB tcp+curve |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r.size_mib} MiB | {r.tcp_gibs:.2f} | {r.curve_gibs:.2f} | {r.curve_over_tcp:.2f} "
+            f"| {r.tcp_cpu_s_per_gib:.3f} | {r.curve_cpu_s_per_gib:.3f} |"
+            for r in rows
+        ]
     return "\n".join(lines)
 
 
@@ -318,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--curve", action="store_true", help="also time the tcp path under CURVE (zmqCurve)"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -92,7 +92,10 @@ FIELD_DOCS: dict[str, str] = {
     "requires, comma- or newline-separated (mounted as a file in the router pods, never "
     "passed as an environment variable); it needs the label "
     "pdcluster.io/allow-reference=true; empty: the router API is open.",
-    "auth.zmqCurve": "Encrypt ZMQ control and KV traffic with CURVE.",
+    "auth.zmqCurve": (
+        "Encrypt ZMQ control and KV traffic with CURVE. Unset: on for pods the"
+        " operator builds, off in local mode."
+    ),
     "auth.workerApi": (
         "Workers' /generate, /abort_request and /v1/*: `token` needs the cluster token as a "
         "Bearer header (our router sends it; give it to another PD router as its worker API "

@@ -235,7 +235,9 @@ class AuthSpec(_Model):
     token_secret_name: str = ""
     # Router API keys are optional; none means the router API is open.
     router_api_key_secret_name: str = ""
-    zmq_curve: bool = False
+    # CURVE on every rank's ZMQ endpoint. Unset: on for pods the operator
+    # builds (it writes `true` into the manifest they read), off in local mode.
+    zmq_curve: bool | None = None
     # Workers' /generate, /abort_request and /v1/*: `token` needs the cluster
     # token as a Bearer header; `open` only for a PD router that cannot send one.
     worker_api: WorkerApiAccess = WorkerApiAccess.token

@@ -22,13 +22,12 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.spec import PDCluster, RoleSpec, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
@@ -290,32 +289,6 @@ async def _serve_all(servers: list[uvicorn.Server]) -> None:
         await asyncio.gather(*side_tasks, return_exceptions=True)
     if broken:
         raise SystemExit(1)
-
-
-TOKEN_ENV = "PDCLUSTER_TOKEN"
-TOKEN_FILE_ENV = "PDCLUSTER_TOKEN_FILE"
-
-
-def read_cluster_token(env: Mapping[str, str]) -> str:
-    """The cluster token: from the file `PDCLUSTER_TOKEN_FILE` names (pods: a
-    mounted Secret), else from `PDCLUSTER_TOKEN` (local mode), else none.
-
-    A named file that cannot be read, or holds no token, stops the worker: it
-    must not come up unauthenticated because a mount went wrong.
-    """
-    path = env.get(TOKEN_FILE_ENV)
-    if path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as err:
-            raise SystemExit(
-                f"pdcluster worker: cannot read the cluster token from {path} "
-                f"({TOKEN_FILE_ENV}): {err.strerror}"
-            ) from None
-        if not token:
-            raise SystemExit(f"pdcluster worker: the token file {path} ({TOKEN_FILE_ENV}) is empty")
-        return token
-    return env.get(TOKEN_ENV, "")
 
 
 def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:

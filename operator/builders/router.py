@@ -12,7 +12,7 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.workers import BuildError
+from pdcluster.operator.builders.workers import BuildError, token_secret_for
 from pdcluster.operator.cluster import Cluster
 from pdcluster.operator.revision import compute_cluster_revision, compute_router_hash
 
@@ -41,14 +41,24 @@ def router_resources(cluster: Cluster) -> dict[str, Any]:
 
 def build_router_deployment(cluster: Cluster) -> Manifest:
     spec = cluster.spec
-    # The router needs no cluster token: it only proxies the OpenAI API.
+    # The router sends the cluster token on every call to a worker (their data
+    # plane needs it); it reads it from a mounted Secret file, never from env.
     env: list[dict[str, Any]] = [
         *meta.manifest_env(names.config_map_name(cluster.name)),
         meta.env_value("HOME", podsecurity.HOME_DIR),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
+        meta.env_value(podsecurity.TOKEN_FILE_ENV, f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"),
     ]
     volumes, mounts = podsecurity.writable_volumes()
+    volumes.append(
+        podsecurity.secret_volume(
+            podsecurity.TOKEN_VOLUME, token_secret_for(cluster), meta.TOKEN_KEY
+        )
+    )
+    mounts.append(
+        {"name": podsecurity.TOKEN_VOLUME, "mountPath": podsecurity.TOKEN_DIR, "readOnly": True}
+    )
     key_args: list[str] = []
     if spec.auth.router_api_key_secret_name:
         volumes.append(

@@ -89,7 +89,7 @@ def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> Rol
 
 def placed_spec(spec: PDClusterSpec, placement: Placement = DEFAULT_PLACEMENT) -> PDClusterSpec:
     """The spec with every role placed (`placed_role`): what the pods read."""
-    update = {
+    update: dict[str, Any] = {
         name: placed_role(role, placement)
         for name, role in (
             ("prefill", spec.prefill),
@@ -98,6 +98,10 @@ def placed_spec(spec: PDClusterSpec, placement: Placement = DEFAULT_PLACEMENT) -
         )
         if role is not None
     }
+    if spec.auth.zmq_curve is None:
+        # On Kubernetes ranks talk over the pod network: encrypted unless the
+        # spec says `zmqCurve: false` (see docs/security.md).
+        update["auth"] = spec.auth.model_copy(update={"zmq_curve": True})
     return spec.model_copy(update=update)
 
 

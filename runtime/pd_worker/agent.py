@@ -46,6 +46,7 @@ from pdcluster.runtime.pd_worker.group import (
 )
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
+from pdcluster.runtime.transfer.identity import claim_mismatch, group_must_be_local, group_route
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -124,6 +125,14 @@ class AsyncRunner:
         self._thread.join(5)
 
 
+def _claimed_sender(msg: Any) -> str | None:
+    """The endpoint a message names as its own sender, if it names one."""
+    if isinstance(msg, pdmsg.LayoutAck):
+        return msg.endpoint
+    claimed = getattr(msg, "decode_endpoint", None)
+    return claimed if isinstance(claimed, str) else None
+
+
 class RankAgent:
     """Shared machinery; `PrefillAgent` and `DecodeAgent` add the role's logic."""
 
@@ -141,9 +150,12 @@ class RankAgent:
                 # than let it hold the sender's buffers and stall every other room.
                 send_timeout=ctx.room_settings.release_s,
                 curve=cluster_keys(ctx.token) if ctx.curve else None,
+                token=ctx.token,
             ),
             on_control=self._on_control,
         )
+        # Ranks of an instance sharing a pod keep their group traffic on loopback.
+        self.endpoint.local_only = self._group_frame_must_be_local
         self.endpoint.start()
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
         self.leader_address: str | None = None
@@ -257,7 +269,18 @@ class RankAgent:
                 return
         self._pushed = (now, counts)
         msg = GroupStats(self.ctx.group_rank, str(self.ctx.coord), counts)
-        self.endpoint.send_control(self.leader_address, encode_group(msg))
+        self.send_group(self.leader_address, encode_group(msg))
+
+    def send_group(self, address: str, data: bytes) -> None:
+        """A group frame to a rank of this instance, over loopback when it shares the pod."""
+        self.endpoint.send_control(group_route(address, self.ctx.host, self.address), data)
+
+    def _group_frame_must_be_local(self, data: bytes) -> bool:
+        # Endpoint I/O thread; the group's addresses are set once at start-up.
+        if not is_group_frame(data):
+            return False
+        peers = [a for a in (self.leader_address, *self.follower_addresses) if a]
+        return group_must_be_local(self.ctx.host, self.address, peers)
 
     def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:
         """Leader: each follower's last counters and the followers missing (any thread)."""
@@ -288,6 +311,12 @@ class RankAgent:
         except pdmsg.ProtocolError as err:
             self.ctx.stats[f"reject:{err.reason}"] += 1
             log.debug("rank %s: dropped frame from %s: %s", self.ctx.coord, sender, err)
+            return
+        if claim_mismatch(sender, _claimed_sender(msg)):
+            # The connection proved `sender`; a message speaking for another
+            # endpoint is forged: acting on it (or answering there) would let
+            # any peer fail another's rooms.
+            self.ctx.stats["reject:sender_mismatch"] += 1
             return
         self.post(lambda: self.on_message(msg, time.monotonic()))
 
@@ -331,7 +360,7 @@ class RankAgent:
         if self.report_sink is not None:
             self.report_sink(rep)
         elif self.leader_address is not None:
-            self.endpoint.send_control(self.leader_address, encode_group(rep))
+            self.send_group(self.leader_address, encode_group(rep))
         else:
             log.error("rank %s: no leader to report %s for room %s", self.ctx.coord, kind, room)
 
@@ -339,7 +368,7 @@ class RankAgent:
         """Leader: a group command to every follower and to this rank itself."""
         data = encode_group(msg)
         for addr in self.follower_addresses:
-            self.endpoint.send_control(addr, data)
+            self.send_group(addr, data)
         self.post(lambda: self.on_group(msg, time.monotonic()))
 
     def room_views(self, now: float) -> list[dict[str, Any]]:

@@ -55,6 +55,9 @@ NOT_REJECTS = frozenset(
         "send_discarded",
         "peer_stalled",
         "callback_error",
+        "peer_evicted",  # our own DEALERs closed to stay under the cap
+        "peer_idle_closed",
+        "peers_over_cap",
     )
 )
 

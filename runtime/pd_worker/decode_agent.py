@@ -54,6 +54,8 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
 )
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
+from pdcluster.runtime.transfer.frames import FrameError, decode_header
+from pdcluster.runtime.transfer.identity import kv_source_ok
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
@@ -106,6 +108,10 @@ class DecodeAgent(RankAgent):
             require_checksum=bool(ctx.transfer.checksum),
         )
         self.endpoint.on_kv = self.receiver.on_kv
+        # room -> the prefill rank endpoints whose KV it takes: a frame for the
+        # room from any other connection is dropped ("kv_wrong_source").
+        self._kv_sources: dict[int, frozenset[str]] = {}
+        self.endpoint.accept_kv = self._accept_kv
         self.rooms: dict[int, _Room] = {}
         # Rooms out of the table whose `released` waits for a write in flight.
         self._fenced: set[int] = set()
@@ -134,6 +140,14 @@ class DecodeAgent(RankAgent):
         super().close()
 
     # ------------------------------------------------------------ KV in
+    def _accept_kv(self, sender: str, header: bytes) -> bool:
+        # Endpoint I/O thread; dict reads are atomic.
+        try:
+            room = decode_header(header).room
+        except FrameError:
+            return True  # garbage: the receiver rejects and counts it
+        return kv_source_ok(sender, self._kv_sources.get(room))
+
     def _resolve(self, room: int, generation: int) -> tuple[int, ...] | None:
         entry = self._receiving.get(room)  # endpoint I/O thread; dict reads are atomic
         if entry is None or entry[0] != generation:
@@ -263,6 +277,7 @@ class DecodeAgent(RankAgent):
                 return
             self._fenced.discard(room)
             del self.rooms[room]
+            self._kv_sources.pop(room, None)
             self.report(room, "released")
 
     def fail_room(self, room: int, reason: str, now: float) -> None:
@@ -408,6 +423,7 @@ class DecodeAgent(RankAgent):
             if not s.is_dummy and per_rank.count(s.prefill_rank) == 1
         }
         now = time.monotonic()
+        self._kv_sources[room] = frozenset(s.endpoint for s in sources)
         self.perform(self.table.resolve(room, sources, now))
         r.resolved = True
         if r.pending_pages is not None and room in self.table:

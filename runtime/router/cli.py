@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings
 from pdcluster.runtime.spec import FailurePolicy, SelectionPolicy, SpecError, load_manifest_text
@@ -135,7 +136,9 @@ def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) 
         if value is not None:
             fields[name] = value
     # The cluster token (local mode and the operator set it) guards the workers' API.
-    fields["worker_token"] = (os.environ if env is None else env).get("PDCLUSTER_TOKEN", "")
+    fields["worker_token"] = read_cluster_token(
+        os.environ if env is None else env, who="pdcluster router"
+    )
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     return Invocation(

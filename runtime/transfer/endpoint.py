@@ -1,8 +1,13 @@
 """One ZMQ endpoint per rank: control messages and KV frames, in and out.
 
-Wire format (multipart; the ROUTER prepends the DEALER's identity):
-    control: [b"C", sender_address, data]
-    kv:      [b"K", header, payload]
+Wire format (multipart; the ROUTER prepends the DEALER's routing id):
+    control: [b"C", sender_address, proof, data]
+    kv:      [b"K", sender_address, proof, header, payload]
+    refusal: [b"R", reason]  (ROUTER -> the refused connection only)
+
+The proof binds the sender address to the connection's routing id (see
+`identity.py`): a frame whose proof fails is dropped, counted, and answered
+with a refusal on its own connection; handlers get the proven address.
 
 Threading: one I/O thread owns every socket (the ROUTER it serves and one
 DEALER per peer). ZMQ sockets are not thread-safe, so other threads only
@@ -41,16 +46,19 @@ import zmq
 
 from pdcluster.runtime.transfer.curve import CurveKeys, make_server
 from pdcluster.runtime.transfer.frames import MAX_HEADER_BYTES, MiB
+from pdcluster.runtime.transfer.identity import check_proof, identity_key, is_loopback
 from pdcluster.runtime.transfer.outbound import Outbound, SentCallback
 
 log = logging.getLogger(__name__)
 
 KIND_CONTROL = b"C"
 KIND_KV = b"K"
+KIND_REFUSED = b"R"
 MAX_ADDRESS_BYTES = 256
 
-ControlHandler = Callable[[str, bytes], None]  # (sender address, data)
+ControlHandler = Callable[[str, bytes], None]  # (proven sender address, data)
 KVHandler = Callable[[bytes, memoryview], None]  # (header, payload); payload valid during call
+KVFilter = Callable[[str, bytes], bool]  # (proven sender address, header) -> accept?
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,12 @@ class EndpointConfig:
     io_threads: int = 1  # libzmq I/O threads
     # CURVE keys (see `curve.py`): encrypt, and admit only peers holding them.
     curve: CurveKeys | None = None
+    # Cluster token keying the sender proofs (see `identity.py`); "" = unkeyed.
+    token: str = ""
+    # Outbound DEALERs kept open at most (least recently used closed first)...
+    max_peers: int = 256
+    # ...and seconds one may sit unused (nothing queued or in flight) before it closes.
+    peer_idle_timeout: float = 300.0
 
 
 def check_address(address: str) -> str:
@@ -82,6 +96,15 @@ def check_address(address: str) -> str:
     if not 0 < int(port) < 65536:
         raise ValueError(f"peer port out of range in {address!r}")
     return address
+
+
+def _peer_ip(frame: zmq.Frame) -> str | None:
+    """The IP the frame's connection comes from (libzmq's Peer-Address), if known."""
+    try:
+        ip = frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError, TypeError):
+        return None
+    return ip if isinstance(ip, str) else None
 
 
 class Endpoint:
@@ -97,8 +120,15 @@ class Endpoint:
         self.config = config or EndpointConfig()
         if self.config.host in ("0.0.0.0", "*", "::") and not self.config.advertise_host:
             raise ValueError("binding a wildcard host needs advertise_host for peers to dial")
+        if self.config.max_peers < 1 or self.config.peer_idle_timeout <= 0:
+            raise ValueError("max_peers must be >= 1 and peer_idle_timeout > 0")
         self.on_control = on_control
         self.on_kv = on_kv
+        # Set by the owner before traffic: KV frames it refuses are dropped ("kv_wrong_source").
+        self.accept_kv: KVFilter | None = None
+        # Set by the owner: control frames it marks are taken only over loopback ("not_loopback").
+        self.local_only: Callable[[bytes], bool] | None = None
+        self._key = identity_key(self.config.token)
         self._stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._state = "new"  # new -> running -> closing -> closed
@@ -150,6 +180,10 @@ class Endpoint:
                 send_hwm=cfg.send_hwm,
                 send_timeout=cfg.send_timeout,
                 curve=cfg.curve,
+                sender=self._address.encode(),
+                key=self._key,
+                max_peers=cfg.max_peers,
+                idle_timeout=cfg.peer_idle_timeout,
             )
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
@@ -210,7 +244,7 @@ class Endpoint:
             raise ValueError(
                 f"control message of {len(data)} bytes > {self.config.max_control_bytes}"
             )
-        self._submit(("send", check_address(peer), [KIND_CONTROL, self.address.encode(), data]))
+        self._submit(("send", check_address(peer), [KIND_CONTROL, data]))
 
     def send_kv(
         self,
@@ -312,35 +346,60 @@ class Endpoint:
                 log.exception("endpoint %s: handler failed", self._address)
 
     def _dispatch(self, parts: list[zmq.Frame]) -> None:
-        if len(parts) != 4:
+        # [routing id, kind, sender, proof, body...]
+        kind = parts[1].bytes if len(parts) > 1 else b""
+        expected = {KIND_CONTROL: 5, KIND_KV: 6}.get(kind)
+        if expected is None:
+            self._reject("unknown_kind")
+            return
+        if len(parts) != expected:
             self._reject("bad_frame_count")
             return
-        kind = parts[1].bytes
+        sender = parts[2].bytes
+        if len(sender) > MAX_ADDRESS_BYTES:
+            self._reject("bad_sender")
+            return
+        try:
+            sender_addr = check_address(sender.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            self._reject("bad_sender")
+            return
+        routing_id = parts[0].bytes
+        refused = check_proof(self._key, routing_id, sender, parts[3].bytes)
+        if refused is not None:
+            self._reject(refused)
+            self._refuse(routing_id, refused)
+            return
         if kind == KIND_CONTROL:
-            data = parts[3]
+            data = parts[4]
             if len(data) > self.config.max_control_bytes:
                 self._reject("oversized")
                 return
-            sender = parts[2].bytes
-            if len(sender) > MAX_ADDRESS_BYTES:
-                self._reject("bad_sender")
-                return
-            try:
-                sender_addr = check_address(sender.decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
-                self._reject("bad_sender")
-                return
+            body = data.bytes
+            if self.local_only is not None and self.local_only(body):
+                if not is_loopback(_peer_ip(parts[1])):
+                    self._reject("not_loopback")
+                    return
             if self.on_control is not None:
-                self.on_control(sender_addr, data.bytes)
-        elif kind == KIND_KV:
-            header, payload = parts[2], parts[3]
-            if len(header) > MAX_HEADER_BYTES or len(payload) > self.config.max_kv_bytes:
-                self._reject("oversized")
-                return
-            if self.on_kv is not None:
-                self.on_kv(header.bytes, payload.buffer)
-        else:
-            self._reject("unknown_kind")
+                self.on_control(sender_addr, body)
+            return
+        header, payload = parts[4], parts[5]
+        if len(header) > MAX_HEADER_BYTES or len(payload) > self.config.max_kv_bytes:
+            self._reject("oversized")
+            return
+        if self.accept_kv is not None and not self.accept_kv(sender_addr, header.bytes):
+            self._reject("kv_wrong_source")
+            return
+        if self.on_kv is not None:
+            self.on_kv(header.bytes, payload.buffer)
+
+    def _refuse(self, routing_id: bytes, reason: str) -> None:
+        """Tell the refused connection, and only it, why (never blocks)."""
+        assert self._router is not None
+        try:
+            self._router.send_multipart([routing_id, KIND_REFUSED, reason.encode()], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # gone, or not reading: nothing more is owed
 
     def _reject(self, reason: str) -> None:
         self._stats[reason] += 1

@@ -14,14 +14,19 @@ Invariants:
   is connected but does not read: a hung process) is dropped, so its
   payloads fail ("peer_stalled") and their buffers come back — one stuck
   peer must not hold every staging buffer of the sender, and with them the
-  transfers to every other peer.
+  transfers to every other peer;
+- every frame leaves as [kind, our address, proof, body...], the proof
+  binding our address to this DEALER's random routing id (`identity.py`);
+- at most `max_peers` DEALERs are open: a new peer closes the least recently
+  used idle one (nothing queued, no payload in libzmq), and a DEALER unused
+  for `idle_timeout` closes on its own; a later send reconnects.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +34,7 @@ from typing import Any
 import zmq
 
 from pdcluster.runtime.transfer.curve import CurveKeys, make_client
+from pdcluster.runtime.transfer.identity import identity_key, new_routing_id, prove
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,8 @@ class _Outgoing:
 @dataclass
 class _Peer:
     socket: zmq.Socket[Any]
+    proof: bytes  # our address, bound to this socket's routing id
+    used_at: float = 0.0  # last send
     # Messages libzmq refused (peer not connected, or high-water mark); flushed
     # in order on POLLOUT, failed with "send_timeout" when they waited too long.
     outbox: deque[_Outgoing] = field(default_factory=deque)
@@ -74,14 +82,24 @@ class Outbound:
         send_hwm: int,
         send_timeout: float,
         curve: CurveKeys | None = None,
+        sender: bytes = b"",
+        key: bytes | None = None,
+        max_peers: int = 256,
+        idle_timeout: float = 300.0,
     ) -> None:
+        if max_peers < 1 or idle_timeout <= 0:
+            raise ValueError("max_peers must be >= 1 and idle_timeout > 0")
         self._ctx = ctx
         self._poller = poller
         self._stats = stats
         self._send_hwm = send_hwm
         self._send_timeout = send_timeout
         self._curve = curve
-        self._peers: dict[str, _Peer] = {}
+        self._sender = sender
+        self._key = identity_key("") if key is None else key
+        self._max_peers = max_peers
+        self._idle_timeout = idle_timeout
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
         self._trackers: list[_Tracked] = []
 
     def poll_timeout(self) -> int | None:
@@ -90,7 +108,13 @@ class Outbound:
             return 1  # owners want their payload buffers back promptly
         if any(peer.outbox for peer in self._peers.values()):
             return 100  # to expire messages whose peer never shows up
+        if self._peers:
+            return 1000  # to close DEALERs left idle
         return None
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
 
     def send(
         self,
@@ -109,6 +133,9 @@ class Outbound:
                 if on_sent is not None:
                     on_sent(f"cannot connect to {addr!r}: {err}")
                 return
+        self._peers.move_to_end(addr)
+        peer.used_at = time.monotonic()
+        parts = [parts[0], self._sender, peer.proof, *parts[1:]]
         if peer.outbox:
             peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
             return
@@ -131,7 +158,7 @@ class Outbound:
             if not kept:
                 self._poller.unregister(peer.socket)
 
-    def drop(self, addr: str, reason: str) -> None:
+    def drop(self, addr: str, reason: str, linger_ms: int = 0) -> None:
         peer = self._peers.pop(addr, None)
         if peer is None:
             return
@@ -139,7 +166,7 @@ class Outbound:
             self._poller.unregister(peer.socket)
         # LINGER 0: libzmq discards what it still queues. Its trackers complete
         # once libzmq let go of the payloads; report those as not delivered.
-        peer.socket.close(0)
+        peer.socket.close(linger_ms)
         for tracked in self._trackers:
             if tracked.peer == addr and tracked.error is None:
                 tracked.error = reason
@@ -156,6 +183,23 @@ class Outbound:
                 self._expire(peer)
         self.reap()
         self._drop_stalled()
+        self._close_idle(time.monotonic() - self._idle_timeout)
+
+    def _is_idle(self, addr: str, peer: _Peer) -> bool:
+        return not peer.outbox and not any(t.peer == addr for t in self._trackers)
+
+    def _close_idle(self, unused_since: float) -> None:
+        for addr, peer in list(self._peers.items()):
+            if peer.used_at >= unused_since:
+                break  # least recently used first: the rest are newer
+            if self._is_idle(addr, peer):
+                self._stats["peer_idle_closed"] += 1
+                self._retire(addr)
+
+    def _retire(self, addr: str) -> None:
+        # Nothing of ours is queued or tracked; a short linger lets control
+        # messages libzmq took (untracked) still leave.
+        self.drop(addr, "peer_idle_closed", linger_ms=1000)
 
     def reap(self) -> None:
         if not self._trackers:
@@ -201,7 +245,17 @@ class Outbound:
     # ---- internals -------------------------------------------------------
 
     def _connect(self, addr: str) -> _Peer:
+        if len(self._peers) >= self._max_peers:
+            victim = next((a for a, p in self._peers.items() if self._is_idle(a, p)), None)
+            if victim is None:
+                self._stats["peers_over_cap"] += 1  # all busy: exceed rather than fail a send
+            else:
+                self._stats["peer_evicted"] += 1
+                self._retire(victim)
+        routing_id = new_routing_id()
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.setsockopt(zmq.RCVHWM, 16)  # peers send us only refusals here; never read
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         # Queue nothing inside libzmq for a peer that is not connected: such
@@ -214,7 +268,7 @@ class Outbound:
         except zmq.ZMQError:
             sock.close(0)
             raise
-        peer = _Peer(sock)
+        peer = _Peer(sock, prove(self._key, routing_id, self._sender))
         self._peers[addr] = peer
         return peer
 

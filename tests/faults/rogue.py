@@ -61,8 +61,9 @@ class _Peer:
     # Arrival order of control messages and KV frames together.
     order: list[Any] = field(default_factory=list)
 
-    def start(self, curve: CurveKeys | None = None) -> None:
-        config = EndpointConfig(curve=curve)
+    def start(self, curve: CurveKeys | None = None, token: str = "") -> None:
+        # `token` keys the proofs binding this endpoint's address to its connections.
+        config = EndpointConfig(curve=curve, token=token)
         self.endpoint = Endpoint(config, on_control=self._control, on_kv=self._kv)
         self.endpoint.start()
 
@@ -152,7 +153,7 @@ class RoguePrefill(_Peer):
         self.compat = compat
         self.shape = shape or InstanceShape()
         self.rank = RankCoord()
-        self.start(curve)
+        self.start(curve, token)
         self.server = BootstrapServer(create_bootstrap_app(self.shape, token), port=port).start()
         for tell in list(PREFILL_LISTENERS):
             tell(f"127.0.0.1:{self.server.port}", True)
@@ -256,7 +257,7 @@ class RogueDecode(_Peer):
         self.compat = compat
         self.rank = rank or RankCoord()
         self.num_pages = num_pages
-        self.start(curve)
+        self.start(curve, token)
 
     def layout(self, **changes: Any) -> pdmsg.KVLayoutRegister:
         fields: dict[str, Any] = {

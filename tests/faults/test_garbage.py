@@ -25,16 +25,32 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd_worker.group import GroupFailPeer, encode_group
 from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
-from tests.faults.harness import FaultCluster, PDClient, make_prompts, parse_counter, wait_until
+from pdcluster.runtime.transfer.identity import identity_key, prove
+from tests.faults.harness import (
+    TOKEN,
+    FaultCluster,
+    PDClient,
+    make_prompts,
+    parse_counter,
+    wait_until,
+)
 from tests.faults.rogue import fetch_instance
 from tests.pd_integration.reference import colocated_outputs
 
 FAKE_SENDER = b"tcp://127.0.0.1:9"
+ROUTING_ID = b"\x01garbage"
+# An insider's proof (it holds the token): what it sends gets past the
+# endpoint, so the rank's own checks are what these frames probe.
+PROOF = prove(identity_key(TOKEN), ROUTING_ID, FAKE_SENDER)
 MiB = 1 << 20
 
 
 def control(data: bytes, sender: bytes = FAKE_SENDER) -> list[bytes]:
-    return [b"C", sender, data]
+    return [b"C", sender, PROOF, data]
+
+
+def kv(header: bytes, payload: bytes) -> list[bytes]:
+    return [b"K", FAKE_SENDER, PROOF, header, payload]
 
 
 def hostile_frames(room: int) -> list[tuple[str, list[bytes]]]:
@@ -59,10 +75,13 @@ def hostile_frames(room: int) -> list[tuple[str, list[bytes]]]:
     )
     return [
         ("endpoint:bad_frame_count", [b"C"]),
-        ("endpoint:bad_frame_count", [b"C", b"a", b"b", b"c"]),
+        ("endpoint:bad_frame_count", [b"C", b"a", b"b"]),
+        ("endpoint:bad_frame_count", [b"C", FAKE_SENDER, PROOF, b"b", b"c"]),
         ("endpoint:unknown_kind", [b"X", b"a", b"b"]),
-        ("endpoint:bad_sender", [b"C", b"not an address", pdmsg.HEADER + b"x"]),
-        ("endpoint:bad_sender", [b"C", b"tcp://" + b"9" * 300, pdmsg.HEADER + b"x"]),
+        ("endpoint:bad_sender", [b"C", b"not an address", PROOF, pdmsg.HEADER + b"x"]),
+        ("endpoint:bad_sender", [b"C", b"tcp://" + b"9" * 300, PROOF, pdmsg.HEADER + b"x"]),
+        ("endpoint:bad_proof", [b"C", FAKE_SENDER, bytes(16), pdmsg.HEADER + b"x"]),
+        ("endpoint:bad_proof", control(pdmsg.HEADER + b"x", sender=b"tcp://127.0.0.1:8")),
         ("endpoint:oversized", control(pdmsg.HEADER + os.urandom(MiB + 1))),
         ("reject:bad_magic", control(os.urandom(64))),
         ("reject:truncated", control(b"PDC")),
@@ -73,8 +92,8 @@ def hostile_frames(room: int) -> list[tuple[str, list[bytes]]]:
         ("group_reject:not_in_group", control(encode_group(GroupFailPeer("127.0.0.1", "x")))),
         ("group_reject:not_in_group", control(b"PDG\x01" + os.urandom(32))),
         ("dropped:", control(pdmsg.encode(forged))),
-        ("kv:", [b"K", os.urandom(40), b"payload"]),
-        ("kv:", [b"K", encode_header(header), bytes(1 * 2 * 1 * 1 * 32 * 4)]),
+        ("kv:", kv(os.urandom(40), b"payload")),
+        ("kv:", kv(encode_header(header), bytes(1 * 2 * 1 * 1 * 32 * 4))),
     ]
 
 
@@ -106,6 +125,7 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
                 before = counters(pd, name)
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTING_ID, ROUTING_ID)
                 sock.connect(endpoint)
                 sock.send_multipart(parts)
                 wait_until(
@@ -119,7 +139,7 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            sock.send_multipart([b"K", b"h", bytes(65 * MiB)])
+            sock.send_multipart(kv(b"h", bytes(65 * MiB)))
             time.sleep(0.5)
             sock.close(0)
     finally:

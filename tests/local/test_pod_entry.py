@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdcluster.runtime.cli import build_parser
+from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.router_main import router_argv
-from pdcluster.runtime.worker_main import read_cluster_token
 
 
 def test_the_token_file_wins_and_is_stripped(tmp_path: Path) -> None:

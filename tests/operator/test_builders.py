@@ -314,9 +314,18 @@ def test_config_map_holds_the_validated_manifest_the_pods_read() -> None:
     cluster = make_cluster({**PD, "kvCache": {"pageSize": 32}, "decode": {"replicas": 2}})
     text = build_config_map(cluster)["data"]["manifest.yaml"]
     parsed = load_manifest_text(text)
-    assert parsed.spec == cluster.spec
+    # Everything as validated; only an unset zmqCurve is filled in (see below).
+    assert parsed.spec.model_copy(update={"auth": cluster.spec.auth}) == cluster.spec
     assert parsed.metadata.name == "demo" and parsed.metadata.namespace == NS
     assert "status" not in yaml.safe_load(text)
+
+
+@pytest.mark.parametrize(("auth", "curve"), [({}, True), ({"zmqCurve": False}, False)])
+def test_pods_run_curve_unless_the_spec_turns_it_off(auth: dict[str, Any], curve: bool) -> None:
+    cluster = make_cluster({**PD, "auth": auth})
+    assert cluster.spec.auth.zmq_curve is (None if not auth else False)
+    parsed = load_manifest_text(build_config_map(cluster)["data"]["manifest.yaml"])
+    assert parsed.spec.auth.zmq_curve is curve
 
 
 def test_token_secret_encodes_the_token_and_rejects_empty_ones() -> None:

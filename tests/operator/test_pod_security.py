@@ -17,6 +17,7 @@ from pdcluster.operator.builders import (
     build_worker_pod,
     podsecurity,
 )
+from pdcluster.operator.builders.workers import token_secret_for
 from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import parse_pod_facts
 from pdcluster.operator.render import cluster_for_render, render_objects
@@ -170,7 +171,7 @@ def test_a_pod_built_before_token_files_still_names_its_secret() -> None:
     assert facts is not None and facts.token_secret == "old"
 
 
-def test_router_reads_api_keys_from_a_file_and_needs_no_cluster_token() -> None:
+def test_router_reads_api_keys_and_the_cluster_token_from_files() -> None:
     cluster = make_cluster({**PD, "auth": {"routerApiKeySecretName": "keys"}})
     spec = build_router_deployment(cluster)["spec"]["template"]["spec"]
     (container,) = spec["containers"]
@@ -179,7 +180,13 @@ def test_router_reads_api_keys_from_a_file_and_needs_no_cluster_token() -> None:
     (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     assert volume["secret"]["secretName"] == "keys" and mount["readOnly"] is True
-    assert not [v for v in spec["volumes"] if v["name"] == podsecurity.TOKEN_VOLUME]
+    # The cluster token, which it sends to the workers, is a file too, never an env value.
+    (token,) = [v for v in spec["volumes"] if v["name"] == podsecurity.TOKEN_VOLUME]
+    assert token["secret"]["secretName"] == token_secret_for(cluster)
+    env = {e["name"]: e for e in container["env"]}
+    assert "PDCLUSTER_TOKEN" not in env
+    token_file = env[podsecurity.TOKEN_FILE_ENV]["value"]
+    assert any(token_file.startswith(m["mountPath"] + "/") for m in container["volumeMounts"])
     open_router = build_router_deployment(make_cluster(PD))["spec"]["template"]["spec"]
     assert "--api-key-file" not in open_router["containers"][0]["args"]
 

@@ -29,10 +29,12 @@ def test_render_prints_every_object_of_the_cluster(capsys, tmp_path: Path) -> No
     objects = render(capsys, "-f", str(manifest), "--namespace", "team-b")
     name = doc["metadata"]["name"]
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
-    assert kinds[:6] == [
+    assert kinds[:8] == [
         ("ServiceAccount", f"{name}-runtime"),
         ("Role", f"{name}-runtime"),
         ("RoleBinding", f"{name}-runtime"),
+        ("NetworkPolicy", f"{name}-workers-ingress"),
+        ("NetworkPolicy", f"{name}-router-ingress"),
         ("ConfigMap", f"{name}-config"),
         ("Secret", f"{name}-token"),
         ("Deployment", f"{name}-router"),

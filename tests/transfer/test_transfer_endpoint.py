@@ -13,6 +13,11 @@ import zmq
 from transfer_helpers import Inbox, wait_until
 
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig, check_address
+from pdcluster.runtime.transfer.identity import identity_key, prove
+
+RAW_ID = b"\x01raw-dealer"
+RAW_SENDER = b"tcp://127.0.0.1:1"
+RAW_PROOF = prove(identity_key(""), RAW_ID, RAW_SENDER)
 
 
 @pytest.fixture
@@ -32,6 +37,7 @@ def raw_dealer(pair: tuple[Endpoint, Endpoint, Inbox]) -> Iterator[zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, RAW_ID)
     sock.connect(pair[0].address)
     yield sock
     sock.close(0)
@@ -82,14 +88,17 @@ def test_kv_payload_is_received_intact_and_on_sent_fires(pair):
     ("parts", "reason"),
     [
         ([b"C"], "bad_frame_count"),
-        ([b"K", b"hdr"], "bad_frame_count"),
-        ([b"C", b"tcp://127.0.0.1:1", b"x", b"extra"], "bad_frame_count"),
-        ([b"Z", b"a", b"b"], "unknown_kind"),
-        ([b"C", b"tcp://127.0.0.1:1", b"x" * 2048], "oversized"),
-        ([b"K", b"hdr", b"x" * 5000], "oversized"),
-        ([b"C", b"not-an-address", b"x"], "bad_sender"),
-        ([b"C", b"\xff\xfe", b"x"], "bad_sender"),
-        ([b"C", b"tcp://" + b"h" * 300 + b":1", b"x"], "bad_sender"),
+        ([b"K", RAW_SENDER, RAW_PROOF, b"hdr"], "bad_frame_count"),
+        ([b"C", RAW_SENDER, RAW_PROOF, b"x", b"extra"], "bad_frame_count"),
+        ([b"Z", RAW_SENDER, RAW_PROOF, b"a", b"b"], "unknown_kind"),
+        ([b"C", RAW_SENDER, RAW_PROOF, b"x" * 2048], "oversized"),
+        ([b"K", RAW_SENDER, RAW_PROOF, b"hdr", b"x" * 5000], "oversized"),
+        ([b"C", b"not-an-address", RAW_PROOF, b"x"], "bad_sender"),
+        ([b"C", b"\xff\xfe", RAW_PROOF, b"x"], "bad_sender"),
+        ([b"C", b"tcp://" + b"h" * 300 + b":1", RAW_PROOF, b"x"], "bad_sender"),
+        ([b"C", RAW_SENDER, b"\0" * 16, b"x"], "bad_proof"),
+        ([b"C", RAW_SENDER, RAW_PROOF[:8], b"x"], "bad_proof"),
+        ([b"C", b"tcp://127.0.0.1:2", RAW_PROOF, b"x"], "bad_proof"),  # another's address
     ],
 )
 def test_malformed_messages_are_dropped_counted_and_serving_continues(
@@ -107,7 +116,7 @@ def test_a_frame_over_the_socket_cap_disconnects_only_that_peer(pair, raw_dealer
     server, client, inbox = pair
     frames: list[bytes] = []
     server.on_kv = lambda header, payload: frames.append(header)
-    raw_dealer.send_multipart([b"K", b"hdr", b"x" * (200 * 1024)])  # above libzmq's cap
+    raw_dealer.send_multipart([b"K", RAW_SENDER, RAW_PROOF, b"hdr", b"x" * (200 * 1024)])
     client.send_control(server.address, b"after")
     inbox.wait_for(b"after")
     time.sleep(0.05)
@@ -297,3 +306,123 @@ def test_an_address_libzmq_refuses_drops_that_send_not_the_endpoint(pair):
     assert errors[0] is not None and "cannot connect" in errors[0]
     client.send_control(server.address, b"still-serving")
     inbox.wait_for(b"still-serving")
+
+
+def test_a_frame_speaking_for_another_endpoint_is_refused_on_its_own_connection(pair, raw_dealer):
+    # A peer without the key claims to be `client`: the frame never reaches the
+    # handler, and the refusal goes back on the forger's connection only.
+    server, client, inbox = pair
+    forged = prove(identity_key(""), b"\x01someone-else", client.address.encode())
+    raw_dealer.send_multipart([b"C", client.address.encode(), forged, b"forged"])
+    assert raw_dealer.poll(5000)
+    assert raw_dealer.recv_multipart() == [b"R", b"bad_proof"]
+    client.send_control(server.address, b"genuine")
+    inbox.wait_for(b"genuine")
+    assert inbox.messages == [(client.address, b"genuine")]
+    assert server.stats.get("bad_proof") == 1
+
+
+def test_a_frame_keyed_by_another_token_is_refused():
+    inbox = Inbox()
+    server = Endpoint(EndpointConfig(token="cluster-a"), on_control=inbox)
+    stranger = Endpoint(EndpointConfig(token="cluster-b"))
+    friend = Endpoint(EndpointConfig(token="cluster-a"))
+    for e in (server, stranger, friend):
+        e.start()
+    try:
+        stranger.send_control(server.address, b"from b")
+        friend.send_control(server.address, b"from a")
+        inbox.wait_for(b"from a")
+        wait_until(lambda: server.stats.get("bad_proof") == 1, what="stranger refused")
+        assert inbox.messages == [(friend.address, b"from a")]
+    finally:
+        for e in (friend, stranger, server):
+            e.close()
+
+
+def test_kv_frames_a_filter_refuses_are_dropped_and_counted(pair):
+    server, client, _ = pair
+    got: list[bytes] = []
+    server.on_kv = lambda header, payload: got.append(header)
+    server.accept_kv = lambda sender, header: header == b"ok"
+    done = threading.Event()
+    client.send_kv(server.address, b"no", b"x" * 8)
+    client.send_kv(server.address, b"ok", b"x" * 8, lambda err: done.set())
+    assert done.wait(5)
+    wait_until(lambda: got == [b"ok"], what="accepted frame")
+    assert server.stats.get("kv_wrong_source") == 1
+
+
+def test_frames_marked_local_only_are_taken_only_over_loopback(pair, monkeypatch):
+    import pdcluster.runtime.transfer.endpoint as endpoint_mod
+
+    server, client, inbox = pair
+    server.local_only = lambda data: data.startswith(b"group")
+    client.send_control(server.address, b"group over loopback")
+    inbox.wait_for(b"group over loopback")
+    monkeypatch.setattr(endpoint_mod, "_peer_ip", lambda frame: "10.0.0.5")
+    client.send_control(server.address, b"group from the pod network")
+    client.send_control(server.address, b"other traffic")
+    inbox.wait_for(b"other traffic")
+    assert [m for _, m in inbox.messages] == [b"group over loopback", b"other traffic"]
+    assert server.stats.get("not_loopback") == 1
+
+
+def test_a_forged_group_frame_claiming_the_leader_is_refused():
+    # A follower trusts group commands from its leader's address: a peer
+    # without the token that names that address is refused before the agent.
+    inbox = Inbox()
+    follower = Endpoint(EndpointConfig(token="t"), on_control=inbox)
+    leader = Endpoint(EndpointConfig(token="t"))
+    follower.start()
+    leader.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(follower.address)
+    try:
+        unkeyed = prove(identity_key(""), b"\x01x", leader.address.encode())
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01x")
+        sock.send_multipart([b"C", leader.address.encode(), unkeyed, b"PDG\x01fail"])
+        assert sock.poll(5000)
+        assert sock.recv_multipart() == [b"R", b"bad_proof"]
+        leader.send_control(follower.address, b"PDG\x01genuine")
+        inbox.wait_for(b"PDG\x01genuine")
+        assert inbox.messages == [(leader.address, b"PDG\x01genuine")]
+    finally:
+        sock.close(0)
+        ctx.term()
+        leader.close()
+        follower.close()
+
+
+def test_outbound_dealers_are_capped_lru_and_idle_ones_close():
+    servers = [Endpoint() for _ in range(3)]
+    for s in servers:
+        s.start()
+    inboxes = [Inbox() for _ in servers]
+    for s, box in zip(servers, inboxes, strict=True):
+        s.on_control = box
+    client = Endpoint(EndpointConfig(max_peers=2, peer_idle_timeout=0.5))
+    client.start()
+    try:
+        for s, box in zip(servers, inboxes, strict=True):
+            client.send_control(s.address, b"hi")
+            box.wait_for(b"hi")
+        # The third peer closed the least recently used DEALER (the first one).
+        wait_until(lambda: client.stats.get("peer_evicted") == 1, what="one evicted")
+        # Unused ones close on their own; a later send reconnects.
+        wait_until(lambda: client.stats.get("peer_idle_closed") == 2, what="idle ones closed")
+        client.send_control(servers[0].address, b"again")
+        inboxes[0].wait_for(b"again")
+        assert client.stats.get("send_dropped", 0) == 0
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+
+
+def test_outbound_settings_are_checked():
+    for bad in ({"max_peers": 0}, {"peer_idle_timeout": 0.0}):
+        with pytest.raises(ValueError, match="max_peers"):
+            Endpoint(EndpointConfig(**bad))

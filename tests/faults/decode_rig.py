@@ -41,6 +41,7 @@ NUM_PAGES = 16
 # agent's bootstrap cache answers for it.
 PREFILL_PEER = "127.0.0.1:9"
 RANK = RankCoord(dp=0, cp=0, tp=0, pp=0)
+TOKEN = "rig-token"
 
 
 def _compat() -> CompatInfo:
@@ -67,7 +68,7 @@ class DecodeRig:
             group_size=1,
             shape=InstanceShape(),
             compat=_compat(),
-            token="rig-token",
+            token=TOKEN,
             room_settings=RoomSettings.from_spec(spec),
             transfer=spec,
             layers=(0, LAYERS),
@@ -86,7 +87,8 @@ class DecodeRig:
         self.reports: list[tuple[float, GroupReport]] = []
         self.inbox: list[pdmsg.Message] = []
         self.prefill = Endpoint(
-            EndpointConfig(host="127.0.0.1", advertise_host="127.0.0.1"),
+            # Keyed by the cluster token like a real prefill rank: frames prove their sender.
+            EndpointConfig(host="127.0.0.1", advertise_host="127.0.0.1", token=TOKEN),
             on_control=self._on_prefill_control,
         )
         self.prefill.start()

@@ -333,10 +333,15 @@ def test_late_bootstrap_meets_a_tombstone(staged: FaultCluster) -> None:
 def test_allocation_policy_mismatch_names_both(
     staged: FaultCluster, pd: FaultCluster, client: PDClient
 ) -> None:
-    # A prefill_complete decode against an early prefill instance.
-    res = client.generate(
-        pd.url("prefill-0"), staged.url("decode-0"), pd.bootstrap("prefill-0"), [3] * 30
-    )
+    # A prefill_complete decode against an early prefill instance (of the other
+    # cluster, which the decode is told it may contact, as the operator would).
+    staged.publish_prefill_peers([*staged.prefill_peers(), pd.peer("prefill-0")])
+    try:
+        res = client.generate(
+            pd.url("prefill-0"), staged.url("decode-0"), pd.bootstrap("prefill-0"), [3] * 30
+        )
+    finally:
+        staged.publish_prefill_peers()
     assert res.decode.status == 502
     assert "allocation_policy mismatch: prefill=early, decode=prefill_complete" in res.decode.error
     assert res.prefill is not None and res.prefill.status == 502

@@ -14,7 +14,7 @@ from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 
 
 def backend() -> DecodeBackend:
-    service: Any = SimpleNamespace(is_alive=True)
+    service: Any = SimpleNamespace(is_alive=True, is_stalled=False)
     return DecodeBackend(service, None, None, {"dp_size": 1, "dp_rank": 0, "token": "t"})
 
 

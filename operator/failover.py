@@ -62,7 +62,7 @@ from pdcluster.operator.prefill_peers import PeerPublisher
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.registration import RegistrationWatch, Unregistered
 from pdcluster.operator.settings import OperatorSettings
-from pdcluster.runtime.pd.room_common import reason_label
+from pdcluster.runtime.pd.failure_labels import reason_label
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pdcluster.runtime.pd.failure_labels import reason_label
+
 FAILED_PREFIX = "room_failed:"
 DEFAULT_MAX_ROOMS = 1 << 16
 
 
 def failure_key(reason: str) -> str:
-    """The counter a failure reason goes under (as every rank names it)."""
-    return FAILED_PREFIX + (reason.split(":", 1)[0] or "unknown")
+    """The counter a failure reason goes under (as every rank names it): its label."""
+    return FAILED_PREFIX + reason_label(reason)
 
 
 def is_failure_key(key: str) -> bool:

@@ -75,6 +75,7 @@ from pdcluster.runtime.pd.actions import (
     StartCompute,
 )
 from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.messages import (
     Abort,
@@ -110,7 +111,6 @@ from pdcluster.runtime.pd.room_common import (
     check_room,
     clip_reason,
     peer_matches,
-    reason_label,
 )
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.tombstones import Tombstones

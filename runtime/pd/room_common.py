@@ -6,8 +6,6 @@
   Untrusted *peer* input never raises: it becomes a `Dropped` action or a
   Failed status.
 - `RoomView`: one row of the admin API's room listing.
-- `reason_label(reason)`: a failure reason carries details (values, ranks);
-  its label is the bounded, metric-safe code in front of them.
 - Peer matching for `fail_peer`: the heartbeat knows a prefill instance by
   its bootstrap address `host:port`, the operator knows a pod by its IP, a
   room knows its peers' ZMQ endpoints `tcp://host:port`. `peer_matches`
@@ -18,7 +16,6 @@ Pure module.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from pdcluster.runtime.pd.messages import MAX_ROOM
@@ -86,22 +83,6 @@ def check_int(name: str, value: object, low: int, high: int) -> int:
 def clip_reason(reason: str) -> str:
     """Reasons travel in messages limited to 1024 chars; never empty."""
     return reason[:1024] if reason else "failed"
-
-
-_LABEL = re.compile(r"[a-z][a-z0-9_]{0,47}")
-
-
-def reason_label(reason: str | None) -> str:
-    """'page_size mismatch: prefill=16, decode=32' → 'page_size_mismatch'; never unbounded."""
-    if not reason:
-        return "unknown"
-    head = reason.split(":", 1)[0].strip().lower()
-    if head.startswith("aborted by decode"):
-        return "aborted_by_decode"
-    if head.startswith("prefill ") and head.endswith(" failed"):
-        return "prefill_failed"
-    label = head.replace(" ", "_")
-    return label if _LABEL.fullmatch(label) else "other"
 
 
 def host_of(address: str) -> str:

@@ -33,9 +33,9 @@ from typing import Any
 
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
+from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.prompt_digest import prompt_id
-from pdcluster.runtime.pd.room_common import reason_label
 from pdcluster.runtime.pd.room_queue import Offer, RoomQueue
 from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport

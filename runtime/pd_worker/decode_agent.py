@@ -37,6 +37,7 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
+from pdcluster.runtime.pd.instance_counts import failure_key
 from pdcluster.runtime.pd.room_common import RoomError, peer_matches
 from pdcluster.runtime.pd.topology import (
     DpRankConflict,
@@ -243,7 +244,7 @@ class DecodeAgent(RankAgent):
                         act.rid,
                         missing,
                     )
-                    self.ctx.stats[f"room_failed:{missing.split(':')[0]}"] += 1
+                    self.ctx.stats[failure_key(missing)] += 1
                     self.report(act.room, "failed", missing)
                     continue
                 self.report(act.room, "complete", first_token=act.first_token)
@@ -255,7 +256,7 @@ class DecodeAgent(RankAgent):
                     act.rid,
                     act.reason,
                 )
-                self.ctx.stats[f"room_failed:{act.reason.split(':')[0]}"] += 1
+                self.ctx.stats[failure_key(act.reason)] += 1
                 self._receiving.pop(act.room, None)
                 self.report(act.room, "failed", act.reason)
             elif isinstance(act, A.ReleasePages):

@@ -29,6 +29,7 @@ from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.bootstrap_client import BootstrapClient, BootstrapUnreachable, RetryPolicy
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.instance_counts import failure_key
 from pdcluster.runtime.pd.messages import KVLayoutRegister, LayoutAck
 from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
@@ -169,7 +170,7 @@ class PrefillAgent(RankAgent):
                     act.rid,
                     act.reason,
                 )
-                self.ctx.stats[f"room_failed:{act.reason.split(':')[0]}"] += 1
+                self.ctx.stats[failure_key(act.reason)] += 1
                 self.sender.cancel(act.room)
                 self.report(act.room, "failed", act.reason)
             elif isinstance(act, A.RoomSucceeded):

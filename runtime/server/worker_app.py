@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pdcluster.runtime.metrics import WorkerMetrics
-from pdcluster.runtime.pd.room_common import reason_label
+from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.server import responses as R
 from pdcluster.runtime.server.api_models import (
     AbortRequest,

@@ -166,7 +166,7 @@ def test_admin_fast_path_fails_rooms_at_once(pd: FaultCluster, client: PDClient)
 
     lost_rooms = {r["room"] for r in live(tied_rooms(pd, "decode-0", "prefill-1"))}
     t0 = time.monotonic()
-    resp = pd.fail_peer("decode-0", pd.peer("prefill-1"), "pod_deleted")
+    resp = pd.fail_peer("decode-0", pd.peer("prefill-1"), "prefill_pod_lost")
     assert resp.status_code == 200, resp.text
 
     def all_failed() -> bool:
@@ -181,12 +181,12 @@ def test_admin_fast_path_fails_rooms_at_once(pd: FaultCluster, client: PDClient)
     lost = [r for r in results[: len(victims)] if r.room in lost_rooms and not r.decode.ok]
     assert lost
     for res in lost:
-        assert "pod_deleted" in res.decode.error, res.decode
+        assert "prefill_pod_lost" in res.decode.error, res.decode
         assert res.decode.ended_at - t0 < 1.5
     check_survivors(results[len(victims) :], expected)
-    assert pd.stats("decode-0").get("room_failed:pod_deleted", 0) >= len(lost)
+    assert pd.stats("decode-0").get("room_failed:prefill_pod_lost", 0) >= len(lost)
     failures = pd.admin("decode-0", "GET", "/admin/failures").json()["failures"]
-    assert failures.get("room_failed:pod_deleted", 0) >= len(lost)
+    assert failures.get("room_failed:prefill_pod_lost", 0) >= len(lost)
 
     # The next probe finds the peer answering: new rooms may use it again.
     time.sleep(1.0)

@@ -38,8 +38,9 @@ def test_a_room_failed_on_every_rank_counts_once_under_its_first_reason() -> Non
 
 def test_a_room_failing_again_after_the_ttl_counts_again() -> None:
     tally = RoomFailureTally(ttl_s=1.0)
-    tally.record(5, "x", 0.0)
-    assert tally.record(5, "x", 1.0) and tally.counts() == {"room_failed:x": 2}
+    tally.record(5, "transfer_timeout", 0.0)
+    assert tally.record(5, "transfer_timeout", 1.0)
+    assert tally.counts() == {"room_failed:transfer_timeout": 2}
 
 
 @given(rooms=st.lists(st.integers(0, 50), max_size=200), cap=st.integers(1, 20))

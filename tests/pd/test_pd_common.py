@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.runtime.pd.compat import CompatError, check_compat
-from pdcluster.runtime.pd.room_common import host_of, peer_matches, reason_label
+from pdcluster.runtime.pd.failure_labels import reason_label
+from pdcluster.runtime.pd.room_common import host_of, peer_matches
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.agent import model_fingerprint
 from pdcluster.runtime.spec import TransferSpec

@@ -286,7 +286,13 @@ def check_router_api_keys(kube: KubeApi, kubectl: KubectlRunner, ns: str) -> Non
     """With `auth.routerApiKeySecretName` the router reads its keys from the mounted
     Secret: a request without a key is refused, one with it served."""
     key = secrets.token_hex(8)
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tour-keys"}}
+    # A Secret of the user's own must opt in to being mounted (docs/security.md).
+    labels = {"pdcluster.io/allow-reference": "true"}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tour-keys", "labels": labels},
+    }
     kube.create(f"/api/v1/namespaces/{ns}/secrets", {**secret, "stringData": {"keys": key}})
     patch = {"spec": {"auth": {"routerApiKeySecretName": "tour-keys"}}}
     kubectl("kubectl", "patch", "pdc", TOUR, "-n", ns, "--type", "merge", "-p", json.dumps(patch))

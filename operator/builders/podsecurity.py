@@ -87,6 +87,12 @@ def secret_volume(name: str, secret: str, key: str) -> dict[str, Any]:
     }
 
 
+def token_volume(secret: str, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, volumeMount) of the cluster token file a pod reads at start."""
+    volume = secret_volume(TOKEN_VOLUME, secret, key)
+    return volume, {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}
+
+
 def writable_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, volumeMounts) of the emptyDir paths the runtime writes."""
     volumes = [

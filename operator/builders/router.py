@@ -51,14 +51,9 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         meta.env_value(podsecurity.TOKEN_FILE_ENV, f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"),
     ]
     volumes, mounts = podsecurity.writable_volumes()
-    volumes.append(
-        podsecurity.secret_volume(
-            podsecurity.TOKEN_VOLUME, token_secret_for(cluster), meta.TOKEN_KEY
-        )
-    )
-    mounts.append(
-        {"name": podsecurity.TOKEN_VOLUME, "mountPath": podsecurity.TOKEN_DIR, "readOnly": True}
-    )
+    token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
+    volumes.append(token_volume)
+    mounts.append(token_mount)
     key_args: list[str] = []
     if spec.auth.router_api_key_secret_name:
         volumes.append(

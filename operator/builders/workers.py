@@ -297,14 +297,9 @@ def build_worker_pod(
         "securityContext": podsecurity.container_security_context(),
     }
     volumes, mounts = podsecurity.writable_volumes()
-    volumes.append(
-        podsecurity.secret_volume(
-            podsecurity.TOKEN_VOLUME, token_secret_for(cluster), meta.TOKEN_KEY
-        )
-    )
-    mounts.append(
-        {"name": podsecurity.TOKEN_VOLUME, "mountPath": podsecurity.TOKEN_DIR, "readOnly": True}
-    )
+    token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
+    volumes.append(token_volume)
+    mounts.append(token_mount)
     container["volumeMounts"] = mounts
     pod_spec: dict[str, Any] = {
         # A rank that dies must fail the pod so the whole gang restarts.

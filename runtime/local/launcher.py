@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
+from pdcluster.runtime.pids import is_pid_alive
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
@@ -45,16 +46,6 @@ def free_ports(n: int) -> list[int]:
 
 def state_dir_for(base: Path, cluster: str) -> Path:
     return base / cluster
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalCluster:
@@ -198,7 +189,7 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
         return None
     state: dict[str, Any] = json.loads(path.read_text())
     for p in state["processes"]:
-        p["alive"] = _alive(p["pid"])
+        p["alive"] = is_pid_alive(p["pid"])
     return state
 
 

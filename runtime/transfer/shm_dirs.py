@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 
+from pdcluster.runtime.pids import is_pid_alive
 from pdcluster.runtime.transfer.shm_paths import owner_of, pool_dir_prefix
 
 log = logging.getLogger("pdcluster.shm")
@@ -18,16 +19,6 @@ log = logging.getLogger("pdcluster.shm")
 
 def shm_base() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale_pool_dirs(cluster: str, base: str | None = None) -> list[str]:
@@ -40,7 +31,7 @@ def sweep_stale_pool_dirs(cluster: str, base: str | None = None) -> list[str]:
         return []
     for name in names:
         pid = owner_of(name, cluster)
-        if pid is None or pid == os.getpid() or _alive(pid):
+        if pid is None or pid == os.getpid() or is_pid_alive(pid):
             continue
         path = os.path.join(base, name)
         if os.path.isdir(path) and not os.path.islink(path):

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -147,23 +148,37 @@ class RelayContext:
             log.warning("abort %s on %s answered HTTP %d", rid, worker.url, resp.status_code)
 
 
+class RelayPhase(enum.IntEnum):
+    """Where one relay stands. It only moves forward, and each phase keeps the
+    facts of those before it: an abandoned relay's main leg is done too."""
+
+    planned = 0  # legs chosen, nothing sent
+    relaying = 1  # `start` ran: the main worker is acquired, the prefill leg spawned
+    main_done = 2  # the main leg answered, failed, or was told to abort
+    abandoned = 3  # every leg still running was told to abort
+    closed = 4  # `aclose` ran (always last): response closed, worker and room released
+
+
 class Relay:
     def __init__(self, ctx: RelayContext, plan: LegPlan) -> None:
         self.ctx = ctx
         self.plan = plan
         self.deadline = asyncio.get_running_loop().time() + ctx.config.request_timeout_s
         self._prefill_task: asyncio.Task[None] | None = None
-        self._prefill_ok = False
         self._main_resp: httpx.Response | None = None
-        self._main_done = False
-        self._main_started = False
-        self._abandoned = False
-        self._closed = False
+        self._phase = RelayPhase.planned
 
     @property
     def rid(self) -> str:
         rid: str = self.plan.rid
         return rid
+
+    @property
+    def phase(self) -> RelayPhase:
+        return self._phase
+
+    def _advance(self, phase: RelayPhase) -> None:
+        self._phase = max(self._phase, phase)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -175,34 +190,35 @@ class Relay:
             self._prefill_task = self.ctx.spawn(self._prefill_leg(plan.prefill))
             self._prefill_task.add_done_callback(self._prefill_finished)
         self.ctx.pool.acquire(plan.main)
-        self._main_started = True
+        self._advance(RelayPhase.relaying)
 
     def abandon(self, reason: str) -> None:
         """Abort every unfinished leg (client gone, deadline, failure)."""
-        if self._abandoned:
+        if self._phase >= RelayPhase.abandoned:
             return
-        self._abandoned = True
+        main_done = self._phase >= RelayPhase.main_done
+        self._advance(RelayPhase.abandoned)
         plan = self.plan
         task = self._prefill_task
         if plan.prefill is not None and task is not None and not task.done():
             self.ctx.send_abort(plan.prefill, plan.rid, reason)
             task.cancel()
-        if not self._main_done:
-            self._main_done = True
+        if not main_done:
             self.ctx.send_abort(plan.main, plan.rid, reason)
         log.info("request %s room %s abandoned: %s", plan.rid, plan.room, reason)
 
     async def aclose(self) -> None:
-        if self._closed:
+        if self._phase is RelayPhase.closed:
             return
-        self._closed = True
-        if not self._main_done:
+        started = self._phase is not RelayPhase.planned
+        if self._phase < RelayPhase.main_done:
             self.abandon("incomplete")
+        self._advance(RelayPhase.closed)
         resp = self._main_resp
         if resp is not None:
             with contextlib.suppress(httpx.HTTPError):
                 await resp.aclose()
-        if self._main_started:
+        if started:
             self.ctx.pool.release(self.plan.main)
         room = self.plan.room
         task = self._prefill_task
@@ -256,7 +272,6 @@ class Relay:
             ) from err
         finally:
             self.ctx.pool.release(worker)
-        self._prefill_ok = True
 
     def _prefill_finished(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -275,6 +290,12 @@ class Relay:
             if err.may_run:
                 self.ctx.send_abort(err.worker, self.plan.rid, err.reason)
 
+    def _is_prefill_ok(self) -> bool:
+        task = self._prefill_task
+        return (
+            task is not None and task.done() and not task.cancelled() and task.exception() is None
+        )
+
     def _prefill_failure(self) -> LegError | None:
         task = self._prefill_task
         if task is None or not task.done() or task.cancelled():
@@ -287,7 +308,12 @@ class Relay:
         async with asyncio.timeout_at(self.deadline):
             task = self._prefill_task
             watch = self.ctx.config.is_prefill_failure_final
-            if task is None or not watch or self._prefill_ok or self._abandoned:
+            if (
+                task is None
+                or not watch
+                or self._is_prefill_ok()
+                or self._phase >= RelayPhase.abandoned
+            ):
                 return await aw
             failure = self._prefill_failure()
             if failure is not None:
@@ -323,8 +349,8 @@ class Relay:
                 plan.main.url,
                 err.message,
             )
-            if not self._main_done:
-                self._main_done = True
+            if self._phase < RelayPhase.main_done:
+                self._advance(RelayPhase.main_done)
                 if err.may_run:
                     self.ctx.send_abort(plan.main, plan.rid, err.reason)
             self.abandon(f"{plan.main.role.value}_failed")
@@ -340,6 +366,19 @@ class Relay:
             reason="timeout",
         )
 
+    @contextlib.contextmanager
+    def _main_leg_failures(self) -> Iterator[None]:
+        """Turn a failure while waiting on the main leg (its own, the prefill's, or
+        the deadline) into the RouterError the client gets, aborting the other leg."""
+        try:
+            yield
+        except httpx.HTTPError as err:
+            raise self._on_leg_error(_http_error(self.plan.main, err, self.ctx.pool)) from None
+        except LegError as err:
+            raise self._on_leg_error(err) from None
+        except TimeoutError:
+            raise self._on_timeout() from None
+
     async def _send_main(self) -> httpx.Response:
         client = self.ctx.client
         request = client.build_request(
@@ -351,38 +390,24 @@ class Relay:
     async def open(self) -> None:
         """Send the main leg; return once its response status is a success."""
         main = self.plan.main
-        try:
-            try:
-                resp = await self._race(self._send_main())
-                if resp.status_code >= 400:
-                    raw = await self._race(resp.aread())
-                    message = error_message_of(raw, resp.status_code)
-                    raise LegError(main, resp.status_code, message, f"{main.role}_error_status")
-            except httpx.HTTPError as err:
-                raise _http_error(main, err, self.ctx.pool) from None
-        except LegError as err:
-            raise self._on_leg_error(err) from None
-        except TimeoutError:
-            raise self._on_timeout() from None
+        with self._main_leg_failures():
+            resp = await self._race(self._send_main())
+            if resp.status_code >= 400:
+                raw = await self._race(resp.aread())
+                message = error_message_of(raw, resp.status_code)
+                raise LegError(main, resp.status_code, message, f"{main.role}_error_status")
 
     async def read_body(self) -> bytes:
         """The main leg's whole JSON answer, as sent (non-streaming requests)."""
         resp = self._main_resp
         assert resp is not None, "open() first"
         main = self.plan.main
-        try:
-            try:
-                raw = await self._race(resp.aread())
-            except httpx.HTTPError as err:
-                raise _http_error(main, err, self.ctx.pool) from None
+        with self._main_leg_failures():
+            raw = await self._race(resp.aread())
             payload = _json_or_none(raw)
             if payload is None:
                 raise LegError(main, 502, "answered with a body that is not JSON", "bad_payload")
-        except LegError as err:
-            raise self._on_leg_error(err) from None
-        except TimeoutError:
-            raise self._on_timeout() from None
-        self._main_done = True
+        self._advance(RelayPhase.main_done)
         if payload_error(payload) is not None:
             self.ctx.metrics.leg_failures.labels(main.role.value, "error_payload").inc()
             self.abandon(f"{main.role.value}_failed")
@@ -401,19 +426,11 @@ class Relay:
         lines = resp.aiter_lines()
         while True:
             try:
-                try:
+                with self._main_leg_failures():
                     line = await self._race(_next_line(lines))
-                except httpx.HTTPError as err:
-                    raise _http_error(main, err, self.ctx.pool) from None
-                if line is None:
-                    raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
-            except LegError as err:
-                failure = self._on_leg_error(err)
-                yield format_json_event(error_body(failure.message, failure.status))
-                yield DONE_EVENT
-                return
-            except TimeoutError:
-                failure = self._on_timeout()
+                    if line is None:
+                        raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
+            except RouterError as failure:
                 yield format_json_event(error_body(failure.message, failure.status))
                 yield DONE_EVENT
                 return
@@ -421,13 +438,13 @@ class Relay:
             if event is None:
                 continue
             if event.is_done:
-                self._main_done = True
+                self._advance(RelayPhase.main_done)
                 yield DONE_EVENT
                 return
-            if event.error() is not None and not self._abandoned:
+            if event.error() is not None and self._phase < RelayPhase.abandoned:
                 self.ctx.metrics.leg_failures.labels(main.role.value, "error_event").inc()
                 # The worker ended this request itself; only the prefill leg needs the abort.
-                self._main_done = True
+                self._advance(RelayPhase.main_done)
                 self.abandon(f"{main.role.value}_failed")
             yield format_event(event.data)
 

@@ -333,10 +333,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         if self._in_flight is not None:
             raise SchedulerError("schedule() called before on_step_done() closed the last batch")
-        cfg = self.config
         self._promote_ready()
-        plan = _Plan(budget=cfg.max_batch_tokens)
+        plan = _Plan(budget=self.config.max_batch_tokens)
+        self._schedule_decodes(plan)
+        blocked = self._schedule_prefill_chunks(plan)
+        # A step that preempted admits nobody: the pool is tight, and taking a
+        # victim straight back would only make it recompute again.
+        if not blocked and not plan.preempted:
+            self._admit_waiting(plan)
+        return self._seal(plan)
 
+    def _schedule_decodes(self, plan: _Plan) -> None:
+        """Phase 1: one token for every running sequence past its prefill, oldest first."""
         for seq in list(self._running):
             # A sequence preempted earlier in this loop is no longer RUNNING.
             if seq.status is _S.RUNNING and not seq.is_prefilling:
@@ -345,13 +353,16 @@ class Scheduler:
                     plan.chunks[seq.rid] = (seq, start, start + 1)
                     plan.budget -= 1
 
+    def _schedule_prefill_chunks(self, plan: _Plan) -> bool:
+        """Phase 2: the next chunk of every running sequence still prefilling, oldest
+        first; True when one was blocked (out of budget or pages)."""
+        cfg = self.config
         blocked = False
         for seq in list(self._running):
             if seq.status is not _S.RUNNING or not seq.is_prefilling:
                 continue
             if plan.budget == 0:
-                blocked = True
-                break
+                return True
             start = seq.num_computed_tokens
             end = start + min(cfg.chunk_size, seq.num_prefill_tokens - start, plan.budget)
             if blocked and seq.num_new_pages_for(end, cfg.page_size) > 0:
@@ -363,10 +374,13 @@ class Scheduler:
                 continue
             plan.chunks[seq.rid] = (seq, start, end)
             plan.budget -= end - start
+        return blocked
 
-        # A step that preempted admits nobody: the pool is tight, and taking a
-        # victim straight back would only make it recompute again.
-        while not blocked and not plan.preempted and plan.budget > 0 and self._waiting:
+    def _admit_waiting(self, plan: _Plan) -> None:
+        """Phase 3: admit waiting sequences in arrival order while a running slot,
+        the budget and the pages allow; the first that does not fit stops it."""
+        cfg = self.config
+        while plan.budget > 0 and self._waiting:
             if len(self._running) >= cfg.max_running_requests:
                 break
             seq = self._waiting[0]
@@ -385,6 +399,8 @@ class Scheduler:
             plan.chunks[seq.rid] = (seq, 0, end)
             plan.budget -= end
 
+    def _seal(self, plan: _Plan) -> ScheduledBatch:
+        """Build the step's chunks and mark them in flight until on_step_done."""
         chunks = tuple(
             self._build_chunk(seq, start, end) for seq, start, end in plan.chunks.values()
         )

@@ -14,6 +14,11 @@ Rollout keeps capacity: a slot whose `old` still serves gets its `cur` only
 while fewer than MAX_SURGE such replacements are in flight, and the `old`
 goes only after `cur` is Ready. Slots >= replicas are deleted (scale down).
 
+`decide_slot` makes the decision above for one slot from its instances and
+the restart ledger's answers (a `SlotDecision`); `plan_role` turns each
+decision into actions, then counts the decisions into the role's report and
+spends the surge.
+
 Rollout keeps pairs: prefill and decode exchange KV only within one cluster
 revision (the router pairs by the `pdcluster.io/revision` label). When the
 revision changes, a Ready `old` of another revision is retired only once
@@ -30,7 +35,9 @@ Pure module.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from pdcluster.operator.actions import Action, Create, Delete, Emit, EventType, Reason
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState
@@ -137,6 +144,93 @@ def serves_revision(observed: Observed, role: Role, revision: str) -> bool:
     )
 
 
+class SlotStep(StrEnum):
+    """What one slot < replicas does this pass (the module docstring's cases)."""
+
+    create = "create"  # empty: create the instance at the current template
+    backoff = "backoff"  # no current instance: its restart back-off still runs
+    surge = "surge"  # an outdated instance serves: replace it if the surge allows
+    complete = "complete"  # the current instance is Ready: retire the outdated ones
+    fill = "fill"  # the current instance lacks pods: create them
+    start = "start"  # the current instance is starting: wait
+    terminating = "terminating"  # the current instance is going away: wait
+    restart = "restart"  # the current instance is broken: tear it down as a gang
+    budget_spent = "budget_spent"  # broken, but the restart budget is spent: keep it
+
+
+@dataclass(frozen=True)
+class SlotDecision:
+    """One slot's step, and what the role's counts and actions need from it."""
+
+    step: SlotStep
+    current: ObservedInstance | None  # the instance at the current template
+    drop: tuple[ObservedInstance, ...] = ()  # outdated and broken or incomplete: deleted now
+    retire: tuple[ObservedInstance, ...] = ()  # outdated, replaced by a Ready current one
+    num_held: int = 0  # outdated of another revision, kept until that revision can go
+    is_ready: bool = False  # served by a Ready instance of any template
+    is_existing: bool = False  # has a live instance of any template
+    holds_surge: bool = False  # a replacement in flight: counts against MAX_SURGE
+    not_before: float | None = None  # `backoff`: when the slot may be recreated
+
+
+def decide_slot(
+    slot: Sequence[ObservedInstance],
+    *,
+    target: str,
+    now: float,
+    recreate_at: float | None,
+    can_restart: bool,
+    revision: str,
+    retire_other_revisions: bool = True,
+) -> SlotDecision:
+    """Decide one slot from its instances alone. `recreate_at` and `can_restart`
+    are the restart ledger's answers for this slot (back-off end, budget left)."""
+    cur = next((i for i in slot if i.key.template_hash == target), None)
+    outdated = [i for i in slot if i.key.template_hash != target]
+    live_olds = [i for i in outdated if i.is_alive]
+    retire: tuple[ObservedInstance, ...] = ()
+    num_held = 0
+    not_before: float | None = None
+    if cur is None:
+        if recreate_at is not None and now < recreate_at:
+            step, not_before = SlotStep.backoff, recreate_at
+        else:
+            step = SlotStep.surge if live_olds else SlotStep.create
+    elif cur.health == Health.ready:
+        step = SlotStep.complete
+        # An outdated instance of another revision stays while its revision's
+        # pair still serves and the new revision cannot yet serve alone.
+        is_held = [
+            not retire_other_revisions and instance_revision(old) != revision for old in live_olds
+        ]
+        retire = tuple(old for old, held in zip(live_olds, is_held, strict=True) if not held)
+        num_held = sum(is_held)
+    elif cur.health == Health.broken:
+        step = SlotStep.restart if can_restart else SlotStep.budget_spent
+    else:
+        step = _WAIT_STEPS[cur.health]
+    # A replacement that is starting, failing or backing off holds a surge slot.
+    is_replacing = bool(live_olds) and (cur is None or cur.health != Health.ready)
+    return SlotDecision(
+        step,
+        cur,
+        drop=tuple(i for i in outdated if i.health in (Health.broken, Health.incomplete)),
+        retire=retire,
+        num_held=num_held,
+        is_ready=any(i.is_serving for i in slot),
+        is_existing=cur is not None or bool(live_olds),
+        holds_surge=is_replacing and step != SlotStep.surge,
+        not_before=not_before,
+    )
+
+
+_WAIT_STEPS = {
+    Health.incomplete: SlotStep.fill,
+    Health.starting: SlotStep.start,
+    Health.terminating: SlotStep.terminating,
+}
+
+
 def plan_role(
     desired: DesiredState,
     role: DesiredRole,
@@ -167,103 +261,106 @@ def plan_role(
             )
     ledger = ledger.forget_from(role.replicas)
 
-    ready = updated = existing = broken = waiting = 0
-    budget_exhausted = False
-    surge_candidates: list[int] = []
-    in_flight = retired = held = 0
+    # Decide slot by slot (the ledger a slot sees includes earlier slots' restarts), then count.
+    decisions: list[SlotDecision] = []
     for index in range(role.replicas):
-        slot = by_slot.get(index, [])
-        cur = next((i for i in slot if i.key.template_hash == target), None)
-        live_olds: list[ObservedInstance] = []
-        for old in (i for i in slot if i.key.template_hash != target):
-            if old.health in (Health.broken, Health.incomplete):
-                _delete_instance(plan, old)
-            elif old.is_alive:
-                live_olds.append(old)
-        ready += any(i.is_serving for i in slot)
-        existing += cur is not None or bool(live_olds)
-
-        # A replacement that is starting, failing or backing off holds a surge slot.
-        replacing = bool(live_olds) and (cur is None or cur.health != Health.ready)
-        if cur is None:
-            not_before = ledger.recreate_at(index, role.restart)
-            if not_before is not None and now < not_before:
-                waiting += 1
-                in_flight += replacing
-                plan.wake_at.append(not_before)
-            elif live_olds:
-                surge_candidates.append(index)
-            else:
-                _create_instance(plan, desired, observed, role, index)
-            continue
-        in_flight += replacing
-        if cur.health == Health.ready:
-            updated += 1
-            ledger = ledger.mark_ready(index)
-            for old in live_olds:
-                if not retire_other_revisions and instance_revision(old) != desired.revision:
-                    held += 1  # its revision's pair still serves; the new one cannot yet
-                    continue
-                retired += 1
-                _delete_instance(plan, old)
-                _event(
-                    plan,
-                    EventType.Normal,
-                    Reason.InstanceReplaced,
-                    f"{role.role.value} instance {index} now runs template {target}; "
-                    f"retired template {old.key.template_hash}",
-                )
-        elif cur.health == Health.incomplete:
-            _create_members(plan, desired, observed, role, index, cur.missing_pod_indexes)
-        elif cur.health == Health.starting:
-            pass
-        elif cur.health == Health.terminating:
-            waiting += 1
-        else:  # broken
-            broken += 1
-            if not ledger.can_restart(role.restart, now):
-                budget_exhausted = True
-                reopen = ledger.budget_reopens_at(now)
-                if reopen is not None:
-                    plan.wake_at.append(reopen)
-                _event(
-                    plan,
-                    EventType.Warning,
-                    Reason.RestartBudgetExhausted,
-                    f"{role.role.value} instance {index} is broken ({cur.reason}) but the "
-                    f"restart budget ({role.restart.budget}/hour) is spent",
-                )
-                continue
-            _delete_instance(plan, cur)
-            ledger = ledger.record(index, now)
-            retry_at = ledger.recreate_at(index, role.restart) or now
-            plan.wake_at.append(retry_at)
-            _event(
-                plan,
-                EventType.Warning,
-                Reason.InstanceRestarted,
-                f"{role.role.value} instance {index} restarted as a gang: {cur.reason}; "
-                f"recreating in {max(0.0, retry_at - now):.0f}s",
-                role.role,
-            )
+        decided = decide_slot(
+            by_slot.get(index, []),
+            target=target,
+            now=now,
+            recreate_at=ledger.recreate_at(index, role.restart),
+            can_restart=ledger.can_restart(role.restart, now),
+            revision=desired.revision,
+            retire_other_revisions=retire_other_revisions,
+        )
+        ledger = _act_on_slot(plan, desired, observed, role, index, decided, ledger, now)
+        decisions.append(decided)
 
     # Start replacements for slots still served by an outdated instance.
+    surge_candidates = [i for i, d in enumerate(decisions) if d.step == SlotStep.surge]
+    in_flight = sum(d.holds_surge for d in decisions)
     for index in surge_candidates[: max(0, MAX_SURGE - in_flight)]:
         _create_instance(plan, desired, observed, role, index)
 
+    steps = [d.step for d in decisions]
+    retired = sum(len(d.retire) for d in decisions)
+    held = sum(d.num_held for d in decisions)
     report = RoleReport(
         role=role.role,
         desired=role.replicas,
-        ready=ready,
-        updated=updated,
-        existing=existing,
-        broken=broken,
-        waiting_backoff=waiting,
-        budget_exhausted=budget_exhausted,
+        ready=sum(d.is_ready for d in decisions),
+        updated=steps.count(SlotStep.complete),
+        existing=sum(d.is_existing for d in decisions),
+        broken=steps.count(SlotStep.restart) + steps.count(SlotStep.budget_spent),
+        waiting_backoff=steps.count(SlotStep.backoff) + steps.count(SlotStep.terminating),
+        budget_exhausted=SlotStep.budget_spent in steps,
         rolling=bool(surge_candidates) or in_flight > 0 or retired > 0 or held > 0,
         ledger=ledger,
     )
     return plan, report
+
+
+def _act_on_slot(
+    plan: RolePlan,
+    desired: DesiredState,
+    observed: Observed,
+    role: DesiredRole,
+    index: int,
+    decided: SlotDecision,
+    ledger: RestartLedger,
+    now: float,
+) -> RestartLedger:
+    """Append slot `index`'s actions to the plan; returns the ledger after them."""
+    for old in decided.drop:
+        _delete_instance(plan, old)
+    cur = decided.current
+    step = decided.step
+    if step == SlotStep.backoff:
+        assert decided.not_before is not None
+        plan.wake_at.append(decided.not_before)
+    elif step == SlotStep.create:
+        _create_instance(plan, desired, observed, role, index)
+    elif step == SlotStep.complete:
+        ledger = ledger.mark_ready(index)
+        for old in decided.retire:
+            _delete_instance(plan, old)
+            _event(
+                plan,
+                EventType.Normal,
+                Reason.InstanceReplaced,
+                f"{role.role.value} instance {index} now runs template {role.template_hash}; "
+                f"retired template {old.key.template_hash}",
+            )
+    elif step == SlotStep.fill:
+        assert cur is not None
+        _create_members(plan, desired, observed, role, index, cur.missing_pod_indexes)
+    elif step == SlotStep.budget_spent:
+        assert cur is not None
+        reopen = ledger.budget_reopens_at(now)
+        if reopen is not None:
+            plan.wake_at.append(reopen)
+        _event(
+            plan,
+            EventType.Warning,
+            Reason.RestartBudgetExhausted,
+            f"{role.role.value} instance {index} is broken ({cur.reason}) but the "
+            f"restart budget ({role.restart.budget}/hour) is spent",
+        )
+    elif step == SlotStep.restart:
+        assert cur is not None
+        _delete_instance(plan, cur)
+        ledger = ledger.record(index, now)
+        retry_at = ledger.recreate_at(index, role.restart) or now
+        plan.wake_at.append(retry_at)
+        _event(
+            plan,
+            EventType.Warning,
+            Reason.InstanceRestarted,
+            f"{role.role.value} instance {index} restarted as a gang: {cur.reason}; "
+            f"recreating in {max(0.0, retry_at - now):.0f}s",
+            role.role,
+        )
+    return ledger
 
 
 def plan_absent_role(role: Role, observed: Observed) -> RolePlan:

@@ -3,7 +3,9 @@
 One FastAPI app serves colocated, prefill and decode workers; what differs is
 the `Backend` that turns a validated request into token events. The HTTP
 layer validates, tokenizes, checks capacity (400 before anything is
-reserved) and formats; it never touches the engine directly.
+reserved) and formats; it never touches the engine directly. The handlers
+are module functions; what one app owns (backend, tokenizer, limits, the
+rids in flight) is a `WorkerState` on `app.state.worker`.
 
 Endpoints: POST /generate, /v1/completions, /v1/chat/completions,
 GET /v1/models, /health, /health/live, /health_generate, /get_model_info, /model_info,
@@ -104,65 +106,31 @@ class WorkerInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def create_worker_app(
-    backend: Backend,
-    tokenizer: TextTokenizer,
-    info: WorkerInfo,
-    metrics: WorkerMetrics,
-    *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    token: str = "",
-    data_plane_open: bool = False,
-    extra_routes: Callable[[FastAPI], None] | None = None,
-) -> FastAPI:
-    app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
-    in_flight: set[str] = set()
+class WorkerState:
+    """Everything one worker app owns; the handlers below read it from `app.state.worker`."""
 
-    @app.middleware("http")
-    async def guard(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        # Auth first: an unauthenticated client gets no further than the headers.
-        if token and is_guarded(request.url.path, data_plane_open=data_plane_open):
-            denied = check_bearer(request.headers.get("authorization"), token)
-            if denied is not None:
-                metrics.rejected.labels(reason="unauthorized").inc()
-                return JSONResponse(
-                    R.error_body(denied.message, code=denied.status),
-                    denied.status,
-                    headers={"WWW-Authenticate": "Bearer"} if denied.status == 401 else None,
-                )
-        # Counted while streaming: a chunked body has no Content-Length to check.
-        try:
-            body = await read_limited(
-                request.stream(), request.headers.get("content-length"), max_body_bytes
-            )
-        except BodyTooLarge:
-            metrics.rejected.labels(reason="body_too_large").inc()
-            return JSONResponse(
-                R.error_body(f"request body over {max_body_bytes} bytes", code=413), 413
-            )
-        except BadLength as err:
-            metrics.rejected.labels(reason="bad_request").inc()
-            return JSONResponse(R.error_body(str(err), code=400), 400)
-        request._body = body  # replayed to the endpoint by Starlette
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.rejected.labels(reason="invalid_body").inc()
-        parts = []
-        for e in exc.errors():
-            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return JSONResponse(R.error_body("; ".join(parts), code=422), 422)
-
-    @app.exception_handler(BadRequest)
-    async def on_bad(_: Request, exc: BadRequest) -> JSONResponse:
-        metrics.rejected.labels(reason="bad_request").inc()
-        return JSONResponse(R.error_body(str(exc), code=exc.status), exc.status, exc.headers)
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: TextTokenizer,
+        info: WorkerInfo,
+        metrics: WorkerMetrics,
+        *,
+        max_body_bytes: int,
+        token: str,
+        data_plane_open: bool,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.token = token
+        self.data_plane_open = data_plane_open
+        self.in_flight: set[str] = set()
 
     def sampling_of(
+        self,
         temperature: float | None,
         top_p: float | None,
         top_k: int | None,
@@ -171,7 +139,7 @@ def create_worker_app(
         ignore_eos: bool,
         stop_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        limit = info.max_new_tokens
+        limit = self.info.max_new_tokens
         mt = min(DEFAULT_MAX_NEW_TOKENS, limit) if max_tokens is None else max_tokens
         if mt > limit:
             raise BadRequest(f"max_tokens {mt} exceeds this server's limit {limit}")
@@ -190,6 +158,7 @@ def create_worker_app(
         }
 
     def prepare(
+        self,
         rid: str | None,
         prompt: str | list[int],
         sampling: dict[str, Any],
@@ -197,10 +166,11 @@ def create_worker_app(
         bootstrap: BootstrapFields,
         rid_is_local: bool = False,
     ) -> PreparedRequest:
+        info = self.info
         if isinstance(prompt, str):
             if len(prompt) > info.max_prompt_tokens * 8:
                 raise BadRequest(f"prompt is over {info.max_prompt_tokens} tokens")
-            ids = tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < info.vocab_size]
@@ -219,18 +189,19 @@ def create_worker_app(
             raise BadRequest(str(err)) from None
         rid_is_local = rid_is_local or rid is None
         rid = rid or uuid.uuid4().hex
-        if rid in in_flight:
+        if rid in self.in_flight:
             raise BadRequest(f"rid {rid!r} is already in flight", status=409)
         req = PreparedRequest(rid, ids, sampling, stops, bootstrap, rid_is_local)
-        backend.check(req)
+        self.backend.check(req)
         return req
 
-    async def run(req: PreparedRequest) -> AsyncIterator[TokenEvent]:
-        in_flight.add(req.rid)
+    async def run(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
+        metrics = self.metrics
+        self.in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
         started, first, finished = time.monotonic(), True, False
         try:
-            async for event in backend.events(req):
+            async for event in self.backend.events(req):
                 if first and event.token_ids:
                     metrics.ttft_seconds.observe(time.monotonic() - started)
                     first = False
@@ -241,32 +212,32 @@ def create_worker_app(
         finally:
             if not finished:  # the client went away mid-request (the backend aborts it)
                 metrics.requests_total.labels(reason="client_disconnect").inc()
-            in_flight.discard(req.rid)
+            self.in_flight.discard(req.rid)
             metrics.requests_in_flight.dec()
 
-    async def collect(req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
+    async def collect(self, req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
         text, ids = "", []
         last = TokenEvent([], "", True, "abort")
-        async for event in run(req):
+        async for event in self.run(req):
             text += event.text
             ids.extend(event.token_ids)
             last = event
         return text, ids, last
 
-    def error_response(event: TokenEvent) -> JSONResponse:
-        metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
+    def error_response(self, event: TokenEvent) -> JSONResponse:
+        self.metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
         return JSONResponse(
             R.error_body(event.error or "request failed", type_="server_error", code=event.status),
             event.status,
         )
 
     def stream(
-        gen: AsyncIterator[TokenEvent], fmt: Callable[[TokenEvent], list[str]]
+        self, req: PreparedRequest, fmt: Callable[[TokenEvent], list[str]]
     ) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
-            async for event in gen:
+            async for event in self.run(req):
                 if event.error is not None:
-                    metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
+                    self.metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
                     yield R.sse(R.error_body(event.error, type_="server_error", code=event.status))
                     break
                 for line in fmt(event):
@@ -275,152 +246,8 @@ def create_worker_app(
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    # ------------------------------------------------------------------ routes
-    @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Response:
-        sp = body.sampling_params
-        sampling = sampling_of(
-            sp.temperature,
-            sp.top_p,
-            sp.top_k,
-            sp.max_new_tokens,
-            sp.seed,
-            sp.ignore_eos,
-            sp.stop_token_ids,
-        )
-        prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
-        req = prepare(body.rid, prompt, sampling, sp.stop, body, body.rid_is_local)
-        if body.stream:
-            text, ids = "", []
-
-            def fmt(event: TokenEvent) -> list[str]:
-                nonlocal text
-                text += event.text
-                ids.extend(event.token_ids)
-                fin = event.finish_reason if event.finished else None
-                return [R.sse(R.generate_body(req.rid, text, list(ids), len(req.prompt_ids), fin))]
-
-            return stream(run(req), fmt)
-        text, ids, last = await collect(req)
-        if last.error is not None:
-            return error_response(last)
-        return JSONResponse(
-            R.generate_body(req.rid, text, ids, len(req.prompt_ids), last.finish_reason)
-        )
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        prompt: str | list[int]
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            prompt = str(body.prompt[0])
-        else:
-            prompt = body.prompt  # type: ignore[assignment]
-        sampling = sampling_of(
-            body.temperature, body.top_p, body.top_k, body.max_tokens, body.seed, body.ignore_eos
-        )
-        req = prepare(body.rid, prompt, sampling, body.stop, body)
-        model = body.model or info.model_name
-        if body.stream:
-
-            def fmt(event: TokenEvent) -> list[str]:
-                fin = event.finish_reason if event.finished else None
-                if not event.text and fin is None:
-                    return []
-                return [R.sse(R.completion_chunk(req.rid, model, event.text, fin))]
-
-            return stream(run(req), fmt)
-        text, ids, last = await collect(req)
-        if last.error is not None:
-            return error_response(last)
-        return JSONResponse(
-            R.completion_body(
-                req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids)
-            )
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Response:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = tokenizer.apply_chat_template(messages)
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        sampling = sampling_of(
-            body.temperature, body.top_p, body.top_k, max_tokens, body.seed, body.ignore_eos
-        )
-        req = prepare(body.rid, prompt, sampling, body.stop, body)
-        model = body.model or info.model_name
-        if body.stream:
-            first = True
-
-            def fmt(event: TokenEvent) -> list[str]:
-                nonlocal first
-                out = []
-                if first:
-                    out.append(R.sse(R.chat_chunk(req.rid, model, {"role": "assistant"}, None)))
-                    first = False
-                if event.text:
-                    out.append(R.sse(R.chat_chunk(req.rid, model, {"content": event.text}, None)))
-                if event.finished:
-                    out.append(R.sse(R.chat_chunk(req.rid, model, {}, event.finish_reason)))
-                return out
-
-            return stream(run(req), fmt)
-        text, ids, last = await collect(req)
-        if last.error is not None:
-            return error_response(last)
-        return JSONResponse(
-            R.chat_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
-        )
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> JSONResponse:
-        try:
-            body = AbortRequest.model_validate_json(await request.body())
-        except ValidationError as err:
-            msg = "; ".join(str(e["msg"]) for e in err.errors())
-            return JSONResponse(R.error_body(msg, code=422), 422)
-        if body.abort_all:
-            backend.abort_all()
-            return JSONResponse({"aborted": "all"})
-        # Exact match only: "req-1" must never abort "req-10".
-        found = body.rid in in_flight
-        if found:
-            backend.abort(body.rid)
-        return JSONResponse({"rid": body.rid, "found": found})
-
-    @app.get("/health")
-    async def health() -> Response:
-        if backend.is_healthy():
-            return Response(status_code=200)
-        # PD backends say why (readiness.py); the router and the probes read the status.
-        why = getattr(backend, "not_ready_reason", None)
-        reason = (why() if why is not None else None) or "not_ready"
-        return JSONResponse({"status": "not_ready", "reason": reason}, 503)
-
-    @app.get("/health/live")
-    async def health_live() -> Response:
-        # The liveness probe: 503 only for an engine that is gone or hung
-        # (`engine_stalled`), never for one still waiting on its peers.
-        is_live = getattr(backend, "is_live", backend.is_healthy)
-        if is_live():
-            return Response(status_code=200)
-        why = getattr(backend, "not_ready_reason", None)
-        reason = (why() if why is not None else None) or "engine_stopped"
-        return JSONResponse({"status": "not_live", "reason": reason}, 503)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        return await health()
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": info.model_name, "object": "model", "owned_by": "pdcluster"}],
-            }
-        )
-
-    def model_info() -> dict[str, Any]:
+    def model_info(self) -> dict[str, Any]:
+        info = self.info
         return {
             "model_path": info.model_path,
             "tokenizer_path": info.model_path,
@@ -432,26 +259,277 @@ def create_worker_app(
             "max_req_input_len": info.max_prompt_tokens,
         }
 
-    app.get("/get_model_info")(lambda: model_info())
-    app.get("/model_info")(lambda: model_info())
-
-    def server_info() -> dict[str, Any]:
+    def server_info(self) -> dict[str, Any]:
+        info = self.info
         return {
-            "disaggregation_mode": backend.role,
+            "disaggregation_mode": self.backend.role,
             "served_model_name": info.model_name,
             "max_prompt_tokens": info.max_prompt_tokens,
             "max_new_tokens": info.max_new_tokens,
             **info.extra,
-            **backend.server_info(),
+            **self.backend.server_info(),
         }
 
-    app.get("/get_server_info")(lambda: server_info())
-    app.get("/server_info")(lambda: server_info())
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+def _state(request: Request) -> WorkerState:
+    state: WorkerState = request.app.state.worker
+    return state
 
+
+# ------------------------------------------------------------- middleware, errors
+async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    state = _state(request)
+    metrics = state.metrics
+    # Auth first: an unauthenticated client gets no further than the headers.
+    if state.token and is_guarded(request.url.path, data_plane_open=state.data_plane_open):
+        denied = check_bearer(request.headers.get("authorization"), state.token)
+        if denied is not None:
+            metrics.rejected.labels(reason="unauthorized").inc()
+            return JSONResponse(
+                R.error_body(denied.message, code=denied.status),
+                denied.status,
+                headers={"WWW-Authenticate": "Bearer"} if denied.status == 401 else None,
+            )
+    # Counted while streaming: a chunked body has no Content-Length to check.
+    try:
+        body = await read_limited(
+            request.stream(), request.headers.get("content-length"), state.max_body_bytes
+        )
+    except BodyTooLarge:
+        metrics.rejected.labels(reason="body_too_large").inc()
+        return JSONResponse(
+            R.error_body(f"request body over {state.max_body_bytes} bytes", code=413), 413
+        )
+    except BadLength as err:
+        metrics.rejected.labels(reason="bad_request").inc()
+        return JSONResponse(R.error_body(str(err), code=400), 400)
+    request._body = body  # replayed to the endpoint by Starlette
+    return await call_next(request)
+
+
+async def _on_invalid(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    _state(request).metrics.rejected.labels(reason="invalid_body").inc()
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg')}")
+    return JSONResponse(R.error_body("; ".join(parts), code=422), 422)
+
+
+async def _on_bad(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BadRequest)
+    _state(request).metrics.rejected.labels(reason="bad_request").inc()
+    return JSONResponse(R.error_body(str(exc), code=exc.status), exc.status, exc.headers)
+
+
+# ------------------------------------------------------------------------ routes
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = _state(request)
+    sp = body.sampling_params
+    sampling = state.sampling_of(
+        sp.temperature,
+        sp.top_p,
+        sp.top_k,
+        sp.max_new_tokens,
+        sp.seed,
+        sp.ignore_eos,
+        sp.stop_token_ids,
+    )
+    prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
+    req = state.prepare(body.rid, prompt, sampling, sp.stop, body, body.rid_is_local)
+    if body.stream:
+        text, ids = "", []
+
+        def fmt(event: TokenEvent) -> list[str]:
+            nonlocal text
+            text += event.text
+            ids.extend(event.token_ids)
+            fin = event.finish_reason if event.finished else None
+            return [R.sse(R.generate_body(req.rid, text, list(ids), len(req.prompt_ids), fin))]
+
+        return state.stream(req, fmt)
+    text, ids, last = await state.collect(req)
+    if last.error is not None:
+        return state.error_response(last)
+    return JSONResponse(
+        R.generate_body(req.rid, text, ids, len(req.prompt_ids), last.finish_reason)
+    )
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    prompt: str | list[int]
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
+        prompt = str(body.prompt[0])
+    else:
+        prompt = body.prompt  # type: ignore[assignment]
+    sampling = state.sampling_of(
+        body.temperature, body.top_p, body.top_k, body.max_tokens, body.seed, body.ignore_eos
+    )
+    req = state.prepare(body.rid, prompt, sampling, body.stop, body)
+    model = body.model or state.info.model_name
+    if body.stream:
+
+        def fmt(event: TokenEvent) -> list[str]:
+            fin = event.finish_reason if event.finished else None
+            if not event.text and fin is None:
+                return []
+            return [R.sse(R.completion_chunk(req.rid, model, event.text, fin))]
+
+        return state.stream(req, fmt)
+    text, ids, last = await state.collect(req)
+    if last.error is not None:
+        return state.error_response(last)
+    return JSONResponse(
+        R.completion_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
+    )
+
+
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt = state.tokenizer.apply_chat_template(messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    sampling = state.sampling_of(
+        body.temperature, body.top_p, body.top_k, max_tokens, body.seed, body.ignore_eos
+    )
+    req = state.prepare(body.rid, prompt, sampling, body.stop, body)
+    model = body.model or state.info.model_name
+    if body.stream:
+        first = True
+
+        def fmt(event: TokenEvent) -> list[str]:
+            nonlocal first
+            out = []
+            if first:
+                out.append(R.sse(R.chat_chunk(req.rid, model, {"role": "assistant"}, None)))
+                first = False
+            if event.text:
+                out.append(R.sse(R.chat_chunk(req.rid, model, {"content": event.text}, None)))
+            if event.finished:
+                out.append(R.sse(R.chat_chunk(req.rid, model, {}, event.finish_reason)))
+            return out
+
+        return state.stream(req, fmt)
+    text, ids, last = await state.collect(req)
+    if last.error is not None:
+        return state.error_response(last)
+    return JSONResponse(
+        R.chat_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
+    )
+
+
+async def abort_request(request: Request) -> JSONResponse:
+    state = _state(request)
+    try:
+        body = AbortRequest.model_validate_json(await request.body())
+    except ValidationError as err:
+        msg = "; ".join(str(e["msg"]) for e in err.errors())
+        return JSONResponse(R.error_body(msg, code=422), 422)
+    if body.abort_all:
+        state.backend.abort_all()
+        return JSONResponse({"aborted": "all"})
+    # Exact match only: "req-1" must never abort "req-10".
+    found = body.rid in state.in_flight
+    if found:
+        state.backend.abort(body.rid)
+    return JSONResponse({"rid": body.rid, "found": found})
+
+
+async def health(request: Request) -> Response:
+    backend = _state(request).backend
+    if backend.is_healthy():
+        return Response(status_code=200)
+    # PD backends say why (readiness.py); the router and the probes read the status.
+    why = getattr(backend, "not_ready_reason", None)
+    reason = (why() if why is not None else None) or "not_ready"
+    return JSONResponse({"status": "not_ready", "reason": reason}, 503)
+
+
+async def health_live(request: Request) -> Response:
+    # The liveness probe: 503 only for an engine that is gone or hung
+    # (`engine_stalled`), never for one still waiting on its peers.
+    backend = _state(request).backend
+    is_live = getattr(backend, "is_live", backend.is_healthy)
+    if is_live():
+        return Response(status_code=200)
+    why = getattr(backend, "not_ready_reason", None)
+    reason = (why() if why is not None else None) or "engine_stopped"
+    return JSONResponse({"status": "not_live", "reason": reason}, 503)
+
+
+async def health_generate(request: Request) -> Response:
+    return await health(request)
+
+
+async def models(request: Request) -> JSONResponse:
+    info = _state(request).info
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [{"id": info.model_name, "object": "model", "owned_by": "pdcluster"}],
+        }
+    )
+
+
+def model_info(request: Request) -> dict[str, Any]:
+    return _state(request).model_info()
+
+
+def server_info(request: Request) -> dict[str, Any]:
+    return _state(request).server_info()
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    registry = _state(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# (method, path, handler); the JSON-dict handlers get FastAPI's default response.
+_ROUTES: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("POST", "/generate", generate),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat),
+    ("POST", "/abort_request", abort_request),
+    ("GET", "/health", health),
+    ("GET", "/health/live", health_live),
+    ("GET", "/health_generate", health_generate),
+    ("GET", "/v1/models", models),
+    ("GET", "/get_model_info", model_info),
+    ("GET", "/model_info", model_info),
+    ("GET", "/get_server_info", server_info),
+    ("GET", "/server_info", server_info),
+    ("GET", "/metrics", metrics_endpoint),
+)
+
+
+def create_worker_app(
+    backend: Backend,
+    tokenizer: TextTokenizer,
+    info: WorkerInfo,
+    metrics: WorkerMetrics,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    token: str = "",
+    data_plane_open: bool = False,
+    extra_routes: Callable[[FastAPI], None] | None = None,
+) -> FastAPI:
+    app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
+    app.state.worker = WorkerState(
+        backend,
+        tokenizer,
+        info,
+        metrics,
+        max_body_bytes=max_body_bytes,
+        token=token,
+        data_plane_open=data_plane_open,
+    )
+    app.middleware("http")(_guard)
+    app.add_exception_handler(RequestValidationError, _on_invalid)
+    app.add_exception_handler(BadRequest, _on_bad)
+    for method, path, handler in _ROUTES:
+        app.add_api_route(path, handler, methods=[method], response_model=None)
     if extra_routes is not None:
         extra_routes(app)
     return app

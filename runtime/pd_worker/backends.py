@@ -56,7 +56,7 @@ from pdcluster.runtime.pd_worker.coordinator import (
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.server.auth import bearer_headers, check_bearer
-from pdcluster.runtime.server.colocated import check_capacity, engine_request
+from pdcluster.runtime.server.colocated import check_capacity, engine_request, page_counts
 from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.server.limits import server_config
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
@@ -250,11 +250,9 @@ class _PDBackend:
         self.service.abort_all()
 
     def server_info(self) -> dict[str, Any]:
-        engine = self.service.engine
         return {
             **self.info,
-            "num_free_pages": engine.num_free_pages,
-            "num_total_pages": engine.num_total_pages,
+            **page_counts(self.service.engine),
             "num_rooms": len(self.coordinator.rooms),
             "endpoint": self.agent.address,
             **self._pd_stats(),

@@ -32,6 +32,11 @@ def check_capacity(engine: Any, req: PreparedRequest) -> None:
         raise BadRequest(str(err)) from None
 
 
+def page_counts(engine: Any) -> dict[str, int]:
+    """The KV pool's fill, as every role's /server_info reports it."""
+    return {"num_free_pages": engine.num_free_pages, "num_total_pages": engine.num_total_pages}
+
+
 class ColocatedBackend:
     role = "null"
 
@@ -53,11 +58,7 @@ class ColocatedBackend:
         self.service.abort_all()
 
     def server_info(self) -> dict[str, Any]:
-        engine = self.service.engine
-        return {
-            "num_free_pages": engine.num_free_pages,
-            "num_total_pages": engine.num_total_pages,
-        }
+        return page_counts(self.service.engine)
 
     def is_healthy(self) -> bool:
         return self.service.is_alive

@@ -55,6 +55,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _choice_object(
+    object_: str, id_: str, model: str, choice: dict[str, Any], finish_reason: str | None
+) -> dict[str, Any]:
+    """One OpenAI object with a single choice; `choice` is what sets it apart
+    (its text, message or delta)."""
+    return {
+        "id": id_,
+        "object": object_,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                **choice,
+                "logprobs": None,
+                "finish_reason": openai_finish_reason(finish_reason),
+            }
+        ],
+    }
+
+
 def completion_body(
     rid: str,
     model: str,
@@ -70,20 +91,7 @@ def completion_body(
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(finish_reason),
-            }
-        ],
-    }
+    return _choice_object("text_completion", f"cmpl-{rid}", model, {"text": text}, finish_reason)
 
 
 def chat_body(
@@ -94,37 +102,15 @@ def chat_body(
     prompt_tokens: int,
     completion_tokens: int,
 ) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(finish_reason),
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+    message = {"message": {"role": "assistant", "content": text}}
+    body = _choice_object("chat.completion", f"chatcmpl-{rid}", model, message, finish_reason)
+    body["usage"] = usage(prompt_tokens, completion_tokens)
+    return body
 
 
 def chat_chunk(
     rid: str, model: str, delta: dict[str, str], finish_reason: str | None
 ) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": openai_finish_reason(finish_reason),
-            }
-        ],
-    }
+    return _choice_object(
+        "chat.completion.chunk", f"chatcmpl-{rid}", model, {"delta": delta}, finish_reason
+    )

@@ -106,28 +106,18 @@ class WorkerInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
 class WorkerState:
     """Everything one worker app owns; the handlers below read it from `app.state.worker`."""
 
-    def __init__(
-        self,
-        backend: Backend,
-        tokenizer: TextTokenizer,
-        info: WorkerInfo,
-        metrics: WorkerMetrics,
-        *,
-        max_body_bytes: int,
-        token: str,
-        data_plane_open: bool,
-    ) -> None:
-        self.backend = backend
-        self.tokenizer = tokenizer
-        self.info = info
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.token = token
-        self.data_plane_open = data_plane_open
-        self.in_flight: set[str] = set()
+    backend: Backend
+    tokenizer: TextTokenizer
+    info: WorkerInfo
+    metrics: WorkerMetrics
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    token: str = ""
+    data_plane_open: bool = False
+    in_flight: set[str] = field(default_factory=set)  # rids of the requests running now
 
     def sampling_of(
         self,
@@ -223,6 +213,16 @@ class WorkerState:
             ids.extend(event.token_ids)
             last = event
         return text, ids, last
+
+    async def answer(
+        self, req: PreparedRequest, body_of: Callable[[str, list[int], str | None], dict[str, Any]]
+    ) -> JSONResponse:
+        """Run `req` to its end; its JSON answer from (text, token ids, finish reason),
+        or the error it ended with."""
+        text, ids, last = await self.collect(req)
+        if last.error is not None:
+            return self.error_response(last)
+        return JSONResponse(body_of(text, ids, last.finish_reason))
 
     def error_response(self, event: TokenEvent) -> JSONResponse:
         self.metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
@@ -349,11 +349,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             return [R.sse(R.generate_body(req.rid, text, list(ids), len(req.prompt_ids), fin))]
 
         return state.stream(req, fmt)
-    text, ids, last = await state.collect(req)
-    if last.error is not None:
-        return state.error_response(last)
-    return JSONResponse(
-        R.generate_body(req.rid, text, ids, len(req.prompt_ids), last.finish_reason)
+    return await state.answer(
+        req, lambda text, ids, fin: R.generate_body(req.rid, text, ids, len(req.prompt_ids), fin)
     )
 
 
@@ -378,11 +375,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             return [R.sse(R.completion_chunk(req.rid, model, event.text, fin))]
 
         return state.stream(req, fmt)
-    text, ids, last = await state.collect(req)
-    if last.error is not None:
-        return state.error_response(last)
-    return JSONResponse(
-        R.completion_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
+    return await state.answer(
+        req,
+        lambda text, ids, fin: R.completion_body(
+            req.rid, model, text, fin, len(req.prompt_ids), len(ids)
+        ),
     )
 
 
@@ -412,11 +409,11 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
             return out
 
         return state.stream(req, fmt)
-    text, ids, last = await state.collect(req)
-    if last.error is not None:
-        return state.error_response(last)
-    return JSONResponse(
-        R.chat_body(req.rid, model, text, last.finish_reason, len(req.prompt_ids), len(ids))
+    return await state.answer(
+        req,
+        lambda text, ids, fin: R.chat_body(
+            req.rid, model, text, fin, len(req.prompt_ids), len(ids)
+        ),
     )
 
 
@@ -517,13 +514,7 @@ def create_worker_app(
 ) -> FastAPI:
     app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
     app.state.worker = WorkerState(
-        backend,
-        tokenizer,
-        info,
-        metrics,
-        max_body_bytes=max_body_bytes,
-        token=token,
-        data_plane_open=data_plane_open,
+        backend, tokenizer, info, metrics, max_body_bytes, token, data_plane_open
     )
     app.middleware("http")(_guard)
     app.add_exception_handler(RequestValidationError, _on_invalid)

@@ -48,17 +48,30 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class CompletionBody(_Lenient):
-    model: str = Field(min_length=1)
-    prompt: str | list[int] | list[str] | list[list[int]]
-    stream: bool = False
-    n: int = Field(default=1, ge=1)
-    max_tokens: int | None = Field(default=None, ge=0)
+class _Sampling(_Lenient):
+    """The fields the completion and chat bodies share, after their own.
+
+    A body lists this first among its bases and keeps its own fields in a
+    second base: pydantic orders fields from the last base to the first, so
+    these come last, and the first error reported stays the same."""
+
     temperature: float | int | None = Field(default=None, ge=0)
     top_p: float | int | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream_options: StreamOptions | None = None
+
+
+class _CompletionPrompt(_Lenient):
+    model: str = Field(min_length=1)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    stream: bool = False
+    n: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+
+
+class CompletionBody(_Sampling, _CompletionPrompt):
+    pass
 
 
 class ChatMessage(_Lenient):
@@ -66,18 +79,17 @@ class ChatMessage(_Lenient):
     content: str | list[Any] | None = None
 
 
-class ChatBody(_Lenient):
+class _ChatMessages(_Lenient):
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     n: int = Field(default=1, ge=1)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | int | None = Field(default=None, ge=0)
-    top_p: float | int | None = Field(default=None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream_options: StreamOptions | None = None
+
+
+class ChatBody(_Sampling, _ChatMessages):
+    pass
 
 
 class GenerateBody(_Lenient):

@@ -74,10 +74,13 @@ class AbortRequest(_Lenient):
         return self
 
 
-class CompletionRequest(BootstrapFields):
-    model: str | None = Field(default=None, max_length=256)  # null: the served model
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)
+class _OpenAISampling(_Lenient):
+    """The fields the completion and chat bodies share, after their own.
+
+    A body lists this first among its bases and keeps its own fields in a
+    second base: pydantic orders fields from the last base to the first, so
+    these come last, as the order validation errors are reported in says."""
+
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
@@ -88,6 +91,14 @@ class CompletionRequest(BootstrapFields):
     rid: str | None = Field(default=None, min_length=1, max_length=MAX_RID_LEN)
     ignore_eos: bool = False
 
+
+class _CompletionPrompt(BootstrapFields):
+    model: str | None = Field(default=None, max_length=256)  # null: the served model
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+
+class CompletionRequest(_OpenAISampling, _CompletionPrompt):
     @model_validator(mode="after")
     def _single_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -106,20 +117,15 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
-class ChatCompletionRequest(BootstrapFields):
+class _ChatMessages(BootstrapFields):
     model: str | None = Field(default=None, max_length=256)  # null: the served model
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=1)
-    rid: str | None = Field(default=None, min_length=1, max_length=MAX_RID_LEN)
-    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(_OpenAISampling, _ChatMessages):
+    pass
 
 
 def normalize_stop(stop: str | list[str] | None) -> list[str]:

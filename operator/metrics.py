@@ -7,65 +7,60 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 DETECTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+PREFIX = "pdcluster_operator_"
+
+
 class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.reconciles = Counter(
-            "pdcluster_operator_reconciles_total",
-            "Reconcile passes, by result (ok, invalid, error)",
-            ["result"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, *labels: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=DETECTION_BUCKETS, registry=r)
+
+        self.reconciles = counter(
+            "reconciles_total", "Reconcile passes, by result (ok, invalid, error)", "result"
         )
         self.reconcile_seconds = Histogram(
-            "pdcluster_operator_reconcile_seconds", "Duration of one reconcile pass", registry=r
+            PREFIX + "reconcile_seconds", "Duration of one reconcile pass", registry=r
         )
-        self.actions = Counter(
-            "pdcluster_operator_actions_total",
-            "Writes performed, by operation and kind",
-            ["op", "kind"],
-            registry=r,
+        self.actions = counter(
+            "actions_total", "Writes performed, by operation and kind", "op", "kind"
         )
-        self.errors = Counter(
-            "pdcluster_operator_errors_total",
-            "Failed API calls, by operation and HTTP status",
-            ["op", "status"],
-            registry=r,
+        self.errors = counter(
+            "errors_total", "Failed API calls, by operation and HTTP status", "op", "status"
         )
-        self.status_writes = Counter(
-            "pdcluster_operator_status_writes_total", "Status subresource writes", registry=r
-        )
-        self.restarts = Counter(
-            "pdcluster_operator_instance_restarts_total",
+        self.status_writes = counter("status_writes_total", "Status subresource writes")
+        self.restarts = counter(
+            "instance_restarts_total",
             "Gang restarts of an instance, by role and cause",
-            ["role", "cause"],
-            registry=r,
+            "role",
+            "cause",
         )
-        self.failovers = Counter(
-            "pdcluster_operator_failovers_total",
+        self.failovers = counter(
+            "failovers_total",
             "Lost instances handled by the failover fast path, by role and cause",
-            ["role", "cause"],
-            registry=r,
+            "role",
+            "cause",
         )
-        self.detection_seconds = Histogram(
-            "pdcluster_operator_failure_detection_seconds",
+        self.detection_seconds = histogram(
+            "failure_detection_seconds",
             "From a pod's failure (API time, whole seconds) to its peers told, by role",
-            ["role"],
-            buckets=DETECTION_BUCKETS,
-            registry=r,
+            "role",
         )
-        self.failover_seconds = Histogram(
-            "pdcluster_operator_failover_seconds",
+        self.failover_seconds = histogram(
+            "failover_seconds",
             "From the pod event revealing a loss to every peer having answered, by role",
-            ["role"],
-            buckets=DETECTION_BUCKETS,
-            registry=r,
+            "role",
         )
-        self.rooms_failed = Counter(
-            "pdcluster_operator_rooms_failed_total",
+        self.rooms_failed = counter(
+            "rooms_failed_total",
             "Rooms the workers report failed (from /admin/failures), by role and reason",
-            ["role", "reason"],
-            registry=r,
+            "role",
+            "reason",
         )
         self.queue_depth = Gauge(
-            "pdcluster_operator_queue_depth", "Clusters waiting to be reconciled", registry=r
+            PREFIX + "queue_depth", "Clusters waiting to be reconciled", registry=r
         )

@@ -110,12 +110,7 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": meta.object_meta(
-            cluster.ref,
-            names.router_name(cluster.name),
-            component=ROUTER_ROLE,
-            labels={names.LABEL_ROLE: ROUTER_ROLE},
-        ),
+        "metadata": _router_meta(cluster),
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": router_selector(cluster)},
@@ -141,17 +136,22 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
     }
 
 
+def _router_meta(cluster: Cluster) -> dict[str, Any]:
+    """Metadata of the router's Deployment and Service (one name, one role label)."""
+    return meta.object_meta(
+        cluster.ref,
+        names.router_name(cluster.name),
+        component=ROUTER_ROLE,
+        labels={names.LABEL_ROLE: ROUTER_ROLE},
+    )
+
+
 def build_router_service(cluster: Cluster) -> Manifest:
     service = cluster.spec.router.service
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta.object_meta(
-            cluster.ref,
-            names.router_name(cluster.name),
-            component=ROUTER_ROLE,
-            labels={names.LABEL_ROLE: ROUTER_ROLE},
-        ),
+        "metadata": _router_meta(cluster),
         "spec": {
             "type": service.type,
             "selector": router_selector(cluster),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -76,18 +77,29 @@ class ShmTransport:
     def check(self, job: TransferJob, src: PoolGeometry) -> None:
         check_job(job, src, self.peer_pool(job.peer).shape)
 
-    def send_frame(
-        self, job: TransferJob, header: KVFrameHeader, payload: torch.Tensor, on_done: FrameDone
-    ) -> None:
+    def _destination(
+        self, job: TransferJob, on_done: FrameDone
+    ) -> tuple[KVPool, Sequence[int]] | None:
+        """The peer's pool and the job's slots in it; None (the frame failed) once
+        the peer is gone."""
         try:
             dst = self.peer_pool(job.peer)
         except ValueError:
             on_done("peer_unregistered")
-            return
+            return None
         assert job.dst_slots is not None  # check() guarantees it
+        return dst, job.dst_slots
+
+    def send_frame(
+        self, job: TransferJob, header: KVFrameHeader, payload: torch.Tensor, on_done: FrameDone
+    ) -> None:
+        found = self._destination(job, on_done)
+        if found is None:
+            return
+        dst, peer_slots = found
         start = header.token_start - job.token_start
         end = header.token_end - job.token_start
-        slots = np.asarray(job.dst_slots[start:end], dtype=np.int64)
+        slots = np.asarray(peer_slots[start:end], dtype=np.int64)
         data = payload.view(torch.uint8).numpy()  # [L, 2, n, h, D * itemsize]
         scatter_bytes(dst, header.layers, slots, (header.head_start, header.head_end), data)
         on_done(None)
@@ -108,14 +120,12 @@ class ShmTransport:
         the per-run cost would dominate, so the frame is gathered and
         scattered instead (two copies, no per-token calls).
         """
-        try:
-            dst = self.peer_pool(job.peer)
-        except ValueError:
-            on_done("peer_unregistered")
+        found = self._destination(job, on_done)
+        if found is None:
             return
-        assert job.dst_slots is not None  # check() guarantees it
+        dst, peer_slots = found
         start = header.token_start - job.token_start
-        dst_slots = np.asarray(job.dst_slots[start : start + header.num_tokens], dtype=np.int64)
+        dst_slots = np.asarray(peer_slots[start : start + header.num_tokens], dtype=np.int64)
         src_slots = slots.numpy()
         runs = copy_runs(src_slots, dst_slots, pool.shape.page_size, dst.shape.page_size)
         frame_bytes = (

@@ -23,7 +23,7 @@ from pdcluster.operator import names
 from pdcluster.operator.api import KIND
 from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
 from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
-from pdcluster.operator.names import Role
+from pdcluster.runtime.spec import Role
 
 # Pods built before the token came as a file read it from this variable.
 TOKEN_ENV = "PDCLUSTER_TOKEN"

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from pdcluster.operator.admin_client import AdminClient, AdminResult
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.operator.prefill_peers")
 

@@ -58,8 +58,8 @@ from pdcluster.runtime.engine.sequence import (
     FinishReason,
     Sequence,
     SequenceStatus,
-    num_pages_for,
 )
+from pdcluster.runtime.spec import pages_for
 
 __all__ = [
     "EXTERNAL_FINISH_REASONS",
@@ -230,7 +230,7 @@ class Scheduler:
             )
         # The last sampled token is never fed, so its KV is never stored.
         kv_tokens = prompt_len if prefill_only else prompt_len + max_tokens - 1
-        pages = num_pages_for(kv_tokens, cfg.page_size)
+        pages = pages_for(kv_tokens, cfg.page_size)
         if pages > self.allocator.num_total:
             raise RequestRejected(
                 f"request needs {pages} KV pages ({kv_tokens} tokens of {cfg.page_size} per page) "
@@ -308,7 +308,7 @@ class Scheduler:
                 f"prefilled sequence {seq.rid!r} must have num_computed_tokens == prompt length "
                 f"({seq.num_prompt_tokens}), got {seq.num_computed_tokens}"
             )
-        needed = num_pages_for(seq.num_prompt_tokens, self.config.page_size)
+        needed = pages_for(seq.num_prompt_tokens, self.config.page_size)
         if len(seq.page_table) < needed:
             raise RequestRejected(
                 f"prefilled sequence {seq.rid!r} has {len(seq.page_table)} pages, "

@@ -36,6 +36,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from pdcluster.runtime.spec import pages_for
+
 __all__ = [
     "FINISH_REASONS",
     "MODES",
@@ -45,7 +47,6 @@ __all__ = [
     "Mode",
     "Sequence",
     "SequenceStatus",
-    "num_pages_for",
 ]
 
 Mode = Literal["normal", "prefill_only", "prefilled"]
@@ -77,13 +78,6 @@ TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 
 class IllegalTransition(RuntimeError):
     """A status change the transition table does not allow."""
-
-
-def num_pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold the KV of ``num_tokens`` tokens."""
-    if num_tokens < 0 or page_size < 1:
-        raise ValueError(f"need num_tokens >= 0 and page_size >= 1, got {num_tokens}, {page_size}")
-    return -(-num_tokens // page_size)
 
 
 @dataclass(eq=False)  # identity semantics: two requests are never "equal"
@@ -145,7 +139,7 @@ class Sequence:
 
     def num_new_pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pages to add to the page table so it covers ``num_tokens`` tokens."""
-        return max(0, num_pages_for(num_tokens, page_size) - len(self.page_table))
+        return max(0, pages_for(num_tokens, page_size) - len(self.page_table))
 
     def stop_reason(self) -> FinishReason | None:
         """Why the newest sampled token ends the sequence, or None if it goes on."""

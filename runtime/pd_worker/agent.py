@@ -44,6 +44,7 @@ from pdcluster.runtime.pd_worker.group import (
     encode_group,
     is_group_frame,
 )
+from pdcluster.runtime.spec import Role, TransferSpec
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.identity import claim_mismatch, group_must_be_local, group_route
@@ -61,7 +62,7 @@ STATS_STALE_S = 3.0
 class AgentContext:
     """Everything a rank agent needs to know about itself (built at start-up)."""
 
-    role: str  # "prefill" | "decode"
+    role: Role  # prefill or decode
     cluster: str
     instance: int
     coord: RankCoord
@@ -71,7 +72,7 @@ class AgentContext:
     compat: CompatInfo
     token: str
     room_settings: RoomSettings
-    transfer: Any  # spec.transfer (TransferSpec)
+    transfer: TransferSpec
     layers: tuple[int, int]  # global layer range of this rank
     heads: tuple[int, int]  # global kv-head range of this rank
     num_layers: int

@@ -60,6 +60,7 @@ from pdcluster.runtime.server.colocated import check_capacity, engine_request
 from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.server.limits import server_config
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -81,7 +82,7 @@ class _LateServer(uvicorn.Server):
 
 
 class _PDBackend:
-    role = ""
+    role: Role
 
     def __init__(self, service: EngineService, agent: Any, coordinator: Any, info: dict[str, Any]):
         self.service = service
@@ -300,7 +301,7 @@ def _reason_of(err: Exception) -> str:
 
 
 class PrefillBackend(_PDBackend):
-    role = "prefill"
+    role = Role.prefill
 
     def check(self, req: PreparedRequest) -> None:
         super().check(req)
@@ -321,7 +322,7 @@ class PrefillBackend(_PDBackend):
 
 
 class DecodeBackend(_PDBackend):
-    role = "decode"
+    role = Role.decode
 
     def server_info(self) -> dict[str, Any]:
         # Prefills this group's leader refuses new rooms for (declared dead, not back yet).
@@ -485,7 +486,7 @@ def build_pd_backend(
     }
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
-    if settings.role == "prefill":
+    if settings.role is Role.prefill:
         coord: Any = PrefillCoordinator(
             agent,
             service,

@@ -40,6 +40,7 @@ from pdcluster.runtime.pd.room_queue import Offer, RoomQueue
 from pdcluster.runtime.pd_worker.agent import AgentContext
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.spec import KVDtype, Role, pages_for
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -88,7 +89,7 @@ class _Room:
 
 
 class _Coordinator:
-    role = ""
+    role: Role
 
     def __init__(self, agent: Any, service: EngineService, group_size: int, metrics: Any) -> None:
         self.agent = agent
@@ -180,7 +181,7 @@ class _Coordinator:
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes of `num_tokens` tokens over the whole model (all ranks)."""
         ctx: AgentContext = self.agent.ctx
-        itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
+        itemsize = KVDtype(ctx.compat.kv_dtype).itemsize
         return num_tokens * ctx.num_layers * 2 * ctx.num_kv_heads * ctx.head_dim * itemsize
 
     def all_ranks(self, room: _Room, kind: str) -> bool:
@@ -233,7 +234,7 @@ class _Coordinator:
 
 
 class PrefillCoordinator(_Coordinator):
-    role = "prefill"
+    role = Role.prefill
 
     def __init__(
         self,
@@ -348,7 +349,7 @@ class PrefillCoordinator(_Coordinator):
 
 
 class DecodeCoordinator(_Coordinator):
-    role = "decode"
+    role = Role.decode
 
     def __init__(
         self, agent: Any, service: EngineService, group_size: int, metrics: Any, spec: Any
@@ -361,7 +362,7 @@ class DecodeCoordinator(_Coordinator):
         self.admission = DecodeAdmission(slots, self.engine.num_total_pages)
 
     def num_pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // int(self.page_size))
+        return pages_for(num_tokens, int(self.page_size))
 
     def open(
         self,

@@ -53,9 +53,10 @@ from pdcluster.runtime.router.streaming import (
     RelayStreamResponse,
     run_until_disconnect,
 )
-from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole, WorkerTarget
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget
 from pdcluster.runtime.server.auth import bearer_headers
 from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +293,7 @@ class RouterState:
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        roles = (
-            (WorkerRole.prefill, WorkerRole.decode)
-            if self.config.is_disaggregated
-            else (WorkerRole.colocated,)
-        )
+        roles = (Role.prefill, Role.decode) if self.config.is_disaggregated else (Role.colocated,)
         missing = [role.value for role in roles if not self.pool.healthy(role)]
         body = {
             "status": "ok" if not missing else "unavailable",

@@ -13,9 +13,9 @@ from pdcluster.operator.admin_client import AdminResult
 from pdcluster.operator.failover import loss_message
 from pdcluster.operator.failure_counts import FailureCounts, parse_failures
 from pdcluster.operator.losses import Loss, LossCause, LossTracker
-from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PodIndex
 from pdcluster.operator.pod_facts import parse_pod_facts, parse_time
+from pdcluster.runtime.spec import Role
 
 from .helpers import UID
 from .podmaker import T0, deleting, not_ready, terminated, worker_pod

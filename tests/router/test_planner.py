@@ -11,27 +11,24 @@ from pdcluster.runtime.router.errors import NoHealthyWorkerError
 from pdcluster.runtime.router.planner import Planner
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.rooms import RidMinter, is_valid_rid
-from pdcluster.runtime.router.workers import ServerInfo, WorkerPool, WorkerRole, WorkerTarget
+from pdcluster.runtime.router.workers import ServerInfo, WorkerPool, WorkerTarget
+from pdcluster.runtime.spec import Role
 
 
 def make_planner(
     *, prefill: int = 2, decode: int = 2, colocated: int = 0, dp: int = 1, healthy: bool = True
 ) -> Planner:
     pool = WorkerPool()
-    targets = [
-        WorkerTarget(f"http://10.0.0.{i + 1}:8000", WorkerRole.prefill) for i in range(prefill)
-    ]
+    targets = [WorkerTarget(f"http://10.0.0.{i + 1}:8000", Role.prefill) for i in range(prefill)]
+    targets += [WorkerTarget(f"http://10.0.1.{i + 1}:8000", Role.decode) for i in range(decode)]
     targets += [
-        WorkerTarget(f"http://10.0.1.{i + 1}:8000", WorkerRole.decode) for i in range(decode)
-    ]
-    targets += [
-        WorkerTarget(f"http://10.0.2.{i + 1}:8000", WorkerRole.colocated) for i in range(colocated)
+        WorkerTarget(f"http://10.0.2.{i + 1}:8000", Role.colocated) for i in range(colocated)
     ]
     pool.sync(targets)
     for worker in pool.all():
-        port = 8998 if worker.role is WorkerRole.prefill else None
+        port = 8998 if worker.role is Role.prefill else None
         pool.record_probe_success(worker, ServerInfo(bootstrap_port=port, dp_size=dp))
-        worker.healthy = healthy or worker.role is not WorkerRole.decode
+        worker.healthy = healthy or worker.role is not Role.decode
     rng = random.Random(0)
     return Planner(
         pool=pool,
@@ -53,8 +50,8 @@ def test_pd_plan_targets_prefill_bootstrap_and_keeps_the_client_body() -> None:
     planner = make_planner()
     client = request()
     plan = planner.plan(client, set())
-    assert plan.prefill is not None and plan.prefill.role is WorkerRole.prefill
-    assert plan.main.role is WorkerRole.decode
+    assert plan.prefill is not None and plan.prefill.role is Role.prefill
+    assert plan.main.role is Role.decode
     assert plan.body == {
         **client.body,
         "rid": plan.rid,
@@ -70,7 +67,7 @@ def test_colocated_plan_has_one_leg_and_no_bootstrap() -> None:
     planner = make_planner(prefill=0, decode=0, colocated=2)
     plan = planner.plan(request(), set())
     assert plan.prefill is None and plan.room is None
-    assert plan.main.role is WorkerRole.colocated
+    assert plan.main.role is Role.colocated
     assert set(plan.body) == {"text", "sampling_params", "rid"}
 
 
@@ -98,9 +95,9 @@ def test_no_healthy_decode_is_503_and_leaves_policies_where_they_were() -> None:
     with pytest.raises(NoHealthyWorkerError) as err:
         planner.plan(request(), set())
     assert err.value.status == 503 and err.value.role == "decode"
-    for worker in planner.pool.of_role(WorkerRole.decode):
+    for worker in planner.pool.of_role(Role.decode):
         worker.healthy = True
     plan = planner.plan(request(), set())
     # Round robin starts at the first prefill: the refused request moved nothing.
-    assert plan.prefill is planner.pool.of_role(WorkerRole.prefill)[0]
+    assert plan.prefill is planner.pool.of_role(Role.prefill)[0]
     assert plan.room is not None

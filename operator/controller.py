@@ -36,8 +36,8 @@ from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.planner import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.policy import Refusal, check_cluster, secret_references
+from pdcluster.operator.reconcile_plan import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.restarts import ledger_from_status
 from pdcluster.operator.settings import OperatorSettings

@@ -34,7 +34,7 @@ from pdcluster.operator.api import (
     format_time,
 )
 from pdcluster.operator.cluster import Cluster, ClusterRef
-from pdcluster.operator.planner import Plan
+from pdcluster.operator.reconcile_plan import Plan
 from pdcluster.operator.restarts import ledger_status_fields
 from pdcluster.operator.rollout import RoleReport
 from pdcluster.runtime.spec import Role

@@ -28,6 +28,7 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
@@ -57,7 +58,7 @@ class WorkerSettings:
     tokenizer: str | None = None
     # Decode: the prefill bootstrap servers it may contact, when given at start
     # (local mode); None waits for `PUT /admin/prefill_peers` (Kubernetes).
-    prefill_peers: frozenset[str] | None = None
+    prefill_peers: frozenset[BootstrapAddress] | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -338,7 +339,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
             shutil.rmtree(owned_shm, ignore_errors=True)
 
 
-def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[str] | None:
+def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] | None:
     from pdcluster.runtime.pd.known_peers import PeerSetError, parse_peers_env
 
     raw = getattr(args, "prefill_peers", None)

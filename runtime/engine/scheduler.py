@@ -57,6 +57,7 @@ from pdcluster.runtime.engine.sequence import (
     MODES,
     FinishReason,
     Sequence,
+    SequenceMode,
     SequenceStatus,
 )
 from pdcluster.runtime.spec import pages_for
@@ -254,7 +255,7 @@ class Scheduler:
         self._next_arrival += 1
         self._live[seq.rid] = seq
         seq.num_prefill_tokens = seq.num_prompt_tokens
-        if seq.mode != "prefilled":
+        if seq.mode != SequenceMode.prefilled:
             self._waiting.append(seq)  # newest arrival: the end keeps the order
             return
         self._owned.update(seq.page_table)
@@ -287,9 +288,11 @@ class Scheduler:
         if seq.status is not _S.WAITING or seq.finish_reason is not None:
             raise RequestRejected(f"sequence {seq.rid!r} is not new (status {seq.status.name})")
         self.check_admissible(
-            len(seq.prompt_token_ids), seq.max_tokens, prefill_only=seq.mode == "prefill_only"
+            len(seq.prompt_token_ids),
+            seq.max_tokens,
+            prefill_only=seq.mode == SequenceMode.prefill_only,
         )
-        if seq.mode != "prefilled":
+        if seq.mode != SequenceMode.prefilled:
             if seq.output_token_ids or seq.page_table or seq.num_computed_tokens:
                 raise RequestRejected(
                     f"{seq.mode} sequence {seq.rid!r} must start with no output, pages or progress"
@@ -374,7 +377,7 @@ class Scheduler:
             # A prefill_only sequence streams its KV out while it computes, so
             # its pages must never move: it takes the whole prompt's pages now
             # (all or nothing) and is never preempted.
-            upto = seq.num_prefill_tokens if seq.mode == "prefill_only" else end
+            upto = seq.num_prefill_tokens if seq.mode == SequenceMode.prefill_only else end
             need = seq.num_new_pages_for(upto, cfg.page_size)
             if need > self.allocator.num_free:
                 break
@@ -421,7 +424,7 @@ class Scheduler:
             for cand in sorted([*self._running, *self._ready], key=_arrival, reverse=True):
                 if cand.arrival <= seq.arrival or shortfall <= 0:
                     break
-                if cand.mode == "prefill_only":
+                if cand.mode == SequenceMode.prefill_only:
                     continue  # a transfer may be reading its pages: never move them
                 victims.append(cand)
                 shortfall -= len(cand.page_table)

@@ -41,17 +41,23 @@ from pdcluster.runtime.spec import pages_for
 __all__ = [
     "FINISH_REASONS",
     "MODES",
+    "SequenceMode",
     "TRANSITIONS",
     "FinishReason",
     "IllegalTransition",
-    "Mode",
     "Sequence",
     "SequenceStatus",
 ]
 
-Mode = Literal["normal", "prefill_only", "prefilled"]
+
+class SequenceMode(enum.StrEnum):
+    normal = "normal"  # computes its prompt, then generates
+    prefill_only = "prefill_only"  # PD prefill: computes the prompt, samples one token, HELD
+    prefilled = "prefilled"  # PD decode: arrives with its prompt's KV and first token
+
+
 FinishReason = Literal["stop", "length", "abort", "prefill_done"]
-MODES: frozenset[str] = frozenset(get_args(Mode))
+MODES: frozenset[str] = frozenset(m.value for m in SequenceMode)
 FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
@@ -89,7 +95,7 @@ class Sequence:
     stop_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     ignore_eos: bool = False
-    mode: Mode = "normal"
+    mode: SequenceMode = SequenceMode.normal
     page_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -145,7 +151,7 @@ class Sequence:
         """Why the newest sampled token ends the sequence, or None if it goes on."""
         if not self.output_token_ids:
             return None
-        if self.mode == "prefill_only":
+        if self.mode == SequenceMode.prefill_only:
             return "prefill_done"
         last = self.output_token_ids[-1]
         if not self.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:

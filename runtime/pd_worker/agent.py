@@ -33,6 +33,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.instance_counts import RankCountsBook
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
     GroupMessage,
@@ -82,7 +83,7 @@ class AgentContext:
     num_pages: int
     host: str
     advertise_host: str
-    bootstrap_address: str  # prefill: this instance's bootstrap server host:port
+    bootstrap_address: BootstrapAddress  # prefill: this instance's bootstrap server
     curve: bool = False  # spec.auth.zmqCurve: encrypt and authenticate ZMQ with token keys
     stats: Counter[str] = field(default_factory=Counter)
 

@@ -8,6 +8,7 @@ from typing import Any
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
 from pdcluster.runtime.spec import Role
@@ -66,7 +67,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         num_pages=cfg.num_pages,
         host=settings.host,
         advertise_host=settings.advertise_host,
-        bootstrap_address=f"{settings.advertise_host}:{settings.bootstrap_port}",
+        bootstrap_address=BootstrapAddress(f"{settings.advertise_host}:{settings.bootstrap_port}"),
         curve=bool(spec.auth.zmq_curve),
     )
 

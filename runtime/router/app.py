@@ -42,8 +42,8 @@ from pdcluster.runtime.router.errors import (
 )
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
+from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
-from pdcluster.runtime.router.planner import LegPlan, Planner
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
@@ -118,7 +118,7 @@ class RouterState:
         self.config = config
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
         self.metrics = RouterMetrics(self.pool.all)
-        self.planner = Planner(
+        self.leg_planner = LegPlanner(
             pool=self.pool,
             disaggregated=config.is_disaggregated,
             prefill_policy=make_policy(config.prefill_policy, config.policy_seed),
@@ -207,7 +207,7 @@ class RouterState:
         deadline = time.monotonic() + self.config.health_check_timeout_s
         while True:
             try:
-                return self.planner.plan(client_request, self.ctx.rooms_in_use)
+                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use)
             except NoHealthyWorkerError:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.pool.has_unprobed():

@@ -40,6 +40,12 @@ def test_prefill_pod_is_named_by_its_bootstrap_address_decode_by_its_host() -> N
     assert facts(worker_pod(Role.decode, ip=None)).peer is None
 
 
+def test_only_a_prefill_pod_with_an_ip_has_a_bootstrap_address() -> None:
+    assert facts(worker_pod(Role.prefill, ip="127.0.3.4")).bootstrap_address == "127.0.3.4:8998"
+    assert facts(worker_pod(Role.prefill, ip=None)).bootstrap_address is None
+    assert facts(worker_pod(Role.decode, ip="127.0.3.5")).bootstrap_address is None
+
+
 def test_terminated_and_deleting_pods_carry_when_it_happened() -> None:
     gone = facts(terminated(worker_pod(Role.prefill), finished="2026-01-01T00:01:00.5Z"))
     assert gone.has_ended and gone.terminated_at == parse_time("2026-01-01T00:01:00.5Z")

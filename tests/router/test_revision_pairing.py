@@ -10,7 +10,7 @@ from pdcluster.runtime.router.discovery import (
     decide_pod,
 )
 from pdcluster.runtime.router.errors import NoHealthyWorkerError
-from pdcluster.runtime.router.planner import pairable
+from pdcluster.runtime.router.leg_plan import pairable
 from pdcluster.runtime.router.workers import Worker
 from pdcluster.runtime.spec import Role
 

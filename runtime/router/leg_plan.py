@@ -51,7 +51,7 @@ def pairable(prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker
 
 
 @dataclass
-class Planner:
+class LegPlanner:
     pool: WorkerPool
     disaggregated: bool
     prefill_policy: Policy

@@ -33,7 +33,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.instance_counts import RankCountsBook
-from pdcluster.runtime.pd.peer_address import BootstrapAddress
+from pdcluster.runtime.pd.peer_address import BootstrapAddress, ZmqEndpoint
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
     GroupMessage,
@@ -160,8 +160,8 @@ class RankAgent:
         self.endpoint.local_only = self._group_frame_must_be_local
         self.endpoint.start()
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
-        self.leader_address: str | None = None
-        self.follower_addresses: list[str] = []
+        self.leader_address: ZmqEndpoint | None = None
+        self.follower_addresses: list[ZmqEndpoint] = []
         # Leader only: where this rank's own reports go (the coordinator's queue).
         self.report_sink: Callable[[GroupReport], None] | None = None
         self.group_sink: Callable[[GroupReport], None] | None = None
@@ -177,8 +177,9 @@ class RankAgent:
         )
 
     @property
-    def address(self) -> str:
-        return self.endpoint.address
+    def address(self) -> ZmqEndpoint:
+        """This rank's ZMQ endpoint, as peers and the group's ranks reach it."""
+        return ZmqEndpoint(self.endpoint.address)
 
     def start(self) -> None:
         if self.follower_addresses:
@@ -281,7 +282,7 @@ class RankAgent:
         # Endpoint I/O thread; the group's addresses are set once at start-up.
         if not is_group_frame(data):
             return False
-        peers = [a for a in (self.leader_address, *self.follower_addresses) if a]
+        peers: list[str] = [a for a in (self.leader_address, *self.follower_addresses) if a]
         return group_must_be_local(self.ctx.host, self.address, peers)
 
     def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:

@@ -149,14 +149,14 @@ class _PDBackend:
         try:
             await self.service.call(lambda: self.open(req))
         except RoomConflict as err:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             raise BadRequest(str(err), status=409) from None
         except (QueueFull, EngineStalled) as err:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             yield TokenEvent([], "", True, _reason_of(err), error=str(err), status=503)
             return
         except BaseException:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             raise
         async for event in self.service.events(req.rid, out):
             yield event

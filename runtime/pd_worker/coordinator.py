@@ -160,7 +160,7 @@ class _Coordinator:
                 # never opened (metadata that arrived without its leg).
                 self._tally.record(rep.room, rep.reason or "failed", time.monotonic())
             self._reports.append(rep)
-        self.service._wakeup.set()
+        self.service.wake()
 
     def rooms_failed(self) -> dict[str, int]:
         """Rooms of this group failed on any rank, by `room_failed:<reason>` (any thread)."""

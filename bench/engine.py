@@ -23,6 +23,7 @@ import torch
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
+from pdcluster.runtime.spec import pages_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def main() -> None:
 
     longest = max(args.prompt_len) + args.decode_steps + 1
     biggest = max(args.batch)
-    pages = biggest * (-(-longest // args.page_size)) + 8
+    pages = biggest * pages_for(longest, args.page_size) + 8
     config = EngineConfig(
         model=args.model,
         device=args.device,

@@ -36,7 +36,7 @@ import torch
 import zmq
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
-from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.spec import KVLayout, pages_for
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import MiB
@@ -176,7 +176,7 @@ class Bench:
         # tcp lands in a pool on the same kind of device; shm always in a host file.
         self.dst_tcp = KVPool(shape, device=device)
         self.dst_shm = KVPool(shape, shm_path=os.path.join(self.tmp.name, "decode.pool"))
-        pages = -(-num_tokens // shape.page_size)
+        pages = pages_for(num_tokens, shape.page_size)
         gen = torch.Generator().manual_seed(0)
         self.src_table = torch.randperm(shape.num_pages, generator=gen)[:pages].tolist()
         self.dst_table = torch.randperm(shape.num_pages, generator=gen)[:pages].tolist()
@@ -257,7 +257,7 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     bytes_per_token = args.layers * 2 * args.heads * args.head_dim * dtype_bytes
     num_tokens = size_mib * MiB // bytes_per_token
     nbytes = num_tokens * bytes_per_token
-    pages = -(-num_tokens // args.page_size) + 8
+    pages = pages_for(num_tokens, args.page_size) + 8
     shape = KVPoolShape(
         args.layers, pages, args.page_size, args.heads, args.head_dim, args.dtype,
         KVLayout(args.layout),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdcluster.operator.failure_counts import parse_failures
+from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
 from pdcluster.runtime.pd_worker.admin_body import FailPeerRequest
 
 # /admin/failures of a large instance is a few KiB; 1 MiB is far above it.
@@ -75,7 +76,7 @@ class AdminClient:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def fail_peer(
-        self, base_url: str, token: str | None, peer: str, reason: str, *, gone: bool = True
+        self, base_url: str, token: str | None, peer: PeerRef, reason: str, *, gone: bool = True
     ) -> AdminResult:
         """`gone`: the peer's processes can no longer run (False: it may be hung)."""
         url = f"{base_url}/admin/fail_peer"
@@ -95,7 +96,7 @@ class AdminClient:
         return AdminResult(base_url, False, resp.status_code, error)
 
     async def prefill_peers(
-        self, base_url: str, token: str | None, peers: list[str]
+        self, base_url: str, token: str | None, peers: list[BootstrapAddress]
     ) -> AdminResult:
         """Replace the set of prefill bootstrap servers a decode worker may contact."""
         try:

@@ -34,10 +34,10 @@ from pdcluster.operator.cluster import Cluster, cluster_from_body, ref_from_body
 from pdcluster.operator.executor import Executor
 from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.names import InvalidNameError, Role
+from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.planner import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.policy import Refusal, check_cluster, secret_references
+from pdcluster.operator.reconcile_plan import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.restarts import ledger_from_status
 from pdcluster.operator.settings import OperatorSettings
@@ -48,7 +48,7 @@ from pdcluster.operator.status import (
     status_patch,
 )
 from pdcluster.operator.workqueue import retry_delay
-from pdcluster.runtime.spec import SpecError
+from pdcluster.runtime.spec import Role, SpecError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pdcluster.operator.cluster import Cluster
 from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.observed import parse_object
-from pdcluster.operator.planner import describe
+from pdcluster.operator.reconcile_plan import describe
 from pdcluster.operator.recorder import EventRecorder
 
 log = logging.getLogger(__name__)

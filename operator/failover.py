@@ -55,7 +55,6 @@ from pdcluster.operator.failure_counts import FailureCounts
 from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.losses import Loss, LossCause, LossTracker
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PEER_ROLE, PodIndex
 from pdcluster.operator.pod_facts import PodFacts, parse_pod_facts
 from pdcluster.operator.prefill_peers import PeerPublisher
@@ -63,6 +62,7 @@ from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.registration import RegistrationWatch, Unregistered
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.pd.failure_labels import reason_label
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)
 

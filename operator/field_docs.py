@@ -10,8 +10,10 @@ Pure module.
 
 from __future__ import annotations
 
+from pdcluster.runtime.spec import Role
+
 ROLE_PLACEHOLDER = "<role>"
-ROLES = ("prefill", "decode", "colocated")
+ROLES = tuple(r.value for r in Role)
 
 FIELD_DOCS: dict[str, str] = {
     "model.name": "Model name; `tiny` is the built-in deterministic model (no download).",

@@ -21,7 +21,8 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
-from enum import StrEnum
+
+from pdcluster.runtime.spec import Role
 
 MAX_NAME = 63
 _HASH_CHARS = 5
@@ -53,14 +54,6 @@ ANNOTATION_APPLIED_HASH = "pdcluster.io/applied-hash"
 
 APP_NAME = "pdcluster"
 MANAGED_BY = "pdcluster-operator"
-
-
-class Role(StrEnum):
-    """A worker role; every instance of a role runs the same pod template."""
-
-    prefill = "prefill"
-    decode = "decode"
-    colocated = "colocated"
 
 
 class InvalidNameError(ValueError):

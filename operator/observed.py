@@ -17,7 +17,7 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders.meta import ObjectKey
-from pdcluster.operator.names import Role
+from pdcluster.runtime.spec import Role
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.runtime.spec import Role
 
 PEER_ROLE = {Role.prefill: Role.decode, Role.decode: Role.prefill}
 

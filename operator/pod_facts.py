@@ -23,7 +23,8 @@ from pdcluster.operator import names
 from pdcluster.operator.api import KIND
 from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
 from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
-from pdcluster.operator.names import Role
+from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
+from pdcluster.runtime.spec import Role
 
 # Pods built before the token came as a file read it from this variable.
 TOKEN_ENV = "PDCLUSTER_TOKEN"
@@ -70,14 +71,19 @@ class PodFacts:
         return f"http://{self.pod_ip}:{self.http_port}" if self.pod_ip else None
 
     @property
-    def peer(self) -> str | None:
-        """How decode workers name this prefill instance: `podIP:bootstrapPort`.
-        For a decode pod, its bare address (prefill matches endpoints by host)."""
+    def bootstrap_address(self) -> BootstrapAddress | None:
+        """A prefill pod's bootstrap server, `podIP:bootstrapPort`: how decode names it."""
+        if not self.pod_ip or self.role != Role.prefill:
+            return None
+        return BootstrapAddress(f"{self.pod_ip}:{self.bootstrap_port or BOOTSTRAP_PORT}")
+
+    @property
+    def peer(self) -> PeerRef | None:
+        """How `fail_peer` names this pod: a prefill by its bootstrap address, a
+        decode by its bare address (prefill matches endpoints by host)."""
         if not self.pod_ip:
             return None
-        if self.role == Role.prefill:
-            return f"{self.pod_ip}:{self.bootstrap_port or BOOTSTRAP_PORT}"
-        return self.pod_ip
+        return self.bootstrap_address or self.pod_ip
 
 
 def parse_time(value: Any) -> float | None:

@@ -20,20 +20,21 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from pdcluster.operator.admin_client import AdminClient, AdminResult
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.operator.prefill_peers")
 
 
-def compute_prefill_peers(pods: list[PodFacts], cluster_uid: str) -> frozenset[str]:
+def compute_prefill_peers(pods: list[PodFacts], cluster_uid: str) -> frozenset[BootstrapAddress]:
     """Bootstrap addresses of the cluster's prefill pods that have an IP and run."""
     return frozenset(
-        p.peer
+        address
         for p in pods
         if p.role == Role.prefill
         and p.cluster_uid == cluster_uid
-        and p.peer is not None
+        and (address := p.bootstrap_address) is not None
         and not p.has_ended
     )
 
@@ -55,7 +56,7 @@ class PeerPublisher:
     def __init__(self, admin: AdminClient) -> None:
         self.admin = admin
         # decode pod uid -> the set it last accepted.
-        self._told: dict[str, frozenset[str]] = {}
+        self._told: dict[str, frozenset[BootstrapAddress]] = {}
 
     def forget(self, uid: str) -> None:
         self._told.pop(uid, None)

@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pdcluster.operator.names import Role, short_hash
-from pdcluster.runtime.spec import PDClusterSpec, RoleSpec
+from pdcluster.operator.names import short_hash
+from pdcluster.runtime.spec import PDClusterSpec, Role
 
 HASH_CHARS = 8
 
@@ -40,13 +40,6 @@ def _digest(payload: Any) -> str:
     return digest
 
 
-def role_spec(spec: PDClusterSpec, role: Role) -> RoleSpec | None:
-    """The spec of one role, or None when the cluster has no such role."""
-    return {Role.prefill: spec.prefill, Role.decode: spec.decode, Role.colocated: spec.colocated}[
-        role
-    ]
-
-
 def compute_cluster_revision(spec: PDClusterSpec) -> str:
     return _digest(
         {
@@ -61,7 +54,7 @@ def compute_cluster_revision(spec: PDClusterSpec) -> str:
 
 def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
     """Hash of everything that shapes the pods of `role`; raises if the role is absent."""
-    rs = role_spec(spec, role)
+    rs = spec.role_spec(role)
     if rs is None:
         raise ValueError(f"cluster has no {role.value} role")
     return _digest(

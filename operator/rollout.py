@@ -43,9 +43,10 @@ from pdcluster.operator.actions import Action, Create, Delete, Emit, EventType, 
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState
 from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.operator.instances import Health, ObservedInstance, group_instances
-from pdcluster.operator.names import LABEL_REVISION, Role
+from pdcluster.operator.names import LABEL_REVISION
 from pdcluster.operator.observed import Observed
 from pdcluster.operator.restarts import RestartLedger
+from pdcluster.runtime.spec import Role
 
 MAX_SURGE = 1
 

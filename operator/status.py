@@ -34,10 +34,10 @@ from pdcluster.operator.api import (
     format_time,
 )
 from pdcluster.operator.cluster import Cluster, ClusterRef
-from pdcluster.operator.names import Role
-from pdcluster.operator.planner import Plan
+from pdcluster.operator.reconcile_plan import Plan
 from pdcluster.operator.restarts import ledger_status_fields
 from pdcluster.operator.rollout import RoleReport
+from pdcluster.runtime.spec import Role
 
 # The apiserver's message on a refused write can be long; the Event carries it whole.
 MAX_CONDITION_MESSAGE = 512

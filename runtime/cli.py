@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pdcluster.runtime.spec import PDCluster, SpecError, load_manifest_text
+from pdcluster.runtime.spec import PDCluster, Role, SpecError, load_manifest_text
 
 DEFAULT_STATE_DIR = ".pdcluster"
 DEMO_PROMPT = "The capital of France is"
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run one instance of a role (all its ranks)")
     w.add_argument("-f", "--file", required=True)
-    w.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    w.add_argument("--role", required=True, choices=[r.value for r in Role])
     w.add_argument("--instance", type=int, default=0)
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, required=True)

@@ -12,7 +12,7 @@ import tempfile
 
 import yaml
 
-from pdcluster.runtime.spec import PDCluster
+from pdcluster.runtime.spec import PDCluster, Role
 
 
 def router_argv(manifest: PDCluster | None, args: argparse.Namespace) -> list[str]:
@@ -26,8 +26,8 @@ def router_argv(manifest: PDCluster | None, args: argparse.Namespace) -> list[st
         argv += ["--manifest", args.file]
     if getattr(args, "api_key_file", None):
         argv += ["--api-key-file", args.api_key_file]
-    for role in ("prefill", "decode", "colocated"):
-        for url in getattr(args, role):
+    for role in Role:
+        for url in getattr(args, role.value):
             argv += [f"--{role}", url]
     if args.kubernetes:
         if not args.namespace or not args.cluster:

@@ -45,6 +45,28 @@ class KVDtype(enum.StrEnum):
     bfloat16 = "bfloat16"
     float64 = "float64"
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _KV_ITEMSIZES[self]
+
+    @classmethod
+    def itemsize_of(cls, name: str) -> int | None:
+        """Bytes per element of the dtype named `name`; None when it names no KVDtype."""
+        try:
+            return cls(name).itemsize
+        except ValueError:
+            return None
+
+
+# The one table of element sizes (frames, transfer budgets and checks read it).
+_KV_ITEMSIZES: dict[KVDtype, int] = {
+    KVDtype.float32: 4,
+    KVDtype.float16: 2,
+    KVDtype.bfloat16: 2,
+    KVDtype.float64: 8,
+}
+
 
 class KVLayout(enum.StrEnum):
     # Per layer, K and V each as [num_pages, page_size, num_kv_heads, head_dim].
@@ -56,6 +78,30 @@ class KVLayout(enum.StrEnum):
 class TransferBackend(enum.StrEnum):
     tcp = "tcp"
     shm = "shm"
+
+    @property
+    def is_one_sided(self) -> bool:
+        """Prefill writes straight into decode's pool: nothing travels to be received."""
+        return self is TransferBackend.shm
+
+
+class Role(enum.StrEnum):
+    """What a worker instance does; each names the `spec` field that configures it."""
+
+    prefill = "prefill"
+    decode = "decode"
+    colocated = "colocated"
+
+    @classmethod
+    def parse(cls, value: object) -> Role:
+        """`value` as a Role; SpecError naming the accepted values otherwise."""
+        if isinstance(value, str):
+            try:
+                return cls(value)
+            except ValueError:
+                pass
+        accepted = ", ".join(r.value for r in cls)
+        raise SpecError(f"unknown role {value!r}: expected one of {accepted}")
 
 
 class AllocationPolicy(enum.StrEnum):
@@ -100,6 +146,15 @@ class KVCacheSpec(_Model):
     dtype: KVDtype = KVDtype.float32
     layout: KVLayout = KVLayout.NHD
     num_pages: int = Field(default=512, ge=2, le=1 << 24, description="KV pages per rank")
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages holding the KV of `num_tokens` tokens: ceil(num_tokens / page_size)."""
+    if num_tokens < 0 or page_size < 1:
+        raise ValueError(
+            f"pages_for needs num_tokens >= 0 and page_size >= 1, got {num_tokens}, {page_size}"
+        )
+    return -(-num_tokens // page_size)
 
 
 class HeartbeatSpec(_Model):
@@ -278,6 +333,11 @@ class PDClusterSpec(_Model):
     @property
     def is_disaggregated(self) -> bool:
         return self.colocated is None
+
+    def role_spec(self, role: Role) -> RoleSpec | None:
+        """The spec of `role` (None when this cluster has no such role)."""
+        spec: RoleSpec | None = getattr(self, role.value)
+        return spec
 
 
 class ObjectMeta(BaseModel):

@@ -28,7 +28,8 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
-from pdcluster.runtime.spec import PDCluster, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
+from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -42,7 +43,7 @@ class WorkerSettings:
     """What one rank process needs to start (picklable: handed to children)."""
 
     manifest: PDCluster
-    role: str
+    role: Role
     instance: int
     host: str
     advertise_host: str
@@ -57,14 +58,11 @@ class WorkerSettings:
     tokenizer: str | None = None
     # Decode: the prefill bootstrap servers it may contact, when given at start
     # (local mode); None waits for `PUT /admin/prefill_peers` (Kubernetes).
-    prefill_peers: frozenset[str] | None = None
+    prefill_peers: frozenset[BootstrapAddress] | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
-        spec = self.manifest.spec
-        rs = {"prefill": spec.prefill, "decode": spec.decode, "colocated": spec.colocated}[
-            self.role
-        ]
+        rs = self.manifest.spec.role_spec(self.role)
         assert rs is not None, f"manifest has no {self.role} role"
         return rs
 
@@ -138,7 +136,7 @@ def _attach_rank_agent(
     settings: WorkerSettings, runner: Any, dp_rank: int, group_rank: int, leader: bool
 ) -> Any:
     """PD roles: the per-rank transfer agent (None when colocated)."""
-    if settings.role == "colocated":
+    if settings.role is Role.colocated:
         return None
     from pdcluster.runtime.pd_worker.startup import start_rank_agent
 
@@ -215,7 +213,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     )
     extra_routes = None
     servers: list[uvicorn.Server] = []
-    if settings.role == "colocated":
+    if settings.role is Role.colocated:
         from pdcluster.runtime.server.colocated import ColocatedBackend
 
         backend: Any = ColocatedBackend(service)
@@ -294,7 +292,7 @@ async def _serve_all(servers: list[uvicorn.Server]) -> None:
 def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
     settings = WorkerSettings(
         manifest=manifest,
-        role=args.role,
+        role=Role.parse(args.role),
         instance=args.instance,
         host=args.host,
         advertise_host=os.environ.get("POD_IP") or args.host,
@@ -318,14 +316,14 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
             "pdcluster worker: an instance spread over several pods (gpusPerPod < dp*tp*cp*pp) "
             "is not supported yet; set gpusPerPod to the instance's rank count"
         )
-    if settings.role == "prefill" and settings.bootstrap_port is None:
+    if settings.role is Role.prefill and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
     owned_shm = None
     spec = manifest.spec
     if (
-        settings.role == "decode"
+        settings.role is Role.decode
         and settings.shm_dir is None
-        and str(spec.transfer.backend) == "shm"
+        and spec.transfer.backend.is_one_sided
     ):
         from pdcluster.runtime.transfer.shm_dirs import make_pool_dir, sweep_stale_pool_dirs
 
@@ -341,7 +339,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
             shutil.rmtree(owned_shm, ignore_errors=True)
 
 
-def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[str] | None:
+def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] | None:
     from pdcluster.runtime.pd.known_peers import PeerSetError, parse_peers_env
 
     raw = getattr(args, "prefill_peers", None)

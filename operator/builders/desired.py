@@ -26,9 +26,8 @@ from pdcluster.operator.builders.workers import (
     token_secret_for,
 )
 from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.names import Role
-from pdcluster.operator.revision import compute_cluster_revision, compute_template_hash, role_spec
-from pdcluster.runtime.spec import RestartPolicySpec
+from pdcluster.operator.revision import compute_cluster_revision, compute_template_hash
+from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def build_desired(
     """
     roles: list[DesiredRole] = []
     for role in roles_of(cluster):
-        spec = role_spec(cluster.spec, role)
+        spec = cluster.spec.role_spec(role)
         assert spec is not None  # roles_of only names roles the spec has
         build_resources(spec, role, placement)  # surface resource errors before anything is applied
         roles.append(

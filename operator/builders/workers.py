@@ -32,13 +32,11 @@ from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.names import Role
 from pdcluster.operator.revision import (
     compute_cluster_revision,
     compute_template_hash,
-    role_spec,
 )
-from pdcluster.runtime.spec import PDClusterSpec, RoleSpec
+from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # A model may take minutes to load (up to PERIOD * FAILURES = 10 min); liveness
@@ -90,13 +88,9 @@ def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> Rol
 def placed_spec(spec: PDClusterSpec, placement: Placement = DEFAULT_PLACEMENT) -> PDClusterSpec:
     """The spec with every role placed (`placed_role`): what the pods read."""
     update: dict[str, Any] = {
-        name: placed_role(role, placement)
-        for name, role in (
-            ("prefill", spec.prefill),
-            ("decode", spec.decode),
-            ("colocated", spec.colocated),
-        )
-        if role is not None
+        role.value: placed_role(rs, placement)
+        for role in Role
+        if (rs := spec.role_spec(role)) is not None
     }
     if spec.auth.zmq_curve is None:
         # On Kubernetes ranks talk over the pod network: encrypted unless the
@@ -129,7 +123,7 @@ class InstanceManifests:
 
 
 def _role(cluster: Cluster, role: Role) -> RoleSpec:
-    spec = role_spec(cluster.spec, role)
+    spec = cluster.spec.role_spec(role)
     if spec is None:
         raise BuildError(f"cluster {cluster.name} has no {role.value} role")
     return spec

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Literal
 
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.page_allocator import PageAllocator
@@ -32,7 +31,7 @@ from pdcluster.runtime.engine.runner import (
 )
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
-from pdcluster.runtime.engine.sequence import Sequence, SequenceStatus
+from pdcluster.runtime.engine.sequence import Sequence, SequenceMode, SequenceStatus
 from pdcluster.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
@@ -43,15 +42,13 @@ __all__ = [
     "run_follower",
 ]
 
-Mode = Literal["normal", "prefill_only", "prefilled"]
-
 
 @dataclass(frozen=True)
 class EngineRequest:
     rid: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    mode: Mode = "normal"
+    mode: SequenceMode = SequenceMode.normal
     page_table: list[int] | None = None  # mode="prefilled": pages already filled
     first_token: int | None = None  # mode="prefilled": sampled by prefill
 
@@ -148,7 +145,7 @@ class LLMEngine:
         bad = next((t for t in ids if not _is_token(t) or t >= vocab), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if req.mode == "prefilled":
+        if req.mode == SequenceMode.prefilled:
             if req.page_table is None or req.first_token is None:
                 raise RequestRejected("a prefilled request needs page_table and first_token")
             if not _is_token(req.first_token) or req.first_token >= vocab:
@@ -156,7 +153,9 @@ class LLMEngine:
         elif req.page_table is not None or req.first_token is not None:
             raise RequestRejected("page_table and first_token are only for mode 'prefilled'")
         params = req.sampling
-        self.check_admissible(len(ids), params.max_tokens, prefill_only=req.mode == "prefill_only")
+        self.check_admissible(
+            len(ids), params.max_tokens, prefill_only=req.mode == SequenceMode.prefill_only
+        )
         eos = None if params.ignore_eos else self.model_config.eos_token_id
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -170,13 +169,13 @@ class LLMEngine:
             ignore_eos=params.ignore_eos,
             mode=req.mode,
         )
-        if req.mode == "prefilled":
+        if req.mode == SequenceMode.prefilled:
             assert req.page_table is not None and req.first_token is not None
             seq.page_table = list(req.page_table)
             seq.output_token_ids = [req.first_token]
             seq.num_computed_tokens = len(ids)
         detok = None
-        if params.stop and self.tokenizer is not None and req.mode != "prefill_only":
+        if params.stop and self.tokenizer is not None and req.mode != SequenceMode.prefill_only:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.scheduler.add(seq)  # raises RequestRejected with nothing changed

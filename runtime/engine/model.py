@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from pdcluster.runtime.engine.config import ModelConfig, RopeScaling
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.engine.weights import LayerWeights, ShardWeights
+from pdcluster.runtime.spec import pages_for
 
 AllReduce = Callable[[torch.Tensor], None]
 
@@ -92,7 +93,7 @@ def build_forward_batch(
                 f"page table of {len(table)} pages holds {len(table) * page_size} tokens, "
                 f"the sequence needs {end}"
             )
-        pages = torch.as_tensor(table[: (end + page_size - 1) // page_size], dtype=torch.int64)
+        pages = torch.as_tensor(table[: pages_for(end, page_size)], dtype=torch.int64)
         pos = torch.arange(end, dtype=torch.int64)
         ctx = pages[pos // page_size] * page_size + pos % page_size  # [end]
         seqs.append(SeqSlice(len(ids), n, start, ctx if n == 1 else ctx.to(device)))

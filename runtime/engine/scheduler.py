@@ -57,9 +57,10 @@ from pdcluster.runtime.engine.sequence import (
     MODES,
     FinishReason,
     Sequence,
+    SequenceMode,
     SequenceStatus,
-    num_pages_for,
 )
+from pdcluster.runtime.spec import pages_for
 
 __all__ = [
     "EXTERNAL_FINISH_REASONS",
@@ -230,7 +231,7 @@ class Scheduler:
             )
         # The last sampled token is never fed, so its KV is never stored.
         kv_tokens = prompt_len if prefill_only else prompt_len + max_tokens - 1
-        pages = num_pages_for(kv_tokens, cfg.page_size)
+        pages = pages_for(kv_tokens, cfg.page_size)
         if pages > self.allocator.num_total:
             raise RequestRejected(
                 f"request needs {pages} KV pages ({kv_tokens} tokens of {cfg.page_size} per page) "
@@ -254,7 +255,7 @@ class Scheduler:
         self._next_arrival += 1
         self._live[seq.rid] = seq
         seq.num_prefill_tokens = seq.num_prompt_tokens
-        if seq.mode != "prefilled":
+        if seq.mode != SequenceMode.prefilled:
             self._waiting.append(seq)  # newest arrival: the end keeps the order
             return
         self._owned.update(seq.page_table)
@@ -287,9 +288,11 @@ class Scheduler:
         if seq.status is not _S.WAITING or seq.finish_reason is not None:
             raise RequestRejected(f"sequence {seq.rid!r} is not new (status {seq.status.name})")
         self.check_admissible(
-            len(seq.prompt_token_ids), seq.max_tokens, prefill_only=seq.mode == "prefill_only"
+            len(seq.prompt_token_ids),
+            seq.max_tokens,
+            prefill_only=seq.mode == SequenceMode.prefill_only,
         )
-        if seq.mode != "prefilled":
+        if seq.mode != SequenceMode.prefilled:
             if seq.output_token_ids or seq.page_table or seq.num_computed_tokens:
                 raise RequestRejected(
                     f"{seq.mode} sequence {seq.rid!r} must start with no output, pages or progress"
@@ -308,7 +311,7 @@ class Scheduler:
                 f"prefilled sequence {seq.rid!r} must have num_computed_tokens == prompt length "
                 f"({seq.num_prompt_tokens}), got {seq.num_computed_tokens}"
             )
-        needed = num_pages_for(seq.num_prompt_tokens, self.config.page_size)
+        needed = pages_for(seq.num_prompt_tokens, self.config.page_size)
         if len(seq.page_table) < needed:
             raise RequestRejected(
                 f"prefilled sequence {seq.rid!r} has {len(seq.page_table)} pages, "
@@ -388,7 +391,7 @@ class Scheduler:
             # A prefill_only sequence streams its KV out while it computes, so
             # its pages must never move: it takes the whole prompt's pages now
             # (all or nothing) and is never preempted.
-            upto = seq.num_prefill_tokens if seq.mode == "prefill_only" else end
+            upto = seq.num_prefill_tokens if seq.mode == SequenceMode.prefill_only else end
             need = seq.num_new_pages_for(upto, cfg.page_size)
             if need > self.allocator.num_free:
                 break
@@ -437,7 +440,7 @@ class Scheduler:
             for cand in sorted([*self._running, *self._ready], key=_arrival, reverse=True):
                 if cand.arrival <= seq.arrival or shortfall <= 0:
                     break
-                if cand.mode == "prefill_only":
+                if cand.mode == SequenceMode.prefill_only:
                     continue  # a transfer may be reading its pages: never move them
                 victims.append(cand)
                 shortfall -= len(cand.page_table)

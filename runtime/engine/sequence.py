@@ -36,21 +36,28 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from pdcluster.runtime.spec import pages_for
+
 __all__ = [
     "FINISH_REASONS",
     "MODES",
+    "SequenceMode",
     "TRANSITIONS",
     "FinishReason",
     "IllegalTransition",
-    "Mode",
     "Sequence",
     "SequenceStatus",
-    "num_pages_for",
 ]
 
-Mode = Literal["normal", "prefill_only", "prefilled"]
+
+class SequenceMode(enum.StrEnum):
+    normal = "normal"  # computes its prompt, then generates
+    prefill_only = "prefill_only"  # PD prefill: computes the prompt, samples one token, HELD
+    prefilled = "prefilled"  # PD decode: arrives with its prompt's KV and first token
+
+
 FinishReason = Literal["stop", "length", "abort", "prefill_done"]
-MODES: frozenset[str] = frozenset(get_args(Mode))
+MODES: frozenset[str] = frozenset(m.value for m in SequenceMode)
 FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
 
 
@@ -79,13 +86,6 @@ class IllegalTransition(RuntimeError):
     """A status change the transition table does not allow."""
 
 
-def num_pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold the KV of ``num_tokens`` tokens."""
-    if num_tokens < 0 or page_size < 1:
-        raise ValueError(f"need num_tokens >= 0 and page_size >= 1, got {num_tokens}, {page_size}")
-    return -(-num_tokens // page_size)
-
-
 @dataclass(eq=False)  # identity semantics: two requests are never "equal"
 class Sequence:
     rid: str
@@ -95,7 +95,7 @@ class Sequence:
     stop_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     ignore_eos: bool = False
-    mode: Mode = "normal"
+    mode: SequenceMode = SequenceMode.normal
     page_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -145,13 +145,13 @@ class Sequence:
 
     def num_new_pages_for(self, num_tokens: int, page_size: int) -> int:
         """Pages to add to the page table so it covers ``num_tokens`` tokens."""
-        return max(0, num_pages_for(num_tokens, page_size) - len(self.page_table))
+        return max(0, pages_for(num_tokens, page_size) - len(self.page_table))
 
     def stop_reason(self) -> FinishReason | None:
         """Why the newest sampled token ends the sequence, or None if it goes on."""
         if not self.output_token_ids:
             return None
-        if self.mode == "prefill_only":
+        if self.mode == SequenceMode.prefill_only:
             return "prefill_done"
         last = self.output_token_ids[-1]
         if not self.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:

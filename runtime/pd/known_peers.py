@@ -11,7 +11,8 @@ change of the prefill pods and on each reconcile).
 Invariants:
 - until a set was published, decode knows no peer and is not ready;
 - a publication replaces the whole set (a removed prefill is unknown at once);
-- an address is `host:port` with a non-empty host and a port in 1..65535;
+- an address is a `BootstrapAddress` (`peer_address.py`): `host:port` with
+  a non-empty host and a port in 1..65535;
   comparison is exact on the normalized form (hosts lower-cased, IPv6 in
   brackets), so `bootstrap_host` must be the address that was published.
 
@@ -24,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
+
 # Bounds a publication (a cluster has far fewer prefill instances).
 MAX_PEERS = 1024
 MAX_HOST_CHARS = 253
@@ -33,7 +36,7 @@ class PeerSetError(ValueError):
     """A peer list or address that cannot be used; the message says why."""
 
 
-def normalize_address(host: str, port: int | str) -> str:
+def normalize_address(host: str, port: int | str) -> BootstrapAddress:
     """`host`, `port` → canonical `host:port`; raises PeerSetError on a bad one."""
     if not isinstance(host, str) or not host or len(host) > MAX_HOST_CHARS:
         raise PeerSetError(f"bad bootstrap host {host!r}")
@@ -50,10 +53,10 @@ def normalize_address(host: str, port: int | str) -> str:
         raise PeerSetError(f"bad bootstrap port {port!r}") from None
     if not 1 <= p <= 65535:
         raise PeerSetError(f"bad bootstrap port {port!r}")
-    return f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+    return BootstrapAddress(f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
 
 
-def parse_address(address: str) -> str:
+def parse_address(address: str) -> BootstrapAddress:
     """`host:port` (or `[v6]:port`) → canonical form; raises PeerSetError."""
     if not isinstance(address, str) or ":" not in address:
         raise PeerSetError(f"peer {address!r} is not host:port")
@@ -61,7 +64,7 @@ def parse_address(address: str) -> str:
     return normalize_address(host, port)
 
 
-def parse_peer_list(peers: Iterable[Any]) -> frozenset[str]:
+def parse_peer_list(peers: Iterable[Any]) -> frozenset[BootstrapAddress]:
     out = set()
     for item in peers:
         out.add(parse_address(item))
@@ -70,14 +73,14 @@ def parse_peer_list(peers: Iterable[Any]) -> frozenset[str]:
     return frozenset(out)
 
 
-def parse_peers_body(body: Any) -> frozenset[str]:
+def parse_peers_body(body: Any) -> frozenset[BootstrapAddress]:
     """The body of `PUT /admin/prefill_peers`: `{"peers": ["host:port", ...]}`."""
     if not isinstance(body, dict) or set(body) != {"peers"} or not isinstance(body["peers"], list):
         raise PeerSetError('body must be {"peers": ["host:port", ...]}')
     return parse_peer_list(body["peers"])
 
 
-def parse_peers_env(value: str) -> frozenset[str]:
+def parse_peers_env(value: str) -> frozenset[BootstrapAddress]:
     """A comma-separated list (the launcher's `--prefill-peers`)."""
     return parse_peer_list(p.strip() for p in value.split(",") if p.strip())
 
@@ -86,16 +89,16 @@ def parse_peers_env(value: str) -> frozenset[str]:
 class KnownPeers:
     """The published set; `None` until the first publication."""
 
-    peers: frozenset[str] | None = None
+    peers: frozenset[BootstrapAddress] | None = None
 
     @property
     def is_published(self) -> bool:
         return self.peers is not None
 
-    def replaced(self, peers: frozenset[str]) -> KnownPeers:
+    def replaced(self, peers: frozenset[BootstrapAddress]) -> KnownPeers:
         return KnownPeers(peers)
 
-    def check(self, host: Any, port: Any) -> str:
+    def check(self, host: Any, port: Any) -> BootstrapAddress:
         """The canonical address when decode may contact it; PeerSetError otherwise."""
         address = normalize_address(host, port)
         if self.peers is None:

@@ -27,7 +27,7 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.messages import Abort, KVLayoutRegister, Status
 from pdcluster.runtime.pd.prompt_digest import PromptId
-from pdcluster.runtime.pd.topology import pages_for
+from pdcluster.runtime.spec import pages_for
 
 
 @dataclass(frozen=True)

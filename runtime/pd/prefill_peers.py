@@ -21,6 +21,7 @@ import msgspec
 from pdcluster.runtime.pd.compat import CompatInfo, describe, find_mismatches
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.messages import KVLayoutRegister
+from pdcluster.runtime.pd.peer_address import PeerRef, ZmqEndpoint
 from pdcluster.runtime.pd.room_common import peer_matches
 
 # Bounds the table against registrations from many endpoints.
@@ -67,9 +68,9 @@ class PeerLayouts:
     def get(self, endpoint: str) -> KVLayoutRegister | None:
         return self._layouts.get(endpoint)
 
-    def forget_matching(self, peer: str) -> list[str]:
+    def forget_matching(self, peer: PeerRef) -> list[ZmqEndpoint]:
         """Drop every registration `peer` names; returns their endpoints."""
-        gone = [e for e in self._layouts if peer_matches(peer, e)]
+        gone = [ZmqEndpoint(e) for e in self._layouts if peer_matches(peer, e)]
         for endpoint in gone:
             del self._layouts[endpoint]
         return gone

@@ -9,7 +9,7 @@
 - Peer matching for `fail_peer`: the heartbeat knows a prefill instance by
   its bootstrap address `host:port`, the operator knows a pod by its IP, a
   room knows its peers' ZMQ endpoints `tcp://host:port`. `peer_matches`
-  accepts any of those forms.
+  accepts any of those forms (`peer_address.py` names them).
 
 Pure module.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.runtime.pd.messages import MAX_ROOM
+from pdcluster.runtime.pd.peer_address import PeerRef
 
 
 class RoomError(ValueError):
@@ -95,7 +96,7 @@ def host_of(address: str) -> str:
     return rest
 
 
-def peer_matches(peer: str, *addresses: str) -> bool:
+def peer_matches(peer: PeerRef, *addresses: str) -> bool:
     """True if `peer` names any of `addresses`: exactly, or as a bare host."""
     if not peer:
         return False

@@ -44,6 +44,7 @@ from typing import Protocol
 
 from pdcluster.runtime.engine import topology as engine_topology
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.spec import pages_for
 
 Span = tuple[int, int]  # half-open [start, end)
 
@@ -132,12 +133,6 @@ def head_range(num_kv_heads: int, tp_size: int, tp_rank: int, replicated: bool =
             "choose a tp that divides the KV heads"
         )
     return split_span(num_kv_heads, tp_size, tp_rank)
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    if page_size < 1 or num_tokens < 0:
-        raise TopologyError(f"bad page arithmetic: {num_tokens} tokens, page_size={page_size}")
-    return -(-num_tokens // page_size)
 
 
 def cp_token_range(num_tokens: int, page_size: int, cp_size: int, cp_rank: int) -> Span:

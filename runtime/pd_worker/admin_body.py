@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.runtime.pd.peer_address import PeerRef
+
 MAX_FIELD_CHARS = 256
 DEFAULT_REASON = "peer_lost"
 
@@ -33,7 +35,7 @@ class FailPeerBodyError(ValueError):
 
 @dataclass(frozen=True)
 class FailPeerRequest:
-    peer: str
+    peer: PeerRef
     reason: str = DEFAULT_REASON
     gone: bool = True
 

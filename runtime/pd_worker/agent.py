@@ -33,6 +33,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.instance_counts import RankCountsBook
+from pdcluster.runtime.pd.peer_address import BootstrapAddress, ZmqEndpoint
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
     GroupMessage,
@@ -44,6 +45,7 @@ from pdcluster.runtime.pd_worker.group import (
     encode_group,
     is_group_frame,
 )
+from pdcluster.runtime.spec import Role, TransferSpec
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.identity import claim_mismatch, group_must_be_local, group_route
@@ -61,7 +63,7 @@ STATS_STALE_S = 3.0
 class AgentContext:
     """Everything a rank agent needs to know about itself (built at start-up)."""
 
-    role: str  # "prefill" | "decode"
+    role: Role  # prefill or decode
     cluster: str
     instance: int
     coord: RankCoord
@@ -71,7 +73,7 @@ class AgentContext:
     compat: CompatInfo
     token: str
     room_settings: RoomSettings
-    transfer: Any  # spec.transfer (TransferSpec)
+    transfer: TransferSpec
     layers: tuple[int, int]  # global layer range of this rank
     heads: tuple[int, int]  # global kv-head range of this rank
     num_layers: int
@@ -81,7 +83,7 @@ class AgentContext:
     num_pages: int
     host: str
     advertise_host: str
-    bootstrap_address: str  # prefill: this instance's bootstrap server host:port
+    bootstrap_address: BootstrapAddress  # prefill: this instance's bootstrap server
     curve: bool = False  # spec.auth.zmqCurve: encrypt and authenticate ZMQ with token keys
     stats: Counter[str] = field(default_factory=Counter)
 
@@ -158,8 +160,8 @@ class RankAgent:
         self.endpoint.local_only = self._group_frame_must_be_local
         self.endpoint.start()
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
-        self.leader_address: str | None = None
-        self.follower_addresses: list[str] = []
+        self.leader_address: ZmqEndpoint | None = None
+        self.follower_addresses: list[ZmqEndpoint] = []
         # Leader only: where this rank's own reports go (the coordinator's queue).
         self.report_sink: Callable[[GroupReport], None] | None = None
         self.group_sink: Callable[[GroupReport], None] | None = None
@@ -175,8 +177,9 @@ class RankAgent:
         )
 
     @property
-    def address(self) -> str:
-        return self.endpoint.address
+    def address(self) -> ZmqEndpoint:
+        """This rank's ZMQ endpoint, as peers and the group's ranks reach it."""
+        return ZmqEndpoint(self.endpoint.address)
 
     def start(self) -> None:
         if self.follower_addresses:
@@ -279,7 +282,7 @@ class RankAgent:
         # Endpoint I/O thread; the group's addresses are set once at start-up.
         if not is_group_frame(data):
             return False
-        peers = [a for a in (self.leader_address, *self.follower_addresses) if a]
+        peers: list[str] = [a for a in (self.leader_address, *self.follower_addresses) if a]
         return group_must_be_local(self.ctx.host, self.address, peers)
 
     def group_counts(self, now: float) -> tuple[dict[str, dict[str, int]], list[str]]:

@@ -60,6 +60,7 @@ from pdcluster.runtime.server.colocated import check_capacity, engine_request, p
 from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.server.limits import server_config
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -81,7 +82,7 @@ class _LateServer(uvicorn.Server):
 
 
 class _PDBackend:
-    role = ""
+    role: Role
 
     def __init__(self, service: EngineService, agent: Any, coordinator: Any, info: dict[str, Any]):
         self.service = service
@@ -148,14 +149,14 @@ class _PDBackend:
         try:
             await self.service.call(lambda: self.open(req))
         except RoomConflict as err:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             raise BadRequest(str(err), status=409) from None
         except (QueueFull, EngineStalled) as err:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             yield TokenEvent([], "", True, _reason_of(err), error=str(err), status=503)
             return
         except BaseException:
-            self.service._tracked.pop(req.rid, None)
+            self.service.untrack(req.rid)
             raise
         async for event in self.service.events(req.rid, out):
             yield event
@@ -298,7 +299,7 @@ def _reason_of(err: Exception) -> str:
 
 
 class PrefillBackend(_PDBackend):
-    role = "prefill"
+    role = Role.prefill
 
     def check(self, req: PreparedRequest) -> None:
         super().check(req)
@@ -319,7 +320,7 @@ class PrefillBackend(_PDBackend):
 
 
 class DecodeBackend(_PDBackend):
-    role = "decode"
+    role = Role.decode
 
     def server_info(self) -> dict[str, Any]:
         # Prefills this group's leader refuses new rooms for (declared dead, not back yet).
@@ -483,7 +484,7 @@ def build_pd_backend(
     }
     servers: list[uvicorn.Server] = []
     backend: _PDBackend
-    if settings.role == "prefill":
+    if settings.role is Role.prefill:
         coord: Any = PrefillCoordinator(
             agent,
             service,

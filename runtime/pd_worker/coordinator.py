@@ -28,18 +28,37 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected
+from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected, StepOutput
+from pdcluster.runtime.engine.sampling import SamplingParams
+from pdcluster.runtime.engine.sequence import SequenceMode
+from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.prompt_digest import prompt_id
 from pdcluster.runtime.pd.room_queue import Offer, RoomQueue
 from pdcluster.runtime.pd_worker.agent import AgentContext
-from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
+from pdcluster.runtime.pd_worker.group import (
+    GroupFail,
+    GroupMessage,
+    GroupOpen,
+    GroupPages,
+    GroupReport,
+)
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.spec import (
+    AllocationPolicy,
+    FailurePolicy,
+    KVDtype,
+    PDClusterSpec,
+    Role,
+    pages_for,
+)
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -66,11 +85,33 @@ class RoomConflict(ValueError):
     """A room or rid is already in use on this worker."""
 
 
+class GroupAgent(Protocol):
+    """What a coordinator uses of its leader rank's agent (`agent.RankAgent`)."""
+
+    ctx: AgentContext
+    # Where the agent hands this rank's reports, and those its followers send.
+    report_sink: Callable[[GroupReport], None] | None
+    group_sink: Callable[[GroupReport], None] | None
+
+    def broadcast(self, msg: GroupMessage) -> None:
+        """Send `msg` to every rank of the dp group, this one included."""
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the agent thread."""
+
+
+class PrefillGroupAgent(GroupAgent, Protocol):
+    """A prefill leader's agent (`prefill_agent.PrefillAgent`)."""
+
+    def leader_first_token(self, room: int, first_token: int) -> None:
+        """The engine sampled the room's first token: the last chunk may go out."""
+
+
 @dataclass
 class _Room:
     rid: str
     prompt: list[int]
-    sampling: Any
+    sampling: SamplingParams
     rid_is_local: bool = False  # the worker minted `rid`: it never leaves this instance
     reports: dict[str, set[int]] = field(default_factory=lambda: collections.defaultdict(set))
     failed: str | None = None
@@ -88,9 +129,11 @@ class _Room:
 
 
 class _Coordinator:
-    role = ""
+    role: Role
 
-    def __init__(self, agent: Any, service: EngineService, group_size: int, metrics: Any) -> None:
+    def __init__(
+        self, agent: GroupAgent, service: EngineService, group_size: int, metrics: WorkerMetrics
+    ) -> None:
         self.agent = agent
         self.service = service
         self.engine = service.engine
@@ -117,7 +160,7 @@ class _Coordinator:
                 # never opened (metadata that arrived without its leg).
                 self._tally.record(rep.room, rep.reason or "failed", time.monotonic())
             self._reports.append(rep)
-        self.service._wakeup.set()
+        self.service.wake()
 
     def rooms_failed(self) -> dict[str, int]:
         """Rooms of this group failed on any rank, by `room_failed:<reason>` (any thread)."""
@@ -179,8 +222,8 @@ class _Coordinator:
 
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes of `num_tokens` tokens over the whole model (all ranks)."""
-        ctx: AgentContext = self.agent.ctx
-        itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
+        ctx = self.agent.ctx
+        itemsize = KVDtype(ctx.compat.kv_dtype).itemsize
         return num_tokens * ctx.num_layers * 2 * ctx.num_kv_heads * ctx.head_dim * itemsize
 
     def all_ranks(self, room: _Room, kind: str) -> bool:
@@ -228,19 +271,20 @@ class _Coordinator:
     def on_failed(self, room_id: int, room: _Room) -> None:
         raise NotImplementedError
 
-    def on_output(self, output: Any) -> bool:
+    def on_output(self, output: StepOutput) -> bool:
         return False
 
 
 class PrefillCoordinator(_Coordinator):
-    role = "prefill"
+    role = Role.prefill
+    agent: PrefillGroupAgent
 
     def __init__(
         self,
-        agent: Any,
+        agent: PrefillGroupAgent,
         service: EngineService,
         group_size: int,
-        metrics: Any,
+        metrics: WorkerMetrics,
         max_rooms: int = 4096,
         queue_limit: int = 4096,
     ) -> None:
@@ -256,7 +300,7 @@ class PrefillCoordinator(_Coordinator):
         room_id: int,
         rid: str,
         prompt: list[int],
-        sampling: Any,
+        sampling: SamplingParams,
         rid_is_local: bool = False,
     ) -> None:
         """Engine thread: the prefill leg for `room_id` arrived. Raises QueueFull past the queue."""
@@ -301,7 +345,9 @@ class PrefillCoordinator(_Coordinator):
                 return
             try:
                 self.engine.add_request(
-                    EngineRequest(room.rid, room.prompt, room.sampling, mode="prefill_only")
+                    EngineRequest(
+                        room.rid, room.prompt, room.sampling, mode=SequenceMode.prefill_only
+                    )
                 )
             except RequestRejected as err:
                 self.fail(room_id, f"rejected: {err}")
@@ -333,7 +379,7 @@ class PrefillCoordinator(_Coordinator):
             # Nothing was computed: no rank holds pages of this room.
             self._forget(room_id)
 
-    def on_output(self, output: Any) -> bool:
+    def on_output(self, output: StepOutput) -> bool:
         room_id = self.rid_room.get(output.rid)
         if room_id is None:
             return False
@@ -348,28 +394,35 @@ class PrefillCoordinator(_Coordinator):
 
 
 class DecodeCoordinator(_Coordinator):
-    role = "decode"
+    role = Role.decode
 
     def __init__(
-        self, agent: Any, service: EngineService, group_size: int, metrics: Any, spec: Any
+        self,
+        agent: GroupAgent,
+        service: EngineService,
+        group_size: int,
+        metrics: WorkerMetrics,
+        spec: PDClusterSpec,
     ) -> None:
         super().__init__(agent, service, group_size, metrics)
-        self.policy = str(spec.transfer.allocation_policy)
-        self.recompute = str(spec.transfer.failure_policy) == "recompute"
+        self.policy = spec.transfer.allocation_policy
+        self.recompute = spec.transfer.failure_policy is FailurePolicy.recompute
         self.page_size = spec.kv_cache.page_size
-        slots = max(1, spec.decode.engine.max_running_requests)
+        decode = spec.role_spec(Role.decode)
+        assert decode is not None, "a decode coordinator needs the decode role's spec"
+        slots = max(1, decode.engine.max_running_requests)
         self.admission = DecodeAdmission(slots, self.engine.num_total_pages)
 
     def num_pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // int(self.page_size))
+        return pages_for(num_tokens, self.page_size)
 
     def open(
         self,
         room_id: int,
         rid: str,
         prompt: list[int],
-        sampling: Any,
-        peer: str,
+        sampling: SamplingParams,
+        peer: BootstrapAddress,
         prefill_dp: int | None,
         rid_is_local: bool = False,
     ) -> None:
@@ -387,7 +440,7 @@ class DecodeCoordinator(_Coordinator):
                 rid_is_local=rid_is_local,
             )
         )
-        if self.policy == "early":
+        if self.policy is AllocationPolicy.early:
             self._enqueue(room_id, room)
 
     def _enqueue(self, room_id: int, room: _Room) -> None:
@@ -442,7 +495,7 @@ class DecodeCoordinator(_Coordinator):
                     room.rid,
                     room.prompt,
                     room.sampling,
-                    mode="prefilled",
+                    mode=SequenceMode.prefilled,
                     page_table=list(room.pages),
                     first_token=room.first_token,
                 )

@@ -54,6 +54,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupOpen,
     GroupPages,
 )
+from pdcluster.runtime.spec import KVDtype
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
 from pdcluster.runtime.transfer.frames import FrameError, decode_header
 from pdcluster.runtime.transfer.identity import kv_source_ok
@@ -83,7 +84,7 @@ class _Room:
 class DecodeAgent(RankAgent):
     def __init__(self, ctx: AgentContext, pool: Any, shm_pool_path: str | None) -> None:
         super().__init__(ctx, pool)
-        self.one_sided = str(ctx.transfer.backend) == "shm"
+        self.one_sided = ctx.transfer.backend.is_one_sided
         self.table = DecodeRoomTable(
             DecodeRankInfo(
                 rank=ctx.coord,
@@ -168,7 +169,7 @@ class DecodeAgent(RankAgent):
         if self.one_sided or r is None or entry is None:
             return None  # shm writes land in place; nothing travels to be lost
         ctx = self.ctx
-        itemsize = {"float64": 8, "float32": 4}.get(ctx.compat.kv_dtype, 2)
+        itemsize = KVDtype(ctx.compat.kv_dtype).itemsize
         layers, heads = ctx.layers[1] - ctx.layers[0], ctx.heads[1] - ctx.heads[0]
         expected = r.num_tokens * layers * 2 * heads * ctx.head_dim * itemsize
         progress = self.receiver.progress(room, entry[0])

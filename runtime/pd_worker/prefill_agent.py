@@ -78,7 +78,7 @@ class PrefillAgent(RankAgent):
             PrefillRankInfo(ctx.coord, self.address, ctx.compat, ctx.token or None),
             ctx.room_settings,
         )
-        self.one_sided = str(ctx.transfer.backend) == "shm"
+        self.one_sided = ctx.transfer.backend.is_one_sided
         self.checksum = bool(ctx.transfer.checksum)
         self.transport: Any = (
             ShmTransport(self.endpoint) if self.one_sided else TcpTransport(self.endpoint)

@@ -8,8 +8,10 @@ from typing import Any
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -65,7 +67,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         num_pages=cfg.num_pages,
         host=settings.host,
         advertise_host=settings.advertise_host,
-        bootstrap_address=f"{settings.advertise_host}:{settings.bootstrap_port}",
+        bootstrap_address=BootstrapAddress(f"{settings.advertise_host}:{settings.bootstrap_port}"),
         curve=bool(spec.auth.zmq_curve),
     )
 
@@ -75,7 +77,7 @@ def start_rank_agent(
 ) -> RankAgent:
     ctx = agent_context(settings, runner, dp_rank)
     agent: Any
-    if settings.role == "prefill":
+    if settings.role is Role.prefill:
         from pdcluster.runtime.pd_worker.prefill_agent import PrefillAgent
 
         agent = PrefillAgent(ctx, runner.pool, is_leader=leader)
@@ -86,7 +88,7 @@ def start_rank_agent(
         agent = DecodeAgent(ctx, runner.pool, runner.pool.shm_path)
     _exchange_addresses(agent, runner, leader)
     agent.start()
-    if settings.role == "prefill":
+    if settings.role is Role.prefill:
         agent.register()
     log.info("rank %s (%s) endpoint %s", ctx.coord, settings.role, agent.address)
     started: RankAgent = agent

@@ -42,8 +42,8 @@ from pdcluster.runtime.router.errors import (
 )
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
+from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
-from pdcluster.runtime.router.planner import LegPlan, Planner
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
@@ -53,9 +53,10 @@ from pdcluster.runtime.router.streaming import (
     RelayStreamResponse,
     run_until_disconnect,
 )
-from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole, WorkerTarget
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget
 from pdcluster.runtime.server.auth import bearer_headers
 from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class RouterState:
         self.config = config
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
         self.metrics = RouterMetrics(self.pool.all)
-        self.planner = Planner(
+        self.leg_planner = LegPlanner(
             pool=self.pool,
             disaggregated=config.is_disaggregated,
             prefill_policy=make_policy(config.prefill_policy, config.policy_seed),
@@ -206,7 +207,7 @@ class RouterState:
         deadline = time.monotonic() + self.config.health_check_timeout_s
         while True:
             try:
-                return self.planner.plan(client_request, self.ctx.rooms_in_use)
+                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use)
             except NoHealthyWorkerError:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.pool.has_unprobed():
@@ -292,11 +293,7 @@ class RouterState:
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        roles = (
-            (WorkerRole.prefill, WorkerRole.decode)
-            if self.config.is_disaggregated
-            else (WorkerRole.colocated,)
-        )
+        roles = (Role.prefill, Role.decode) if self.config.is_disaggregated else (Role.colocated,)
         missing = [role.value for role in roles if not self.pool.healthy(role)]
         body = {
             "status": "ok" if not missing else "unavailable",

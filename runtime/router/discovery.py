@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.runtime.router.workers import WorkerRole, WorkerTarget, normalize_url
+from pdcluster.runtime.router.workers import WorkerTarget, normalize_url
+from pdcluster.runtime.spec import Role
 
 ROLE_LABEL = "pdcluster.io/role"
 PORT_ANNOTATION = "pdcluster.io/http-port"
@@ -43,11 +44,11 @@ def static_targets(
             missing = "prefill" if not prefill else "decode"
             raise ValueError(f"a disaggregated router needs at least one {missing} URL")
     targets: list[WorkerTarget] = []
-    seen: dict[str, WorkerRole] = {}
+    seen: dict[str, Role] = {}
     for role, urls in (
-        (WorkerRole.prefill, prefill),
-        (WorkerRole.decode, decode),
-        (WorkerRole.colocated, colocated),
+        (Role.prefill, prefill),
+        (Role.decode, decode),
+        (Role.colocated, colocated),
     ):
         for raw in urls:
             url = normalize_url(raw)
@@ -141,7 +142,7 @@ def decide_pod(pod: Mapping[str, Any], settings: KubernetesDiscoverySettings) ->
         return skip("terminating")
     role_value = labels.get(settings.role_label)
     try:
-        role = WorkerRole(str(role_value))
+        role = Role(str(role_value))
     except ValueError:
         return skip(f"label {settings.role_label}={role_value!r} is not a worker role")
     index = labels.get(settings.pod_index_label)

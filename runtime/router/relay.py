@@ -39,8 +39,8 @@ import httpx
 from pdcluster.runtime.router.bodies import error_message_of, payload_error
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.errors import RouterError, error_body
+from pdcluster.runtime.router.leg_plan import LegPlan
 from pdcluster.runtime.router.metrics import RouterMetrics
-from pdcluster.runtime.router.planner import LegPlan
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
 from pdcluster.runtime.router.workers import Worker, WorkerPool
 

@@ -18,24 +18,18 @@ Pure module: the probes themselves live in `health.py`.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-
-class WorkerRole(enum.StrEnum):
-    prefill = "prefill"
-    decode = "decode"
-    colocated = "colocated"
-
+from pdcluster.runtime.spec import Role
 
 # What each role reports as `disaggregation_mode` in /get_server_info.
 _MODE_OF_ROLE = {
-    WorkerRole.prefill: "prefill",
-    WorkerRole.decode: "decode",
-    WorkerRole.colocated: "null",
+    Role.prefill: "prefill",
+    Role.decode: "decode",
+    Role.colocated: "null",
 }
 
 
@@ -65,7 +59,7 @@ class WorkerTarget:
     """A worker that discovery says should exist."""
 
     url: str
-    role: WorkerRole
+    role: Role
     # Compatibility revision (pod label); prefill and decode pair only when equal.
     revision: str = ""
 
@@ -76,7 +70,7 @@ class ServerInfo:
     dp_size: int
 
 
-def parse_server_info(info: Any, role: WorkerRole) -> ServerInfo:
+def parse_server_info(info: Any, role: Role) -> ServerInfo:
     """Check a worker's /get_server_info answer against the role it was given."""
     if not isinstance(info, Mapping):
         raise ValueError(f"server info must be a JSON object, got {type(info).__name__}")
@@ -90,7 +84,7 @@ def parse_server_info(info: Any, role: WorkerRole) -> ServerInfo:
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"server info dp_size must be a positive integer, got {dp_size!r}")
     port = info.get("bootstrap_port")
-    if role is WorkerRole.prefill:
+    if role is Role.prefill:
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise ValueError(
                 f"prefill worker must report a bootstrap_port in 1..65535, got {port!r}"
@@ -103,7 +97,7 @@ def parse_server_info(info: Any, role: WorkerRole) -> ServerInfo:
 @dataclass(eq=False)
 class Worker:
     url: str
-    role: WorkerRole
+    role: Role
     bootstrap_port: int | None = None
     dp_size: int = 1
     revision: str = ""
@@ -158,10 +152,10 @@ class WorkerPool:
     def all(self) -> list[Worker]:
         return list(self._workers.values())
 
-    def of_role(self, role: WorkerRole) -> list[Worker]:
+    def of_role(self, role: Role) -> list[Worker]:
         return [w for w in self._workers.values() if w.role is role]
 
-    def healthy(self, role: WorkerRole) -> list[Worker]:
+    def healthy(self, role: Role) -> list[Worker]:
         return [w for w in self._workers.values() if w.role is role and w.healthy]
 
     def has_unprobed(self) -> bool:
@@ -178,7 +172,7 @@ class WorkerPool:
 
     def sync(self, targets: Iterable[WorkerTarget]) -> PoolChange:
         """Make the pool hold exactly ``targets``; keep state of workers that stay."""
-        wanted: dict[str, WorkerRole] = {}
+        wanted: dict[str, Role] = {}
         revisions: dict[str, str] = {}
         for target in targets:
             url = normalize_url(target.url)

@@ -199,6 +199,10 @@ class EngineService:
         self._commands.put(fn)
         self._wakeup.set()
 
+    def wake(self) -> None:
+        """Run the engine loop's ticks now instead of after its idle wait (any thread)."""
+        self._wakeup.set()
+
     # ---------------------------------------------------------------- requests
     def track(
         self, rid: str, prompt_len: int, stop_strings: list[str]
@@ -215,6 +219,10 @@ class EngineService:
     def is_tracked(self, rid: str) -> bool:
         return rid in self._tracked
 
+    def untrack(self, rid: str) -> None:
+        """Forget a tracked request that never reached the engine (event loop)."""
+        self._tracked.pop(rid, None)
+
     async def generate(self, request: Any, stop_strings: list[str]) -> AsyncIterator[TokenEvent]:
         """Add an EngineRequest and yield its events until the terminal one."""
         out = self.track(request.rid, len(request.prompt_token_ids), stop_strings)
@@ -222,7 +230,7 @@ class EngineService:
         try:
             await fut
         except Exception:
-            self._tracked.pop(request.rid, None)
+            self.untrack(request.rid)
             raise
         async for event in self.events(request.rid, out):
             yield event

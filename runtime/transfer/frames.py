@@ -30,6 +30,8 @@ from typing import Protocol
 
 import msgspec
 
+from pdcluster.runtime.spec import KVDtype
+
 FRAME_VERSION = 1
 MiB = 1 << 20
 DEFAULT_MAX_FRAME_BYTES = 16 * MiB
@@ -38,8 +40,6 @@ DEFAULT_MIN_FRAME_BYTES = 1 * MiB
 DEFAULT_PIPELINE_DEPTH = 4
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ROOM = (1 << 63) - 1
-
-ITEM_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 class FrameError(ValueError):
@@ -118,7 +118,7 @@ def decode_header(data: bytes | memoryview) -> KVFrameHeader:
 
 def frame_nbytes(header: KVFrameHeader) -> int:
     """Payload bytes the header announces (0 when its dtype is unknown)."""
-    size = ITEM_SIZES.get(header.dtype, 0)
+    size = KVDtype.itemsize_of(header.dtype) or 0
     for dim in header.shape:
         size *= dim
     return size

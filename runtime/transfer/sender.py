@@ -37,12 +37,12 @@ import msgspec
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool
+from pdcluster.runtime.spec import KVDtype
 from pdcluster.runtime.transfer.checksum import compute_checksum
 from pdcluster.runtime.transfer.frames import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MIN_FRAME_BYTES,
     DEFAULT_PIPELINE_DEPTH,
-    ITEM_SIZES,
     KVFrameHeader,
     PoolGeometry,
     plan_frames,
@@ -114,7 +114,7 @@ class SenderConfig:
 
 def job_bytes_per_token(job: TransferJob, src: PoolGeometry) -> int:
     """Bytes one token of `job` occupies in a frame (its layers, K and V, its heads)."""
-    item_size = ITEM_SIZES[src.dtype]
+    item_size = KVDtype(src.dtype).itemsize
     return len(job.src_layers) * 2 * job.num_heads * src.head_dim * item_size
 
 

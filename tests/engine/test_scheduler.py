@@ -30,8 +30,8 @@ from pdcluster.runtime.engine.sequence import (
     IllegalTransition,
     Sequence,
     SequenceStatus,
-    num_pages_for,
 )
+from pdcluster.runtime.spec import pages_for
 
 S = SequenceStatus
 VOCAB = 7
@@ -110,7 +110,7 @@ def new_seq(rid: str, prompt_len: int = 5, max_tokens: int = 4, **kw: object) ->
 
 def prefilled_elsewhere(sched: Scheduler, runner: FakeRunner, seq: Sequence) -> Sequence:
     """What the PD layer hands decode: pages reserved here, KV written, first token."""
-    pages = sched.allocator.allocate(num_pages_for(seq.num_prompt_tokens, sched.config.page_size))
+    pages = sched.allocator.allocate(pages_for(seq.num_prompt_tokens, sched.config.page_size))
     runner.write(pages, 0, seq.prompt_token_ids)
     return replace(
         seq,
@@ -160,13 +160,6 @@ def test_status_transitions_follow_the_table(old: S, new: S) -> None:
         with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
             seq.transition(new)
         assert seq.status is old
-
-
-@pytest.mark.parametrize(
-    ("tokens", "page_size", "pages"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (9, 1, 9)]
-)
-def test_num_pages_for(tokens: int, page_size: int, pages: int) -> None:
-    assert num_pages_for(tokens, page_size) == pages
 
 
 @pytest.mark.parametrize(("start", "end"), [(0, 0), (0, 3), (1, 5), (3, 6), (4, 6), (0, 6)])
@@ -767,7 +760,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         ok = admissible(self.cfg, self.total, seq)
         before = snapshot(self.sched)
         if seq.mode == "prefilled":
-            need = num_pages_for(seq.num_prompt_tokens, self.cfg.page_size)
+            need = pages_for(seq.num_prompt_tokens, self.cfg.page_size)
             if not seq.prompt_token_ids or not self.sched.allocator.can_allocate(need):
                 return
             seq = prefilled_elsewhere(self.sched, self.runner, seq)
@@ -939,7 +932,7 @@ def test_every_admitted_request_finishes_with_its_reference_output(
                     sched.add(replace(seq, mode="normal"))
                 continue
             if seq.mode == "prefilled":
-                need = num_pages_for(seq.num_prompt_tokens, config.page_size)
+                need = pages_for(seq.num_prompt_tokens, config.page_size)
                 if not sched.allocator.can_allocate(need):
                     seq = replace(seq, mode="normal")
                 else:

@@ -32,7 +32,7 @@ from pdcluster.operator.cluster import Cluster, cluster_from_body
 from pdcluster.operator.kube import ApiError
 from pdcluster.operator.names import router_name
 from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.planner import Plan, plan_reconcile
+from pdcluster.operator.reconcile_plan import Plan, plan_reconcile
 from pdcluster.operator.restarts import RestartLedger
 
 # Test-only packages the dev extras must list (cel-python, kubernetes-validate,

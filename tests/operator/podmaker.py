@@ -8,7 +8,7 @@ from typing import Any
 
 from pdcluster.operator.api import format_time
 from pdcluster.operator.builders import build_worker_pod
-from pdcluster.operator.names import Role
+from pdcluster.runtime.spec import Role
 
 from .helpers import PD, make_cluster
 

@@ -24,8 +24,7 @@ from pdcluster.operator.builders import (
     build_token_secret,
     build_worker_pod,
 )
-from pdcluster.operator.names import Role
-from pdcluster.runtime.spec import load_manifest_text
+from pdcluster.runtime.spec import Role, load_manifest_text
 
 from .helpers import NS, PD, UID, make_cluster, need
 

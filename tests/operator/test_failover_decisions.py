@@ -13,9 +13,9 @@ from pdcluster.operator.admin_client import AdminResult
 from pdcluster.operator.failover import loss_message
 from pdcluster.operator.failure_counts import FailureCounts, parse_failures
 from pdcluster.operator.losses import Loss, LossCause, LossTracker
-from pdcluster.operator.names import Role
 from pdcluster.operator.peers import PodIndex
 from pdcluster.operator.pod_facts import parse_pod_facts, parse_time
+from pdcluster.runtime.spec import Role
 
 from .helpers import UID
 from .podmaker import T0, deleting, not_ready, terminated, worker_pod
@@ -38,6 +38,12 @@ def test_prefill_pod_is_named_by_its_bootstrap_address_decode_by_its_host() -> N
     decode = facts(worker_pod(Role.decode, ip="127.0.3.5"))
     assert decode.peer == "127.0.3.5" and decode.bootstrap_port is None
     assert facts(worker_pod(Role.decode, ip=None)).peer is None
+
+
+def test_only_a_prefill_pod_with_an_ip_has_a_bootstrap_address() -> None:
+    assert facts(worker_pod(Role.prefill, ip="127.0.3.4")).bootstrap_address == "127.0.3.4:8998"
+    assert facts(worker_pod(Role.prefill, ip=None)).bootstrap_address is None
+    assert facts(worker_pod(Role.decode, ip="127.0.3.5")).bootstrap_address is None
 
 
 def test_terminated_and_deleting_pods_carry_when_it_happened() -> None:

@@ -29,10 +29,10 @@ from pdcluster.operator.admin_client import AdminClient, AdminResult
 from pdcluster.operator.failover import Failover, is_peer_gone, is_settled_by
 from pdcluster.operator.losses import Loss, LossCause
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import parse_pod_facts
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.settings import OperatorSettings
+from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
 from .podmaker import deleting, not_ready, terminated, worker_pod

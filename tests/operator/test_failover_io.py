@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse
 
 from pdcluster.operator.failover import Failover
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.names import Role
 from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.settings import OperatorSettings
+from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
 from .podmaker import deleting, not_ready, terminated, worker_pod

@@ -9,12 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdcluster.operator import names
-from pdcluster.operator.names import InvalidNameError, Role
+from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.revision import (
     compute_cluster_revision,
     compute_router_hash,
     compute_template_hash,
 )
+from pdcluster.runtime.spec import Role
 
 from .helpers import PD, make_cluster
 

@@ -18,9 +18,9 @@ from pdcluster.operator.builders import (
     podsecurity,
 )
 from pdcluster.operator.builders.workers import token_secret_for
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import parse_pod_facts
 from pdcluster.operator.render import cluster_for_render, render_objects
+from pdcluster.runtime.spec import Role
 
 from .helpers import PD, make_cluster
 

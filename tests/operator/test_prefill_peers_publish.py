@@ -12,9 +12,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdcluster.operator.names import Role
 from pdcluster.operator.pod_facts import parse_pod_facts
 from pdcluster.operator.prefill_peers import compute_prefill_peers, decode_targets
+from pdcluster.runtime.spec import Role
 
 from .podmaker import terminated, worker_pod
 from .test_failover_io import TOKEN, free_port, make_failover

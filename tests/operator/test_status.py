@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.operator.api import ConditionType, PDClusterStatus, Phase, parse_status
-from pdcluster.operator.names import Role
 from pdcluster.operator.status import (
     compute_invalid_status,
     compute_status,
     status_changed,
     status_patch,
 )
+from pdcluster.runtime.spec import Role
 
 from .helpers import PD, Sim
 

@@ -17,12 +17,11 @@ from pdcluster.runtime.pd.topology import (
     TopologyError,
     cp_token_range,
     layer_range,
-    pages_for,
     prefill_dp_group,
     shape_of,
     split_span,
 )
-from pdcluster.runtime.spec import Topology
+from pdcluster.runtime.spec import Topology, pages_for
 
 
 def check_mapping(topo: PDTopology, num_tokens: int, page_size: int) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pdcluster.runtime.router.workers import WorkerRole, WorkerTarget
+from pdcluster.runtime.router.workers import WorkerTarget
+from pdcluster.runtime.spec import Role
 
 from .harness import Cluster, LoopThread, free_port, start_cluster, wait_until
 from .standin import words
@@ -201,8 +202,8 @@ def test_discovery_changes_take_effect_without_restart(loop: LoopThread) -> None
         state = cluster.state
 
         def publish(decode_urls: list[str]) -> None:
-            targets = [WorkerTarget(prefill.url, WorkerRole.prefill)]
-            targets += [WorkerTarget(url, WorkerRole.decode) for url in decode_urls]
+            targets = [WorkerTarget(prefill.url, Role.prefill)]
+            targets += [WorkerTarget(url, Role.decode) for url in decode_urls]
             cluster.loop.call(state.apply_targets, targets)
 
         publish([first.url])
@@ -231,8 +232,8 @@ def test_a_request_waits_for_a_new_workers_first_probe_when_none_is_healthy(
 
         def publish(decode_url: str) -> None:
             targets = [
-                WorkerTarget(prefill.url, WorkerRole.prefill),
-                WorkerTarget(decode_url, WorkerRole.decode),
+                WorkerTarget(prefill.url, Role.prefill),
+                WorkerTarget(decode_url, Role.decode),
             ]
             cluster.loop.call(state.apply_targets, targets)
 

@@ -14,7 +14,8 @@ from pdcluster.runtime.router.discovery import (
     static_targets,
     targets_from_pods,
 )
-from pdcluster.runtime.router.workers import WorkerRole, WorkerTarget
+from pdcluster.runtime.router.workers import WorkerTarget
+from pdcluster.runtime.spec import Role
 
 SETTINGS = KubernetesDiscoverySettings(namespace="ns", label_selector="pdcluster.io/cluster=demo")
 
@@ -54,12 +55,12 @@ def pod(
 def test_static_targets_keep_roles_and_normalize_urls() -> None:
     targets = static_targets(["http://127.0.0.1:1/"], ["http://127.0.0.1:2", "http://127.0.0.1:3"])
     assert targets == [
-        WorkerTarget("http://127.0.0.1:1", WorkerRole.prefill),
-        WorkerTarget("http://127.0.0.1:2", WorkerRole.decode),
-        WorkerTarget("http://127.0.0.1:3", WorkerRole.decode),
+        WorkerTarget("http://127.0.0.1:1", Role.prefill),
+        WorkerTarget("http://127.0.0.1:2", Role.decode),
+        WorkerTarget("http://127.0.0.1:3", Role.decode),
     ]
     assert static_targets(colocated=["http://127.0.0.1:4"]) == [
-        WorkerTarget("http://127.0.0.1:4", WorkerRole.colocated)
+        WorkerTarget("http://127.0.0.1:4", Role.colocated)
     ]
 
 
@@ -83,21 +84,19 @@ def test_static_targets_reject_bad_lists(
 
 def test_ready_pod_becomes_a_worker_at_its_pod_ip() -> None:
     decision = decide_pod(pod(port="30000"), SETTINGS)
-    assert decision.target == WorkerTarget("http://10.0.0.7:30000", WorkerRole.prefill)
+    assert decision.target == WorkerTarget("http://10.0.0.7:30000", Role.prefill)
     assert decision.reason == ""
 
 
 def test_default_port_is_used_when_the_pod_names_none() -> None:
     target = decide_pod(pod(role="decode"), SETTINGS).target
-    assert target == WorkerTarget("http://10.0.0.7:8000", WorkerRole.decode)
+    assert target == WorkerTarget("http://10.0.0.7:8000", Role.decode)
 
 
 def test_port_may_also_come_from_a_label() -> None:
     p = pod()
     p["metadata"]["labels"]["pdcluster.io/http-port"] = "31000"
-    assert decide_pod(p, SETTINGS).target == WorkerTarget(
-        "http://10.0.0.7:31000", WorkerRole.prefill
-    )
+    assert decide_pod(p, SETTINGS).target == WorkerTarget("http://10.0.0.7:31000", Role.prefill)
 
 
 def test_ipv6_pod_ip_is_bracketed() -> None:
@@ -155,8 +154,8 @@ def test_targets_from_pods_keeps_ready_workers_and_dedupes_urls() -> None:
         pod("d0-dup", role="decode", ip="10.0.0.3"),
     ]
     assert targets_from_pods(pods, SETTINGS) == [
-        WorkerTarget("http://10.0.0.1:8000", WorkerRole.prefill),
-        WorkerTarget("http://10.0.0.3:8000", WorkerRole.decode),
+        WorkerTarget("http://10.0.0.1:8000", Role.prefill),
+        WorkerTarget("http://10.0.0.3:8000", Role.decode),
     ]
 
 

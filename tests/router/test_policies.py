@@ -14,13 +14,14 @@ from pdcluster.runtime.router.policies import (
     RoundRobin,
     make_policy,
 )
-from pdcluster.runtime.router.workers import Worker, WorkerRole
+from pdcluster.runtime.router.workers import Worker
+from pdcluster.runtime.spec import Role
 
 
 def make_workers(health: list[bool], outstanding: list[int] | None = None) -> list[Worker]:
     loads = outstanding or [0] * len(health)
     return [
-        Worker(url=f"http://127.0.0.1:{9000 + i}", role=WorkerRole.decode, healthy=h, outstanding=o)
+        Worker(url=f"http://127.0.0.1:{9000 + i}", role=Role.decode, healthy=h, outstanding=o)
         for i, (h, o) in enumerate(zip(health, loads, strict=True))
     ]
 

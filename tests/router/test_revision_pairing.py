@@ -10,15 +10,16 @@ from pdcluster.runtime.router.discovery import (
     decide_pod,
 )
 from pdcluster.runtime.router.errors import NoHealthyWorkerError
-from pdcluster.runtime.router.planner import pairable
-from pdcluster.runtime.router.workers import Worker, WorkerRole
+from pdcluster.runtime.router.leg_plan import pairable
+from pdcluster.runtime.router.workers import Worker
+from pdcluster.runtime.spec import Role
 
 
-def w(url: str, role: WorkerRole, revision: str) -> Worker:
+def w(url: str, role: Role, revision: str) -> Worker:
     return Worker(url=url, role=role, revision=revision, healthy=True, bootstrap_port=8998)
 
 
-P, D = WorkerRole.prefill, WorkerRole.decode
+P, D = Role.prefill, Role.decode
 
 
 def test_only_revisions_with_both_roles_are_candidates() -> None:

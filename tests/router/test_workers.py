@@ -10,13 +10,13 @@ from pdcluster.runtime.router.workers import (
     ServerInfo,
     Worker,
     WorkerPool,
-    WorkerRole,
     WorkerTarget,
     normalize_url,
     parse_server_info,
 )
+from pdcluster.runtime.spec import Role
 
-P, D = WorkerRole.prefill, WorkerRole.decode
+P, D = Role.prefill, Role.decode
 
 
 @pytest.mark.parametrize(
@@ -55,13 +55,11 @@ def test_normalize_url_rejects_bad_urls_with_a_reason(raw: str, problem: str) ->
         ({"disaggregation_mode": "prefill", "bootstrap_port": 8998, "dp_size": 2}, P, (8998, 2)),
         ({"disaggregation_mode": "decode", "dp_size": 1}, D, (None, 1)),
         ({"disaggregation_mode": "decode", "bootstrap_port": 5}, D, (None, 1)),
-        ({"disaggregation_mode": "null"}, WorkerRole.colocated, (None, 1)),
-        ({}, WorkerRole.colocated, (None, 1)),
+        ({"disaggregation_mode": "null"}, Role.colocated, (None, 1)),
+        ({}, Role.colocated, (None, 1)),
     ],
 )
-def test_parse_server_info(
-    info: dict[str, Any], role: WorkerRole, expected: tuple[Any, int]
-) -> None:
+def test_parse_server_info(info: dict[str, Any], role: Role, expected: tuple[Any, int]) -> None:
     parsed = parse_server_info(info, role)
     assert (parsed.bootstrap_port, parsed.dp_size) == expected
 
@@ -76,10 +74,10 @@ def test_parse_server_info(
         ({"disaggregation_mode": "prefill", "bootstrap_port": "8998"}, P, "bootstrap_port"),
         ({"disaggregation_mode": "decode", "dp_size": 0}, D, "dp_size"),
         ({"disaggregation_mode": "decode", "dp_size": True}, D, "dp_size"),
-        ({"disaggregation_mode": "prefill", "bootstrap_port": 1}, WorkerRole.colocated, "null"),
+        ({"disaggregation_mode": "prefill", "bootstrap_port": 1}, Role.colocated, "null"),
     ],
 )
-def test_parse_server_info_rejects_mismatches(info: Any, role: WorkerRole, problem: str) -> None:
+def test_parse_server_info_rejects_mismatches(info: Any, role: Role, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_server_info(info, role)
 

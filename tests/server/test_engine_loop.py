@@ -65,6 +65,21 @@ def test_a_bound_must_be_positive() -> None:
         stalled_for(Progress(0.0, True), 1.0, 0)
 
 
+# --------------------------------------------------------- tracking
+
+
+async def test_an_untracked_rid_that_never_reached_the_engine_is_free_again(
+    service: EngineService,
+) -> None:
+    service.track("twice", 5, [])
+    with pytest.raises(ValueError, match="duplicate rid 'twice'"):
+        service.track("twice", 5, [])
+    service.untrack("twice")
+    assert not service.is_tracked("twice")
+    assert _last(await _run(service, "twice")).finish_reason == "length"
+    assert not service.is_tracked("twice")
+
+
 # --------------------------------------------------------- the loop survives
 
 

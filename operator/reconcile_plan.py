@@ -40,7 +40,6 @@ from pdcluster.operator.actions import (
 from pdcluster.operator.builders.desired import DesiredState
 from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
 from pdcluster.operator.instances import ObservedInstance
-from pdcluster.operator.names import Role
 from pdcluster.operator.observed import Observed, ObservedObject
 from pdcluster.operator.restarts import RestartLedger
 from pdcluster.operator.rollout import (
@@ -50,6 +49,7 @@ from pdcluster.operator.rollout import (
     plan_role,
     serves_revision,
 )
+from pdcluster.runtime.spec import Role
 
 # Kinds the operator creates; only these are ever deleted as stale.
 MANAGED_KINDS = (

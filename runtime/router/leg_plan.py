@@ -17,7 +17,8 @@ from pdcluster.runtime.router.bodies import Bootstrap, ClientRequest, build_leg_
 from pdcluster.runtime.router.errors import NoHealthyWorkerError, RouterError
 from pdcluster.runtime.router.policies import Policy
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
-from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerRole
+from pdcluster.runtime.router.workers import Worker, WorkerPool
+from pdcluster.runtime.spec import Role
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def pairable(prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker
 
 
 @dataclass
-class Planner:
+class LegPlanner:
     pool: WorkerPool
     disaggregated: bool
     prefill_policy: Policy
@@ -63,22 +64,22 @@ class Planner:
         path = request.endpoint.value
         if not self.disaggregated:
             worker = self.colocated_policy.select(
-                self.pool.of_role(WorkerRole.colocated), WorkerRole.colocated.value
+                self.pool.of_role(Role.colocated), Role.colocated.value
             )
             rid = self.rids.mint()
             body = build_leg_body(request.body, rid, None)
             return LegPlan(path=path, body=body, rid=rid, stream=request.stream, main=worker)
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
-        for role in (WorkerRole.prefill, WorkerRole.decode):
+        for role in (Role.prefill, Role.decode):
             if not self.pool.healthy(role):
                 raise NoHealthyWorkerError(role.value)
         prefills, decodes = pairable(
-            self.pool.healthy(WorkerRole.prefill), self.pool.healthy(WorkerRole.decode)
+            self.pool.healthy(Role.prefill), self.pool.healthy(Role.decode)
         )
-        prefill = self.prefill_policy.select(prefills, WorkerRole.prefill.value)
+        prefill = self.prefill_policy.select(prefills, Role.prefill.value)
         decode = self.decode_policy.select(
-            [d for d in decodes if d.revision == prefill.revision], WorkerRole.decode.value
+            [d for d in decodes if d.revision == prefill.revision], Role.decode.value
         )
         if prefill.bootstrap_port is None:
             # The pool only marks a prefill worker healthy once it reported a

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from pdcluster.operator.actions import Apply, Create, CreateTokenSecret, Delete, Emit
 from pdcluster.operator.builders.workers import Placement
 from pdcluster.operator.instances import Health, group_instances
-from pdcluster.operator.names import Role
-from pdcluster.operator.planner import manifest_hash, stamp
+from pdcluster.operator.reconcile_plan import manifest_hash, stamp
 from pdcluster.operator.restarts import backoff_delay
 from pdcluster.operator.rollout import MAX_SURGE
+from pdcluster.runtime.spec import Role
 
 from .helpers import PD, Sim, observe_store
 

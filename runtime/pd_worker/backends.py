@@ -497,7 +497,7 @@ def build_pd_backend(
         backend = PrefillBackend(service, agent, coord, info)
         info["bootstrap_port"] = settings.bootstrap_port
         if dp_rank == 0:
-            from pdcluster.runtime.pd.bootstrap_server import create_bootstrap_app
+            from pdcluster.runtime.pd_worker.bootstrap_server import create_bootstrap_app
 
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)

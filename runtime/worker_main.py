@@ -173,9 +173,9 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.engine.engine import LLMEngine
     from pdcluster.runtime.engine.runner import ModelRunner
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
+    from pdcluster.runtime.http.limits import server_config
     from pdcluster.runtime.metrics import WorkerMetrics
     from pdcluster.runtime.server.engine_service import EngineService
-    from pdcluster.runtime.server.limits import server_config
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
 
     torch.set_num_threads(_torch_threads())

@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from pdcluster.runtime.server.limits import DEFAULT_LIMITS, ReadDeadlineProtocol, server_config
+from pdcluster.runtime.http.limits import DEFAULT_LIMITS, ReadDeadlineProtocol, server_config
 
 READ_TIMEOUT_S = 1.0
 DRIBBLERS = 20

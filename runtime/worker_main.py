@@ -186,7 +186,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     tokenizer = load_tokenizer(settings.tokenizer or cfg.model, engine.model_config.eos_token_id)
     hang = os.environ.get(HANG_ENV)
     if hang:
-        from pdcluster.runtime.engine.testing import hang_at_step
+        from pdcluster.runtime.engine.hang import hang_at_step
 
         engine = hang_at_step(engine, settings.role, hang)
     service = EngineService(

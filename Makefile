@@ -19,13 +19,16 @@ $(VENV)/.installed: pyproject.toml setup.py
 run: setup
 	$(VENV)/bin/pdcluster up -f examples/pd-1p1d.yaml --demo
 
-lint: setup links
+lint: setup
 	$(VENV)/bin/ruff check runtime operator tests e2e bench
 	$(VENV)/bin/ruff format --check runtime operator tests e2e bench
-	cd $(MYPY_ROOT) && PYTHONPATH=$(CURDIR)/$(MYPY_ROOT) $(abspath $(VENV))/bin/lint-imports --config $(CURDIR)/pyproject.toml
+	$(VENV)/bin/lint-imports pyproject.toml
 
-# mypy and import-linter resolve `pdcluster.*` through a tree of links mirroring the installed
-# layout (the editable install maps folders with an import hook mypy cannot see).
+# import-linter imports the editable install like any program; mypy cannot: it maps a
+# file to a module by its folder names, and the editable install maps runtime/ and
+# operator/ onto pdcluster.* with an import hook mypy never runs. So mypy alone reads a
+# tree of links mirroring the installed layout (`mypy_path` or `explicit_package_bases`
+# would name the modules `runtime.*`, and `pdcluster.*` imports would go unresolved).
 MYPY_ROOT := build/mypy
 links:
 	@mkdir -p $(MYPY_ROOT)/pdcluster

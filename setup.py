@@ -2,6 +2,12 @@
 
 pyproject.toml cannot express "every subpackage of runtime/ under
 pdcluster.runtime", so the package list is computed here.
+
+runtime/ and operator/ have no `__init__.py`: `pdcluster.runtime` and
+`pdcluster.operator` are namespace packages. A tool started at the
+repository root (`python -m ...` puts the current directory first on
+sys.path) then finds the standard library's `operator` module, which a
+regular top-level package `operator/` would shadow.
 """
 
 from setuptools import find_packages, setup

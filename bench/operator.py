@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-# The e2e package lives at the repository root; appended, so the standard
-# library's `operator` module is never shadowed by the folder of that name.
+# The e2e package lives at the repository root; appended, so no folder of the
+# repository comes before an installed or standard-library module.
 sys.path.append(str(ROOT))
 
 from e2e import cluster as cluster_mod  # noqa: E402

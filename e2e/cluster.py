@@ -375,8 +375,8 @@ def _start_components(starter: _Starter) -> ClusterInfo:
 
 
 # e2e/ is not installed, so the agent needs the repository on sys.path: appended, not
-# prepended (PYTHONPATH would be), since the repository's operator/ folder would
-# shadow the standard library's `operator` module.
+# prepended (PYTHONPATH would be), so no folder of the repository comes before an
+# installed or standard-library module.
 _AGENT_BOOTSTRAP = (
     f"import sys; sys.path.append({str(REPO_ROOT)!r}); "
     "from e2e.nodeagent.__main__ import main; sys.exit(main())"

@@ -171,9 +171,9 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.engine.engine import LLMEngine
     from pdcluster.runtime.engine.runner import ModelRunner
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
+    from pdcluster.runtime.http.limits import server_config
     from pdcluster.runtime.metrics import WorkerMetrics
     from pdcluster.runtime.server.engine_service import EngineService
-    from pdcluster.runtime.server.limits import server_config
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
 
     torch.set_num_threads(_torch_threads())
@@ -184,7 +184,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     tokenizer = load_tokenizer(settings.tokenizer or cfg.model, engine.model_config.eos_token_id)
     hang = os.environ.get(HANG_ENV)
     if hang:
-        from pdcluster.runtime.engine.testing import hang_at_step
+        from pdcluster.runtime.engine.hang import hang_at_step
 
         engine = hang_at_step(engine, settings.role, hang)
     service = EngineService(

@@ -18,8 +18,9 @@ Pure modules (no sockets, HTTP, ZMQ or torch; `mypy --strict`):
 - `heartbeat`    — consecutive-failure tracking of prefill peers;
 - `bootstrap_registry` — the registry behind a prefill instance's bootstrap server.
 
-I/O edges: `bootstrap_server` (FastAPI app factory + uvicorn thread) and
-`bootstrap_client` (httpx, async).
+The whole package is pure (import-linter enforces it); the HTTP edges of
+the registry live in `pd_worker`: `bootstrap_server` (FastAPI app factory +
+uvicorn thread) and `bootstrap_client` (httpx, async).
 
 Wiring, in one paragraph: each rank owns one room table and feeds it from
 one thread (tables are not thread-safe): local events from its worker and

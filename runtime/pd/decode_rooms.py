@@ -11,7 +11,7 @@ The I/O loop feeds events (local calls, decoded prefill→decode messages,
     any live state ──abort / timeout / source Failed / peer lost──► Failed
     Failed ──every source settled (acked, dead, or never sent pages)──► ReleasePages
 
-Rules (DESIGN §3, §5, §7, §8):
+Rules (docs/design.md §3, §5, §7, §8):
 - a room gets a fresh `generation` from a per-table counter; every message
   to prefill carries it, and any Status / Ready / AbortAck of another
   generation is dropped — a late ACK never releases a newer attempt's pages;

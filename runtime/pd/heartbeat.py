@@ -13,7 +13,7 @@ probe *started*), and each probe must be bounded by `probe_timeout_s`
 (default min(interval / 2, 1 s): a timed-out probe is over before the next
 one falls due). A peer that hangs right after a good probe is therefore
 declared dead within `failure_threshold × interval_s + probe_timeout_s` —
-under the `interval × threshold + 1 s` bound of DESIGN §8.
+under the `interval × threshold + 1 s` bound of docs/design.md §8.
 
 I/O contract: `due(now)` returns the peers to probe now (and marks them in
 flight); the I/O loop probes them without blocking, with `probe_timeout_s`,

@@ -3,7 +3,7 @@
 Both sides (prefill sender, decode receiver) track a room with the same five
 states. The numeric order matters: progress only moves up.
 
-Invariants (DESIGN §5), enforced by `Poll.update` through one table:
+Invariants (docs/design.md §5), enforced by `Poll.update` through one table:
 - only Bootstrapping and WaitingForInput may create an entry (`Poll.create`);
 - Failed is terminal and sticky: nothing moves a Failed poll;
 - Success is concluded: a later update (even Failed) does not change it;

@@ -15,7 +15,7 @@ Decode rank → prefill rank:
   pages later);
 - `Abort(room, generation, rid)` once per notified prefill rank.
 
-The room is the pairing key (DESIGN §3). The `rid` of `TransferMeta`,
+The room is the pairing key (docs/design.md §3). The `rid` of `TransferMeta`,
 `Bootstrap` and `Abort` is the rid the *caller* gave the decode leg, or None
 when it gave none: a rid a worker made up itself is local to that worker and
 never leaves it. A prefill rank checks a rid↔room binding only when both

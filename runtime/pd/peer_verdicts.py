@@ -1,6 +1,6 @@
 """Which prefill peers a decode rank holds dead, why, and for how long.
 
-Two kinds of verdict (DESIGN §8):
+Two kinds of verdict (docs/design.md §8):
 - an operator report (`/admin/fail_peer`): the pod is lost or not ready.
   It lasts `bootstrap_s`, and while it lasts a new room on that peer is
   refused at once — no /route fetch, no retries against a gone server;

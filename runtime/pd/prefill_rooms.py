@@ -9,7 +9,7 @@ The I/O loop feeds events (decoded messages, engine and transfer progress,
     any live state ──abort / timeout / peer lost / bad claim──► Failed
     Failed ──in-flight writes drained──► cleared
 
-Rules (DESIGN §5, §7):
+Rules (docs/design.md §5, §7):
 - a room is created by the prefill leg (`open_room`) or by the first decode
   claim (metadata / BOOTSTRAP), whichever comes first; both create it in
   Bootstrapping. The room is the pairing key: a rid binds it only when the

@@ -6,7 +6,7 @@ model's `num_layers` / `num_kv_heads`. Output: for every decode rank its
 prefill rank its *destinations*. Both sides compute the same slices from the
 same inputs, so neither has to trust the other's arithmetic.
 
-Rules (DESIGN §2):
+Rules (docs/design.md §2):
 - dp: a room's prefill dp group is `room % prefill.dp`, on both legs. A
   request may name it (`data_parallel_rank`) only to say the same thing:
   any other value fails at once (`prefill_dp_group`), since the two legs

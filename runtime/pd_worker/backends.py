@@ -42,6 +42,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pdcluster.runtime.http.auth import bearer_headers, check_bearer
+from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.coords import InstanceShape
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
@@ -55,10 +57,8 @@ from pdcluster.runtime.pd_worker.coordinator import (
 )
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
-from pdcluster.runtime.server.auth import bearer_headers, check_bearer
 from pdcluster.runtime.server.colocated import check_capacity, engine_request, page_counts
 from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
-from pdcluster.runtime.server.limits import server_config
 from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
 from pdcluster.runtime.spec import Role
 
@@ -496,7 +496,7 @@ def build_pd_backend(
         backend = PrefillBackend(service, agent, coord, info)
         info["bootstrap_port"] = settings.bootstrap_port
         if dp_rank == 0:
-            from pdcluster.runtime.pd.bootstrap_server import create_bootstrap_app
+            from pdcluster.runtime.pd_worker.bootstrap_server import create_bootstrap_app
 
             shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
             app = create_bootstrap_app(shape, settings.token or None)

@@ -25,12 +25,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdcluster.runtime.pd import actions as A
-from pdcluster.runtime.pd.bootstrap_client import (
-    BootstrapAuthError,
-    BootstrapError,
-    BootstrapNotReady,
-    BootstrapPool,
-)
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo
 from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.coords import RankCoord
@@ -47,6 +41,12 @@ from pdcluster.runtime.pd.topology import (
     TopologyError,
 )
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.bootstrap_client import (
+    BootstrapAuthError,
+    BootstrapError,
+    BootstrapNotReady,
+    BootstrapPool,
+)
 from pdcluster.runtime.pd_worker.group import (
     GroupFail,
     GroupFailPeer,

@@ -26,7 +26,6 @@ import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPoolShape
 from pdcluster.runtime.pd import actions as A
-from pdcluster.runtime.pd.bootstrap_client import BootstrapClient, BootstrapUnreachable, RetryPolicy
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.instance_counts import failure_key
@@ -37,6 +36,11 @@ from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import cp_token_range
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.bootstrap_client import (
+    BootstrapClient,
+    BootstrapUnreachable,
+    RetryPolicy,
+)
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots

@@ -26,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdcluster.runtime.http.auth import bearer_headers
+from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
     Endpoint,
@@ -54,8 +56,6 @@ from pdcluster.runtime.router.streaming import (
     run_until_disconnect,
 )
 from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget
-from pdcluster.runtime.server.auth import bearer_headers
-from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)

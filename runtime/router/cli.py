@@ -23,7 +23,13 @@ from typing import Any
 from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings
-from pdcluster.runtime.spec import FailurePolicy, SelectionPolicy, SpecError, load_manifest_text
+from pdcluster.runtime.spec import (
+    FailurePolicy,
+    PDCluster,
+    SelectionPolicy,
+    SpecError,
+    load_manifest_text,
+)
 
 API_KEYS_ENV = "PDCLUSTER_ROUTER_API_KEYS"
 _POLICIES = [p.value for p in SelectionPolicy]
@@ -88,6 +94,22 @@ def _api_keys(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ..
 def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Invocation:
     """Flags → settings; raise ValueError (or exit via argparse) on bad input."""
     args = build_parser().parse_args(list(argv))
+    manifest = None
+    if args.manifest is not None:
+        try:
+            manifest = load_manifest_text(args.manifest.read_text())
+        except (OSError, SpecError) as err:
+            raise ValueError(f"--manifest: {err}") from None
+    return invocation_from(args, manifest, env)
+
+
+def invocation_from(
+    args: argparse.Namespace, manifest: PDCluster | None, env: Mapping[str, str] | None = None
+) -> Invocation:
+    """Parsed flags (this parser's names) and an already loaded manifest → settings.
+
+    Raises ValueError on bad input; `args.manifest` is not read here.
+    """
     kube = None
     if args.k8s_namespace:
         if args.k8s_mode is None:
@@ -106,11 +128,7 @@ def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) 
     }
     if kube is not None:
         fields["disaggregated"] = args.k8s_mode == "pd"
-    if args.manifest is not None:
-        try:
-            manifest = load_manifest_text(args.manifest.read_text())
-        except (OSError, SpecError) as err:
-            raise ValueError(f"--manifest: {err}") from None
+    if manifest is not None:
         base = RouterConfig.from_spec(
             manifest.spec,
             prefill_urls=fields["prefill_urls"],
@@ -147,12 +165,17 @@ def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from pdcluster.runtime.router.server import run_router
-
     try:
         inv = parse_invocation(sys.argv[1:] if argv is None else argv)
     except ValueError as err:
         build_parser().error(str(err))
+    run_invocation(inv)
+
+
+def run_invocation(inv: Invocation) -> None:
+    """Serve until stopped."""
+    from pdcluster.runtime.router.server import run_router
+
     logging.basicConfig(
         level=inv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

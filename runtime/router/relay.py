@@ -1,7 +1,7 @@
 """One client request relayed to its worker legs, with cancel propagation.
 
 In disaggregated mode the prefill leg and the decode ("main") leg are sent
-at once; the client sees the main leg. Rules (DESIGN §7, §8):
+at once; the client sees the main leg. Rules (docs/design.md §7, §8):
 - prefill leg fails (error status, error payload, connection error) →
   abort the main leg (exact rid) and answer the prefill error — unless the
   cluster's failure policy is `recompute`: there decode computes the prompt

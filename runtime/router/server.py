@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import uvicorn
 
+from pdcluster.runtime.http.limits import DEFAULT_LIMITS, server_config
 from pdcluster.runtime.router.app import create_router_app
 from pdcluster.runtime.router.config import RouterConfig
-from pdcluster.runtime.server.limits import DEFAULT_LIMITS, server_config
 
 
 def _uvicorn_config(config: RouterConfig, host: str, port: int, log_level: str) -> uvicorn.Config:

@@ -27,6 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from pdcluster.runtime.http.auth import check_bearer, is_guarded
+from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.server import responses as R
@@ -38,9 +40,7 @@ from pdcluster.runtime.server.api_models import (
     GenerateRequest,
     normalize_stop,
 )
-from pdcluster.runtime.server.auth import check_bearer, is_guarded
 from pdcluster.runtime.server.engine_service import TokenEvent
-from pdcluster.runtime.server.limits import BadLength, BodyTooLarge, read_limited
 
 log = logging.getLogger("pdcluster.worker")
 

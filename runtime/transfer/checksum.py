@@ -3,7 +3,7 @@
 CRC-32 over the raw payload bytes, computed by the sender after gathering a
 frame and verified by the receiver *before* anything is scattered, so a
 corrupted frame never reaches the pool. A mismatch fails the room with the
-reason `checksum_mismatch` (DESIGN §8). This covers the wire only (tcp);
+reason `checksum_mismatch` (docs/design.md §8). This covers the wire only (tcp);
 `page_checksum` covers the pages on both ends, on every transport.
 """
 

@@ -9,7 +9,7 @@ asks the control plane where the room's tokens live (`resolve`), verifies an
 optional checksum and scatters the frame into those pages: on a CPU pool the
 one copy on this side; a GPU pool gets one host-to-device copy first.
 
-Safety rule (DESIGN §5, §7): a frame is written only if `resolve(room,
+Safety rule (docs/design.md §5, §7): a frame is written only if `resolve(room,
 generation)` returns the room's page table at the moment of the write. A
 cleared, failed or unknown room, or an old generation, resolves to None and
 the frame is dropped and counted, so a late frame can never touch pages that

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcluster.runtime.engine.testing import write_random_hf_dir
+from tests.engine.testing import write_random_hf_dir
 
 # The tiny model's matmuls are too small to gain from intra-op threads, and on
 # a shared CI box OpenMP spin-waits make them tens of times slower.

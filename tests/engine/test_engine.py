@@ -11,8 +11,8 @@ from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine, RequestRej
 from pdcluster.runtime.engine.engine_config import EngineConfig, EngineConfigError
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import ScheduledBatch
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
+from tests.engine.testing import generate
 
 TOK = ByteTokenizer()
 SMALL = EngineConfig(num_pages=64, page_size=4, max_running_requests=8, max_batch_tokens=64)

@@ -12,9 +12,9 @@ from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.engine.model import LlamaModel, build_forward_batch
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.engine.weights import load_tiny, tiny_tensors
+from tests.engine.testing import generate
 
 from .dense_reference import dense_logits
 

@@ -15,7 +15,6 @@ from pdcluster.runtime.engine.config import ConfigError, from_hf_config, tiny_co
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.engine.weights import (
     DictSource,
@@ -26,6 +25,7 @@ from pdcluster.runtime.engine.weights import (
     load_tiny,
     tiny_tensors,
 )
+from tests.engine.testing import generate
 
 LLAMA_RAW = {
     "architectures": ["LlamaForCausalLM"],

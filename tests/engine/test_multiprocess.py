@@ -10,9 +10,9 @@ from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.parallel import spawn_ranks
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate, run_rank, sleep_rank
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.engine.topology import ParallelConfig
+from tests.engine.testing import generate, run_rank, sleep_rank
 
 TOK = ByteTokenizer()
 # float64: the all-reduce sums partial products in another order than one

@@ -16,9 +16,9 @@ from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.kv_pool import slots_for_positions
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.spec import KVLayout
+from tests.engine.testing import generate
 
 TOK = ByteTokenizer()
 PREFILL = EngineConfig(

@@ -10,8 +10,8 @@ from pdcluster.runtime.engine.config import TINY_EOS_ID
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from tests.engine.testing import generate
 
 TOK = ByteTokenizer()
 CONFIG = EngineConfig(num_pages=256, page_size=8, max_running_requests=32)

@@ -303,7 +303,7 @@ class FaultCluster:
         )
 
     def assert_clean(self, names: Iterable[str] | None = None, timeout: float = 15.0) -> None:
-        """No page leak and no leftover room on each named worker (DESIGN §14)."""
+        """No page leak and no leftover room on each named worker (docs/design.md §14)."""
         for name in self.workers() if names is None else names:
             try:
                 wait_until(lambda n=name: self.is_clean(n), timeout, 0.1, f"{name} clean")

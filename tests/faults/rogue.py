@@ -27,10 +27,10 @@ import msgspec
 from pdcluster.runtime.engine.config import tiny_config
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo, RankRegistration
-from pdcluster.runtime.pd.bootstrap_server import BootstrapServer, create_bootstrap_app
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd_worker.bootstrap_server import BootstrapServer, create_bootstrap_app
 from pdcluster.runtime.transfer.curve import CurveKeys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import KVFrameHeader, decode_header, encode_header

@@ -359,7 +359,7 @@ def test_client_disconnect_aborts_both_legs(pd: FaultCluster, stream: bool) -> N
             assert busy_workers(pd), "the request finished before the client left"
     wait_until(lambda: not busy_workers(pd), 5, 0.005, "every worker to drop the request")
     took = time.monotonic() - left_at
-    # DESIGN §7 asks for 100 ms; the bound here leaves room for a loaded CI box
+    # docs/design.md §7 asks for 100 ms; the bound here leaves room for a loaded CI box
     # (bench/failover.py measures the real latency).
     assert took < 1.0, f"legs still running {took:.3f}s after the client left"
     text = httpx.get(pd.endpoint + "/metrics").text

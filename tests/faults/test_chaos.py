@@ -6,7 +6,7 @@ first event, or a request abandoned after a few milliseconds). Meanwhile
 prefill-1 is killed with SIGKILL and restarted, and decode-1 is hung with
 SIGSTOP, resumed, then killed and restarted.
 
-DESIGN §14 must hold for the whole run: every answer that says 200 equals
+docs/design.md §14 must hold for the whole run: every answer that says 200 equals
 the colocated output, every other answer is a readable error, nothing
 outlives the router's deadline, every refusal is counted by the router, and
 once the dust settles every worker holds all its pages and no room.

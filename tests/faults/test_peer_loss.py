@@ -2,7 +2,7 @@
 
 The victims are prefill-1 (killed with SIGKILL, or hung with SIGSTOP) and
 decode-1 (killed); prefill-0 and decode-0 serve the survivors at the same
-time. Each test asserts DESIGN §14: the decode rooms tied to a lost prefill
+time. Each test asserts docs/design.md §14: the decode rooms tied to a lost prefill
 fail within `interval × threshold + 1 s` (heartbeat) or at once (the
 operator's admin fast path), every client gets a readable error instead of
 hanging, survivors' outputs equal colocated output, the failures are

@@ -1,4 +1,4 @@
-"""No write lands on a page reported released (DESIGN §14: a page is never
+"""No write lands on a page reported released (docs/design.md §14: a page is never
 reused while a peer may still write it).
 
 A frame already past the receiver's resolve is still being scattered when

@@ -1,7 +1,7 @@
 """Stateful property test: heartbeat false alarms against live one-sided writers.
 
 The room-table machine of `tests/pd/test_rooms_stateful.py` (both tables
-wired together, random interleavings, DESIGN §14 invariants after every
+wired together, random interleavings, docs/design.md §14 invariants after every
 step) gains one rule: a decode rank's heartbeat declares a prefill instance
 unreachable while it is in fact alive — hung for a while, or just slow — so
 its ranks keep their writes in flight and resume them. With shm those

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pdcluster.runtime.pd.bootstrap_client import (
+from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapAuthError,
     BootstrapClient,
     BootstrapNotReady,
@@ -20,8 +21,7 @@ from pdcluster.runtime.pd.bootstrap_client import (
     RetryPolicy,
     base_url,
 )
-from pdcluster.runtime.pd.bootstrap_server import BootstrapServer, create_bootstrap_app
-from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd_worker.bootstrap_server import BootstrapServer, create_bootstrap_app
 
 from .test_bootstrap_registry import SHAPE, reg
 

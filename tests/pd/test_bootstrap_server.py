@@ -6,8 +6,8 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from pdcluster.runtime.pd.bootstrap_server import MAX_BODY_BYTES, create_bootstrap_app
 from pdcluster.runtime.pd.coords import InstanceShape
+from pdcluster.runtime.pd_worker.bootstrap_server import MAX_BODY_BYTES, create_bootstrap_app
 from pdcluster.runtime.spec import Topology
 
 from .test_bootstrap_registry import reg

@@ -83,5 +83,5 @@ def test_a_hung_peer_is_declared_dead_within_the_design_bound(
                 pending.append((now + hb.probe_timeout_s, False))
         now += wake_step
     assert dead_at is not None
-    # DESIGN §8: interval × threshold + 1 s (plus the loop's own wake-up granularity).
+    # docs/design.md §8: interval × threshold + 1 s (plus the loop's own wake-up granularity).
     assert dead_at - hang_at <= interval * threshold + 1.0 + 2 * wake_step

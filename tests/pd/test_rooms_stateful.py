@@ -7,7 +7,7 @@ deaths and clock jumps. The harness plays the integrator: a decode *leader*
 owns the page pool of its group and frees pages only when every decode rank
 released or handed off the room.
 
-Invariants (DESIGN §14), checked after every step and at the end:
+Invariants (docs/design.md §14), checked after every step and at the end:
 - pages: every page is free or owned by exactly one room; after everything
   settles every page is free again, on every path;
 - a page is never released while a live prefill rank may still write it

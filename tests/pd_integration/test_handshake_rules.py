@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdcluster.runtime.engine.testing import write_tokenizer_dir
 from pdcluster.runtime.local.launcher import LocalCluster
+from tests.engine.testing import write_tokenizer_dir
 from tests.faults.harness import (
     FaultCluster,
     LegResult,

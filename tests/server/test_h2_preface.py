@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from pdcluster.runtime.server.h2_preface import (
+from pdcluster.runtime.http.h2_preface import (
     FRAME_GOAWAY,
     FRAME_SETTINGS,
     H2_PREFACE,

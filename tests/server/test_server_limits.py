@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from pdcluster.runtime.server.limits import DEFAULT_LIMITS, ReadDeadlineProtocol, server_config
+from pdcluster.runtime.http.limits import DEFAULT_LIMITS, ReadDeadlineProtocol, server_config
 
 READ_TIMEOUT_S = 1.0
 DRIBBLERS = 20
@@ -91,8 +91,8 @@ def test_dribbling_clients_are_closed_and_others_served(server: str) -> None:
 
 
 def test_every_server_uses_the_limits() -> None:
-    from pdcluster.runtime.pd.bootstrap_server import BootstrapServer, create_bootstrap_app
     from pdcluster.runtime.pd.coords import InstanceShape
+    from pdcluster.runtime.pd_worker.bootstrap_server import BootstrapServer, create_bootstrap_app
     from pdcluster.runtime.router.config import RouterConfig
     from pdcluster.runtime.router.server import _uvicorn_config
 

@@ -13,7 +13,6 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import Link, Rooms, make_shape, random_pool, random_table
 
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
@@ -22,6 +21,7 @@ from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
+from tests.transfer.transfer_helpers import Link, Rooms, make_shape, random_pool, random_table
 
 PAGE = 4
 TOKENS = (0, 22)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.cells import cell_tokens, is_valid_cell
 from pdcluster.runtime.transfer.staging import frame_view, gather_into, scatter_bytes
+from tests.transfer.transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
 
 @st.composite

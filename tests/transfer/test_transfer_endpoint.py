@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
-from transfer_helpers import Inbox, wait_until
 
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig, check_address
 from pdcluster.runtime.transfer.identity import identity_key, prove
+from tests.transfer.transfer_helpers import Inbox, wait_until
 
 RAW_ID = b"\x01raw-dealer"
 RAW_SENDER = b"tcp://127.0.0.1:1"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transfer_helpers import Link, Rooms, bits, make_shape, random_table, slots
 
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool
 from pdcluster.runtime.spec import KVLayout
@@ -12,6 +11,7 @@ from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
+from tests.transfer.transfer_helpers import Link, Rooms, bits, make_shape, random_table, slots
 
 pytestmark = [
     pytest.mark.gpu,

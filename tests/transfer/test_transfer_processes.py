@@ -6,7 +6,13 @@ import multiprocessing
 
 import pytest
 import torch
-from transfer_helpers import (
+
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.shm import ShmTransport
+from pdcluster.runtime.transfer.tcp import TcpTransport
+from tests.transfer.transfer_helpers import (
     Link,
     bits,
     decode_rank_main,
@@ -15,12 +21,6 @@ from transfer_helpers import (
     random_table,
     slots,
 )
-
-from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
-from pdcluster.runtime.transfer.shm import ShmTransport
-from pdcluster.runtime.transfer.tcp import TcpTransport
 
 FRAMES = SenderConfig(max_frame_bytes=4096, min_frame_bytes=1024)
 

@@ -8,12 +8,12 @@ import threading
 import time
 
 import pytest
-from transfer_helpers import Link, make_shape, random_pool, random_table, slots
 
 from pdcluster.runtime.transfer.endpoint import Endpoint
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.tcp import TcpTransport
+from tests.transfer.transfer_helpers import Link, make_shape, random_pool, random_table, slots
 
 # Frames of 256 KiB: above libzmq's copy threshold, so they are sent zero-copy
 # and their staging buffers stay busy until libzmq lets go of them.

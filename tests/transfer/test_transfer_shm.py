@@ -11,7 +11,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transfer_helpers import (
+
+from pdcluster.runtime.engine.kv_pool import KVPool
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.shm import ShmTransport, copy_runs
+from tests.transfer.transfer_helpers import (
     Link,
     bits,
     expected_pool,
@@ -21,12 +27,6 @@ from transfer_helpers import (
     slots,
     wait_until,
 )
-
-from pdcluster.runtime.engine.kv_pool import KVPool
-from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
-from pdcluster.runtime.transfer.shm import ShmTransport, copy_runs
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
 _ids = itertools.count()

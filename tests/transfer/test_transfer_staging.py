@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-from transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.staging import (
@@ -17,6 +16,7 @@ from pdcluster.runtime.transfer.staging import (
     gather_into,
     scatter_bytes,
 )
+from tests.transfer.transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))

@@ -8,7 +8,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transfer_helpers import (
+
+from pdcluster.runtime.engine.kv_pool import KVPool
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
+from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
+from tests.transfer.transfer_helpers import (
     Link,
     Rooms,
     bits,
@@ -18,14 +26,6 @@ from transfer_helpers import (
     random_table,
     slots,
 )
-
-from pdcluster.runtime.engine.kv_pool import KVPool
-from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.endpoint import Endpoint
-from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
-from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
-from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
 _ids = itertools.count()

@@ -39,6 +39,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pdcluster.runtime.http.limits import BodyTooLarge, read_limited, server_config
 from pdcluster.runtime.pd.bootstrap_registry import (
     BootstrapRegistry,
     NotReady,
@@ -48,7 +49,6 @@ from pdcluster.runtime.pd.bootstrap_registry import (
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.messages import MAX_ROOM
 from pdcluster.runtime.pd.topology import shape_of
-from pdcluster.runtime.server.limits import BodyTooLarge, read_limited, server_config
 
 MAX_BODY_BYTES = 64 * 1024
 _T = TypeVar("_T")

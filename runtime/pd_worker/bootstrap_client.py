@@ -1,7 +1,7 @@
 """Async client of a prefill instance's bootstrap server (httpx).
 
 Everything is `async`: a decode scheduler awaits these from its event loop
-and is never blocked by a slow or absent server (DESIGN §4: a synchronous
+and is never blocked by a slow or absent server (docs/design.md §4: a synchronous
 fetch once stalled decode for over a minute).
 
 - `register(reg)` — a prefill rank announces itself; retried with

@@ -21,7 +21,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pdcluster.runtime.server.h2_preface import Http1OnlyProtocol
+from pdcluster.runtime.http.h2_preface import Http1OnlyProtocol
 
 
 class BodyTooLarge(Exception):

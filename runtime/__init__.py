@@ -1,1 +1,0 @@
-"""PDCluster runtime: everything that runs inside a pod."""

@@ -42,6 +42,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.pd.coords import InstanceShape
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
@@ -144,6 +145,8 @@ class _PDBackend:
             async for event in self._forward(target, req):
                 yield event
             return
+        room = req.bootstrap.bootstrap_room
+        stage_trace.mark(room, f"{self.role}.http")
         out = self.service.track(req.rid, len(req.prompt_ids), req.stop_strings)
         try:
             await self.service.call(lambda: self.open(req))
@@ -157,7 +160,12 @@ class _PDBackend:
         except BaseException:
             self.service._tracked.pop(req.rid, None)
             raise
+        stage_trace.mark(room, f"{self.role}.opened")
+        marked = False
         async for event in self.service.events(req.rid, out):
+            if not marked and (event.token_ids or event.finished):
+                marked = True
+                stage_trace.mark(room, f"{self.role}.first_event")
             yield event
 
     def open(self, req: PreparedRequest) -> None:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
     Endpoint,
@@ -233,6 +234,7 @@ class RouterState:
             )
 
     async def relay(self, request: Request, endpoint: Endpoint) -> Response:
+        received_ns = time.monotonic_ns()
         self.check_auth(request)
         try:
             raw = await _read_body(request, self.config.max_body_bytes)
@@ -252,6 +254,8 @@ class RouterState:
             )
         assert self.ctx is not None, "router app used outside its lifespan"
         relay = Relay(self.ctx, await self._plan(client_request))
+        stage_trace.mark(relay.plan.room, "router.recv", received_ns)
+        stage_trace.mark(relay.plan.room, "router.planned")
         relay.start()
         handed_off = False
 

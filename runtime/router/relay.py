@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.router.bodies import error_message_of, payload_error
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.errors import RouterError, error_body
@@ -256,6 +257,7 @@ class Relay:
             ) from err
         finally:
             self.ctx.pool.release(worker)
+        stage_trace.mark(self.plan.room, "router.prefill_done")
         self._prefill_ok = True
 
     def _prefill_finished(self, task: asyncio.Task[None]) -> None:
@@ -346,6 +348,7 @@ class Relay:
             "POST", self.plan.main.url + self.plan.path, json=self.plan.body
         )
         self._main_resp = await client.send(request, stream=True)
+        stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp
 
     async def open(self) -> None:

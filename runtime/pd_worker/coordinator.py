@@ -456,6 +456,10 @@ class DecodeCoordinator(_Coordinator):
             self.fail(room_id, f"rejected: {err}")
             return
         stage_trace.mark(room_id, "decode.engine_add")
+        # Prefill sampled the first token already: the client gets it now,
+        # not after the first decode step.
+        for output in self.engine.report_first_token(room.rid):
+            self.service.deliver(output)
         self._forget_if_released(room_id, room)
 
     def _maybe_free(self, room_id: int, room: _Room) -> None:

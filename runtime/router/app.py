@@ -241,7 +241,7 @@ class RouterState:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         client_request = check_request(
-            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated
+            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated, raw=raw
         )
         model = client_request.model
         if model is not None and model not in self.config.model_names:

@@ -46,6 +46,8 @@ from pdcluster.runtime.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Leg bodies go out as bytes (`LegPlan.content`).
+JSON = {"content-type": "application/json"}
 
 
 class LegError(Exception):
@@ -219,7 +221,7 @@ class Relay:
         try:
             async with asyncio.timeout_at(self.deadline):
                 async with self.ctx.client.stream(
-                    "POST", worker.url + self.plan.path, json=self.plan.body
+                    "POST", worker.url + self.plan.path, content=self.plan.content, headers=JSON
                 ) as resp:
                     if resp.status_code >= 400:
                         raw = await resp.aread()
@@ -345,7 +347,7 @@ class Relay:
     async def _send_main(self) -> httpx.Response:
         client = self.ctx.client
         request = client.build_request(
-            "POST", self.plan.main.url + self.plan.path, json=self.plan.body
+            "POST", self.plan.main.url + self.plan.path, content=self.plan.content, headers=JSON
         )
         self._main_resp = await client.send(request, stream=True)
         stage_trace.mark(self.plan.room, "router.main_headers")

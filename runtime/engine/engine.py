@@ -181,6 +181,23 @@ class LLMEngine:
         self.scheduler.add(seq)  # raises RequestRejected with nothing changed
         self._requests[req.rid] = _Request(params=params, seed=seed, detok=detok)
 
+    def report_first_token(self, rid: str) -> list[StepOutput]:
+        """The output for a just-added `prefilled` request's first token, reported now.
+
+        That token was sampled by prefill, so it needs no forward step: without
+        this, it would wait for the request's first decode step and leave with
+        the second token. Reported the way a step reports it (stop strings
+        included), exactly once. Empty for any other request, and for one that
+        already finished on add (its end is reported by the next step).
+        """
+        seq = self.scheduler.get(rid)
+        req = self._requests.get(rid)
+        if seq is None or req is None or seq.mode != "prefilled" or seq.is_finished:
+            return []
+        if req.num_reported:
+            return []
+        return self._outputs([seq])
+
     def abort(self, rid: str) -> bool:
         """End the request with exactly this rid and free its pages.
 

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
@@ -321,6 +322,7 @@ class RankAgent:
             # any peer fail another's rooms.
             self.ctx.stats["reject:sender_mismatch"] += 1
             return
+        stage_trace.mark_message(self.ctx.role, "rx", msg)
         self.post(lambda: self.on_message(msg, time.monotonic()))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
@@ -350,6 +352,7 @@ class RankAgent:
 
     # ------------------------------------------------------------ outbound
     def send(self, endpoint: str, message: Any) -> None:
+        stage_trace.mark_message(self.ctx.role, "tx", message)
         self.endpoint.send_control(endpoint, pdmsg.encode(message))
 
     def report(
@@ -369,6 +372,7 @@ class RankAgent:
 
     def broadcast(self, msg: GroupMessage) -> None:
         """Leader: a group command to every follower and to this rank itself."""
+        stage_trace.mark_message(self.ctx.role, "bcast", msg)
         data = encode_group(msg)
         for addr in self.follower_addresses:
             self.send_group(addr, data)

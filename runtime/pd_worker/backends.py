@@ -42,6 +42,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.coords import InstanceShape
@@ -145,6 +146,8 @@ class _PDBackend:
             async for event in self._forward(target, req):
                 yield event
             return
+        room = req.bootstrap.bootstrap_room
+        stage_trace.mark(room, f"{self.role}.http")
         out = self.service.track(req.rid, len(req.prompt_ids), req.stop_strings)
         try:
             await self.service.call(lambda: self.open(req))
@@ -158,7 +161,12 @@ class _PDBackend:
         except BaseException:
             self.service.untrack(req.rid)
             raise
+        stage_trace.mark(room, f"{self.role}.opened")
+        marked = False
         async for event in self.service.events(req.rid, out):
+            if not marked and (event.token_ids or event.finished):
+                marked = True
+                stage_trace.mark(room, f"{self.role}.first_event")
             yield event
 
     def open(self, req: PreparedRequest) -> None:

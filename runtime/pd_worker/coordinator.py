@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected, StepOutput
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.sequence import SequenceMode
@@ -154,6 +155,7 @@ class _Coordinator:
         service.fail_hooks.append(self.on_engine_failure)
 
     def _queue_report(self, rep: GroupReport) -> None:
+        stage_trace.mark(rep.room, f"{self.role}.report.{rep.kind}")
         with self._lock:
             if rep.kind == "failed":
                 # Every rank's failure counts here, even for a room this leader
@@ -353,6 +355,7 @@ class PrefillCoordinator(_Coordinator):
                 self.fail(room_id, f"rejected: {err}")
                 return
             room.engine_added = True
+            stage_trace.mark(room_id, "prefill.engine_add")
         elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
             room.leg_done = True
             self.metrics.transfer_bytes.labels(direction="out").inc(self.kv_bytes(len(room.prompt)))
@@ -387,6 +390,7 @@ class PrefillCoordinator(_Coordinator):
         if output.finished and output.finish_reason == "prefill_done" and output.new_token_ids:
             first = int(output.new_token_ids[-1])
             room.first_token = first
+            stage_trace.mark(room_id, "prefill.first_token")
             self.agent.post(lambda: self.agent.leader_first_token(room_id, first))
         elif output.finished and output.finish_reason != "prefill_done":
             self.fail(room_id, f"engine_{output.finish_reason}")
@@ -504,6 +508,11 @@ class DecodeCoordinator(_Coordinator):
             room.handed_off = False
             self.fail(room_id, f"rejected: {err}")
             return
+        stage_trace.mark(room_id, "decode.engine_add")
+        # Prefill sampled the first token already: the client gets it now,
+        # not after the first decode step.
+        for output in self.engine.report_first_token(room.rid):
+            self.service.deliver(output)
         self._forget_if_released(room_id, room)
 
     def _maybe_free(self, room_id: int, room: _Room) -> None:

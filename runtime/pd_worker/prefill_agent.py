@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.engine.kv_pool import KVPoolShape
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
@@ -91,7 +92,7 @@ class PrefillAgent(RankAgent):
             pool,
             self.transport,
             SenderConfig(src_rank=ctx.group_rank, checksum=bool(ctx.transfer.checksum)),
-            on_complete=lambda job: self.post(lambda: self._job_done(job.room, ok=True)),
+            on_complete=self._on_job_sent,
             on_failure=lambda room, gen, reason: self.post(lambda: self._job_failed(room, reason)),
         )
         self.sender.start()
@@ -243,6 +244,11 @@ class PrefillAgent(RankAgent):
                 if room in self.table:
                     self.perform(self.table.writes_done(room, n, False, now))
             self._forget_if_done(room)
+
+    def _on_job_sent(self, job: TransferJob) -> None:
+        # Sender thread.
+        stage_trace.mark(job.room, "prefill.kv_sent")
+        self.post(lambda: self._job_done(job.room, ok=True))
 
     def _job_done(self, room: int, ok: bool) -> None:
         r = self.rooms.get(room)
@@ -426,6 +432,7 @@ class PrefillAgent(RankAgent):
                 if self.checksum:
                     self._add_checksum(r, dest.decode_rank, job, t0, t1)
         if n:
+            stage_trace.mark(room, "prefill.kv_submit")
             r.jobs += n
             self.perform(self.table.writes_enqueued(room, n, time.monotonic()))
 

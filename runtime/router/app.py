@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.router.bodies import (
@@ -234,13 +235,14 @@ class RouterState:
             )
 
     async def relay(self, request: Request, endpoint: Endpoint) -> Response:
+        received_ns = time.monotonic_ns()
         self.check_auth(request)
         try:
             raw = await _read_body(request, self.config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         client_request = check_request(
-            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated
+            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated, raw=raw
         )
         model = client_request.model
         if model is not None and model not in self.config.model_names:
@@ -253,6 +255,8 @@ class RouterState:
             )
         assert self.ctx is not None, "router app used outside its lifespan"
         relay = Relay(self.ctx, await self._plan(client_request))
+        stage_trace.mark(relay.plan.room, "router.recv", received_ns)
+        stage_trace.mark(relay.plan.room, "router.planned")
         relay.start()
         handed_off = False
 

@@ -112,6 +112,8 @@ class ClientRequest:
     body: dict[str, Any]
     stream: bool
     model: str | None
+    # The bytes `body` was decoded from (spliced into the legs, `leg_bytes.py`).
+    raw: bytes = b""
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -164,7 +166,7 @@ def _validation_error(err: ValidationError) -> RouterError:
 
 
 def check_request(
-    endpoint: Endpoint, data: dict[str, Any], *, disaggregated: bool
+    endpoint: Endpoint, data: dict[str, Any], *, disaggregated: bool, raw: bytes = b""
 ) -> ClientRequest:
     """Validate a decoded body for ``endpoint``; raise RouterError(400) naming the field."""
     for name in ROUTER_OWNED_FIELDS:
@@ -222,7 +224,7 @@ def check_request(
                 param="n",
                 reason="n_unsupported",
             )
-    return ClientRequest(endpoint=endpoint, body=data, stream=parsed.stream, model=model)
+    return ClientRequest(endpoint=endpoint, body=data, stream=parsed.stream, model=model, raw=raw)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdcluster.runtime.router.bodies import Bootstrap, ClientRequest, build_leg_body
 from pdcluster.runtime.router.errors import NoHealthyWorkerError, RouterError
+from pdcluster.runtime.router.leg_bytes import encode_leg_body, leg_body_bytes
 from pdcluster.runtime.router.policies import Policy
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
 from pdcluster.runtime.router.workers import Worker, WorkerPool
@@ -31,6 +32,14 @@ class LegPlan:
     main: Worker
     prefill: Worker | None = None
     room: int | None = None
+    # `body` as the client's own bytes with the router's fields spliced in,
+    # when that is exact (`leg_bytes.py`); None: encode `body`.
+    body_bytes: bytes | None = None
+
+    @property
+    def content(self) -> bytes:
+        """What both legs are sent (raises ValueError for a NaN, as encoding always did)."""
+        return self.body_bytes if self.body_bytes is not None else encode_leg_body(self.body)
 
 
 def pairable(prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker], list[Worker]]:
@@ -68,7 +77,14 @@ class LegPlanner:
             )
             rid = self.rids.mint()
             body = build_leg_body(request.body, rid, None)
-            return LegPlan(path=path, body=body, rid=rid, stream=request.stream, main=worker)
+            return LegPlan(
+                path=path,
+                body=body,
+                rid=rid,
+                stream=request.stream,
+                main=worker,
+                body_bytes=leg_body_bytes(request.raw, request.body, body),
+            )
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
         for role in (Role.prefill, Role.decode):
@@ -104,4 +120,5 @@ class LegPlanner:
             main=decode,
             prefill=prefill,
             room=room,
+            body_bytes=leg_body_bytes(request.raw, request.body, body),
         )

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.router.bodies import error_message_of, payload_error
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.errors import RouterError, error_body
@@ -46,6 +47,8 @@ from pdcluster.runtime.router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Leg bodies go out as bytes (`LegPlan.content`).
+JSON = {"content-type": "application/json"}
 
 
 class LegError(Exception):
@@ -234,7 +237,7 @@ class Relay:
         try:
             async with asyncio.timeout_at(self.deadline):
                 async with self.ctx.client.stream(
-                    "POST", worker.url + self.plan.path, json=self.plan.body
+                    "POST", worker.url + self.plan.path, content=self.plan.content, headers=JSON
                 ) as resp:
                     if resp.status_code >= 400:
                         raw = await resp.aread()
@@ -272,6 +275,7 @@ class Relay:
             ) from err
         finally:
             self.ctx.pool.release(worker)
+        stage_trace.mark(self.plan.room, "router.prefill_done")
 
     def _prefill_finished(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -382,9 +386,10 @@ class Relay:
     async def _send_main(self) -> httpx.Response:
         client = self.ctx.client
         request = client.build_request(
-            "POST", self.plan.main.url + self.plan.path, json=self.plan.body
+            "POST", self.plan.main.url + self.plan.path, content=self.plan.content, headers=JSON
         )
         self._main_resp = await client.send(request, stream=True)
+        stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp
 
     async def open(self) -> None:

@@ -17,6 +17,7 @@ from typing import TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from pdcluster.runtime import stage_trace
 from pdcluster.runtime.router.relay import Relay
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,12 @@ class RelayStreamResponse(Response):
         self.client_disconnected = False
 
     async def _pump(self, send: Send) -> None:
+        room = self.relay.plan.room
         async for chunk in self.relay.events():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if room is not None:
+                stage_trace.mark(room, "router.first_event_sent")
+                room = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

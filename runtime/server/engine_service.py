@@ -348,6 +348,10 @@ class EngineService:
                     log.exception("engine loop: abort of rid %s failed", rid)
                 self.fail(rid, reason, status=500)
 
+    def deliver(self, output: Any) -> None:
+        """Engine thread: hand one engine output (outside a step) to its request."""
+        self._guarded(functools.partial(self._on_output, output), "output", output.rid)
+
     def _drain_commands(self) -> None:
         while True:
             try:

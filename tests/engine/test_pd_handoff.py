@@ -121,3 +121,43 @@ def test_without_the_transferred_kv_decode_output_differs() -> None:
     tokens = generate(decode, [])["r"][0]
     assert tokens[0] == normal[0]
     assert tokens != normal
+
+
+def _prefilled(decode: LLMEngine, params: SamplingParams, first_token: int) -> None:
+    pages = decode.allocator.allocate(1)
+    prompt = TOK.encode("short")
+    decode.add_request(
+        EngineRequest(
+            "r", prompt, params, mode="prefilled", page_table=pages, first_token=first_token
+        )
+    )
+
+
+def test_the_first_token_of_a_prefilled_request_is_reported_before_any_step() -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    early = LLMEngine(DECODE)
+    _prefilled(early, params, 65)
+    first = early.report_first_token("r")
+    assert [(o.new_token_ids, o.finished) for o in first] == [([65], False)]
+    assert early.report_first_token("r") == []  # exactly once
+    rest, reason = generate(early, [])["r"]
+    # The same tokens as when the first one leaves with the first step.
+    late = LLMEngine(DECODE)
+    _prefilled(late, params, 65)
+    assert [65, *rest] == generate(late, [])["r"][0]
+    assert reason == "length" and len(rest) == 3
+    assert early.num_free_pages == early.num_total_pages
+
+
+def test_a_prefilled_request_finished_on_add_reports_its_end_with_the_next_step() -> None:
+    decode = LLMEngine(DECODE)
+    _prefilled(decode, SamplingParams(max_tokens=1), 65)
+    assert decode.report_first_token("r") == []
+    assert generate(decode, [])["r"] == ([65], "length")
+
+
+def test_only_prefilled_requests_report_a_first_token_early() -> None:
+    engine = LLMEngine(PREFILL)
+    engine.add_request(EngineRequest("n", TOK.encode("hi"), SamplingParams(max_tokens=2)))
+    assert engine.report_first_token("n") == []
+    assert engine.report_first_token("unknown") == []

@@ -65,6 +65,7 @@ class Received:
     path: str
     body: dict[str, Any]
     at: float
+    raw: bytes = b""  # the bytes as they arrived
 
 
 class Rendezvous:
@@ -262,8 +263,9 @@ class StandinWorker:
         return {"error": {"message": message, "type": "server_error", "code": status}}
 
     async def _serve(self, path: str, request: Request) -> Response:
-        body = await request.json()
-        self.received.append(Received(path, body, time.monotonic()))
+        raw = await request.body()
+        body = json.loads(raw)
+        self.received.append(Received(path, body, time.monotonic(), raw))
         # Registered before any wait, so an early abort is never lost.
         self._running.setdefault(body["rid"], asyncio.Event())
         b = self.behaviour

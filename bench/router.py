@@ -1,0 +1,263 @@
+"""Our router against SGLang's (`sglang-router`), in front of the same workers, in one run.
+
+Starts the 1P1D example (`examples/pd-1p1d.yaml`, `tcp`; its own router
+included), then SGLang's router in PD mode in front of the same prefill and
+decode worker (as `docs/sglang-router.md` describes), and takes turns
+between the two (the order flips every trial or round, so machine noise
+hits both alike):
+
+- TTFT: streaming `/generate` of `--lengths` prompt tokens, one request at a
+  time, p50/p90 per router; `direct` is the same request sent by this
+  script straight to both workers (both legs at once, as a PD router does),
+  the floor a router adds its cost to;
+- throughput: `--concurrency` streaming clients, each sending 16-token
+  prompts for 16 new tokens back to back for `--seconds`; requests/s and
+  generated tokens/s, median over `--rounds`.
+
+    .venv/bin/python bench/router.py [--quick]
+
+`--quick` (fewer trials, 2 s rounds) finishes in under 3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pd_overhead import start  # noqa: E402
+
+from pdcluster.runtime.local.launcher import LocalCluster, free_ports  # noqa: E402
+
+NEW_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+
+
+def start_sglang_router(cluster: LocalCluster, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port, prometheus = free_ports(2)
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for w in cluster.plan.workers:
+        if w.role == "prefill":
+            argv += ["--prefill", w.url, str(w.bootstrap_port)]
+        elif w.role == "decode":
+            argv += ["--decode", w.url]
+    argv += [
+        "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus),
+        "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+        "--disable-retries", "--disable-circuit-breaker",
+        # The workers' data plane wants the cluster token: sent on both legs.
+        "--api-key", cluster.token,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log = open(tmp / "sglang-router.log", "wb")  # noqa: SIM115 - the child keeps it
+    # cwd outside the repository: its operator/ folder would shadow the stdlib's.
+    proc = subprocess.Popen(
+        argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp / "sglang-router.log").read_text()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("sglang router did not become ready")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def body_of(prompt: list[int], new_tokens: int) -> dict[str, object]:
+    return {
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
+    }
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, object]
+) -> tuple[float, int]:
+    """(seconds to the first token, tokens generated) of one streaming /generate."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    num_tokens = 0
+    async with client.stream("POST", url + "/generate", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            ids = event.get("output_ids") or []
+            if ids and first is None:
+                first = time.perf_counter() - t0
+            num_tokens = max(num_tokens, len(ids))  # cumulative: the last event has all
+    if first is None:
+        raise RuntimeError(f"{url}: stream ended without a token")
+    return first, num_tokens
+
+
+async def direct_ttft(client: httpx.AsyncClient, cluster: LocalCluster, prompt: list[int]) -> float:
+    """Both legs sent by this script, no router in between."""
+    prefill = next(w for w in cluster.plan.workers if w.role == "prefill")
+    decode = next(w for w in cluster.plan.workers if w.role == "decode")
+    body = body_of(prompt, NEW_TOKENS)
+    body.update(
+        rid=secrets.token_hex(8),
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=prefill.bootstrap_port,
+        bootstrap_room=secrets.randbits(62),
+    )
+    leg = asyncio.ensure_future(stream_request(client, prefill.url, body))
+    try:
+        first, _ = await stream_request(client, decode.url, body)
+    finally:
+        await asyncio.gather(leg, return_exceptions=True)
+    return first
+
+
+async def ttft_table(
+    client: httpx.AsyncClient,
+    cluster: LocalCluster,
+    targets: list[Target],
+    lengths: list[int],
+    trials: int,
+) -> dict[tuple[int, str], list[float]]:
+    rng = random.Random(0)
+    times: dict[tuple[int, str], list[float]] = {}
+    for n in lengths:
+        for trial in range(trials + 1):  # trial 0 warms up
+            prompt = [rng.randrange(1, 256) for _ in range(n)]
+            order = targets if trial % 2 else targets[::-1]
+            for target in order:
+                if target.name == "direct":
+                    t = await direct_ttft(client, cluster, prompt)
+                else:
+                    t, _ = await stream_request(client, target.url, body_of(prompt, NEW_TOKENS))
+                if trial:
+                    times.setdefault((n, target.name), []).append(t)
+    return times
+
+
+async def throughput(
+    client: httpx.AsyncClient, url: str, concurrency: int, seconds: float
+) -> tuple[float, float]:
+    """(requests/s, generated tokens/s) of `concurrency` clients for `seconds`."""
+    rng = random.Random(concurrency)
+    deadline = time.perf_counter() + seconds
+    done = [0, 0]
+
+    async def one_client() -> None:
+        while time.perf_counter() < deadline:
+            prompt = [rng.randrange(1, 256) for _ in range(16)]
+            _, num_tokens = await stream_request(client, url, body_of(prompt, NEW_TOKENS))
+            done[0] += 1
+            done[1] += num_tokens
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    return done[0] / elapsed, done[1] / elapsed
+
+
+def p(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+async def run(args: argparse.Namespace, cluster: LocalCluster, sglang_url: str) -> None:
+    ours = Target("ours", cluster.plan.endpoint)
+    theirs = Target("sglang", sglang_url)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    headers = {"Authorization": f"Bearer {cluster.token}"}
+    async with httpx.AsyncClient(
+        timeout=300, limits=limits, headers=headers, trust_env=False
+    ) as client:
+        times = await ttft_table(
+            client, cluster, [ours, theirs, Target("direct", "")], args.lengths, args.trials
+        )
+        print(f"TTFT, {args.trials} trials per cell (ms)")
+        print(f"{'prompt':>7} {'router':>7} {'p50':>8} {'p90':>8} {'added p50':>10}")
+        for n in args.lengths:
+            floor = statistics.median(times[(n, "direct")])
+            for name in ("direct", "ours", "sglang"):
+                ts = times[(n, name)]
+                added = statistics.median(ts) - floor
+                print(
+                    f"{n:>7} {name:>7} {statistics.median(ts) * 1e3:>8.1f} "
+                    f"{p(ts, 90) * 1e3:>8.1f} {added * 1e3:>10.1f}"
+                )
+        print(f"\nthroughput, {args.seconds:g} s per round, median of {args.rounds} rounds")
+        print(f"{'clients':>7} {'router':>7} {'req/s':>8} {'tok/s':>8}")
+        for c in args.concurrency:
+            results: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang": []}
+            await throughput(client, ours.url, c, 0.5)  # warm the connections
+            await throughput(client, theirs.url, c, 0.5)
+            for r in range(args.rounds):
+                for target in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+                    results[target.name].append(
+                        await throughput(client, target.url, c, args.seconds)
+                    )
+            for name, rows in results.items():
+                rps = statistics.median(x[0] for x in rows)
+                tps = statistics.median(x[1] for x in rows)
+                print(f"{c:>7} {name:>7} {rps:>8.1f} {tps:>8.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a run of under 3 minutes")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2000])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if args.quick:
+        args.trials, args.seconds, args.rounds = 6, 2.0, 1
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = start("pd-1p1d.yaml", Path(tmp))
+        proc = None
+        try:
+            proc, url = start_sglang_router(cluster, Path(tmp))
+            asyncio.run(run(args, cluster, url))
+        finally:
+            if proc is not None:
+                stop(proc)
+            cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

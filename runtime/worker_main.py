@@ -28,7 +28,7 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
-from pdcluster.runtime.spec import PDCluster, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.spec import PDCluster, RoleSpec, TransferBackend, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -320,6 +320,10 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         )
     if settings.role == "prefill" and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
+    if manifest.spec.transfer.backend is TransferBackend.nixl:
+        from pdcluster.runtime.transfer.nixl_support import apply_ucx_env
+
+        apply_ucx_env(manifest.spec.transfer.ucx)  # inherited by every rank process
     owned_shm = None
     spec = manifest.spec
     if (

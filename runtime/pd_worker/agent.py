@@ -378,3 +378,10 @@ class RankAgent:
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+
+def make_nixl_agent(address: str, pool: Any) -> Any:
+    """This rank's NIXL agent with `pool` registered (the `nixl` backend only)."""
+    from pdcluster.runtime.transfer.nixl import NixlAgent
+
+    return NixlAgent(address, pool)

@@ -182,6 +182,11 @@ class NixlTransport:
             )
         with self._lock:
             self._peers[peer] = _Peer(region, remote, geometry_of(shape))
+        if old is not None and old.remote != remote:
+            try:  # the peer's previous process: nothing more goes to it
+                self.agent.agent.remove_remote_agent(old.remote)
+            except Exception as err:
+                log.warning("nixl: removing the old agent of %s failed: %s", peer, err)
 
     def has_peer(self, peer: str, region: NixlRegion) -> bool:
         with self._lock:

@@ -171,8 +171,10 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path, backend: str) -> N
         {"backend": "shm"},
         {"allocationPolicy": "prefill_complete"},
         {"backend": "shm", "allocationPolicy": "prefill_complete"},
+        {"backend": "nixl"},
+        {"backend": "nixl", "allocationPolicy": "prefill_complete"},
     ],
-    ids=["shm", "prefill_complete", "shm-prefill_complete"],
+    ids=["shm", "prefill_complete", "shm-prefill_complete", "nixl", "nixl-prefill_complete"],
 )
 def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path: Path) -> None:
     """The shared-memory transport (one-sided writes into decode's pool) and the

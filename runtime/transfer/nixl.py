@@ -46,6 +46,7 @@ from pdcluster.runtime.transfer.nixl_plan import (
 )
 from pdcluster.runtime.transfer.sender import FrameDone
 from pdcluster.runtime.transfer.shm import copy_runs
+from pdcluster.runtime.transfer.ucx_report import is_tcp_fallback, parse_ucx_lanes, transports_of
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,32 @@ class NixlAgent:
             base_address=self.base_address,
             nbytes=self.nbytes,
         )
+
+    def report(self, require_rdma: bool = False) -> dict[str, Any]:
+        """What was negotiated: the UCX lanes and transports of this process's peers."""
+        from pdcluster.runtime.transfer.nixl_support import ucx_log_path
+
+        path = ucx_log_path()
+        text = ""
+        if path is not None:
+            try:
+                with open(path, errors="replace") as f:
+                    text = f.read()
+            except OSError:
+                pass
+        lanes = parse_ucx_lanes(text)
+        fallback = is_tcp_fallback(lanes)
+        return {
+            "agent": self.name,
+            "mem_type": self.mem_type,
+            "ucx_tls": os.environ.get("UCX_TLS"),
+            "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+            "ucx_lanes": lanes,
+            "ucx_transports": transports_of(lanes),
+            "tcp_fallback": fallback,
+            # The manifest asked for RDMA / GPU-direct and got TCP: a silent slowdown.
+            "rdma_missing": require_rdma and fallback,
+        }
 
     def close(self) -> None:
         try:

@@ -226,3 +226,21 @@ def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path:
             got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
         assert got == expected
         assert_no_page_leak(cluster)
+        if transfer.get("backend") == "nixl":
+            assert_nixl_negotiated(cluster)
+
+
+def assert_nixl_negotiated(cluster) -> None:
+    """The prefill leaders say they WROTE with NIXL, and which UCX transports carried it."""
+    prefills = [p for p in cluster.state["processes"] if p["role"] == "prefill"]
+    assert prefills
+    for proc in prefills:
+        info = httpx.get(proc["url"] + "/get_server_info", headers=cluster.auth, timeout=10)
+        report = info.json()["kv_transport"]
+        assert report["backend"] == "nixl" and report["agent"]
+        assert report["writes"]["writes"] > 0 and report["writes"]["errors"] == 0
+        # No RDMA on a CPU box: UCX moved the bytes over TCP / shared memory.
+        assert "tcp" in report["ucx_transports"] and report["tcp_fallback"]
+        assert report["rdma_missing"] is False  # the manifest did not ask for RDMA
+        metrics = httpx.get(proc["url"] + "/metrics", timeout=10).text
+        assert 'pdcluster_kv_transport_info{backend="nixl"' in metrics

@@ -32,15 +32,21 @@ def test_nixl_is_a_one_sided_backend() -> None:
 def test_ucx_fields_reach_the_environment() -> None:
     spec = parse_spec(nixl_spec(tls="tcp,cma", netDevices="lo", requireRdma=True))
     env: dict[str, str] = {"UCX_TLS": "old"}
-    apply_ucx_env(spec.transfer.ucx, env)
-    assert env == {"UCX_TLS": "tcp,cma", "UCX_NET_DEVICES": "lo"}
+    apply_ucx_env(spec.transfer.ucx, env, log_dir="/logs")
+    assert env == {
+        "UCX_TLS": "tcp,cma",
+        "UCX_NET_DEVICES": "lo",
+        # UCX names the transports it selected in its info log.
+        "UCX_LOG_LEVEL": "info",
+        "UCX_LOG_FILE": "/logs/ucx-%p.log",
+    }
     assert spec.transfer.ucx.require_rdma
 
 
 def test_unset_ucx_fields_leave_the_environment_alone() -> None:
-    env = {"UCX_TLS": "rc"}
+    env = {"UCX_TLS": "rc", "UCX_LOG_LEVEL": "warn"}
     apply_ucx_env(parse_spec(nixl_spec()).transfer.ucx, env)
-    assert env == {"UCX_TLS": "rc"}
+    assert env == {"UCX_TLS": "rc", "UCX_LOG_LEVEL": "warn"}  # the box's own log level wins
 
 
 @pytest.mark.parametrize("tls", ["tcp;rm -rf", "a b", ""])

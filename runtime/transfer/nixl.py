@@ -22,6 +22,7 @@ quarantined.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -54,6 +55,17 @@ log = logging.getLogger(__name__)
 HANDLE_TIMEOUT_S = 30.0
 # Poll period of the progress thread while handles are in flight.
 POLL_S = 0.0005
+
+
+def flush_ucx_log() -> None:
+    """Flush UCX's log file (it is block-buffered): call the loaded libucs's ucs_log_flush."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((ln.split()[-1] for ln in maps if "/libucs" in ln), None)
+        if path is not None:
+            ctypes.CDLL(path).ucs_log_flush()
+    except (OSError, AttributeError) as err:
+        log.debug("nixl: cannot flush UCX's log: %s", err)
 
 
 def geometry_of(shape: KVPoolShape) -> RegionGeometry:
@@ -111,6 +123,7 @@ class NixlAgent:
         path = ucx_log_path()
         text = ""
         if path is not None:
+            flush_ucx_log()
             try:
                 with open(path, errors="replace") as f:
                     text = f.read()

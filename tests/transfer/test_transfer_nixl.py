@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -190,3 +191,46 @@ def test_jobs_for_an_unregistered_peer_are_refused(link):
     with pytest.raises(ValueError, match="no NIXL agent"):
         sender.submit(nixl_job(random_table(8, 32, 20), random_table(8, 32, 21), link))
     t.close()
+
+
+def test_pages_reused_after_an_abort_never_receive_late_bytes(link):
+    """Poison: cancel a room mid-transfer; once drain says nothing can move, decode reuses
+    the pages (fills them with a poison pattern) and no byte of the room lands there again."""
+    shape = make_shape(num_pages=64)
+    src, dst = random_pool(shape, 22), random_pool(shape, 23)
+    t = transport(link, src, dst)
+    gate, entered = threading.Event(), threading.Event()
+    original_check = t.agent.agent.check_xfer_state
+
+    def held_check(handle):
+        entered.set()
+        gate.wait(10)
+        return original_check(handle)
+
+    t.agent.agent.check_xfer_state = held_check
+    sender = KVSender(src, t, SMALL_FRAMES)
+    sender.start()
+    dst_table = random_table(16, 64, 25)
+    job = nixl_job(random_table(16, 64, 24), dst_table, link, tokens=(0, 60))
+    assert sender.submit(job)
+    assert entered.wait(10)  # a WRITE is posted and not yet reported done
+    sender.cancel(21)
+    drained: list[bool] = []
+    waiter = threading.Thread(target=lambda: drained.append(sender.drain(21, timeout=10)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # no ack while a handle of the room is unfinished
+    gate.set()
+    waiter.join(10)
+    assert drained == [True]
+    # Decode frees and reuses the room's pages: poison them, then give any late write time.
+    pages = torch.tensor(sorted(set(dst_table)))
+    dst.buffer[:, :, pages] = -7.0
+    poisoned = dst.buffer.clone()
+    time.sleep(0.5)
+    assert not sender.submit(job)  # a stale job of the room is refused, never written
+    time.sleep(0.2)
+    sender.close()
+    t.close()
+    assert torch.equal(bits(dst.buffer), bits(poisoned))
+    assert t.in_flight() == 0

@@ -76,13 +76,24 @@ def with_backend(example: str, backend: str | None, tmp_path: Path) -> Path:
 
 
 # Every example as written, and every one not already on nixl again with nixl.
-CASES = [(ex, None) for ex in EXAMPLES] + [(ex, "nixl") for ex in EXAMPLES if "nixl" not in ex]
+CASES: list = [(ex, None) for ex in EXAMPLES] + [
+    (ex, "nixl") for ex in EXAMPLES if "nixl" not in ex
+]
+# Known bug (issue #17, open): two prefill tp ranks writing one decode rank over
+# nixl leave some rooms of the 20-prompt mix without their KV (waiting_timeout),
+# twice in a row on the 2-core box. Strict: the case fails loudly once fixed.
+CASE_IDS = [f"{e}-{b}" if b else e for e, b in CASES]
+_TP2_TO_TP1 = ("pd-prefill-tp2-decode-tp1.yaml", "nixl")
+CASES[CASES.index(_TP2_TO_TP1)] = pytest.param(
+    *_TP2_TO_TP1,
+    marks=pytest.mark.xfail(
+        strict=True, reason="nixl prefill tp2 -> decode tp1: rooms end in waiting_timeout"
+    ),
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("example", "backend"), CASES, ids=[f"{e}-{b}" if b else e for e, b in CASES]
-)
+@pytest.mark.parametrize(("example", "backend"), CASES, ids=CASE_IDS)
 def test_pd_equals_colocated(example: str, backend: str | None, tmp_path: Path) -> None:
     manifest = with_backend(example, backend, tmp_path)
     cluster_spec = load_manifest(str(manifest))

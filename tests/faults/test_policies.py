@@ -39,25 +39,18 @@ from tests.faults.harness import (
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
 from tests.faults.test_cancellation import abort
 from tests.pd_integration.reference import colocated_outputs
-from tests.transfer.nixl_helpers import need_nixl
 
 PAGE = 16
 MAX_TOKENS = 4
 
 
-# Both one-sided transports: shm (same-node pool file) and nixl (NIXL WRITEs).
-@pytest.fixture(scope="module", params=["shm", "nixl"])
-def one_sided(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[FaultCluster]:
-    backend: str = request.param
-    if backend == "nixl":
-        need_nixl()
-    tmp: Path = tmp_path_factory.mktemp(f"one-sided-{backend}")
-    spec = base_spec(backend=backend, abortReleaseTimeoutSeconds=1.0)
+@pytest.fixture(scope="module")
+def one_sided(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
+    tmp: Path = tmp_path_factory.mktemp("one-sided")
+    spec = base_spec(backend="shm", abortReleaseTimeoutSeconds=1.0)
     spec["kvCache"]["numPages"] = 240
     spec["prefill"]["replicas"] = 2
-    with FaultCluster(tmp, f"faults-one-sided-{backend}", spec) as cluster:
+    with FaultCluster(tmp, "faults-one-sided", spec) as cluster:
         yield cluster
 
 
@@ -93,7 +86,7 @@ def run_all(
     )
 
 
-# ------------------------------------------------------------------ shm and nixl (one-sided writes)
+# ------------------------------------------------------------------ shm (one-sided writes)
 
 
 def test_one_sided_transfers_equal_colocated(one_sided: FaultCluster, client: PDClient) -> None:

@@ -16,7 +16,7 @@ WORKDIR /tmp/build
 COPY pyproject.toml setup.py README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
-RUN pip install . && cd / && rm -rf /tmp/build
+RUN pip install '.[nixl]' && cd / && rm -rf /tmp/build
 
 # The chart runs the operator, and the operator every PDCluster pod, as this
 # user (runAsNonRoot, read-only root file system).

@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml setup.py
 	@if [ -z "$(UV)" ]; then python3 -m pip install -q uv; fi
 	uv venv -q --allow-existing -p 3.11 $(VENV)
-	VIRTUAL_ENV=$(abspath $(VENV)) uv pip install -q -e '.[dev]'
+	VIRTUAL_ENV=$(abspath $(VENV)) uv pip install -q -e '.[dev,nixl]'
 	@touch $@
 
 # Local PD cluster with the built-in tiny model: serves an OpenAI endpoint,

@@ -11,6 +11,15 @@ For every size (MiB of KV moved for one request):
 - memcpy: one torch copy of the same number of contiguous bytes;
 - shm: KVSender (gather) -> ShmTransport (scatter into the peer's pool file),
   timed from submit to completion;
+- nixl (when the `nixl` extra imports): KVSender -> NixlTransport, one NIXL
+  WRITE per frame straight from the shuffled source pages into the shuffled
+  destination pages (the decode pool registered with a second agent in this
+  process), timed from submit to the completion message, which the sender
+  sends only after every WRITE handle reported done;
+- raw NIXL: the same frames' descriptors (nixl_plan), posted directly by the
+  agent, all in flight at once, until every handle is DONE (no sender, no
+  control plane); nixl / raw NIXL is our plumbing's cost. The UCX transports
+  that carried the bytes are printed (from UCX's info log);
 - tcp+curve (`--curve`): the tcp path again between two endpoints running
   CURVE (`spec.auth.zmqCurve`, keys from a fixed token), taking turns with
   the plain one; curve / tcp is its cost.
@@ -60,6 +69,11 @@ class Row:
     shm_ratio: float
     raw_zmq_cpu_s_per_gib: float
     tcp_cpu_s_per_gib: float
+    nixl_gibs: float | None = None  # the nixl extra imports
+    raw_nixl_gibs: float | None = None
+    nixl_over_raw: float | None = None
+    nixl_over_tcp: float | None = None
+    ucx_transports: str | None = None
     curve_gibs: float | None = None  # --curve: the tcp path under CURVE
     curve_over_tcp: float | None = None
     curve_cpu_s_per_gib: float | None = None
@@ -252,6 +266,80 @@ class Bench:
         self.tmp.cleanup()
 
 
+class NixlPair:
+    """Our nixl transport and a raw NIXL baseline writing the same frames."""
+
+    def __init__(self, bench: Bench, config: SenderConfig) -> None:
+        from pdcluster.runtime.transfer.nixl import NixlAgent, NixlTransport
+
+        self.bench = bench
+        self.dst = KVPool(bench.shape, device=bench.src.device)
+        self.src_agent = NixlAgent("bench-prefill", bench.src)
+        self.dst_agent = NixlAgent("bench-decode", self.dst)
+        self.transport = NixlTransport(bench.prefill, self.src_agent)
+        self.transport.register_peer(bench.decode.address, self.dst_agent.region(), bench.shape)
+        self.sender = KVSender(bench.src, self.transport, config)
+        self.sender.start()
+        self.frames = self._frame_descriptors(config)
+
+    def _frame_descriptors(self, config: SenderConfig) -> list[tuple[Any, Any]]:
+        """Per frame the sender would cut: (local, remote) NIXL descriptor lists."""
+        import numpy as np
+
+        from pdcluster.runtime.transfer.nixl import geometry_of
+        from pdcluster.runtime.transfer.nixl_plan import plan_descriptors
+        from pdcluster.runtime.transfer.shm import copy_runs
+
+        b, nx = self.bench, self.src_agent.agent
+        geo = geometry_of(b.shape)
+        layers = [(i, i) for i in range(b.shape.num_layers)]
+        heads = (0, b.shape.num_kv_heads)
+        out = []
+        for s, e in plan_job_frames(b.job(one_sided=True), b.shape, config):
+            runs = copy_runs(
+                np.asarray(b.src_slots[s:e]), np.asarray(b.dst_slots[s:e]),
+                b.shape.page_size, b.shape.page_size,
+            )  # fmt: skip
+            t = plan_descriptors(geo, geo, runs, layers, heads, heads)
+            zeros = np.zeros(len(t), dtype=np.int64)
+            local = np.stack([t[:, 0] + self.src_agent.base_address, t[:, 2], zeros], axis=1)
+            remote = np.stack([t[:, 1] + self.dst_agent.base_address, t[:, 2], zeros], axis=1)
+            out.append(
+                (
+                    nx.get_xfer_descs(local, self.src_agent.mem_type),
+                    nx.get_xfer_descs(remote, self.dst_agent.mem_type),
+                )
+            )
+        return out
+
+    def raw(self) -> float:
+        nx = self.src_agent.agent
+        start = time.perf_counter()
+        handles = [
+            nx.initialize_xfer("WRITE", local, remote, self.dst_agent.name)
+            for local, remote in self.frames
+        ]
+        for h in handles:
+            if nx.transfer(h) == "ERR":
+                raise SystemExit("raw NIXL WRITE failed")
+        for h in handles:
+            while (state := nx.check_xfer_state(h)) == "PROC":
+                pass
+            if state != "DONE":
+                raise SystemExit("raw NIXL WRITE failed")
+            nx.release_xfer_handle(h)
+        return time.perf_counter() - start
+
+    def transports(self) -> str:
+        return ",".join(self.src_agent.report()["ucx_transports"]) or "?"
+
+    def close(self) -> None:
+        self.sender.close()
+        self.transport.close()
+        self.src_agent.close()
+        self.dst_agent.close()
+
+
 def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     bytes_per_token = args.layers * 2 * args.heads * args.head_dim * dtype_bytes
@@ -272,6 +360,7 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     shm_transport = ShmTransport(bench.prefill)
     shm_transport.register_peer(bench.decode.address, bench.dst_shm.shm_path or "", shape)
     shm = KVSender(bench.src, shm_transport, config)
+    pair = NixlPair(bench, config) if args.nixl else None
     curved: KVSender | None = None
     if bench.prefill_curve is not None and bench.decode_curve is not None:
         curved = KVSender(bench.src, TcpTransport(bench.prefill_curve), config)
@@ -284,6 +373,9 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
             "memcpy": memcpy(nbytes),
             "shm": bench.timed(shm, one_sided=True),
         }
+        if pair is not None:
+            runs["nixl"] = bench.timed(pair.sender, one_sided=True)
+            runs["raw_nixl"] = pair.raw
         if curved is not None:
             assert bench.decode_curve is not None
             curved.start()
@@ -291,7 +383,13 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         rates = measure(nbytes, runs, repeats)
         bench.check(bench.dst_tcp)
         bench.check(bench.dst_shm)
+        transports = None
+        if pair is not None:
+            bench.check(pair.dst)
+            transports = pair.transports()
     finally:
+        if pair is not None:
+            pair.close()
         tcp.close()
         shm.close()
         if curved is not None:
@@ -309,6 +407,13 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         shm_ratio=round(rates["shm"].gibs / rates["memcpy"].gibs, 2),
         raw_zmq_cpu_s_per_gib=round(rates["raw"].cpu_s_per_gib, 3),
         tcp_cpu_s_per_gib=round(rates["tcp"].cpu_s_per_gib, 3),
+        nixl_gibs=round(rates["nixl"].gibs, 2) if "nixl" in rates else None,
+        raw_nixl_gibs=round(rates["raw_nixl"].gibs, 2) if "nixl" in rates else None,
+        nixl_over_raw=(
+            round(rates["nixl"].gibs / rates["raw_nixl"].gibs, 2) if "nixl" in rates else None
+        ),
+        nixl_over_tcp=round(rates["nixl"].gibs / rates["tcp"].gibs, 2) if "nixl" in rates else None,
+        ucx_transports=transports,
         curve_gibs=round(rates["curve"].gibs, 2) if "curve" in rates else None,
         curve_over_tcp=(
             round(rates["curve"].gibs / rates["tcp"].gibs, 2) if "curve" in rates else None
@@ -329,6 +434,18 @@ def markdown(rows: list[Row]) -> str:
             f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} "
             f"| {r.raw_zmq_cpu_s_per_gib:.3f} | {r.tcp_cpu_s_per_gib:.3f} |"
         )
+    if all(r.nixl_gibs is not None for r in rows):
+        lines += [
+            "",
+            "| KV size | tcp GiB/s | raw NIXL GiB/s | nixl GiB/s | nixl / raw NIXL "
+            "| nixl / tcp | UCX transports |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        lines += [
+            f"| {r.size_mib} MiB | {r.tcp_gibs:.2f} | {r.raw_nixl_gibs:.2f} | {r.nixl_gibs:.2f} "
+            f"| {r.nixl_over_raw:.2f} | {r.nixl_over_tcp:.2f} | {r.ucx_transports} |"
+            for r in rows
+        ]
     if all(r.curve_gibs is not None for r in rows):
         lines += [
             "",
@@ -366,7 +483,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--curve", action="store_true", help="also time the tcp path under CURVE (zmqCurve)"
     )
+    parser.add_argument(
+        "--no-nixl", dest="nixl", action="store_false", help="skip the nixl and raw NIXL columns"
+    )
     args = parser.parse_args(argv)
+    if args.nixl:
+        from pdcluster.runtime.spec import UcxSpec
+        from pdcluster.runtime.transfer.nixl_support import apply_ucx_env, nixl_import_error
+
+        problem = nixl_import_error()
+        if problem is not None:
+            raise SystemExit(f"nixl does not import ({problem}); install the extra or --no-nixl")
+        apply_ucx_env(UcxSpec())  # UCX logs the transports it selects
     if args.threads:
         torch.set_num_threads(args.threads)
     print(

@@ -26,7 +26,16 @@ FIELD_DOCS: dict[str, str] = {
     "kvCache.layout": "Page layout: NHD = [pages, page_size, heads, head_dim], HND = [pages, "
     "heads, page_size, head_dim].",
     "transfer": "How KV moves from prefill to decode, and when a transfer counts as failed.",
-    "transfer.backend": "tcp (ZMQ over the pod network) or shm (same node, one-sided writes).",
+    "transfer.backend": "tcp (ZMQ over the pod network), shm (same node, one-sided writes) or "
+    "nixl (NIXL agents over UCX: one-sided WRITEs over RDMA, NVLink/CUDA IPC, shared memory or "
+    "TCP; needs the `nixl` extra in the image).",
+    "transfer.ucx": "UCX settings of the nixl backend, set in every worker process's environment.",
+    "transfer.ucx.tls": "UCX_TLS: the UCX transports nixl may use, e.g. `rc,cuda_ipc,cuda_copy`; "
+    "unset: UCX's own choice.",
+    "transfer.ucx.netDevices": "UCX_NET_DEVICES: the network devices nixl may use, e.g. "
+    "`mlx5_0:1`; unset: all.",
+    "transfer.ucx.requireRdma": "The cluster expects RDMA or GPU-direct: a nixl transfer that "
+    "fell back to TCP raises a Warning Event instead of passing silently.",
     "transfer.allocationPolicy": "early: decode reserves pages before prefill computes; "
     "prefill_complete: prefill computes first, decode reserves when told the KV is ready.",
     "transfer.bootstrapTimeoutSeconds": "Prefill gives up on a room whose decode metadata has "

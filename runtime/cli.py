@@ -46,12 +46,23 @@ def load_manifest(path: str) -> PDCluster:
         raise SystemExit(f"pdcluster: {path}: {err}") from None
 
 
+def check_backend(manifest: PDCluster, path: str) -> None:
+    """Refuse a manifest whose transfer backend cannot run here (`nixl` not installed)."""
+    from pdcluster.runtime.transfer.nixl_support import check_backend_available
+
+    try:
+        check_backend_available(manifest.spec)
+    except SpecError as err:
+        raise SystemExit(f"pdcluster: {path}: {err}") from None
+
+
 # ---------------------------------------------------------------- local mode
 def cmd_up(args: argparse.Namespace) -> int:
     from pdcluster.runtime.local.launcher import LocalCluster, format_state, free_ports, read_state
     from pdcluster.runtime.local.plan import build_local_plan, count_ports
 
     manifest = load_manifest(args.file)
+    check_backend(manifest, args.file)
     state_dir = Path(args.state_dir) / manifest.metadata.name
     existing = read_state(state_dir)
     if existing and any(p["alive"] for p in existing["processes"]):
@@ -178,6 +189,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pdcluster.runtime.worker_main import run_worker
 
     manifest = load_manifest(args.file)
+    check_backend(manifest, args.file)
     return run_worker(manifest, args)
 
 

@@ -62,6 +62,12 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+        self.kv_transport = Gauge(
+            "pdcluster_kv_transport_info",
+            "1 for the KV backend and the UCX transports it negotiated (nixl; '' before a peer)",
+            ["backend", "transports", "tcp_fallback"],
+            registry=r,
+        )
         self.ttft_seconds = Histogram(
             "pdcluster_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -78,6 +78,13 @@ class KVLayout(enum.StrEnum):
 class TransferBackend(enum.StrEnum):
     tcp = "tcp"
     shm = "shm"
+    # NIXL agents (UCX): one-sided WRITEs into the peer's registered pool.
+    nixl = "nixl"
+
+    @property
+    def is_one_sided(self) -> bool:
+        """Writes land in the peer's memory without the peer taking part (DESIGN §7, §9)."""
+        return self is not TransferBackend.tcp
 
     @property
     def is_one_sided(self) -> bool:
@@ -165,6 +172,24 @@ class HeartbeatSpec(_Model):
     idle_seconds: float = Field(default=300.0, gt=0, le=86400)
 
 
+class UcxSpec(_Model):
+    """UCX settings of the `nixl` backend, passed to every worker process.
+
+    Unset fields leave UCX's own choice (all transports it finds). The
+    transports actually selected are reported in `/get_server_info`.
+    """
+
+    # UCX_TLS, e.g. "rc,cuda_ipc,cuda_copy" (RDMA + NVLink) or "tcp,cma".
+    tls: str | None = Field(default=None, min_length=1, max_length=256, pattern=r"^[\w,^:-]+$")
+    # UCX_NET_DEVICES, e.g. "mlx5_0:1,mlx5_1:1".
+    net_devices: str | None = Field(
+        default=None, min_length=1, max_length=256, pattern=r"^[\w,.:-]+$"
+    )
+    # The manifest asks for RDMA or GPU-direct: a transfer that fell back to
+    # TCP is reported as a Warning instead of passing silently.
+    require_rdma: bool = False
+
+
 class TransferSpec(_Model):
     backend: TransferBackend = TransferBackend.tcp
     allocation_policy: AllocationPolicy = AllocationPolicy.early
@@ -191,6 +216,7 @@ class TransferSpec(_Model):
         le=1 << 16,
         description="prefill legs waiting (FIFO) for a room slot; past it: 503 with Retry-After",
     )
+    ucx: UcxSpec = UcxSpec()
 
 
 # Ranks (processes) one instance may run: dp*tp*cp*pp. Each axis alone is

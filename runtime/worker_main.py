@@ -29,7 +29,7 @@ import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
-from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -318,6 +318,10 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         )
     if settings.role is Role.prefill and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
+    if manifest.spec.transfer.backend is TransferBackend.nixl:
+        from pdcluster.runtime.transfer.nixl_support import apply_ucx_env
+
+        apply_ucx_env(manifest.spec.transfer.ucx)  # inherited by every rank process
     owned_shm = None
     spec = manifest.spec
     if (

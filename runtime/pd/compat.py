@@ -34,7 +34,7 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: ShortText
     allocation_policy: ShortText
     model_fingerprint: ShortText
-    # tcp | shm: the prefill writes with the decode's backend, or not at all.
+    # tcp | shm | nixl: the prefill writes with the decode's backend, or not at all.
     transfer_backend: ShortText = "tcp"
 
 

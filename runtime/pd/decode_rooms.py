@@ -94,6 +94,7 @@ from pdcluster.runtime.pd.messages import (
     KVLayoutRegister,
     LayoutAck,
     Message,
+    NixlRegion,
     Ready,
     Status,
     TransferMeta,
@@ -134,6 +135,8 @@ class DecodeRankInfo:
     # The transport writes into our memory without us taking part (shm):
     # pages of a failed room are then never released on timeout alone.
     one_sided: bool = False
+    # nixl: our agent and pool region, for the prefill ranks to WRITE into.
+    nixl: NixlRegion | None = None
 
     def layout_message(self) -> KVLayoutRegister:
         return KVLayoutRegister(
@@ -147,6 +150,7 @@ class DecodeRankInfo:
             head_start=self.heads[0],
             head_end=self.heads[1],
             shm_pool_path=self.shm_pool_path,
+            nixl=self.nixl,
         )
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -107,6 +107,38 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     pass
 
 
+# Version of `NixlRegion`, checked on its own: the NIXL fields may change
+# without the rest of the protocol changing.
+NIXL_REGION_VERSION: Final = 1
+MAX_NIXL_METADATA_BYTES: Final = 64 * 1024
+
+
+class NixlRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a prefill rank needs to WRITE into a decode rank's pool with NIXL.
+
+    `agent_metadata` is the NIXL agent's own serialized form
+    (`get_agent_metadata`, handed to `add_remote_agent`), never a pickle;
+    the pool is one registered region `[base_address, base_address + nbytes)`
+    laid out as the registration's layout fields say.
+    """
+
+    version: Annotated[int, msgspec.Meta(ge=1, le=255)]
+    agent_name: Endpoint
+    agent_metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_NIXL_METADATA_BYTES)]
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    base_address: Annotated[int, msgspec.Meta(ge=1, le=MAX_ROOM)]  # < 2**63
+    nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
+
+    def __post_init__(self) -> None:
+        if self.version != NIXL_REGION_VERSION:
+            raise ValueError(
+                f"nixl region version {self.version}, this rank reads {NIXL_REGION_VERSION}"
+            )
+        if self.base_address + self.nbytes > MAX_ROOM:
+            raise ValueError("nixl region ends past the 63-bit address space")
+
+
 class KVLayoutRegister(_Msg, tag="layout", frozen=True):
     token: Token
     decode_rank: RankCoord
@@ -119,6 +151,8 @@ class KVLayoutRegister(_Msg, tag="layout", frozen=True):
     head_end: LayerOrHead
     # Same-node shared KV pool (`shm` transport); None for tcp.
     shm_pool_path: Path | None = None
+    # The pool registered with this rank's NIXL agent (`nixl` transport).
+    nixl: NixlRegion | None = None
 
     def __post_init__(self) -> None:
         if self.layer_end <= self.layer_start:

@@ -385,3 +385,21 @@ class RankAgent:
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+    def transport_report(self) -> dict[str, Any]:
+        """The KV backend and, for nixl, what UCX negotiated (for /get_server_info)."""
+        report: dict[str, Any] = {"backend": str(self.ctx.transfer.backend)}
+        nixl_agent = getattr(self, "nixl_agent", None)
+        if nixl_agent is not None:
+            report.update(nixl_agent.report(bool(self.ctx.transfer.ucx.require_rdma)))
+            stats = getattr(getattr(self, "transport", None), "stats", None)
+            if stats is not None:
+                report["writes"] = dict(stats)
+        return report
+
+
+def make_nixl_agent(address: str, pool: Any) -> Any:
+    """This rank's NIXL agent with `pool` registered (the `nixl` backend only)."""
+    from pdcluster.runtime.transfer.nixl import NixlAgent
+
+    return NixlAgent(address, pool)

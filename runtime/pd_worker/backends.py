@@ -266,6 +266,7 @@ class _PDBackend:
             "endpoint": self.agent.address,
             **self._pd_stats(),
             "kv_receive_stats": dict(getattr(getattr(self.agent, "receiver", None), "stats", {})),
+            "kv_transport": self.agent.transport_report(),
         }
 
     def _pd_stats(self) -> dict[str, Any]:

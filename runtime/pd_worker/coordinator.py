@@ -63,6 +63,9 @@ from pdcluster.runtime.spec import (
 
 log = logging.getLogger("pdcluster.pd")
 
+# Seconds between two reads of what the KV transport negotiated (metric label).
+TRANSPORT_EXPORT_S = 5.0
+
 # Agent counters that count peer input dropped as malformed or unexpected.
 REJECT_PREFIXES = ("reject:", "group_reject:", "dropped:", "endpoint:", "kv:")
 # Endpoint counters about our own sends, not about what peers sent us.
@@ -202,8 +205,31 @@ class _Coordinator:
                 self.metrics.protocol_rejects.labels(reason=key).inc(new)
                 self._rejects_seen[key] = count
 
+    def _export_transport(self) -> None:
+        """`pdcluster_kv_transport_info`: re-read every few seconds (nixl reads UCX's log)."""
+        now = time.monotonic()
+        if now < getattr(self, "_transport_due", 0.0):
+            return
+        self._transport_due = now + TRANSPORT_EXPORT_S
+        report_of = getattr(self.agent, "transport_report", None)
+        if report_of is None:  # a stand-in agent (tests)
+            return
+        report = report_of()
+        labels = (
+            report["backend"],
+            ",".join(report.get("ucx_transports", [])),
+            str(bool(report.get("tcp_fallback", False))).lower(),
+        )
+        if labels != getattr(self, "_transport_labels", None):
+            old = getattr(self, "_transport_labels", None)
+            if old is not None:
+                self.metrics.kv_transport.remove(*old)
+            self.metrics.kv_transport.labels(*labels).set(1)
+            self._transport_labels = labels
+
     def _export_gauges(self) -> None:
         self._export_rejects()
+        self._export_transport()
         states = collections.Counter(self.room_state(r) for r in self.rooms.values())
         for state in ("waiting", "transferring", "computing", "failed", "decoding"):
             self.metrics.rooms.labels(state=state).set(states.get(state, 0))

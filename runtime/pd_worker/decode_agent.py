@@ -40,7 +40,7 @@ from pdcluster.runtime.pd.topology import (
     PDTopology,
     TopologyError,
 )
-from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, make_nixl_agent
 from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapAuthError,
     BootstrapError,
@@ -54,7 +54,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupOpen,
     GroupPages,
 )
-from pdcluster.runtime.spec import KVDtype
+from pdcluster.runtime.spec import KVDtype, TransferBackend
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
 from pdcluster.runtime.transfer.frames import FrameError, decode_header
 from pdcluster.runtime.transfer.identity import kv_source_ok
@@ -85,6 +85,12 @@ class DecodeAgent(RankAgent):
     def __init__(self, ctx: AgentContext, pool: Any, shm_pool_path: str | None) -> None:
         super().__init__(ctx, pool)
         self.one_sided = ctx.transfer.backend.is_one_sided
+        # nixl: prefill ranks WRITE into this pool through our agent (registered here).
+        self.nixl_agent = (
+            make_nixl_agent(self.address, pool)
+            if ctx.transfer.backend is TransferBackend.nixl
+            else None
+        )
         self.table = DecodeRoomTable(
             DecodeRankInfo(
                 rank=ctx.coord,
@@ -96,6 +102,7 @@ class DecodeAgent(RankAgent):
                 heads=ctx.heads,
                 shm_pool_path=shm_pool_path if self.one_sided else None,
                 one_sided=self.one_sided,
+                nixl=None if self.nixl_agent is None else self.nixl_agent.region(),
             ),
             ctx.room_settings,
         )
@@ -140,6 +147,8 @@ class DecodeAgent(RankAgent):
 
     def close(self) -> None:
         super().close()
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()
 
     # ------------------------------------------------------------ KV in
     def _accept_kv(self, sender: str, header: bytes) -> bool:

@@ -36,14 +36,16 @@ from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import cp_token_range
-from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
+from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, make_nixl_agent
 from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapClient,
     BootstrapUnreachable,
     RetryPolicy,
 )
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
+from pdcluster.runtime.spec import TransferBackend
 from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.nixl import NixlTransport
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
@@ -83,11 +85,18 @@ class PrefillAgent(RankAgent):
             PrefillRankInfo(ctx.coord, self.address, ctx.compat, ctx.token or None),
             ctx.room_settings,
         )
-        self.one_sided = ctx.transfer.backend.is_one_sided
+        self.backend = ctx.transfer.backend
+        self.one_sided = self.backend.is_one_sided
         self.checksum = bool(ctx.transfer.checksum)
-        self.transport: Any = (
-            ShmTransport(self.endpoint) if self.one_sided else TcpTransport(self.endpoint)
-        )
+        self.nixl_agent: Any = None
+        self.transport: Any
+        if self.backend is TransferBackend.nixl:
+            self.nixl_agent = make_nixl_agent(self.address, pool)
+            self.transport = NixlTransport(self.endpoint, self.nixl_agent)
+        elif self.one_sided:
+            self.transport = ShmTransport(self.endpoint)
+        else:
+            self.transport = TcpTransport(self.endpoint)
         self.sender = KVSender(
             pool,
             self.transport,
@@ -153,6 +162,9 @@ class PrefillAgent(RankAgent):
     def close(self) -> None:
         super().close()
         self.sender.close()
+        if self.nixl_agent is not None:
+            self.transport.close()
+            self.nixl_agent.close()
 
     # ------------------------------------------------------------ actions
     def perform(self, acts: list[Any]) -> None:
@@ -295,7 +307,7 @@ class PrefillAgent(RankAgent):
         ]
         if not accepted:
             return acts
-        problem = self._shm_problem(msg)
+        problem = self._nixl_problem(msg) if self.nixl_agent else self._shm_problem(msg)
         if problem is None:
             return acts
         self.table.peers.forget_matching(msg.decode_endpoint)
@@ -330,6 +342,16 @@ class PrefillAgent(RankAgent):
             return (
                 f"prefill shm: decode's pool {path!r} holds {size} bytes, its layout needs {need}"
             )
+        return None
+
+    def _nixl_problem(self, lay: KVLayoutRegister) -> str | None:
+        """Why decode's NIXL region cannot take our frames, or None (nothing connects yet)."""
+        if lay.nixl is None:
+            return f"prefill nixl, decode offers no NIXL region ({lay.compat.transfer_backend})"
+        try:
+            self.transport.check_region(lay.nixl, self._peer_shape(lay))
+        except ValueError as err:
+            return f"prefill nixl: {err}"
         return None
 
     def _peer_shape(self, lay: KVLayoutRegister) -> KVPoolShape:
@@ -458,7 +480,10 @@ class PrefillAgent(RankAgent):
         ps = self.ctx.page_size
         src_slots = [r.page_table[t // ps] * ps + t % ps for t in range(t0, t1)]
         dst_slots = None
-        if self.one_sided:
+        if self.nixl_agent is not None:
+            self._ensure_nixl_peer(dest)
+            dst_slots = [dest.pages[t // ps] * ps + t % ps for t in range(t0, t1)]
+        elif self.one_sided:
             self._ensure_shm_peer(dest)
             dst_slots = [dest.pages[t // ps] * ps + t % ps for t in range(t0, t1)]
         return TransferJob(
@@ -474,6 +499,14 @@ class PrefillAgent(RankAgent):
             dst_heads=(heads[0] - lay.head_start, heads[1] - lay.head_start),
             dst_slots=dst_slots,
         )
+
+    def _ensure_nixl_peer(self, dest: DestinationView) -> None:
+        region = dest.layout.nixl
+        if region is None:
+            raise ValueError(f"decode rank {dest.decode_rank} offers no NIXL region")
+        # A decode that restarted registers a new agent: it replaces the old one.
+        if not self.transport.has_peer(dest.endpoint, region):
+            self.transport.register_peer(dest.endpoint, region, self._peer_shape(dest.layout))
 
     def _ensure_shm_peer(self, dest: DestinationView) -> None:
         if dest.endpoint in self._shm_peers:

@@ -292,7 +292,10 @@ class KVSender:
         bytes_per_token = job_bytes_per_token(job, shape)
         plan = plan_job_frames(job, shape, cfg)
         slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
-        direct = isinstance(self.transport, DirectCopy) and pool.device.type == "cpu"
+        # A transport with the pool registered (nixl) reads a device pool too.
+        direct = isinstance(self.transport, DirectCopy) and (
+            pool.device.type == "cpu" or getattr(self.transport, "reads_device_pool", False)
+        )
         for index, (start, end) in enumerate(plan):
             with self._cond:
                 if run.error is not None:

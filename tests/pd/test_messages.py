@@ -32,6 +32,23 @@ compats = st.builds(
 
 
 @st.composite
+def nixl_regions_(draw: st.DrawFn) -> m.NixlRegion:
+    base = draw(st.integers(1, 1 << 62))
+    return m.NixlRegion(
+        version=m.NIXL_REGION_VERSION,
+        agent_name=draw(st.text(min_size=1, max_size=40)),
+        agent_metadata=draw(st.binary(min_size=1, max_size=600)),
+        mem_type=draw(st.sampled_from(["DRAM", "VRAM"])),
+        device_id=draw(st.integers(0, 7)),
+        base_address=base,
+        nbytes=draw(st.integers(1, 1 << 47)),
+    )
+
+
+nixl_regions = nixl_regions_()
+
+
+@st.composite
 def layouts(draw: st.DrawFn) -> m.KVLayoutRegister:
     l0 = draw(st.integers(0, 100))
     h0 = draw(st.integers(0, 100))
@@ -46,6 +63,7 @@ def layouts(draw: st.DrawFn) -> m.KVLayoutRegister:
         head_start=h0,
         head_end=h0 + draw(st.integers(1, 50)),
         shm_pool_path=draw(st.none() | text),
+        nixl=draw(st.none() | nixl_regions),
     )
 
 
@@ -233,3 +251,55 @@ def test_the_largest_allowed_page_list_fits_in_a_frame() -> None:
         num_destinations=1,
     )
     assert m.decode(m.encode(meta)) == meta
+
+
+def _layout_with_nixl(**region: object) -> bytes:
+    fields: dict[str, object] = {
+        "version": m.NIXL_REGION_VERSION,
+        "agent_name": "decode-0",
+        "agent_metadata": b"nixlSerDes|Agent",
+        "mem_type": "DRAM",
+        "device_id": 0,
+        "base_address": 4096,
+        "nbytes": 1 << 20,
+    }
+    fields.update(region)
+    return _frame(
+        {
+            "type": "layout",
+            "token": "t",
+            "decode_rank": {"dp": 0, "cp": 0, "tp": 0, "pp": 0},
+            "decode_endpoint": "tcp://127.0.0.1:1",
+            "compat": msgspec.to_builtins(CompatInfo(16, "float32", "NHD", "early", "f", "nixl")),
+            "num_pages": 4,
+            "layer_start": 0,
+            "layer_end": 2,
+            "head_start": 0,
+            "head_end": 2,
+            "nixl": fields,
+        }
+    )
+
+
+def test_a_layout_carries_the_nixl_region_as_our_own_fields() -> None:
+    msg = m.decode(_layout_with_nixl())
+    assert isinstance(msg, m.KVLayoutRegister) and msg.nixl is not None
+    assert msg.nixl.agent_metadata == b"nixlSerDes|Agent" and msg.nixl.nbytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    "region",
+    [
+        {"version": 2},  # a NIXL region this rank cannot read
+        {"mem_type": "FILE"},
+        {"base_address": 0},
+        {"base_address": m.MAX_ROOM - 10, "nbytes": 100},  # ends past the address space
+        {"agent_metadata": b""},
+        {"agent_metadata": b"x" * (m.MAX_NIXL_METADATA_BYTES + 1)},
+        {"pickle": b"\x80\x04."},  # unknown fields are refused, not ignored
+    ],
+)
+def test_a_bad_nixl_region_is_a_protocol_error(region: dict) -> None:
+    stats = m.ProtocolStats()
+    with pytest.raises(m.ProtocolError):
+        m.decode(_layout_with_nixl(**region), stats)

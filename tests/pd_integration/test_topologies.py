@@ -15,10 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from pdcluster.runtime.cli import load_manifest
 from tests.local.cluster import local_cluster
 from tests.pd_integration.reference import colocated_outputs
+from tests.transfer.nixl_helpers import need_nixl
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("pd-*.yaml"))
@@ -57,10 +59,43 @@ def assert_no_page_leak(cluster, timeout: float = 10.0) -> None:
             time.sleep(0.1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("example", EXAMPLES)
-def test_pd_equals_colocated(example: str, tmp_path: Path) -> None:
+def with_backend(example: str, backend: str | None, tmp_path: Path) -> Path:
+    """The example as written (backend None), or a copy moving KV with `backend`."""
     manifest = ROOT / "examples" / example
+    if backend is None:
+        if "nixl" in manifest.read_text():
+            need_nixl()
+        return manifest
+    if backend == "nixl":
+        need_nixl()
+    doc = yaml.safe_load(manifest.read_text())
+    doc["spec"].setdefault("transfer", {})["backend"] = backend
+    copy = tmp_path / f"{backend}-{example}"
+    copy.write_text(yaml.safe_dump(doc))
+    return copy
+
+
+# Every example as written, and every one not already on nixl again with nixl.
+CASES: list = [(ex, None) for ex in EXAMPLES] + [
+    (ex, "nixl") for ex in EXAMPLES if "nixl" not in ex
+]
+# Known bug (issue #17, open): two prefill tp ranks writing one decode rank over
+# nixl leave some rooms of the 20-prompt mix without their KV (waiting_timeout),
+# twice in a row on the 2-core box. Strict: the case fails loudly once fixed.
+CASE_IDS = [f"{e}-{b}" if b else e for e, b in CASES]
+_TP2_TO_TP1 = ("pd-prefill-tp2-decode-tp1.yaml", "nixl")
+CASES[CASES.index(_TP2_TO_TP1)] = pytest.param(
+    *_TP2_TO_TP1,
+    marks=pytest.mark.xfail(
+        strict=True, reason="nixl prefill tp2 -> decode tp1: rooms end in waiting_timeout"
+    ),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("example", "backend"), CASES, ids=CASE_IDS)
+def test_pd_equals_colocated(example: str, backend: str | None, tmp_path: Path) -> None:
+    manifest = with_backend(example, backend, tmp_path)
     cluster_spec = load_manifest(str(manifest))
     prompts = make_prompts(20, seed=7)
     expected = colocated_outputs(cluster_spec, prompts, MAX_TOKENS)
@@ -73,8 +108,9 @@ def test_pd_equals_colocated(example: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_64_concurrent_requests_on_2p2d(tmp_path: Path) -> None:
-    manifest = ROOT / "examples" / "pd-2p2d.yaml"
+@pytest.mark.parametrize("backend", [None, "nixl"], ids=["as-written", "nixl"])
+def test_64_concurrent_requests_on_2p2d(backend: str | None, tmp_path: Path) -> None:
+    manifest = with_backend("pd-2p2d.yaml", backend, tmp_path)
     rng = random.Random(64)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(1, 300))] for _ in range(64)]
     expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
@@ -171,13 +207,18 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path, backend: str) -> N
         {"backend": "shm"},
         {"allocationPolicy": "prefill_complete"},
         {"backend": "shm", "allocationPolicy": "prefill_complete"},
+        {"backend": "nixl"},
+        {"backend": "nixl", "allocationPolicy": "prefill_complete"},
     ],
-    ids=["shm", "prefill_complete", "shm-prefill_complete"],
+    ids=["shm", "prefill_complete", "shm-prefill_complete", "nixl", "nixl-prefill_complete"],
 )
 def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path: Path) -> None:
-    """The shared-memory transport (one-sided writes into decode's pool) and the
+    """The one-sided transports (shm, nixl: writes into decode's pool) and the
     prefill_complete policy give the same tokens as colocated, with no leak."""
     from tests.local.cluster import write_manifest
+
+    if transfer.get("backend") == "nixl":
+        need_nixl()
 
     spec = {
         # float64: the prefill tp all-reduce cannot flip a greedy token.
@@ -196,3 +237,21 @@ def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path:
             got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
         assert got == expected
         assert_no_page_leak(cluster)
+        if transfer.get("backend") == "nixl":
+            assert_nixl_negotiated(cluster)
+
+
+def assert_nixl_negotiated(cluster) -> None:
+    """The prefill leaders say they WROTE with NIXL, and which UCX transports carried it."""
+    prefills = [p for p in cluster.state["processes"] if p["role"] == "prefill"]
+    assert prefills
+    for proc in prefills:
+        info = httpx.get(proc["url"] + "/get_server_info", headers=cluster.auth, timeout=10)
+        report = info.json()["kv_transport"]
+        assert report["backend"] == "nixl" and report["agent"]
+        assert report["writes"]["writes"] > 0 and report["writes"]["errors"] == 0
+        # No RDMA on a CPU box: UCX moved the bytes over TCP / shared memory.
+        assert "tcp" in report["ucx_transports"] and report["tcp_fallback"]
+        assert report["rdma_missing"] is False  # the manifest did not ask for RDMA
+        metrics = httpx.get(proc["url"] + "/metrics", timeout=10).text
+        assert 'pdcluster_kv_transport_info{backend="nixl"' in metrics

@@ -1,0 +1,191 @@
+"""Descriptor planning for the `nixl` backend (pure: numpy only, no NIXL, no torch).
+
+A NIXL WRITE moves a list of (source offset, destination offset, bytes)
+descriptors from this rank's registered pool into the peer's. This module
+turns what a frame moves (token runs, layer pairs, a head slice) into that
+list for two pools of known geometry:
+
+- token runs are `(src_slot, dst_slot, length)`, consecutive on both sides
+  and inside one page on each (`shm.copy_runs` cuts them), so a run is
+  contiguous per (layer, K|V, head) in both layouts;
+- heterogeneous TP is the head slice (`src_heads` of ours land in the
+  peer's `dst_heads`), PP the layer pairs, CP the token positions the runs
+  already carry;
+- descriptors that follow each other on both sides are merged, so whole
+  pages (or whole runs of pages) move as one descriptor when heads and
+  layouts allow.
+
+Invariants: every descriptor lies inside both pools (`[0, nbytes)`), the
+bytes written are exactly those of the named tokens, layers and heads, and
+two geometries that cannot be paired byte for byte (dtype, head_dim,
+layout) are refused by `check_geometries` before any room uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdcluster.runtime.spec import KVLayout
+
+ITEM_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class PlanError(ValueError):
+    """Two pools, or a frame, that NIXL descriptors cannot express; the message says why."""
+
+
+@dataclass(frozen=True)
+class RegionGeometry:
+    """How a rank's KV pool lies in its registered region: [L, 2, P, ps, H, D] (NHD)
+    or [L, 2, P, H, ps, D] (HND), one contiguous buffer starting at offset 0."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    layout: KVLayout
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ITEM_SIZES:
+            raise PlanError(f"kv dtype {self.dtype!r} is not one of {sorted(ITEM_SIZES)}")
+        for name in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def item_size(self) -> int:
+        return ITEM_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.num_layers
+            * 2
+            * self.num_pages
+            * self.page_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.item_size
+        )
+
+    def offsets(
+        self,
+        layer: np.ndarray,
+        kv: np.ndarray,
+        slot: np.ndarray,
+        head: np.ndarray,
+    ) -> np.ndarray:
+        """Byte offsets of element (layer, kv, slot, head, 0); arrays broadcast."""
+        page, tok = np.divmod(slot, self.page_size)
+        base = (layer * 2 + kv) * self.num_pages + page
+        if self.layout == KVLayout.NHD:
+            elem = (base * self.page_size + tok) * self.num_kv_heads + head
+        else:
+            elem = (base * self.num_kv_heads + head) * self.page_size + tok
+        out: np.ndarray = elem * self.head_dim * self.item_size
+        return out
+
+
+def check_geometries(src: RegionGeometry, dst: RegionGeometry) -> None:
+    """Raise PlanError if no descriptor list can pair these pools byte for byte."""
+    if src.dtype != dst.dtype:
+        raise PlanError(f"kv dtype differs: ours {src.dtype}, the peer's {dst.dtype}")
+    if src.head_dim != dst.head_dim:
+        raise PlanError(f"head_dim differs: ours {src.head_dim}, the peer's {dst.head_dim}")
+    if src.layout != dst.layout:
+        raise PlanError(
+            f"kv layout differs: ours {src.layout}, the peer's {dst.layout} "
+            "(a WRITE copies bytes; it cannot transpose pages)"
+        )
+
+
+def plan_descriptors(
+    src: RegionGeometry,
+    dst: RegionGeometry,
+    runs: Sequence[tuple[int, int, int]],
+    layer_pairs: Sequence[tuple[int, int]],
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> np.ndarray:
+    """[n, 3] int64 (src_offset, dst_offset, nbytes), merged, in source order.
+
+    `runs`: (src_slot, dst_slot, length) token runs, each inside one page on
+    both sides; `layer_pairs`: (our layer, the peer's layer); heads
+    `[start, end)` on each side, of equal size.
+    """
+    check_geometries(src, dst)
+    num_heads = src_heads[1] - src_heads[0]
+    if num_heads < 1 or dst_heads[1] - dst_heads[0] != num_heads:
+        raise PlanError(f"head slices {src_heads} and {dst_heads} differ in size or are empty")
+    if src_heads[0] < 0 or src_heads[1] > src.num_kv_heads:
+        raise PlanError(f"our heads {src_heads} outside 0..{src.num_kv_heads}")
+    if dst_heads[0] < 0 or dst_heads[1] > dst.num_kv_heads:
+        raise PlanError(f"the peer's heads {dst_heads} outside 0..{dst.num_kv_heads}")
+    if not layer_pairs:
+        raise PlanError("no layers to move")
+    lp = np.asarray(layer_pairs, dtype=np.int64).reshape(-1, 2)
+    if lp[:, 0].min() < 0 or lp[:, 0].max() >= src.num_layers:
+        raise PlanError(f"our layers {lp[:, 0].tolist()} outside 0..{src.num_layers - 1}")
+    if lp[:, 1].min() < 0 or lp[:, 1].max() >= dst.num_layers:
+        raise PlanError(f"the peer's layers {lp[:, 1].tolist()} outside 0..{dst.num_layers - 1}")
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    if len(r) == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    _check_runs(r, src, "our")
+    _check_runs(r[:, [1, 0, 2]], dst, "the peer's")
+
+    whole_rows = num_heads == src.num_kv_heads == dst.num_kv_heads
+    if src.layout == KVLayout.NHD and whole_rows:
+        # A run's tokens carry every head: the run is one block per (layer, K|V).
+        heads = np.zeros(1, dtype=np.int64)
+        src_slot, dst_slot = r[:, 0:1], r[:, 1:2]  # [runs, 1]
+        nbytes = r[:, 2:3] * num_heads * src.head_dim * src.item_size
+    elif src.layout == KVLayout.NHD:
+        # A head slice: contiguous per token only.
+        lengths = r[:, 2]
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        src_slot = (np.repeat(r[:, 0], lengths) + within)[:, None]  # [tokens, 1]
+        dst_slot = (np.repeat(r[:, 1], lengths) + within)[:, None]
+        heads = np.zeros(1, dtype=np.int64)
+        nbytes = np.full_like(src_slot, num_heads * src.head_dim * src.item_size)
+    else:
+        # HND: a run is contiguous per head.
+        heads = np.arange(num_heads, dtype=np.int64)
+        src_slot, dst_slot = r[:, 0:1], r[:, 1:2]  # [runs, 1] x heads
+        nbytes = np.broadcast_to(r[:, 2:3] * src.head_dim * src.item_size, (len(r), num_heads))
+    # Order: layer pair, K|V, run (or token), head — the source's memory order.
+    sl = lp[:, 0][:, None, None, None]
+    dl = lp[:, 1][:, None, None, None]
+    kv = np.arange(2, dtype=np.int64)[None, :, None, None]
+    s_off = src.offsets(sl, kv, src_slot[None, None], src_heads[0] + heads[None, None, None])
+    d_off = dst.offsets(dl, kv, dst_slot[None, None], dst_heads[0] + heads[None, None, None])
+    size = np.broadcast_to(nbytes[None, None], s_off.shape)
+    table = np.stack([s_off.ravel(), d_off.ravel(), size.ravel()], axis=1)
+    return merge_descriptors(table)
+
+
+def merge_descriptors(table: np.ndarray) -> np.ndarray:
+    """Merge consecutive rows that continue each other on both sides."""
+    if len(table) < 2:
+        return table.astype(np.int64, copy=True)
+    src, dst, size = table[:, 0], table[:, 1], table[:, 2]
+    follows = (src[:-1] + size[:-1] == src[1:]) & (dst[:-1] + size[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    merged = np.stack([src[starts], dst[starts], np.add.reduceat(size, starts)], axis=1)
+    return merged.astype(np.int64, copy=False)
+
+
+def _check_runs(r: np.ndarray, geo: RegionGeometry, whose: str) -> None:
+    start, length = r[:, 0], r[:, 2]
+    if length.min() < 1:
+        raise PlanError("a token run is empty")
+    num_slots = geo.num_pages * geo.page_size
+    if start.min() < 0 or (start + length).max() > num_slots:
+        raise PlanError(f"{whose} slots outside the pool's 0..{num_slots - 1}")
+    if ((start % geo.page_size) + length > geo.page_size).any():
+        raise PlanError(f"a token run crosses one of {whose} page boundaries")

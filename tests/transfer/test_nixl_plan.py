@@ -1,0 +1,186 @@
+"""The nixl descriptor planner: the bytes its descriptors move are exactly the frame's KV."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.nixl_plan import (
+    PlanError,
+    RegionGeometry,
+    check_geometries,
+    merge_descriptors,
+    plan_descriptors,
+)
+
+
+def geo(layers=2, pages=8, ps=4, heads=4, dim=2, dtype="float32", layout=KVLayout.NHD):
+    return RegionGeometry(layers, pages, ps, heads, dim, dtype, layout)
+
+
+def shaped(g: RegionGeometry, flat: np.ndarray) -> np.ndarray:
+    """[L, 2, P, ps, H, D] view of a pool's bytes (HND transposed back)."""
+    item = flat.view({4: np.int32, 2: np.int16, 8: np.int64}[g.item_size])
+    if g.layout == KVLayout.NHD:
+        return item.reshape(g.num_layers, 2, g.num_pages, g.page_size, g.num_kv_heads, g.head_dim)
+    hnd = item.reshape(g.num_layers, 2, g.num_pages, g.num_kv_heads, g.page_size, g.head_dim)
+    return hnd.transpose(0, 1, 2, 4, 3, 5)
+
+
+def runs_of(src_slots, dst_slots, src_ps, dst_ps):
+    """Token runs consecutive on both sides, inside one page each (as shm.copy_runs cuts)."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            if s % src_ps and d % dst_ps:
+                runs[-1][2] += 1
+                continue
+        runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def execute(table: np.ndarray, src_bytes: np.ndarray, dst_bytes: np.ndarray) -> None:
+    for s, d, n in table:
+        assert 0 <= s and s + n <= len(src_bytes) and 0 <= d and d + n <= len(dst_bytes)
+        dst_bytes[d : d + n] = src_bytes[s : s + n]
+
+
+def check_moves_exactly(src, dst, src_slots, dst_slots, layer_pairs, src_heads, dst_heads):
+    rng = np.random.default_rng(0)
+    src_bytes = rng.integers(1, 255, src.nbytes, dtype=np.uint8)
+    dst_bytes = np.zeros(dst.nbytes, dtype=np.uint8)
+    runs = runs_of(src_slots, dst_slots, src.page_size, dst.page_size)
+    table = plan_descriptors(src, dst, runs, layer_pairs, src_heads, dst_heads)
+    execute(table, src_bytes, dst_bytes)
+    want = np.zeros(dst.nbytes, dtype=np.uint8)
+    s_view, w_view = shaped(src, src_bytes), shaped(dst, want)
+    for s_slot, d_slot in zip(src_slots, dst_slots, strict=True):
+        sp, st_ = divmod(s_slot, src.page_size)
+        dp, dt = divmod(d_slot, dst.page_size)
+        for sl, dl in layer_pairs:
+            w_view[dl, :, dp, dt, slice(*dst_heads)] = s_view[sl, :, sp, st_, slice(*src_heads)]
+    assert np.array_equal(dst_bytes, want)  # the named bytes, and nothing else
+    return table
+
+
+@st.composite
+def frames(draw):
+    layout = draw(st.sampled_from([KVLayout.NHD, KVLayout.HND]))
+    dtype = draw(st.sampled_from(["float32", "float16", "float64"]))
+    dim = draw(st.integers(1, 3))
+    src_heads_n = draw(st.integers(1, 4))
+    dst_heads_n = draw(st.integers(1, 4))
+    n = draw(st.integers(1, min(src_heads_n, dst_heads_n)))
+    sh0 = draw(st.integers(0, src_heads_n - n))
+    dh0 = draw(st.integers(0, dst_heads_n - n))
+    src_layers, dst_layers = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    num = draw(st.integers(1, min(src_layers, dst_layers)))
+    s0 = draw(st.integers(0, src_layers - num))
+    d0 = draw(st.integers(0, dst_layers - num))
+    src_ps, dst_ps = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
+    src = RegionGeometry(src_layers, 6, src_ps, src_heads_n, dim, dtype, layout)
+    dst = RegionGeometry(dst_layers, 6, dst_ps, dst_heads_n, dim, dtype, layout)
+    tokens = draw(st.integers(1, min(6 * src_ps, 6 * dst_ps)))
+    src_slots = draw(st.permutations(range(6 * src_ps)))[:tokens]
+    dst_slots = draw(st.permutations(range(6 * dst_ps)))[:tokens]
+    if draw(st.booleans()):  # consecutive on both sides, the common case
+        src_slots, dst_slots = sorted(src_slots), sorted(dst_slots)
+    pairs = [(s0 + i, d0 + i) for i in range(num)]
+    return src, dst, src_slots, dst_slots, pairs, (sh0, sh0 + n), (dh0, dh0 + n)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames())
+def test_descriptors_move_exactly_the_frames_kv(case) -> None:
+    check_moves_exactly(*case)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND])
+def test_whole_pages_in_the_same_order_merge_into_one_descriptor_per_layer_half(layout) -> None:
+    g = geo(layout=layout)
+    table = check_moves_exactly(
+        g, g, list(range(4, 16)), list(range(20, 32)), [(0, 0), (1, 1)], (0, 4), (0, 4)
+    )
+    assert len(table) == 2 * 2  # 2 layers x K|V, three pages each
+    assert (table[:, 2] == 3 * 4 * 4 * 2 * 4).all()
+
+
+def test_the_whole_pool_into_the_same_place_is_one_descriptor() -> None:
+    g = geo()
+    slots = list(range(g.num_pages * g.page_size))
+    table = check_moves_exactly(g, g, slots, slots, [(0, 0), (1, 1)], (0, 4), (0, 4))
+    assert table.tolist() == [[0, 0, g.nbytes]]
+
+
+def test_heterogeneous_tp_head_slice_is_one_descriptor_per_token_in_nhd() -> None:
+    # Prefill tp=1 (4 heads) feeding a decode tp=2 rank that owns heads 2..4.
+    src, dst = geo(heads=4), geo(heads=2)
+    table = check_moves_exactly(src, dst, [0, 1, 2], [8, 9, 10], [(0, 0), (1, 1)], (2, 4), (0, 2))
+    assert len(table) == 2 * 2 * 3
+
+
+def test_decode_tp_smaller_than_prefill_tp_writes_its_slice_into_the_wide_pool() -> None:
+    # Prefill tp=2 rank (heads 2..4 of 4) feeding a decode tp=1 rank (all 4 heads).
+    check_moves_exactly(geo(heads=2), geo(heads=4), [5, 6], [1, 2], [(0, 0)], (0, 2), (2, 4))
+
+
+def test_pp_layer_range_lands_at_the_peers_layer_ids() -> None:
+    # Prefill pp=2 rank holding global layers 2..4; decode pp=1 holds 0..4.
+    check_moves_exactly(
+        geo(layers=2), geo(layers=4), [0, 1], [4, 5], [(0, 2), (1, 3)], (0, 4), (0, 4)
+    )
+
+
+def test_different_page_sizes_pair_through_slots() -> None:
+    check_moves_exactly(
+        geo(ps=4), geo(ps=2), list(range(8)), list(range(6, 14)), [(0, 0)], (0, 4), (0, 4)
+    )
+
+
+@pytest.mark.parametrize(
+    ("other", "match"),
+    [
+        (geo(dtype="float16"), "dtype differs"),
+        (geo(dim=4), "head_dim differs"),
+        (geo(layout=KVLayout.HND), "layout differs"),
+    ],
+)
+def test_pools_no_descriptor_can_pair_are_refused(other, match) -> None:
+    with pytest.raises(PlanError, match=match):
+        check_geometries(geo(), other)
+    with pytest.raises(PlanError, match=match):
+        plan_descriptors(geo(), other, [(0, 0, 1)], [(0, 0)], (0, 1), (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("runs", "pairs", "sh", "dh", "match"),
+    [
+        ([(0, 0, 1)], [(0, 0)], (0, 2), (0, 1), "differ in size"),
+        ([(0, 0, 1)], [(0, 0)], (3, 5), (0, 2), "outside"),
+        ([(0, 0, 1)], [(2, 0)], (0, 1), (0, 1), "our layers"),
+        ([(0, 0, 1)], [], (0, 1), (0, 1), "no layers"),
+        ([(2, 0, 3)], [(0, 0)], (0, 1), (0, 1), "crosses"),
+        ([(0, 31, 2)], [(0, 0)], (0, 1), (0, 1), "peer's slots outside"),
+        ([(0, 0, 0)], [(0, 0)], (0, 1), (0, 1), "empty"),
+    ],
+)
+def test_frames_outside_either_pool_are_refused(runs, pairs, sh, dh, match) -> None:
+    with pytest.raises(PlanError, match=match):
+        plan_descriptors(geo(), geo(), runs, pairs, sh, dh)
+
+
+def test_bad_geometry_is_refused() -> None:
+    with pytest.raises(PlanError, match="dtype"):
+        geo(dtype="int8")
+    with pytest.raises(PlanError, match="num_pages"):
+        geo(pages=0)
+
+
+def test_merge_keeps_rows_that_do_not_continue_on_both_sides() -> None:
+    table = np.array([[0, 0, 4], [4, 4, 4], [8, 100, 4], [12, 104, 4], [20, 108, 4]])
+    assert merge_descriptors(table).tolist() == [[0, 0, 8], [8, 100, 8], [20, 108, 4]]
+
+
+def test_no_runs_no_descriptors() -> None:
+    assert plan_descriptors(geo(), geo(), [], [(0, 0)], (0, 1), (0, 1)).shape == (0, 3)

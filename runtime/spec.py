@@ -83,13 +83,8 @@ class TransferBackend(enum.StrEnum):
 
     @property
     def is_one_sided(self) -> bool:
-        """Writes land in the peer's memory without the peer taking part (DESIGN §7, §9)."""
+        """Writes land in the peer's memory without the peer taking part (docs/design.md §7, §9)."""
         return self is not TransferBackend.tcp
-
-    @property
-    def is_one_sided(self) -> bool:
-        """Prefill writes straight into decode's pool: nothing travels to be received."""
-        return self is TransferBackend.shm
 
 
 class Role(enum.StrEnum):

@@ -327,7 +327,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
     if (
         settings.role is Role.decode
         and settings.shm_dir is None
-        and spec.transfer.backend.is_one_sided
+        and spec.transfer.backend is TransferBackend.shm
     ):
         from pdcluster.runtime.transfer.shm_dirs import make_pool_dir, sweep_stale_pool_dirs
 

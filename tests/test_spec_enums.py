@@ -71,5 +71,8 @@ def test_every_role_names_its_spec_field() -> None:
     assert {r.value for r in Role} <= set(PDClusterSpec.model_fields)
 
 
-def test_only_shm_writes_one_sided() -> None:
-    assert [b for b in TransferBackend if b.is_one_sided] == [TransferBackend.shm]
+def test_shm_and_nixl_write_one_sided() -> None:
+    assert [b for b in TransferBackend if b.is_one_sided] == [
+        TransferBackend.shm,
+        TransferBackend.nixl,
+    ]

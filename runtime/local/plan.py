@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
-from pdcluster.runtime.spec import PDCluster, RoleSpec
+from pdcluster.runtime.spec import PDCluster, Role, RoleSpec
 
 HOST = "127.0.0.1"
 
@@ -19,7 +20,7 @@ HOST = "127.0.0.1"
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str  # e.g. "prefill-0", "router"
-    role: str  # "router" | "prefill" | "decode" | "colocated"
+    role: Role | Literal["router"]
     instance: int
     argv: tuple[str, ...]
     port: int  # HTTP port
@@ -47,21 +48,21 @@ class LocalPlan:
         return self.router.url
 
 
-def _role_items(manifest: PDCluster) -> Iterator[tuple[str, RoleSpec]]:
+def _role_items(manifest: PDCluster) -> Iterator[tuple[Role, RoleSpec]]:
     spec = manifest.spec
     if spec.colocated is not None:
-        yield "colocated", spec.colocated
+        yield Role.colocated, spec.colocated
         return
     assert spec.prefill is not None and spec.decode is not None
-    yield "prefill", spec.prefill
-    yield "decode", spec.decode
+    yield Role.prefill, spec.prefill
+    yield Role.decode, spec.decode
 
 
 def count_ports(manifest: PDCluster) -> int:
     """Ports the plan needs: per worker HTTP + distributed store (+ bootstrap), router."""
     n = 1
     for role, rs in _role_items(manifest):
-        n += rs.replicas * (3 if role == "prefill" else 2)
+        n += rs.replicas * (3 if role is Role.prefill else 2)
     return n
 
 
@@ -89,7 +90,7 @@ def build_local_plan(
                 "-f",
                 manifest_path,
                 "--role",
-                role,
+                role.value,
                 "--instance",
                 str(i),
                 "--host",
@@ -100,12 +101,12 @@ def build_local_plan(
                 str(dist_port),
             ]
             bport = None
-            if role == "prefill":
+            if role is Role.prefill:
                 bport = next(free)
                 argv += ["--bootstrap-port", str(bport)]
-            elif role == "decode":
+            elif role is Role.decode:
                 # The only bootstrap servers decode may contact (and send the token to).
-                peers = [f"{HOST}:{w.bootstrap_port}" for w in workers if w.role == "prefill"]
+                peers = [f"{HOST}:{w.bootstrap_port}" for w in workers if w.role is Role.prefill]
                 argv += ["--prefill-peers", ",".join(peers)]
             workers.append(
                 ProcessSpec(

@@ -9,8 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from nixl_helpers import need_nixl
-from transfer_helpers import (
+
+from pdcluster.runtime.engine.kv_pool import KVPool
+from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from tests.transfer.nixl_helpers import need_nixl
+from tests.transfer.transfer_helpers import (
     Link,
     bits,
     expected_pool,
@@ -19,11 +24,6 @@ from transfer_helpers import (
     random_table,
     slots,
 )
-
-from pdcluster.runtime.engine.kv_pool import KVPool
-from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
 _ids = itertools.count()

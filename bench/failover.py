@@ -27,7 +27,6 @@ import random
 import secrets
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,16 +152,7 @@ class Bench:
 
     def restart(self, name: str) -> None:
         spec = self.specs[name]
-        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
-        with open(self.cluster.state_dir / "logs" / f"{name}.log", "ab") as log:
-            self.cluster.procs[name] = subprocess.Popen(
-                list(spec.argv),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.cluster.spawn(spec)
 
         def healthy() -> bool:
             try:

@@ -47,8 +47,10 @@ sys.path.append(str(ROOT))
 
 from e2e import cluster as cluster_mod  # noqa: E402
 from e2e.cluster import ClusterInfo, ClusterSettings  # noqa: E402
+from e2e.decode_request import DecodeRequest  # noqa: E402
 from e2e.nodeagent.kubeapi import KubeApi  # noqa: E402
-from e2e.processes import free_port, spawn, stop, wait_until  # noqa: E402
+from e2e.operator_process import operator_process  # noqa: E402
+from e2e.processes import wait_until  # noqa: E402
 
 NAME = "bench"
 PDC = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusters"
@@ -93,33 +95,6 @@ def control_plane(state: str | None) -> Iterator[ClusterInfo]:
             yield info
         finally:
             cluster_mod.down(Path(tmp))
-
-
-@contextmanager
-def operator_process(info: ClusterInfo, log: Path) -> Iterator[str]:
-    """Runs `python -m pdcluster.operator`; yields its metrics URL."""
-    health, metrics = free_port(), free_port()
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(info.kubeconfig),
-        "PDCLUSTER_OPERATOR_METRICS_PORT": str(metrics),
-        "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
-    }
-    argv = [sys.executable, "-m", "pdcluster.operator", "--all-namespaces"]
-    argv.append(f"--liveness=http://127.0.0.1:{health}/healthz")
-    _, record = spawn("operator", argv, log, env=env)
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 60, f"the operator (log {log})")
-        yield f"http://127.0.0.1:{metrics}/metrics"
-    finally:
-        stop(record, grace_s=10)
 
 
 def histogram(metrics_url: str, name: str, role: str) -> tuple[float, float]:
@@ -215,33 +190,14 @@ class Bench:
         admin = {"Authorization": f"Bearer {token}"}
         before = histogram(self.metrics_url, "pdcluster_operator_failover_seconds", "prefill")
         self.agent.freeze_pod(ns, name)
-        answered: dict[str, Any] = {}
-
-        def ask() -> None:
-            body = {
-                "text": "hello",
-                "sampling_params": {"max_new_tokens": 4},
-                "bootstrap_host": prefill_ip,
-                "bootstrap_port": 8998,
-                "bootstrap_room": secrets.randbits(62),
-            }
-            resp = httpx.post(f"{decode_url}/generate", json=body, headers=admin, timeout=120)
-            answered.update(status=resp.status_code, text=resp.text, at=time.monotonic())
-
-        asker = threading.Thread(target=ask, daemon=True)
-        asker.start()
-
-        def room_open() -> bool:
-            rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()
-            return any(f"{prefill_ip}:8998" in r["peers"] for r in rooms["rooms"])
-
-        self.until(room_open, "decode to open the room", 30)
+        request = DecodeRequest(decode_url, prefill_ip, admin, timeout_s=120)
+        self.until(request.room_open, "decode to open the room", 30)
         failed_at: list[float] = []
         watcher = threading.Thread(target=self._watch_failed, args=(ns, name, failed_at))
         watcher.start()
         killed = time.monotonic()
         self.agent.kill_pod(ns, name)
-        asker.join(120)
+        answered = request.join(120)
         watcher.join(30)
         if answered.get("status") != 502 or "prefill_pod_lost" not in answered.get("text", ""):
             raise RuntimeError(f"decode did not fail the room by the fast path: {answered}")
@@ -292,7 +248,7 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory(prefix="pdc-bench-op-") as tmp,
         control_plane(args.cluster) as info,
-        operator_process(info, Path(tmp) / "operator.log") as metrics_url,
+        operator_process(info.kubeconfig, Path(tmp) / "operator.log") as (_, metrics_url),
     ):
         bench = Bench(info, metrics_url)
         applies = [bench.apply_trial() for _ in range(args.apply_trials)]

@@ -7,6 +7,7 @@ import json
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,39 @@ from e2e.processes import wait_until
 
 pytestmark = pytest.mark.k8s
 
+SLEEPER = "import time; time.sleep(600)"
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def create_pod(kube: KubeApi, namespace: str, pod: dict[str, Any]) -> str:
+    """Create `pod` in `namespace`; its API path."""
+    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    return f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}"
+
+
+def create_secret(kube: KubeApi, namespace: str, name: str, value: str) -> None:
+    """A Secret `name` whose one key, `value`, holds `value`."""
+    kube.create(
+        f"/api/v1/namespaces/{namespace}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name},
+            "stringData": {"value": value},
+        },
+    )
+
+
+def wait_waiting_with_message(kube: KubeApi, path: str, what: str) -> dict[str, Any]:
+    """The pod once its container waits with a message (past the plain ContainerCreating)."""
+    return wait_for_object(
+        kube,
+        path,
+        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
+        30,
+        what,
+    )
+
 
 def test_crashing_container_restarts_with_growing_back_off(
     kube: KubeApi, namespace: str, tmp_path: Path
@@ -33,10 +67,10 @@ def test_crashing_container_restarts_with_growing_back_off(
     script = (
         f"import sys, time; open({str(starts)!r}, 'a').write(f'{{time.time()}}\\n'); sys.exit(3)"
     )
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", make_pod("crash", ["python", "-c", script]))
+    path = create_pod(kube, namespace, make_pod("crash", ["python", "-c", script]))
     pod = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/crash",
+        path,
         lambda p: container_status(p).get("restartCount", 0) >= 3,
         60,
         "3 restarts",
@@ -53,7 +87,7 @@ def test_crashing_container_restarts_with_growing_back_off(
     assert gaps[2] > 2 * gaps[0], gaps
     waiting = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/crash",
+        path,
         lambda p: "waiting" in container_status(p).get("state", {}),
         30,
         "the container waiting in back-off",
@@ -65,10 +99,10 @@ def test_restart_policy_never_fails_the_pod_with_the_exit_code(
     kube: KubeApi, namespace: str
 ) -> None:
     pod = make_pod("once", ["python", "-c", "raise SystemExit(7)"], restartPolicy="Never")
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = create_pod(kube, namespace, pod)
     done = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/once",
+        path,
         lambda p: p.get("status", {}).get("phase") == "Failed",
         30,
         "phase Failed",
@@ -81,15 +115,7 @@ def test_restart_policy_never_fails_the_pod_with_the_exit_code(
 def test_downward_api_and_secret_reach_the_process_environment(
     kube: KubeApi, namespace: str, node_agent: NodeAgentClient
 ) -> None:
-    kube.create(
-        f"/api/v1/namespaces/{namespace}/secrets",
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "token"},
-            "stringData": {"value": "s3cret"},
-        },
-    )
+    create_secret(kube, namespace, "token", "s3cret")
     env = [
         POD_IP_ENV,
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -100,10 +126,10 @@ def test_downward_api_and_secret_reach_the_process_environment(
     ]
     script = "import json, os; print(json.dumps(dict(os.environ)))"
     pod = make_pod("env", ["python", "-c", script], restartPolicy="Never", container={"env": env})
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = create_pod(kube, namespace, pod)
     done = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/env",
+        path,
         lambda p: p.get("status", {}).get("phase") == "Succeeded",
         30,
         "phase Succeeded",
@@ -121,28 +147,13 @@ def test_missing_secret_is_reported_then_picked_up_once_created(
 ) -> None:
     env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "later", "key": "value"}}}]
     pod = make_pod("waits", ["python", "-c", "import time; time.sleep(60)"], container={"env": env})
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
-    path = f"/api/v1/namespaces/{namespace}/pods/waits"
+    path = create_pod(kube, namespace, pod)
     # Past the ContainerCreating every container starts out in: the first start attempt.
-    stuck = wait_for_object(
-        kube,
-        path,
-        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
-        30,
-        "a container waiting with a reason",
-    )
+    stuck = wait_waiting_with_message(kube, path, "a container waiting with a reason")
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
     assert "later" in waiting["message"]
-    kube.create(
-        f"/api/v1/namespaces/{namespace}/secrets",
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "later"},
-            "stringData": {"value": "x"},
-        },
-    )
+    create_secret(kube, namespace, "later", "x")
     wait_for_object(kube, path, is_ready, 30, "the pod to start once the Secret exists")
 
 
@@ -175,29 +186,14 @@ def test_secret_volume_files_reach_the_process_read_only_without_a_token(
         volumes=volumes,
         container=container,
     )
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
-    path = f"/api/v1/namespaces/{namespace}/pods/files"
+    path = create_pod(kube, namespace, pod)
     # Like a kubelet: no Secret, no mount, the container waits (the pod stays Pending).
     # Every container starts out waiting in ContainerCreating; wait for the mount's message.
-    stuck = wait_for_object(
-        kube,
-        path,
-        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
-        30,
-        "waiting on the mount",
-    )
+    stuck = wait_waiting_with_message(kube, path, "waiting on the mount")
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "ContainerCreating" and "mounted" in waiting["message"]
     assert stuck["status"]["phase"] == "Pending"
-    kube.create(
-        f"/api/v1/namespaces/{namespace}/secrets",
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "mounted"},
-            "stringData": {"value": "from-a-file"},
-        },
-    )
+    create_secret(kube, namespace, "mounted", "from-a-file")
     wait_for_object(
         kube, path, lambda p: p.get("status", {}).get("phase") == "Succeeded", 30, "Succeeded"
     )
@@ -223,8 +219,7 @@ def test_kill_freeze_and_thaw_hooks(
             },
         },
     )
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
-    path = f"/api/v1/namespaces/{namespace}/pods/victim"
+    path = create_pod(kube, namespace, pod)
     wait_for_object(kube, path, is_ready, 30, "Ready")
 
     assert node_agent.freeze_pod(namespace, "victim") == ["main"]
@@ -249,53 +244,38 @@ def test_kill_freeze_and_thaw_hooks(
         node_agent.kill_pod(namespace, "no-such-pod")
 
 
-def test_liveness_failure_restarts_the_container(kube: KubeApi, namespace: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "probe", "exit_code"),
+    [
+        # Asked to stop with SIGTERM, which Python's default handler obeys.
+        pytest.param(SLEEPER, {"failureThreshold": 2}, 128 + 15, id="stops_on_sigterm"),
+        # Ignores SIGTERM: SIGKILL at the end of the grace period.
+        pytest.param(
+            STUBBORN,
+            # The delay is time for Python to start ignoring SIGTERM.
+            {"initialDelaySeconds": 2, "failureThreshold": 1},
+            128 + 9,
+            id="ignores_sigterm",
+        ),
+    ],
+)
+def test_liveness_failure_restarts_the_container(
+    kube: KubeApi, namespace: str, command: str, probe: dict[str, int], exit_code: int
+) -> None:
     pod = make_pod(
-        "hangs",
-        ["python", "-c", "import time; time.sleep(600)"],
-        container={
-            "livenessProbe": {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2}
-        },
+        "probed",
+        ["python", "-c", command],
+        container={"livenessProbe": {"tcpSocket": {"port": 9}, "periodSeconds": 1, **probe}},
         terminationGracePeriodSeconds=1,
     )
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
     restarted = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/hangs",
+        create_pod(kube, namespace, pod),
         lambda p: container_status(p).get("restartCount", 0) >= 1,
         30,
         "a restart after failed liveness probes",
     )
-    # The process was asked to stop with SIGTERM, which Python's default handler obeys.
-    assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == 128 + 15
-
-
-def test_liveness_failure_kills_a_process_that_ignores_sigterm_and_restarts_it(
-    kube: KubeApi, namespace: str
-) -> None:
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    pod = make_pod(
-        "deaf",
-        ["python", "-c", stubborn],
-        container={
-            "livenessProbe": {
-                "tcpSocket": {"port": 9},
-                "initialDelaySeconds": 2,  # time for Python to start ignoring SIGTERM
-                "periodSeconds": 1,
-                "failureThreshold": 1,
-            }
-        },
-        terminationGracePeriodSeconds=1,
-    )
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
-    restarted = wait_for_object(
-        kube,
-        f"/api/v1/namespaces/{namespace}/pods/deaf",
-        lambda p: container_status(p).get("restartCount", 0) >= 1,
-        30,
-        "a restart after SIGKILL at the end of the grace period",
-    )
-    assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == 128 + 9
+    assert container_status(restarted)["lastState"]["terminated"]["exitCode"] == exit_code
 
 
 def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_path: Path) -> None:
@@ -310,11 +290,10 @@ def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_pat
         time.sleep(600)
         """
     )
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     kube.create(
         f"/api/v1/namespaces/{namespace}/pods", make_pod("polite", ["python", "-c", polite])
     )
-    stubborn_pod = make_pod("stubborn", ["python", "-c", stubborn], terminationGracePeriodSeconds=2)
+    stubborn_pod = make_pod("stubborn", ["python", "-c", STUBBORN], terminationGracePeriodSeconds=2)
     kube.create(f"/api/v1/namespaces/{namespace}/pods", stubborn_pod)
     for name in ("polite", "stubborn"):
         wait_for_object(
@@ -343,10 +322,10 @@ def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_pat
 def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -> None:
     pod = make_pod("nocmd", [])
     del pod["spec"]["containers"][0]["command"]
-    kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = create_pod(kube, namespace, pod)
     stuck = wait_for_object(
         kube,
-        f"/api/v1/namespaces/{namespace}/pods/nocmd",
+        path,
         lambda p: "waiting" in container_status(p).get("state", {}),
         30,
         "a waiting container",
@@ -405,10 +384,10 @@ def test_pod_reaches_the_api_as_its_service_account_under_rbac(
 
     def run(name: str) -> str:
         pod = make_pod(name, ["python", "-c", script], restartPolicy="Never")
-        kube.create(f"/api/v1/namespaces/{namespace}/pods", pod)
+        path = create_pod(kube, namespace, pod)
         wait_for_object(
             kube,
-            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            path,
             lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
             60,
             f"{name} to finish",

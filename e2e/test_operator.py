@@ -15,9 +15,7 @@ an object that replaced one of its own.
 from __future__ import annotations
 
 import base64
-import os
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,10 +29,12 @@ import yaml
 
 from e2e.cluster import ClusterInfo
 from e2e.conftest import KubectlRunner
+from e2e.decode_request import DecodeRequest, generate_body
 from e2e.kubetest import is_ready
 from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
-from e2e.processes import ProcessRecord, free_port, spawn, stop, wait_until
+from e2e.operator_process import operator_process
+from e2e.processes import ProcessRecord, wait_until
 
 pytestmark = pytest.mark.k8s
 
@@ -90,43 +90,17 @@ class Operator:
 def operator(
     k8s_cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
-    health, metrics = free_port(), free_port()
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(k8s_cluster.kubeconfig),
-        "PDCLUSTER_OPERATOR_METRICS_PORT": str(metrics),
-        "PDCLUSTER_OPERATOR_METRICS_HOST": "127.0.0.1",
+    settings = {
         "PDCLUSTER_OPERATOR_RESYNC_SECONDS": "20",
         "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2",
         "PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS": "5",
     }
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    _, record = spawn(
-        "operator",
-        [
-            sys.executable,
-            "-m",
-            "pdcluster.operator",
-            "--all-namespaces",
-            f"--liveness=http://127.0.0.1:{health}/healthz",
-        ],
-        log,
-        env=env,
-        die_with_parent=True,
-    )
-    op = Operator(record, log, f"http://127.0.0.1:{metrics}/metrics")
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{health}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 60, f"the operator's liveness endpoint (log: {log})")
-        yield op
-    finally:
-        stop(record, grace_s=10)
+    with operator_process(k8s_cluster.kubeconfig, log, env=settings, die_with_parent=True) as (
+        record,
+        metrics_url,
+    ):
+        yield Operator(record, log, metrics_url)
 
 
 @pytest.fixture(scope="module")
@@ -331,36 +305,14 @@ def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
 
     # A request whose KV must come from a prefill that hangs: decode waits for it.
     node_agent.freeze_pod(ns, prefill["metadata"]["name"])
-    answer: dict[str, Any] = {}
-
-    def ask() -> None:
-        body = {
-            "text": "hello",
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": prefill_ip,
-            "bootstrap_port": 8998,
-            "bootstrap_room": secrets.randbits(62),
-        }
-        resp = httpx.post(f"{decode_url}/generate", json=body, headers=admin, timeout=90)
-        answer.update(status=resp.status_code, text=resp.text, at=time.monotonic())
-
-    asker = threading.Thread(target=ask, daemon=True)
-    asker.start()
-
-    seen: list[Any] = []
-
-    def room_open() -> bool:
-        rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()["rooms"]
-        seen[:] = rooms
-        return any(f"{prefill_ip}:8998" in r["peers"] for r in rooms)
-
+    request = DecodeRequest(decode_url, prefill_ip, admin, timeout_s=90)
     try:
-        wait_until(room_open, 30, "decode to open the room")
+        wait_until(request.room_open, 30, "decode to open the room")
     except TimeoutError as err:
-        raise AssertionError(f"{err}: rooms {seen}, answer {answer}") from err
+        raise AssertionError(f"{err}: rooms {request.rooms}, answer {request.answer}") from err
     killed_at = time.monotonic()
     node_agent.kill_pod(ns, prefill["metadata"]["name"])
-    asker.join(60)
+    answer = request.join(60)
     assert answer, "decode never answered"
     took = answer["at"] - killed_at
     # Fast path: pod event → operator → /admin/fail_peer; the heartbeat would need 60 s.
@@ -415,13 +367,7 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
     frozen_at = time.monotonic()
     node_agent.freeze_pod(ns, name)
     try:
-        body = {
-            "text": "hello",
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": prefill_ip,
-            "bootstrap_port": 8998,
-            "bootstrap_room": secrets.randbits(62),
-        }
+        body = generate_body(prefill_ip)
         auth = {"Authorization": f"Bearer {token(kube, ns)}"}  # the worker API is guarded
         resp = httpx.post(f"{decode_url}/generate", json=body, headers=auth, timeout=90)
         took = time.monotonic() - frozen_at

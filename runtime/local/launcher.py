@@ -62,23 +62,29 @@ class LocalCluster:
         token_file.touch(mode=0o600, exist_ok=True)
         token_file.chmod(0o600)
         token_file.write_text(self.token + "\n")
-        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         try:
             for spec in self.plan.processes:
-                log = open(self.state_dir / "logs" / f"{spec.name}.log", "ab")  # noqa: SIM115
-                self.procs[spec.name] = subprocess.Popen(
-                    list(spec.argv),
-                    env={**env, **spec.env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-                log.close()
+                self.spawn(spec)
         except BaseException:
             self.stop()
             raise
         self.write_state()
+
+    def spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
+        """Start one process of the plan (again, after it died: same argv and ports);
+        its output is appended to its log."""
+        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **spec.env}
+        with open(self.state_dir / "logs" / f"{spec.name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs[spec.name] = proc
+        return proc
 
     def write_state(self) -> None:
         state = {

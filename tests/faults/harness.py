@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +32,7 @@ from pdcluster.runtime.cli import load_manifest
 from pdcluster.runtime.local.launcher import LocalCluster, free_ports
 from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_ports
 from pdcluster.runtime.spec import PDCluster
-from tests.faults.rogue import PREFILL_LISTENERS
+from tests.faults.rogue import PREFILL_LISTENERS, Background
 from tests.local.cluster import write_manifest
 
 TOKEN = "fault-suite-" + secrets.token_hex(8)
@@ -191,16 +190,7 @@ class FaultCluster:
         old = self.launcher.procs[name]
         if old.poll() is None:
             self.kill(name)
-        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **spec.env}
-        with open(self.state_dir / "logs" / f"{name}.log", "ab") as log:
-            self.launcher.procs[name] = subprocess.Popen(
-                list(spec.argv),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.launcher.spawn(spec)
         if wait:
             self.wait_healthy(name, timeout)
             if self.spec(name).bootstrap_port is not None:
@@ -285,6 +275,21 @@ class FaultCluster:
         rooms: list[dict[str, Any]] = resp.json()["rooms"]
         return rooms
 
+    def room_state(self, name: str, room: int) -> str | None:
+        """The KVPoll state of `room` on worker `name`; None once it is gone."""
+        for r in self.rooms(name):
+            if r["room"] == room:
+                state: str = r["state"]
+                return state
+        return None
+
+    def abort(self, name: str, rid: str) -> dict[str, Any]:
+        """POST /abort_request for `rid` on worker `name`; it must answer 200."""
+        resp = self.admin(name, "POST", "/abort_request", json={"rid": rid}, timeout=5)
+        assert resp.status_code == 200, resp.text
+        data: dict[str, Any] = resp.json()
+        return data
+
     def fail_peer(
         self, name: str, peer: str, reason: str = "peer_lost", gone: bool | None = None
     ) -> httpx.Response:
@@ -344,19 +349,20 @@ def gen_body(
     prompt: list[int],
     max_tokens: int,
     *,
-    rid: str,
-    room: int,
     bootstrap: tuple[str, int],
+    rid: str | None = None,
+    room: int | None = None,
     stream: bool = False,
 ) -> dict[str, Any]:
+    """A worker leg's body; a fresh rid and room unless given."""
     return {
         "input_ids": prompt,
-        "rid": rid,
+        "rid": mint_rid() if rid is None else rid,
         "stream": stream,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
         "bootstrap_host": bootstrap[0],
         "bootstrap_port": bootstrap[1],
-        "bootstrap_room": room,
+        "bootstrap_room": mint_room() if room is None else room,
     }
 
 
@@ -458,9 +464,113 @@ class PDClient:
                     abort_leg(legs[other], rid)
         return PDResult(rid, room, pre.result(), dec.result())
 
+    def pair(
+        self,
+        cluster: FaultCluster,
+        prefill: str,
+        decode: str,
+        prompt: list[int],
+        max_tokens: int = 4,
+        *,
+        timeout: float = 30.0,
+        propagate: bool = True,
+    ) -> PDResult:
+        """`generate` through the named workers of `cluster` (prefill's own bootstrap server)."""
+        return self.generate(
+            cluster.url(prefill),
+            cluster.url(decode),
+            cluster.bootstrap(prefill),
+            prompt,
+            max_tokens,
+            timeout=timeout,
+            propagate=propagate,
+        )
+
     def many(self, jobs: list[Callable[[], T]]) -> list[T]:
         futures = [self.pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
+
+
+# ---------------------------------------------------------------- traffic under faults
+
+
+def tied_rooms(cluster: FaultCluster, decode: str, prefill: str) -> list[dict[str, Any]]:
+    peer = cluster.peer(prefill)
+    return [r for r in cluster.rooms(decode) if peer in r["peers"]]
+
+
+def live(rooms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rooms if r["state"] != "Failed"]
+
+
+def start_traffic(
+    cluster: FaultCluster,
+    client: PDClient,
+    victims: list[tuple[str, str, list[int]]],
+    survivors: list[tuple[str, str, list[int]]],
+    *,
+    propagate: bool = True,
+    max_tokens: int = 4,
+) -> Background:
+    """Victims and survivors at once. `propagate=False`: a failed leg does not get the
+    other aborted, so only the workers' own detection (heartbeat, timeouts) ends it."""
+
+    def job(prefill: str, decode: str, prompt: list[int], propagate: bool) -> PDResult:
+        return client.pair(
+            cluster, prefill, decode, prompt, max_tokens, timeout=40, propagate=propagate
+        )
+
+    jobs = [lambda a=a: job(*a, propagate) for a in victims] + [
+        lambda a=a: job(*a, True) for a in survivors
+    ]
+    return Background(client.many, jobs)
+
+
+def run_all(
+    cluster: FaultCluster,
+    client: PDClient,
+    prompts: list[list[int]],
+    max_tokens: int = 4,
+    *,
+    timeout: float = 40,
+    propagate: bool = True,
+) -> list[PDResult]:
+    """Every prompt through prefill-0 and decode-0 at once; the results in prompt order."""
+    return client.many(
+        [
+            lambda p=p: client.pair(
+                cluster,
+                "prefill-0",
+                "decode-0",
+                p,
+                max_tokens,
+                timeout=timeout,
+                propagate=propagate,
+            )
+            for p in prompts
+        ]
+    )
+
+
+def check_survivors(results: list[PDResult], expected: list[list[int]]) -> None:
+    for i, (res, want) in enumerate(zip(results, expected, strict=True)):
+        assert res.decode.ok, f"survivor {i} failed: {res.decode.status} {res.decode.error}"
+        assert res.decode.output_ids == want, f"survivor {i}: PD output != colocated output"
+
+
+def wait_mid_transfer(cluster: FaultCluster, decode: str, prefill: str) -> None:
+    """Until one room from `prefill` is receiving KV on `decode` and another still waits."""
+    seen: list[Any] = []
+
+    def ready() -> bool:
+        rooms = live(tied_rooms(cluster, decode, prefill))
+        seen[:] = [(r["state"], r["detail"], r["reason"]) for r in rooms]
+        return len(rooms) >= 2 and any(r["state"] == "Transferring" for r in rooms)
+
+    try:
+        wait_until(ready, 30, 0.01, f"a room on {decode} Transferring from {prefill}")
+    except AssertionError as err:
+        raise AssertionError(f"{err}; last seen {seen}; {cluster.stats(decode)}") from None
 
 
 def router_generate(endpoint: str, prompt: list[int], max_tokens: int, timeout: float) -> LegResult:

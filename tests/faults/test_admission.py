@@ -58,9 +58,7 @@ def test_unreachable_bootstrap_fails_fast_then_the_late_instance_is_used(
     time.sleep(0.1)
     # Decode fetches /route off its scheduler: others are served meanwhile.
     assert not lost.done(), "the unreachable request should still be retrying"
-    other = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt
-    )
+    other = client.pair(pd, "prefill-0", "decode-0", prompt)
     assert other.decode.ok and other.decode.output_ids == expected
     assert other.decode.elapsed < 1.0
     res: PDResult = lost.result(15)
@@ -178,7 +176,7 @@ def test_prompt_over_capacity_is_refused_on_both_legs(pd: FaultCluster, compat: 
     limit = pd.info("decode-0")["max_prompt_tokens"]
     prompt = [7] * (limit + 1)
     try:
-        body = gen_body(prompt, 4, rid=mint_rid(), room=mint_room(), bootstrap=rogue.bootstrap)
+        body = gen_body(prompt, 4, bootstrap=rogue.bootstrap)
         for worker in ("prefill-0", "decode-0"):
             t0 = time.monotonic()
             res = post_leg(pd.url(worker), body, 10)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import httpx
 import pytest
@@ -48,26 +47,6 @@ PAGE = 16
 DECODE_STATES = ["Bootstrapping", "WaitingForInput", "Transferring", "Success"]
 
 
-def abort(cluster: FaultCluster, worker: str, rid: str) -> dict[str, Any]:
-    resp = httpx.post(
-        cluster.url(worker) + "/abort_request",
-        json={"rid": rid},
-        headers={"Authorization": f"Bearer {cluster.token}"},
-        timeout=5,
-    )
-    assert resp.status_code == 200, resp.text
-    data: dict[str, Any] = resp.json()
-    return data
-
-
-def room_state(cluster: FaultCluster, worker: str, room: int) -> str | None:
-    for r in cluster.rooms(worker):
-        if r["room"] == room:
-            state: str = r["state"]
-            return state
-    return None
-
-
 # ------------------------------------------------------------------ decode side
 
 
@@ -91,7 +70,7 @@ def test_decode_abort_in_each_state(
             wait_until(lambda: pd.rooms("decode-0"), 10, what="the decode room")
             time.sleep(0.3)  # a few /route retries
             rid = pd.rooms("decode-0")[0]["rid"]
-            assert room_state(pd, "decode-0", pd.rooms("decode-0")[0]["room"]) == "Bootstrapping"
+            assert pd.room_state("decode-0", pd.rooms("decode-0")[0]["room"]) == "Bootstrapping"
         else:
             _, meta = rogue.expect(pdmsg.TransferMeta)
             rid = meta.rid
@@ -103,16 +82,16 @@ def test_decode_abort_in_each_state(
                 rogue.send_kv(meta, len(prompt), is_last=True)
                 rogue.status(meta, KVPoll.Success, first_token=7)
             if state != "Success":
-                wait_until(lambda: room_state(pd, "decode-0", meta.room) == state, 5, what=state)
+                wait_until(lambda: pd.room_state("decode-0", meta.room) == state, 5, what=state)
             else:
                 # Handed to the engine: decoding 300 tokens.
-                wait_until(lambda: room_state(pd, "decode-0", meta.room) is None, 5)
+                wait_until(lambda: pd.room_state("decode-0", meta.room) is None, 5)
                 assert (
                     pd.info("decode-0")["num_free_pages"] < pd.info("decode-0")["num_total_pages"]
                 )
 
         aborted_at = time.monotonic()
-        assert abort(pd, "decode-0", rid)["found"] is True
+        assert pd.abort("decode-0", rid)["found"] is True
         result: PDResult = leg.result(10)
         assert result.decode.ended_at - aborted_at < 1.0
         if state == "Success":
@@ -142,7 +121,7 @@ def test_decode_abort_in_each_state(
             )
             info = pd.info("decode-0")
             assert info["num_free_pages"] == info["num_total_pages"] - num_pages
-            assert room_state(pd, "decode-0", meta.room) == "Failed"
+            assert pd.room_state("decode-0", meta.room) == "Failed"
             released_at = time.monotonic()
             rogue.ack(meta.decode_endpoint, meta.room, meta.generation)
             pd.assert_clean(["decode-0"], timeout=5)
@@ -178,13 +157,13 @@ def test_abort_matches_the_exact_rid(
         ]
         metas = [rogue.expect(pdmsg.TransferMeta)[1] for _ in range(2)]
         by_rid = {m.rid: m for m in metas}
-        assert abort(pd, "decode-0", rid[:-1])["found"] is False  # a prefix is not a match
-        assert abort(pd, "decode-0", rid)["found"] is True
+        assert pd.abort("decode-0", rid[:-1])["found"] is False  # a prefix is not a match
+        assert pd.abort("decode-0", rid)["found"] is True
         first: PDResult = legs[0].result(10)
         assert first.decode.status == 502
-        assert room_state(pd, "decode-0", by_rid[longer].room) == "WaitingForInput"
+        assert pd.room_state("decode-0", by_rid[longer].room) == "WaitingForInput"
         assert rogue.quiet(pdmsg.Abort, by_rid[longer].room, 0.2)
-        assert abort(pd, "decode-0", longer)["found"] is True
+        assert pd.abort("decode-0", longer)["found"] is True
         legs[1].result(10)
         for m in metas:
             rogue.expect(pdmsg.Abort, m.room)
@@ -218,8 +197,8 @@ def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
     prompt = make_prompts(1, seed=71, lo=100, hi=100)[0]
     try:
         leg = prefill_leg(pd, prompt, rid, room)
-        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
-        assert abort(pd, "prefill-0", rid)["found"] is True
+        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+        assert pd.abort("prefill-0", rid)["found"] is True
         res: LegResult = leg.result(10)
         assert res.status == 502 and "aborted" in res.error
         pd.assert_clean(["prefill-0"], timeout=5)
@@ -241,7 +220,7 @@ def test_decode_abort_before_the_prefill_leg_refuses_it(
     prompt = make_prompts(1, seed=72, lo=100, hi=100)[0]
     try:
         rogue.meta(prefill, room, rid, list(range(7)))  # the claim creates the room
-        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
         rogue.abort(prefill, room, rid)
         _, ack = rogue.expect(pdmsg.AbortAck, room)
         assert ack.generation == 1
@@ -264,7 +243,7 @@ def test_prefill_acks_an_abort_only_after_its_writes_drained(
     pages = list(range(math.ceil(len(prompt) / PAGE)))
     try:
         leg = prefill_leg(pd, prompt, rid, room)
-        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
         rogue.meta(prefill, room, rid, pages)
         if state == "WaitingForInput":
             # Same connection, next message: handled before any chunk is computed.
@@ -307,14 +286,14 @@ def test_prefill_abort_with_undeliverable_writes_frees_after_release_timeout(
     pages = list(range(math.ceil(len(prompt) / PAGE)))
     leg = prefill_leg(pd, prompt, rid, room)
     try:
-        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
         rogue.meta(prefill, room, rid, pages)
         wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
     finally:
         rogue.close()  # the decode rank is gone: the writes queued for it cannot leave
-    assert room_state(pd, "prefill-0", room) == "Transferring"
+    assert pd.room_state("prefill-0", room) == "Transferring"
     aborted_at = time.monotonic()
-    assert abort(pd, "prefill-0", rid)["found"] is True
+    assert pd.abort("prefill-0", rid)["found"] is True
     res: LegResult = leg.result(10)
     assert res.status == 502
     release_s = pd.manifest.spec.transfer.abort_release_timeout_seconds

@@ -31,8 +31,6 @@ from tests.faults.harness import (
     base_spec,
     gen_body,
     make_prompts,
-    mint_rid,
-    mint_room,
     post_leg,
     router_generate,
     wait_until,
@@ -201,7 +199,7 @@ def test_requests_past_max_rooms_queue_and_succeed_and_only_past_the_queue_get_5
             pool.submit(
                 post_leg,
                 prefill,
-                gen_body(prompts[0], 4, rid=mint_rid(), room=mint_room(), bootstrap=bootstrap),
+                gen_body(prompts[0], 4, bootstrap=bootstrap),
                 30,
             )
             for _ in range(8)

@@ -30,16 +30,21 @@ from pdcluster.runtime.pd_worker.admin_body import (
     FailPeerRequest,
     parse_fail_peer,
 )
-from tests.faults.harness import FaultCluster, PDClient, PDResult, make_prompts, wait_until
-from tests.faults.rogue import Background, RoguePrefill
-from tests.faults.test_peer_loss import (
-    MAX_TOKENS,
+from tests.faults.harness import (
+    FaultCluster,
+    PDClient,
+    PDResult,
     check_survivors,
+    make_prompts,
     start_traffic,
     tied_rooms,
     wait_mid_transfer,
+    wait_until,
 )
+from tests.faults.rogue import Background, RoguePrefill
 from tests.pd_integration.reference import colocated_outputs
+
+MAX_TOKENS = 4
 
 # ------------------------------------------------------------------ the body, pure
 

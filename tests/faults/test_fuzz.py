@@ -148,9 +148,7 @@ def test_fuzzed_frames_and_bodies_change_nothing(
     wait_until(
         lambda: all(pd.info(n)["num_rooms"] <= rooms[n] for n in pd.workers()), 15, 0.1, "rooms"
     )
-    again = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt, 48
-    )
+    again = client.pair(pd, "prefill-0", "decode-0", prompt, 48)
     assert again.decode.ok and again.decode.output_ids == expected
     assert sent["frames"] >= 4000 and sent["bodies"] >= 300, sent
     assert fuzz_s < 45, f"fuzzing took {fuzz_s:.0f}s"

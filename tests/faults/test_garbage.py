@@ -157,9 +157,7 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
 
         wait_until(exported, 5, 0.1, f"{name} rejects in /metrics")
     pd.assert_clean()
-    res = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt
-    )
+    res = client.pair(pd, "prefill-0", "decode-0", prompt)
     assert res.decode.ok and res.decode.output_ids == expected
 
 
@@ -272,7 +270,5 @@ def test_garbage_on_the_http_apis_is_refused_and_changes_nothing(
     pd.assert_clean()
     prompt = make_prompts(1, seed=112, lo=30, hi=30)[0]
     expected = colocated_outputs(pd.manifest, [prompt], 4)[0]
-    res = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt
-    )
+    res = client.pair(pd, "prefill-0", "decode-0", prompt)
     assert res.decode.ok and res.decode.output_ids == expected

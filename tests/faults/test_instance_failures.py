@@ -102,7 +102,7 @@ def test_a_room_of_dp_group_1_counts_once_though_both_its_ranks_fail_it(
     pd = dp2tp2
     before = failures(pd)
     room = mint_room() // 2 * 2 + 1
-    body = gen_body([5] * 20, 4, rid=mint_rid(), room=room, bootstrap=pd.bootstrap(FRONT))
+    body = gen_body([5] * 20, 4, room=room, bootstrap=pd.bootstrap(FRONT))
     res = post_leg(pd.url(FRONT), body, 30.0)
     assert res.status == 502 and "bootstrap_timeout" in res.error, res
 

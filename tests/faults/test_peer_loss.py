@@ -12,7 +12,6 @@ counted, and every surviving worker returns all its pages.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,12 @@ from tests.faults.harness import (
     FaultCluster,
     PDClient,
     PDResult,
+    check_survivors,
+    live,
     make_prompts,
+    start_traffic,
+    tied_rooms,
+    wait_mid_transfer,
     wait_until,
 )
 from tests.faults.rogue import Background
@@ -35,62 +39,29 @@ PROBE_TIMEOUT_S = 0.25
 UNREACHABLE = ("prefill_unreachable", "bootstrap_unreachable")
 
 
-def tied_rooms(cluster: FaultCluster, decode: str, prefill: str) -> list[dict[str, Any]]:
-    peer = cluster.peer(prefill)
-    return [r for r in cluster.rooms(decode) if peer in r["peers"]]
-
-
-def live(rooms: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rooms if r["state"] != "Failed"]
-
-
-def start_traffic(
-    cluster: FaultCluster,
-    client: PDClient,
-    victims: list[tuple[str, str, list[int]]],
-    survivors: list[tuple[str, str, list[int]]],
-    *,
-    propagate: bool = True,
+def victims_on_prefill_1(
+    pd: FaultCluster, client: PDClient, victims: list[list[int]], survivors: list[list[int]]
 ) -> Background:
-    """Victims and survivors at once. `propagate=False`: a failed leg does not get the
-    other aborted, so only the workers' own detection (heartbeat, timeouts) ends it."""
-
-    def job(prefill: str, decode: str, prompt: list[int], propagate: bool) -> PDResult:
-        return client.generate(
-            cluster.url(prefill),
-            cluster.url(decode),
-            cluster.bootstrap(prefill),
-            prompt,
-            MAX_TOKENS,
-            timeout=40,
-            propagate=propagate,
-        )
-
-    jobs = [lambda a=a: job(*a, propagate) for a in victims] + [
-        lambda a=a: job(*a, True) for a in survivors
-    ]
-    return Background(client.many, jobs)
+    """Victims prefill-1 → decode-0 (left to the workers' own detection), survivors
+    prefill-0 → both decodes; returns once prefill-1 is mid-transfer to decode-0."""
+    traffic = start_traffic(
+        pd,
+        client,
+        [("prefill-1", "decode-0", p) for p in victims],
+        [("prefill-0", f"decode-{i % 2}", p) for i, p in enumerate(survivors)],
+        propagate=False,
+    )
+    wait_mid_transfer(pd, "decode-0", "prefill-1")
+    return traffic
 
 
-def check_survivors(results: list[PDResult], expected: list[list[int]]) -> None:
-    for i, (res, want) in enumerate(zip(results, expected, strict=True)):
-        assert res.decode.ok, f"survivor {i} failed: {res.decode.status} {res.decode.error}"
-        assert res.decode.output_ids == want, f"survivor {i}: PD output != colocated output"
-
-
-def wait_mid_transfer(cluster: FaultCluster, decode: str, prefill: str) -> None:
-    """Until one room from `prefill` is receiving KV on `decode` and another still waits."""
-    seen: list[Any] = []
-
-    def ready() -> bool:
-        rooms = live(tied_rooms(cluster, decode, prefill))
-        seen[:] = [(r["state"], r["detail"], r["reason"]) for r in rooms]
-        return len(rooms) >= 2 and any(r["state"] == "Transferring" for r in rooms)
-
-    try:
-        wait_until(ready, 30, 0.01, f"a room on {decode} Transferring from {prefill}")
-    except AssertionError as err:
-        raise AssertionError(f"{err}; last seen {seen}; {cluster.stats(decode)}") from None
+def prefill_1_rooms_failed(pd: FaultCluster, since: float, what: str) -> float:
+    """Seconds from `since` until decode-0 holds no live room of prefill-1 (at most
+    the heartbeat bound plus one second)."""
+    wait_until(
+        lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")), HEARTBEAT_BOUND_S + 1, 0.01, what
+    )
+    return time.monotonic() - since
 
 
 def test_hung_prefill_fails_rooms_by_heartbeat_then_serves_again(
@@ -100,32 +71,17 @@ def test_hung_prefill_fails_rooms_by_heartbeat_then_serves_again(
     survivors = make_prompts(4, seed=22, lo=1, hi=300)
     expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
     failed_before = pd.failures("decode-0").get("prefill_unreachable", 0)
-    traffic = start_traffic(
-        pd,
-        client,
-        [("prefill-1", "decode-0", p) for p in victims],
-        [("prefill-0", f"decode-{i % 2}", p) for i, p in enumerate(survivors)],
-        propagate=False,
-    )
-    wait_mid_transfer(pd, "decode-0", "prefill-1")
+    traffic = victims_on_prefill_1(pd, client, victims, survivors)
 
     hung_at = time.monotonic()
     pd.hang("prefill-1")
-    wait_until(
-        lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")),
-        HEARTBEAT_BOUND_S + 1,
-        0.01,
-        "rooms of the hung prefill to fail",
-    )
-    detected = time.monotonic() - hung_at
+    detected = prefill_1_rooms_failed(pd, hung_at, "rooms of the hung prefill to fail")
     assert detected <= HEARTBEAT_BOUND_S, f"rooms failed {detected:.2f}s after the hang"
     # The same process answers again: the next probe revives it, and a new
     # request through it works at once (not after the dead-peer memory expires).
     pd.cont("prefill-1")
     time.sleep(1.0)
-    again = client.generate(
-        pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), survivors[0], MAX_TOKENS
-    )
+    again = client.pair(pd, "prefill-1", "decode-0", survivors[0], MAX_TOKENS)
     assert again.decode.ok, again.decode.error
     assert again.decode.output_ids == expected[0]
 
@@ -190,9 +146,7 @@ def test_admin_fast_path_fails_rooms_at_once(pd: FaultCluster, client: PDClient)
 
     # The next probe finds the peer answering: new rooms may use it again.
     time.sleep(1.0)
-    again = client.generate(
-        pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), survivors[0], MAX_TOKENS
-    )
+    again = client.pair(pd, "prefill-1", "decode-0", survivors[0], MAX_TOKENS)
     assert again.decode.ok, again.decode.error
     # prefill-1 finished (or timed out) what it was sending into the void.
     spec = pd.manifest.spec.transfer
@@ -217,26 +171,13 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     failed_before = sum(before.get(r, 0) for r in UNREACHABLE)
     dead_before = pd.stats("decode-0").get("peer_dead", 0)
     held_before = pd.stats("decode-0").get("room_held_for_probe", 0)
-    traffic = start_traffic(
-        pd,
-        client,
-        [("prefill-1", "decode-0", p) for p in victims],
-        [("prefill-0", f"decode-{i % 2}", p) for i, p in enumerate(survivors)],
-        propagate=False,
-    )
-    wait_mid_transfer(pd, "decode-0", "prefill-1")
+    traffic = victims_on_prefill_1(pd, client, victims, survivors)
 
     killed_at = time.monotonic()
     pd.kill("prefill-1")
     open_at_kill = {r["room"] for r in live(tied_rooms(pd, "decode-0", "prefill-1"))}
     assert open_at_kill, "no room of the victim left at the kill"
-    wait_until(
-        lambda: not live(tied_rooms(pd, "decode-0", "prefill-1")),
-        HEARTBEAT_BOUND_S + 1,
-        0.01,
-        "rooms of the killed prefill to fail",
-    )
-    detected = time.monotonic() - killed_at
+    detected = prefill_1_rooms_failed(pd, killed_at, "rooms of the killed prefill to fail")
     assert detected <= HEARTBEAT_BOUND_S, f"rooms failed {detected:.2f}s after kill -9"
     wait_until(
         lambda: pd.stats("decode-0").get("peer_dead", 0) > dead_before,
@@ -250,14 +191,7 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     # After the verdict: new rooms for the dead prefill wait for one probe, then fail.
     late = client.many(
         [
-            lambda p=p: client.generate(
-                pd.url("prefill-1"),
-                pd.url("decode-0"),
-                pd.bootstrap("prefill-1"),
-                p,
-                MAX_TOKENS,
-                propagate=False,
-            )
+            lambda p=p: client.pair(pd, "prefill-1", "decode-0", p, MAX_TOKENS, propagate=False)
             for p in survivors[:3]
         ]
     )
@@ -365,12 +299,7 @@ def test_hung_decode_does_not_stall_transfers_to_others(pd: FaultCluster, client
     hung_at = time.monotonic()
     release_s = pd.manifest.spec.transfer.abort_release_timeout_seconds
     served = client.many(
-        [
-            lambda p=p: client.generate(
-                pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), p, MAX_TOKENS
-            )
-            for p in survivors
-        ]
+        [lambda p=p: client.pair(pd, "prefill-0", "decode-0", p, MAX_TOKENS) for p in survivors]
     )
     check_survivors(served, expected)
     for res in served:

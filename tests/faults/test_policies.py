@@ -34,10 +34,10 @@ from tests.faults.harness import (
     mint_rid,
     mint_room,
     post_leg,
+    run_all,
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
-from tests.faults.test_cancellation import abort
 from tests.pd_integration.reference import colocated_outputs
 
 PAGE = 16
@@ -63,29 +63,6 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
         yield cluster
 
 
-def run_all(
-    cluster: FaultCluster,
-    client: PDClient,
-    prompts: list[list[int]],
-    timeout: float = 40,
-    propagate: bool = True,
-) -> list[PDResult]:
-    return client.many(
-        [
-            lambda p=p: client.generate(
-                cluster.url("prefill-0"),
-                cluster.url("decode-0"),
-                cluster.bootstrap("prefill-0"),
-                p,
-                MAX_TOKENS,
-                timeout=timeout,
-                propagate=propagate,
-            )
-            for p in prompts
-        ]
-    )
-
-
 # ------------------------------------------------------------------ shm (one-sided writes)
 
 
@@ -108,7 +85,7 @@ def test_one_sided_pages_wait_for_the_ack_not_a_timer(
         leg = Background(client.generate, None, one_sided.url("decode-0"), rogue.bootstrap, prompt)
         _, meta = rogue.expect(pdmsg.TransferMeta)
         assert len(meta.dst_pages) == num_pages
-        assert abort(one_sided, "decode-0", meta.rid)["found"] is True
+        assert one_sided.abort("decode-0", meta.rid)["found"] is True
         assert leg.result(10).decode.status == 502
         rogue.expect(pdmsg.Abort, meta.room)
         release_s = one_sided.manifest.spec.transfer.abort_release_timeout_seconds
@@ -135,14 +112,7 @@ def held_pages(cluster: FaultCluster, name: str) -> int:
 def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
     victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
     jobs = [
-        lambda p=p: client.generate(
-            cluster.url("prefill-1"),
-            cluster.url("decode-0"),
-            cluster.bootstrap("prefill-1"),
-            p,
-            MAX_TOKENS,
-            propagate=False,
-        )
+        lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, MAX_TOKENS, propagate=False)
         for p in victims
     ]
     traffic = Background(client.many, jobs)
@@ -161,16 +131,7 @@ def survivors_served(cluster: FaultCluster, client: PDClient, seed: int) -> None
     prompts = make_prompts(4, seed=seed, lo=200, hi=900)
     expected = colocated_outputs(cluster.manifest, prompts, 32)
     results = client.many(
-        [
-            lambda p=p: client.generate(
-                cluster.url("prefill-0"),
-                cluster.url("decode-0"),
-                cluster.bootstrap("prefill-0"),
-                p,
-                32,
-            )
-            for p in prompts
-        ]
+        [lambda p=p: client.pair(cluster, "prefill-0", "decode-0", p, 32) for p in prompts]
     )
     for res, want in zip(results, expected, strict=True):
         assert res.decode.ok, res.decode.error
@@ -282,8 +243,6 @@ def test_prompt_over_page_capacity_is_refused(one_sided: FaultCluster) -> None:
     body = gen_body(
         prompt,
         MAX_TOKENS,
-        rid=mint_rid(),
-        room=mint_room(),
         bootstrap=one_sided.bootstrap("prefill-0"),
     )
     for worker in ("prefill-0", "decode-0"):
@@ -318,7 +277,7 @@ def test_late_bootstrap_meets_a_tombstone(staged: FaultCluster) -> None:
         )
         leg = Background(post_leg, staged.url("prefill-0"), body, 20.0)
         wait_until(lambda: staged.rooms("prefill-0"), 5, what="the prefill room")
-        assert abort(staged, "prefill-0", rid)["found"] is True
+        assert staged.abort("prefill-0", rid)["found"] is True
         assert leg.result(10).status == 502
         staged.assert_clean(["prefill-0"], timeout=5)
         rogue.bootstrap_msg(prefill, room, rid)

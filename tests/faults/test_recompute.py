@@ -30,10 +30,10 @@ from tests.faults.harness import (
     base_spec,
     make_prompts,
     parse_counter,
+    run_all,
     wait_until,
 )
 from tests.faults.rogue import Background, RoguePrefill, fetch_instance
-from tests.faults.test_cancellation import abort
 from tests.pd_integration.reference import colocated_outputs
 
 MAX_TOKENS = 4
@@ -47,22 +47,6 @@ def recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster
     spec = base_spec(failurePolicy="recompute", checksum=True)
     with FaultCluster(tmp, "faults-recompute", spec) as cluster:
         yield cluster
-
-
-def run_all(cluster: FaultCluster, client: PDClient, prompts: list[list[int]]) -> list[PDResult]:
-    return client.many(
-        [
-            lambda p=p: client.generate(
-                cluster.url("prefill-0"),
-                cluster.url("decode-0"),
-                cluster.bootstrap("prefill-0"),
-                p,
-                MAX_TOKENS,
-                timeout=40,
-            )
-            for p in prompts
-        ]
-    )
 
 
 def test_checksummed_transfers_equal_colocated(recompute: FaultCluster, client: PDClient) -> None:
@@ -118,7 +102,7 @@ def test_abort_is_not_recomputed(recompute: FaultCluster, client: PDClient) -> N
     try:
         leg = Background(client.generate, None, recompute.url("decode-0"), rogue.bootstrap, [9] * 9)
         _, meta = rogue.expect(pdmsg.TransferMeta)
-        assert abort(recompute, "decode-0", meta.rid)["found"] is True
+        assert recompute.abort("decode-0", meta.rid)["found"] is True
         res: PDResult = leg.result(10)
         assert not res.decode.ok or res.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
         assert recompute.failures("decode-0").get("recomputed", 0) == before

@@ -39,9 +39,7 @@ def test_resumed_prefill_serves_new_requests_without_waiting_for_the_next_probe(
     prompts = make_prompts(3, seed=71, lo=1, hi=300)
     expected = colocated_outputs(pd.manifest, prompts, MAX_TOKENS)
 
-    first = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompts[0], MAX_TOKENS
-    )
+    first = client.pair(pd, "prefill-0", "decode-0", prompts[0], MAX_TOKENS)
     assert first.decode.ok, first.decode.error  # decode now watches the prefill
     peer = pd.peer("prefill-0")
     dead_before = pd.stats("decode-0").get("peer_dead", 0)
@@ -63,12 +61,7 @@ def test_resumed_prefill_serves_new_requests_without_waiting_for_the_next_probe(
     next_regular = declared_at - 0.1 + INTERVAL_S - PROBE_TIMEOUT_S
 
     results = client.many(
-        [
-            lambda p=p: client.generate(
-                pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), p, MAX_TOKENS
-            )
-            for p in prompts
-        ]
+        [lambda p=p: client.pair(pd, "prefill-0", "decode-0", p, MAX_TOKENS) for p in prompts]
     )
     for res, want in zip(results, expected, strict=True):
         assert res.decode.ok, f"{res.decode.status} {res.decode.error}"

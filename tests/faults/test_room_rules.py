@@ -25,7 +25,6 @@ from tests.faults.harness import (
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
-from tests.faults.test_cancellation import room_state
 from tests.pd_integration.reference import colocated_outputs
 
 PAGE = 16
@@ -47,7 +46,7 @@ def test_duplicate_room_on_decode_is_refused(
         assert second.decode.status == 409, second.decode
         assert "already in use" in second.decode.error
         # The first request's room is untouched and still waits for its KV.
-        assert room_state(pd, "decode-0", room) == "WaitingForInput"
+        assert pd.room_state("decode-0", room) == "WaitingForInput"
         assert sum(isinstance(m, pdmsg.TransferMeta) for m in rogue.seen) == 1
         rogue.send_kv(meta, 20, is_last=True)
         rogue.status(meta, KVPoll.Success, first_token=9)
@@ -65,19 +64,17 @@ def test_duplicate_room_on_prefill_is_refused(pd: FaultCluster) -> None:
     first = Background(
         post_leg,
         pd.url("prefill-0"),
-        gen_body(prompt, 4, rid=mint_rid(), room=room, bootstrap=bootstrap),
+        gen_body(prompt, 4, room=room, bootstrap=bootstrap),
         30.0,
     )
-    wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
-    second = post_leg(
-        pd.url("prefill-0"), gen_body(prompt, 4, rid=mint_rid(), room=room, bootstrap=bootstrap), 10
-    )
+    wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+    second = post_leg(pd.url("prefill-0"), gen_body(prompt, 4, room=room, bootstrap=bootstrap), 10)
     assert second.status == 409 and "already in use" in second.error
-    assert room_state(pd, "prefill-0", room) == "Bootstrapping"
+    assert pd.room_state("prefill-0", room) == "Bootstrapping"
     # The original still completes once its decode leg comes.
     decode = post_leg(
         pd.url("decode-0"),
-        gen_body(prompt, 4, rid=mint_rid(), room=room, bootstrap=bootstrap),
+        gen_body(prompt, 4, room=room, bootstrap=bootstrap),
         30,
     )
     # A different rid on the decode leg: prefill refuses to bind the room to it.
@@ -97,7 +94,7 @@ def test_second_endpoint_for_a_room_is_refused(pd: FaultCluster, compat: CompatI
         for rogue in (owner, intruder):
             assert rogue.register(prefill).accepted
         owner.meta(prefill, room, rid, pages)
-        wait_until(lambda: room_state(pd, "prefill-0", room) == "Bootstrapping", 5)
+        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
         # Same rid, same decode rank, another endpoint: a redirect of the KV.
         intruder.meta(prefill, room, rid, pages)
         _, refused = intruder.expect(pdmsg.Status, room)
@@ -138,7 +135,7 @@ def test_updates_for_a_cleared_room_are_dropped(
         rogue.send_kv(meta, 30, is_last=True)
         rogue.status(meta, KVPoll.Success, first_token=1)
         wait_until(lambda: pd.stats("decode-0").get("dropped:unknown_room", 0) >= before + 2, 5)
-        assert room_state(pd, "decode-0", meta.room) is None
+        assert pd.room_state("decode-0", meta.room) is None
         pd.assert_clean(["decode-0"])
     finally:
         rogue.close()

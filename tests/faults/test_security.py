@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.faults.harness import FaultCluster, PDClient, gen_body, make_prompts, mint_rid, mint_room
+from tests.faults.harness import FaultCluster, PDClient, gen_body, make_prompts
 from tests.pd_integration.reference import colocated_outputs
 
 
@@ -69,9 +69,7 @@ def test_decode_never_contacts_an_unknown_bootstrap_server(
     pd: FaultCluster, client: PDClient, listener: Listener
 ) -> None:
     auth = {"Authorization": f"Bearer {pd.token}"}
-    body = gen_body(
-        [1, 2, 3], 4, rid=mint_rid(), room=mint_room(), bootstrap=("127.0.0.1", listener.port)
-    )
+    body = gen_body([1, 2, 3], 4, bootstrap=("127.0.0.1", listener.port))
     before = pd.info("decode-0")["num_rooms"]
     for stream in (False, True):
         resp = httpx.post(
@@ -91,9 +89,7 @@ def test_decode_never_contacts_an_unknown_bootstrap_server(
     assert pd.info("decode-0")["num_rooms"] == before
     # A known prefill still works, output unchanged.
     prompt = make_prompts(1, seed=7, lo=20, hi=20)[0]
-    res = client.generate(
-        pd.url("prefill-0"), pd.url("decode-0"), pd.bootstrap("prefill-0"), prompt
-    )
+    res = client.pair(pd, "prefill-0", "decode-0", prompt)
     assert res.decode.ok, res.decode.body
     assert res.decode.output_ids == colocated_outputs(pd.manifest, [prompt], 4)[0]
 
@@ -111,16 +107,12 @@ def test_a_publication_replaces_the_prefills_decode_may_contact(
     prompt = make_prompts(1, seed=8, lo=20, hi=20)[0]
     try:
         pd.publish_prefill_peers([pd.peer("prefill-0")])
-        refused = client.generate(
-            pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), prompt
-        )
+        refused = client.pair(pd, "prefill-1", "decode-0", prompt)
         assert refused.decode.status == 400
         assert f"{pd.peer('prefill-1')} is not a known prefill" in refused.decode.error
     finally:
         pd.publish_prefill_peers()
-    again = client.generate(
-        pd.url("prefill-1"), pd.url("decode-0"), pd.bootstrap("prefill-1"), prompt
-    )
+    again = client.pair(pd, "prefill-1", "decode-0", prompt)
     assert again.decode.ok, again.decode.body
 
 
@@ -128,9 +120,7 @@ def test_the_data_plane_without_the_token_changes_nothing(
     pd: FaultCluster, client: PDClient
 ) -> None:
     prompt = make_prompts(1, seed=9, lo=20, hi=20)[0]
-    body = gen_body(
-        prompt, 4, rid=mint_rid(), room=mint_room(), bootstrap=pd.bootstrap("prefill-0")
-    )
+    body = gen_body(prompt, 4, bootstrap=pd.bootstrap("prefill-0"))
     for name in ("prefill-0", "decode-0"):
         url = pd.url(name)
         rooms = pd.info(name)["num_rooms"]

@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from hypothesis import given, settings
@@ -36,6 +34,7 @@ from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
 from .podmaker import deleting, not_ready, terminated, worker_pod
+from .served import free_port, serving
 
 TOKEN = "gone-flag-token"
 PEER = "127.0.0.99:8998"
@@ -168,12 +167,6 @@ def test_gone_is_sent_exactly_when_the_pod_cannot_run(steps: list[str], planned:
 # ------------------------------------------------------------------ over HTTP
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class BodyWorker:
     """A worker's admin API that keeps every fail_peer body as sent."""
@@ -202,17 +195,8 @@ class BodyWorker:
 @pytest.fixture
 async def worker() -> AsyncIterator[BodyWorker]:
     w = BodyWorker(free_port())
-    server = uvicorn.Server(
-        uvicorn.Config(w.app(), host="127.0.0.1", port=w.port, log_level="error")
-    )
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "fake worker did not start"
-        await asyncio.sleep(0.02)
-    yield w
-    server.should_exit = True
-    await task
+    async with serving((w.app(), w.port)):
+        yield w
 
 
 @contextlib.asynccontextmanager

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -29,14 +27,9 @@ from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
 from .podmaker import deleting, not_ready, terminated, worker_pod
+from .served import free_port, serving
 
 TOKEN = "s3cret-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -50,7 +43,6 @@ class FakeWorker:
     failures: dict[str, int] = field(default_factory=dict)
     # What /health answers: 200, or 503 with this reason (readiness.py).
     health_reason: str | None = None
-    server: uvicorn.Server | None = None
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -88,23 +80,9 @@ class FakeWorker:
 
 @pytest.fixture
 async def workers() -> AsyncIterator[list[FakeWorker]]:
-    started: list[FakeWorker] = []
-    tasks = []
-    for rooms in (2, 3):
-        worker = FakeWorker(free_port(), rooms_per_peer=rooms)
-        config = uvicorn.Config(worker.app(), host="127.0.0.1", port=worker.port, log_level="error")
-        worker.server = uvicorn.Server(config)
-        tasks.append(asyncio.create_task(worker.server.serve()))
-        started.append(worker)
-    deadline = time.monotonic() + 10
-    while not all(w.server and w.server.started for w in started):
-        assert time.monotonic() < deadline, "fake workers did not start"
-        await asyncio.sleep(0.02)
-    yield started
-    for w in started:
-        assert w.server is not None
-        w.server.should_exit = True
-    await asyncio.gather(*tasks)
+    started = [FakeWorker(free_port(), rooms_per_peer=rooms) for rooms in (2, 3)]
+    async with serving(*((w.app(), w.port) for w in started)):
+        yield started
 
 
 class Clock:

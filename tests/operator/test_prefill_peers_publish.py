@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -17,7 +16,8 @@ from pdcluster.operator.prefill_peers import compute_prefill_peers, decode_targe
 from pdcluster.runtime.spec import Role
 
 from .podmaker import terminated, worker_pod
-from .test_failover_io import TOKEN, free_port, make_failover
+from .served import free_port, serving
+from .test_failover_io import TOKEN, make_failover
 
 
 class FakeDecode:
@@ -38,21 +38,14 @@ class FakeDecode:
             self.sets.append(peers)
             return JSONResponse({"peers": peers})
 
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(cfg)
+        self.app = app
 
 
 @pytest.fixture
 async def decode() -> AsyncIterator[FakeDecode]:
     d = FakeDecode()
-    task = asyncio.create_task(d.server.serve())
-    deadline = time.monotonic() + 10
-    while not d.server.started:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
-    yield d
-    d.server.should_exit = True
-    await task
+    async with serving((d.app, d.port)):
+        yield d
 
 
 def facts(pod: dict[str, Any]) -> Any:

@@ -9,9 +9,6 @@ wrote into the wrong one. Real sender, receiver, endpoints and shm pools.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
-
 import pytest
 
 from pdcluster.runtime.engine.kv_pool import KVPool
@@ -21,21 +18,20 @@ from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
-from tests.transfer.transfer_helpers import Link, Rooms, make_shape, random_pool, random_table
+from tests.transfer.transfer_helpers import (
+    Link,
+    Rooms,
+    make_shape,
+    next_id,
+    random_pool,
+    random_table,
+)
 
 PAGE = 4
 TOKENS = (0, 22)
 LAYERS = (0, 1, 2)
 HEADS = (0, 4)
 FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512, checksum=True)
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def link() -> Iterator[Link]:
-    opened = Link.open()
-    yield opened
-    opened.close()
 
 
 def transfer(
@@ -48,7 +44,7 @@ def transfer(
 ) -> list[tuple[int, int, str]]:
     """Move TOKENS reading source pages `read_table`, writing destination pages
     `write_table` (what each side's transfer path was told)."""
-    room = 300 + next(_ids)
+    room = 300 + next_id()
     failures: list[tuple[int, int, str]] = []
     notify = b"pc-%d" % room
     job = TransferJob(
@@ -101,7 +97,7 @@ def checksums(
 
 def pools(tmp_path, backend: str, src_layout: KVLayout, dst_layout: KVLayout):  # type: ignore[no-untyped-def]
     src = random_pool(make_shape(num_pages=32, page_size=PAGE, layout=src_layout), seed=1)
-    shm_path = str(tmp_path / f"pc-{next(_ids)}.pool") if backend == "shm" else None
+    shm_path = str(tmp_path / f"pc-{next_id()}.pool") if backend == "shm" else None
     dst = random_pool(make_shape(num_pages=32, page_size=PAGE, layout=dst_layout), 2, shm_path)
     needed = -(-TOKENS[1] // PAGE)
     return src, dst, random_table(needed, 32, seed=3), random_table(needed, 32, seed=4)

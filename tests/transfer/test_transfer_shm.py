@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,28 +14,19 @@ from hypothesis import strategies as st
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
+from pdcluster.runtime.transfer.sender import KVSender
 from pdcluster.runtime.transfer.shm import ShmTransport, copy_runs
 from tests.transfer.transfer_helpers import (
-    Link,
+    SMALL_FRAMES,
     bits,
     expected_pool,
     make_shape,
+    next_id,
     random_pool,
     random_table,
     slots,
     wait_until,
 )
-
-SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def link() -> Iterator[Link]:
-    opened = Link.open()
-    yield opened
-    opened.close()
 
 
 def shm_job(src_table, dst_table, link, *, page_size=4, tokens=(0, 30), **kw) -> TransferJob:
@@ -52,7 +42,7 @@ def shm_job(src_table, dst_table, link, *, page_size=4, tokens=(0, 30), **kw) ->
         dst_layers=(0, 1, 2),
         src_heads=(0, 4),
         dst_heads=(0, 4),
-        notify=b"shm-done-%d" % next(_ids),
+        notify=b"shm-done-%d" % next_id(),
         is_last=True,
     )
     base.update(kw)
@@ -61,7 +51,7 @@ def shm_job(src_table, dst_table, link, *, page_size=4, tokens=(0, 30), **kw) ->
 
 def decode_pool(tmp_path, shape, seed=2) -> KVPool:
     """The decode rank's pool, living in a shared-memory file."""
-    return random_pool(shape, seed=seed, shm_path=str(tmp_path / f"kv-{next(_ids)}.pool"))
+    return random_pool(shape, seed=seed, shm_path=str(tmp_path / f"kv-{next_id()}.pool"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])

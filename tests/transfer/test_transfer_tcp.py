@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,25 +16,17 @@ from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, plan_job_frames
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
 from tests.transfer.transfer_helpers import (
+    SMALL_FRAMES,
     Link,
     Rooms,
     bits,
     expected_pool,
     make_shape,
+    next_id,
     random_pool,
     random_table,
     slots,
 )
-
-SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def link() -> Iterator[Link]:
-    opened = Link.open()
-    yield opened
-    opened.close()
 
 
 def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
@@ -47,7 +38,7 @@ def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
         src_slots=slots(src_table, start, end, page_size),
         token_start=start,
         token_end=end,
-        notify=b"done-%d" % next(_ids),
+        notify=b"done-%d" % next_id(),
         is_last=True,
     )
     base.update(kw)
@@ -389,7 +380,7 @@ def test_a_missing_checksum_is_refused_when_required(link):
 
 def _raw_frame(link, header: KVFrameHeader, nbytes: int) -> None:
     link.prefill.send_kv(link.decode.address, encode_header(header), bytes(nbytes))
-    marker = b"raw-%d" % next(_ids)  # same connection, so it arrives after the frame
+    marker = b"raw-%d" % next_id()  # same connection, so it arrives after the frame
     link.prefill.send_control(link.decode.address, marker)
     link.inbox.wait_for(marker)
 

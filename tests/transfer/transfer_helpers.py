@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +14,17 @@ import torch
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.sender import SenderConfig
 from pdcluster.runtime.transfer.tcp import KVReceiver
+
+# Frames small enough that a few-page room travels as several of them.
+SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
+_ids = itertools.count()
+
+
+def next_id() -> int:
+    """A number no other test of this run has used (notify keys, file names, rooms)."""
+    return next(_ids)
 
 
 def make_shape(

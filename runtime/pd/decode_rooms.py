@@ -70,8 +70,9 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from pdcluster.runtime.pd.actions import (
     Action,
@@ -102,22 +103,22 @@ from pdcluster.runtime.pd.messages import (
 from pdcluster.runtime.pd.peer_verdicts import Gate, PeerVerdicts
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import (
+    Handler,
     RoomError,
     RoomRejected,
     RoomStateError,
+    RoomTable,
     RoomView,
-    UnknownRoom,
     check_rid,
     check_room,
     peer_matches,
 )
+from pdcluster.runtime.pd.room_phases import DECODE, DecodeEvent, DecodePhase
 from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.spec import AllocationPolicy
 
-EARLY = "early"
-PREFILL_COMPLETE = "prefill_complete"
-POLICIES = (EARLY, PREFILL_COMPLETE)
-
-_LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
+_PREFILL_COMPLETE = AllocationPolicy.prefill_complete
+_Ev = DecodeEvent
 
 
 @dataclass(frozen=True)
@@ -171,19 +172,16 @@ class PeerGate:
         return not self.actions and self.probe is None
 
 
-class DecodeRoomTable:
+class DecodeRoomTable(RoomTable[DecodeRoom]):
+    unknown_room = "is not in this decode rank's table"
+
     def __init__(
         self, info: DecodeRankInfo, settings: RoomSettings | None = None, first_generation: int = 1
     ) -> None:
-        policy = info.compat.allocation_policy
-        if policy not in POLICIES:
-            raise ValueError(f"allocation_policy must be one of {POLICIES}, got {policy!r}")
+        super().__init__(info.compat.allocation_policy, settings)
         self.info = info
-        self.settings = settings or RoomSettings()
-        self.policy = policy
         self._layout = info.layout_message()
         self._next_generation = first_generation
-        self._rooms: dict[int, DecodeRoom] = {}
         # Prefill endpoints we sent our layout to → their instance's bootstrap address.
         self._registered: dict[str, str] = {}
         # Peers declared dead: new rooms on them fail fast, or wait for a probe.
@@ -192,20 +190,6 @@ class DecodeRoomTable:
         self._held: set[int] = set()
 
     # ------------------------------------------------------------------ queries
-
-    def __contains__(self, room: object) -> bool:
-        return room in self._rooms
-
-    def __len__(self) -> int:
-        return len(self._rooms)
-
-    def state(self, room: int) -> KVPoll | None:
-        r = self._rooms.get(room)
-        return None if r is None else r.poll.state
-
-    def failure_reason(self, room: int) -> str | None:
-        r = self._rooms.get(room)
-        return None if r is None else r.poll.reason
 
     def generation(self, room: int) -> int:
         generation: int = self._live(room).generation
@@ -228,15 +212,12 @@ class DecodeRoomTable:
             sources = list(r.sources.values()) if r.sources else []
             pending = sum(1 for s in sources if not s.settled)
             views.append(
-                RoomView(
-                    room=r.room,
-                    rid=r.rid,
-                    state=r.poll.state.name,
-                    age_s=max(0.0, now - r.created_at),
+                self._view(
+                    r,
+                    now,
                     peers=(r.peer, *sorted(s.source.endpoint for s in sources)),
-                    reason=r.poll.reason,
-                    generation=r.generation,
                     detail=f"sources={len(sources)} pages={len(r.pages or ())} unsettled={pending}",
+                    generation=r.generation,
                 )
             )
         return views
@@ -273,7 +254,7 @@ class DecodeRoomTable:
         old = self._rooms.get(room)
         if old is not None:
             raise RoomRejected(
-                f"duplicate room {room}: held by rid {old.rid!r} ({old.poll.state.name})",
+                f"duplicate room {room}: held by rid {old.rid!r} ({old.state.name})",
                 "duplicate_room",
             )
         if len(self._rooms) >= self.settings.max_rooms:
@@ -289,9 +270,7 @@ class DecodeRoomTable:
             generation=generation,
             peer=peer,
             created_at=now,
-            poll=Poll.create(KVPoll.Bootstrapping),
             deadline=now + self.settings.bootstrap_s,
-            deadline_reason="bootstrap_timeout",
             prompt=prompt,
             rid_is_local=rid_is_local,
             num_tokens=num_tokens,
@@ -301,8 +280,8 @@ class DecodeRoomTable:
     def resolve(self, room: int, sources: Sequence[Source], now: float) -> list[Action]:
         """The prefill ranks this rank receives from are known (addresses fetched)."""
         r = self._live(room)
-        if r.poll.state is not KVPoll.Bootstrapping or r.sources is not None:
-            raise RoomStateError(f"room {room} is {r.poll.state.name}: already resolved")
+        if r.phase is not DecodePhase.ROUTING:
+            raise RoomStateError(f"room {room} is {r.state.name}: already resolved")
         ranks = [s.prefill_rank for s in sources]
         if not sources or len(set(ranks)) != len(ranks):
             raise RoomError(f"room {room}: sources must be non-empty distinct ranks, got {ranks}")
@@ -318,19 +297,11 @@ class DecodeRoomTable:
             if endpoint not in self._registered:
                 self._registered[endpoint] = r.peer
                 acts.append(Send(endpoint, self._layout))
-        if self.policy == PREFILL_COMPLETE:
-            for state in r.sources.values():
-                bootstrap = Bootstrap(
-                    room=room,
-                    generation=r.generation,
-                    rid=r.caller_rid,
-                    decode_rank=self.info.rank,
-                    decode_endpoint=self.info.endpoint,
-                    num_destinations=state.source.num_destinations,
-                )
-                acts.append(Send(state.source.endpoint, bootstrap))
-            r.deadline = now + self.settings.prefill_wait_budget_s(r.num_tokens)
-            r.deadline_reason = "prefill_wait_timeout"
+        if self.policy is _PREFILL_COMPLETE:
+            acts.extend(self._claim(r, state, Bootstrap) for state in r.sources.values())
+            self._step(r, _Ev.BOOTSTRAP_SENT, now)
+        else:
+            self._step(r, _Ev.RESOLVED, now)
         return acts
 
     def assign_pages(self, room: int, pages: Sequence[int], now: float) -> list[Action]:
@@ -340,12 +311,12 @@ class DecodeRoomTable:
         waiting for pages — the caller then frees them itself.
         """
         r = self._live(room)
-        if r.poll.state is not KVPoll.Bootstrapping or r.sources is None or r.pages is not None:
+        if r.phase not in (DecodePhase.AWAITING_PAGES, DecodePhase.AWAITING_READY):
             raise RoomStateError(
-                f"room {room} is {r.poll.state.name}"
+                f"room {room} is {r.state.name}"
                 f"{'' if r.sources is not None else ' (unresolved)'}: cannot take pages"
             )
-        if self.policy == PREFILL_COMPLETE and not r.ready_emitted:
+        if r.phase is DecodePhase.AWAITING_READY:
             raise RoomStateError(f"room {room}: prefill has not reported Ready from every source")
         page_list = list(pages)
         if not 0 < len(page_list) <= MAX_PAGES_PER_ROOM or len(set(page_list)) != len(page_list):
@@ -355,22 +326,11 @@ class DecodeRoomTable:
                 raise RoomError(f"room {room}: page {p!r} outside [0, {self.info.num_pages})")
         r.pages = tuple(page_list)
         acts: list[Action] = []
+        assert r.sources is not None
         for state in r.sources.values():
             state.may_write = True
-            meta = TransferMeta(
-                room=room,
-                generation=r.generation,
-                rid=r.caller_rid,
-                decode_rank=self.info.rank,
-                decode_endpoint=self.info.endpoint,
-                dst_pages=page_list,
-                num_destinations=state.source.num_destinations,
-                prompt=r.prompt,
-            )
-            acts.append(Send(state.source.endpoint, meta))
-        r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens)
-        r.deadline_reason = "waiting_timeout"
+            acts.append(self._claim(r, state, TransferMeta, dst_pages=page_list, prompt=r.prompt))
+        self._step(r, _Ev.PAGES_SENT, now)
         return acts
 
     def abort(self, room: int, reason: str, now: float) -> list[Action]:
@@ -425,7 +385,7 @@ class DecodeRoomTable:
                 continue
             for s in hit:
                 s.dead = s.dead or not quarantine
-            if r.poll.state is KVPoll.Failed:
+            if r.state is KVPoll.Failed:
                 acts.extend(self._maybe_release(r))
             else:
                 acts.extend(self._fail(r, reason, now))
@@ -460,7 +420,7 @@ class DecodeRoomTable:
         requests on a healthy server. Changes nothing when no verdict holds.
         """
         r = self._live(room)
-        if r.poll.state is not KVPoll.Bootstrapping or r.sources is not None:
+        if r.phase is not DecodePhase.ROUTING:
             return PeerGate()
         if room in self._held:
             return PeerGate(probe=r.peer)
@@ -498,36 +458,30 @@ class DecodeRoomTable:
     def tick(self, now: float) -> list[Action]:
         acts: list[Action] = []
         for r in list(self._rooms.values()):
-            if r.poll.state is KVPoll.Failed and r.abort_due is not None and now >= r.abort_due:
+            if r.phase is DecodePhase.FAILED and r.abort_due is not None and now >= r.abort_due:
                 acts.extend(self._resend_aborts(r, now))
-            if r.deadline is None or now < r.deadline:
+            deadline = DECODE.deadlines.get(r.phase)
+            if not self._is_due(r, now) or deadline is None:
                 continue
-            if r.poll.state is KVPoll.Failed:
-                acts.extend(self._release(r, "release_timeout"))
+            if r.phase is DecodePhase.FAILED:
+                acts.extend(self._release(r, _Ev.RELEASE_TIMEOUT, deadline[1]))
             else:
-                acts.extend(self._fail(r, r.deadline_reason, now))
+                acts.extend(self._fail(r, deadline[1], now))
         return acts
 
     # ------------------------------------------------------------- peer input
 
-    def on_message(self, msg: Message, now: float) -> list[Action]:
-        if isinstance(msg, LayoutAck):
-            return self._on_layout_ack(msg, now)
-        if isinstance(msg, Status | Ready | AbortAck):
-            r = self._rooms.get(msg.room)
-            if r is None:
-                return [Dropped(msg.room, type(msg).__name__, "unknown_room")]
-            if msg.generation != r.generation:
-                return [Dropped(msg.room, type(msg).__name__, "stale_generation")]
-            s = r.sources.get(msg.rank) if r.sources is not None else None
-            if s is None:
-                return [Dropped(msg.room, type(msg).__name__, "unknown_source")]
-            if isinstance(msg, Status):
-                return self._on_status(r, s, msg, now)
-            if isinstance(msg, Ready):
-                return self._on_ready(r, s, now)
-            return self._on_abort_ack(r, s)
-        return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]
+    def _on_source_message(self, msg: Status | Ready | AbortAck, now: float) -> list[Action]:
+        """A message about one room from one of its sources, of the room's generation."""
+        r = self._rooms.get(msg.room)
+        if r is None:
+            return [Dropped(msg.room, type(msg).__name__, "unknown_room")]
+        if msg.generation != r.generation:
+            return [Dropped(msg.room, type(msg).__name__, "stale_generation")]
+        s = r.sources.get(msg.rank) if r.sources is not None else None
+        if s is None:
+            return [Dropped(msg.room, type(msg).__name__, "unknown_source")]
+        return self._source_handlers[type(msg)](self, r, s, msg, now)
 
     def _on_layout_ack(self, msg: LayoutAck, now: float) -> list[Action]:
         if msg.accepted:
@@ -536,13 +490,13 @@ class DecodeRoomTable:
         reason = msg.reason or "layout_rejected"
         acts: list[Action] = []
         for r in list(self._rooms.values()):
-            if r.poll.state in _LIVE and r.sources is not None:
+            if r.state is not KVPoll.Failed and r.sources is not None:
                 if any(s.source.endpoint == msg.endpoint for s in r.sources.values()):
                     acts.extend(self._fail(r, reason, now))
         return acts
 
     def _on_status(self, r: DecodeRoom, s: SourceState, msg: Status, now: float) -> list[Action]:
-        if r.poll.state is KVPoll.Failed:
+        if r.state is KVPoll.Failed:
             # Prefill sends Success only after its writes drained.
             if msg.state is KVPoll.Success:
                 s.drained = True
@@ -568,76 +522,111 @@ class DecodeRoomTable:
             if len(tokens) > 1:
                 return self._fail(r, f"first_token_mismatch: sources sent {sorted(tokens)}", now)
             return self._complete(r, next(iter(tokens), None))
-        r.poll = r.poll.update(overall)
+        if overall is KVPoll.Transferring and r.phase is DecodePhase.WAITING:
+            self._step(r, _Ev.TRANSFERRING, now)
         return []
 
-    def _on_ready(self, r: DecodeRoom, s: SourceState, now: float) -> list[Action]:
-        if self.policy != PREFILL_COMPLETE:
-            reason = f"allocation_policy mismatch: prefill={PREFILL_COMPLETE}, decode={self.policy}"
+    def _on_ready(self, r: DecodeRoom, s: SourceState, msg: Ready, now: float) -> list[Action]:
+        if self.policy is not _PREFILL_COMPLETE:
+            reason = (
+                f"allocation_policy mismatch: prefill={_PREFILL_COMPLETE}, decode={self.policy}"
+            )
             return self._fail(r, reason, now)
-        if r.poll.state is not KVPoll.Bootstrapping or s.ready:
+        if r.state is not KVPoll.Bootstrapping or s.ready:
             return [Dropped(r.room, "Ready", "duplicate_ready")]
         s.ready = True
         assert r.sources is not None
-        if r.ready_emitted or not all(x.ready for x in r.sources.values()):
+        if r.phase is not DecodePhase.AWAITING_READY:
             return []
-        r.ready_emitted = True
-        r.deadline = now + self.settings.bootstrap_s
-        r.deadline_reason = "bootstrap_timeout"
+        if not all(x.ready for x in r.sources.values()):
+            return []
+        self._step(r, _Ev.ALL_READY, now)
         return [PrefillReady(r.room)]
 
-    def _on_abort_ack(self, r: DecodeRoom, s: SourceState) -> list[Action]:
-        if r.poll.state is not KVPoll.Failed:
+    def _on_abort_ack(
+        self, r: DecodeRoom, s: SourceState, msg: AbortAck, now: float
+    ) -> list[Action]:
+        if r.state is not KVPoll.Failed:
             return [Dropped(r.room, "AbortAck", "room_not_failed")]
         s.drained = True
         return self._maybe_release(r)
 
+    handlers: ClassVar[Mapping[type, Handler]] = {
+        LayoutAck: _on_layout_ack,
+        Status: _on_source_message,
+        Ready: _on_source_message,
+        AbortAck: _on_source_message,
+    }
+    # The same for a message of one source of a room, once `_on_source_message` found both.
+    _source_handlers: ClassVar[Mapping[type, Callable[..., list[Action]]]] = {
+        Status: _on_status,
+        Ready: _on_ready,
+        AbortAck: _on_abort_ack,
+    }
+
     # ------------------------------------------------------------- internals
 
-    def _live(self, room: int) -> DecodeRoom:
-        r = self._rooms.get(room)
-        if r is None:
-            raise UnknownRoom(f"room {room} is not in this decode rank's table")
-        return r
+    def _step(self, r: DecodeRoom, event: DecodeEvent, now: float) -> None:
+        r.phase, fresh = DECODE.step(r.phase, event)
+        if fresh:
+            self._arm(r, DECODE.deadlines.get(r.phase), now, r.num_tokens)
+
+    def _conclude(self, r: DecodeRoom, event: DecodeEvent) -> None:
+        """The room's last step (to COMPLETE or RELEASED): it leaves the table."""
+        r.phase, _ = DECODE.step(r.phase, event)
+        r.deadline = None
+        del self._rooms[r.room]
 
     def _complete(self, r: DecodeRoom, first_token: int | None) -> list[Action]:
-        r.poll = r.poll.update(KVPoll.Success)
         assert r.sources is not None and r.pages is not None
         checksums = tuple(
             (rank, s.checksum) for rank, s in sorted(r.sources.items()) if s.checksum is not None
         )
-        del self._rooms[r.room]
+        self._conclude(r, _Ev.SUCCESS)
         return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums)]
 
     def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Action]:
-        if r.poll.state is KVPoll.Failed:
+        if r.state is KVPoll.Failed:
             return []
         self._held.discard(r.room)
-        r.poll = r.poll.fail(reason[:1024])
-        reason = r.poll.reason or reason
-        acts: list[Action] = [RoomFailed(r.room, r.rid, reason)]
+        self._step(r, _Ev.FAIL, now)  # under release_s
+        r.reason = reason[:1024] or "failed"
+        acts: list[Action] = [RoomFailed(r.room, r.rid, r.reason)]
         for s in r.sources.values() if r.sources is not None else ():
             if s.dead or s.succeeded or s.abort_sent:
                 continue
             s.abort_sent = True
             acts.append(Send(s.source.endpoint, self._abort_message(r)))
-        # A one-sided writer may still be writing: only its ack or death frees the pages.
-        r.deadline = None if self.info.one_sided else now + self.settings.release_s
         if self.info.one_sided:
+            # A one-sided writer may still be writing: only its ack or death
+            # frees the pages, so no release deadline; ABORT goes out again.
+            r.deadline = None
             r.abort_due = now + self.settings.abort_resend_interval_s
-        r.deadline_reason = "release_timeout"
         acts.extend(self._maybe_release(r))
         return acts
 
-    def _abort_message(self, r: DecodeRoom) -> Abort:
-        return Abort(
+    def _to_prefill(self, r: DecodeRoom, kind: Callable[..., Message], **fields: object) -> Message:
+        """A message of this rank about room `r` (`kind` is its type, `fields` the rest)."""
+        return kind(
             room=r.room,
             generation=r.generation,
             rid=r.caller_rid,
-            reason=r.poll.reason or "aborted",
             decode_rank=self.info.rank,
             decode_endpoint=self.info.endpoint,
+            **fields,
         )
+
+    def _claim(
+        self, r: DecodeRoom, state: SourceState, kind: Callable[..., Message], **fields: object
+    ) -> Send:
+        """BOOTSTRAP or metadata for one source of room `r`."""
+        message = self._to_prefill(
+            r, kind, num_destinations=state.source.num_destinations, **fields
+        )
+        return Send(state.source.endpoint, message)
+
+    def _abort_message(self, r: DecodeRoom) -> Message:
+        return self._to_prefill(r, Abort, reason=r.reason or "aborted")
 
     def _resend_aborts(self, r: DecodeRoom, now: float) -> list[Action]:
         """One-sided: ABORT again to every source that may still write and has not acked."""
@@ -649,13 +638,14 @@ class DecodeRoomTable:
         ]
 
     def _maybe_release(self, r: DecodeRoom) -> list[Action]:
-        if r.poll.state is not KVPoll.Failed or not r.all_settled():
+        if r.state is not KVPoll.Failed or not r.all_settled():
             return []
         sources = r.sources.values() if r.sources is not None else ()
-        return self._release(r, "peer_dead" if any(s.dead for s in sources) else "drained")
+        why = "peer_dead" if any(s.dead for s in sources) else "drained"
+        return self._release(r, _Ev.SETTLED, why)
 
-    def _release(self, r: DecodeRoom, why: str) -> list[Action]:
-        del self._rooms[r.room]
+    def _release(self, r: DecodeRoom, event: DecodeEvent, why: str) -> list[Action]:
+        self._conclude(r, event)
         if r.pages is None:
             return []
         return [ReleasePages(r.room, r.rid, r.pages, why)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.pd.room_phases import DECODE_STATE, DecodePhase
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,11 @@ class DecodeRoom:
     generation: int
     peer: str  # bootstrap address of the prefill instance
     created_at: float
-    poll: Poll
     deadline: float | None
-    deadline_reason: str
+    phase: DecodePhase = DecodePhase.ROUTING
+    reason: str | None = None  # the first failure reason
     sources: dict[RankCoord, SourceState] | None = None  # None until resolved
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
-    ready_emitted: bool = False
     prompt: PromptId | None = None  # the decode leg's prompt, sent in TransferMeta
     rid_is_local: bool = False  # this worker minted `rid`: it never goes to prefill
 
@@ -74,6 +74,10 @@ class DecodeRoom:
 
     num_tokens: int = 0  # prompt length: sizes the waiting deadlines
     abort_due: float | None = None  # one-sided, failed: when unacked ABORTs go out again
+
+    @property
+    def state(self) -> KVPoll:
+        return DECODE_STATE[self.phase]
 
     def all_settled(self) -> bool:
         return self.sources is None or all(s.settled for s in self.sources.values())

@@ -54,18 +54,27 @@ class Effect(enum.Enum):
 CREATABLE: frozenset[KVPoll] = frozenset({KVPoll.Bootstrapping, KVPoll.WaitingForInput})
 
 
-def _effect(old: KVPoll, new: KVPoll) -> Effect:
-    if old.is_concluded:
-        return Effect.KEEP
-    if new is KVPoll.Failed:
-        return Effect.FAIL
-    return Effect.ADVANCE if new > old else Effect.KEEP
+_F, _B, _W, _T, _S = (
+    KVPoll.Failed,
+    KVPoll.Bootstrapping,
+    KVPoll.WaitingForInput,
+    KVPoll.Transferring,
+    KVPoll.Success,
+)
+_UP, _FAIL, _KEEP = Effect.ADVANCE, Effect.FAIL, Effect.KEEP
 
-
-# The whole rule as data: every (old, new) pair has exactly one effect. Tests
-# check the table against the prose above; `Poll.update` only looks it up.
+# The whole rule as data, one row per current state (old → {new: effect}).
+# A test checks the rows against the prose above; `Poll.update` only looks
+# them up.
+_ROWS: dict[KVPoll, dict[KVPoll, Effect]] = {
+    _B: {_B: _KEEP, _W: _UP, _T: _UP, _S: _UP, _F: _FAIL},
+    _W: {_B: _KEEP, _W: _KEEP, _T: _UP, _S: _UP, _F: _FAIL},
+    _T: {_B: _KEEP, _W: _KEEP, _T: _KEEP, _S: _UP, _F: _FAIL},
+    _S: {_B: _KEEP, _W: _KEEP, _T: _KEEP, _S: _KEEP, _F: _KEEP},  # concluded
+    _F: {_B: _KEEP, _W: _KEEP, _T: _KEEP, _S: _KEEP, _F: _KEEP},  # sticky
+}
 TRANSITIONS: dict[tuple[KVPoll, KVPoll], Effect] = {
-    (old, new): _effect(old, new) for old in KVPoll for new in KVPoll
+    (old, new): effect for old, row in _ROWS.items() for new, effect in row.items()
 }
 
 

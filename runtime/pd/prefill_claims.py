@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
-from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import Abort, KVLayoutRegister, Status
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.pd.room_phases import PREFILL_STATE, PrefillPhase
 from pdcluster.runtime.spec import pages_for
 
 
@@ -68,25 +69,24 @@ class PrefillRoom:
     room: int
     rid: str | None  # the prefill leg's rid in this worker's engine; None until opened
     caller_rid: str | None  # the caller rid bound to the room, if any claim carried one
-    poll: Poll
     created_at: float
     deadline: float | None
+    phase: PrefillPhase = PrefillPhase.UNOPENED
+    reason: str | None = None  # the first failure reason
     expected: int | None = None  # destinations announced by decode
-    opened: bool = False
     num_tokens: int | None = None
     prompt: PromptId | None = None  # the prefill leg's prompt, set at open
     dests: dict[RankCoord, Dest] = field(default_factory=dict)
-    computing: bool = False  # StartCompute emitted: the engine holds the request
-    computed: bool = False  # prefill_complete: KV is ready
-    held_sent: bool = False
-    finished: bool = False  # last write enqueued
     first_token: int | None = None
     checksum: int | None = None
     # Per decode rank: the checksum of the KV owed to it (each gets its own slice).
     checksums: dict[RankCoord, int] = field(default_factory=dict)
     inflight: int = 0
-    cancel_sent: bool = False
     acks: dict[str, int] = field(default_factory=dict)  # endpoint → generation owed an AbortAck
+
+    @property
+    def state(self) -> KVPoll:
+        return PREFILL_STATE[self.phase]
 
     @property
     def has_all_destinations(self) -> bool:
@@ -127,8 +127,8 @@ def claim_conflict(
     r: PrefillRoom, rid: str | None, expected: int, decode_rank: RankCoord, endpoint: str
 ) -> str | None:
     """Why a decode claim (its caller rid or None) cannot join room `r`, or None."""
-    if r.poll.state is KVPoll.Failed:
-        return f"room_failed: {r.poll.reason}"
+    if r.state is KVPoll.Failed:
+        return f"room_failed: {r.reason}"
     conflict = rid_conflict(r, rid)
     if conflict is not None:
         return conflict

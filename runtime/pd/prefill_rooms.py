@@ -9,6 +9,13 @@ The I/O loop feeds events (decoded messages, engine and transfer progress,
     any live state ──abort / timeout / peer lost / bad claim──► Failed
     Failed ──in-flight writes drained──► cleared
 
+Those are the reported KVPoll states; the room steps through the finer
+phases of `room_phases.PREFILL_TRANSITIONS` (UNOPENED, OPENED or COMPUTING,
+COMPUTED, AWAITING_KV, SENDING, TRANSFERRING, FINISHING; DRAINING,
+CANCELLING), which also fix its deadlines (`PREFILL_DEADLINES`). Under
+`prefill_complete` no write may be enqueued, and sending not finished,
+before `kv_computed`.
+
 Rules (docs/design.md §5, §7):
 - a room is created by the prefill leg (`open_room`) or by the first decode
   claim (metadata / BOOTSTRAP), whichever comes first; both create it in
@@ -30,9 +37,10 @@ Rules (docs/design.md §5, §7):
   `CancelWrites`; a dead peer gets `CancelWrites` at once;
 - a concluded room leaves a tombstone: a late claim gets Failed, a late
   `open_room` is refused, an ABORT for an unknown room leaves one too;
-- deadlines: Bootstrapping within `bootstrap_s` (re-armed when the KV is
-  computed under `prefill_complete`), WaitingForInput/Transferring within
-  `waiting_s` plus the prompt's per-token budget (`waiting_budget_s`);
+- deadlines (`room_phases.PREFILL_DEADLINES`): Bootstrapping within
+  `bootstrap_s` (re-armed when the KV is computed under `prefill_complete`),
+  WaitingForInput/Transferring within `waiting_s` plus the prompt's per-token
+  budget (`waiting_budget_s`), a failed room's writes within `release_s`;
 - `prefill_complete` expects BOOTSTRAP before metadata, `early` refuses
   BOOTSTRAP; the Failed status names both policies;
 - both legs hold the same prompt: once the leg's `PromptId` and a
@@ -62,6 +70,7 @@ Pure module.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from pdcluster.runtime.pd.actions import (
     Action,
@@ -76,14 +85,13 @@ from pdcluster.runtime.pd.actions import (
 )
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.failure_labels import reason_label
-from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import (
     Abort,
     AbortAck,
     Bootstrap,
     KVLayoutRegister,
     LayoutAck,
-    Message,
     Ready,
     Status,
     TransferMeta,
@@ -102,8 +110,10 @@ from pdcluster.runtime.pd.prefill_claims import (
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
 from pdcluster.runtime.pd.prompt_digest import PromptId, prompt_problem
 from pdcluster.runtime.pd.room_common import (
+    Handler,
     RoomRejected,
     RoomStateError,
+    RoomTable,
     RoomView,
     UnknownRoom,
     check_int,
@@ -112,43 +122,32 @@ from pdcluster.runtime.pd.room_common import (
     clip_reason,
     peer_matches,
 )
+from pdcluster.runtime.pd.room_phases import (
+    PREFILL,
+    PREFILL_HOLDS_SOURCE,
+    PrefillEvent,
+    PrefillPhase,
+)
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.tombstones import Tombstones
+from pdcluster.runtime.spec import AllocationPolicy
 
-EARLY = "early"
-PREFILL_COMPLETE = "prefill_complete"
-POLICIES = (EARLY, PREFILL_COMPLETE)
+_EARLY, _PREFILL_COMPLETE = AllocationPolicy.early, AllocationPolicy.prefill_complete
+_Ev = PrefillEvent
+# Phases in which a new KV write may be enqueued (until finish_sending).
+_SENDING = (PrefillPhase.SENDING, PrefillPhase.TRANSFERRING)
 
-_SENDING = (KVPoll.WaitingForInput, KVPoll.Transferring)
 
+class PrefillRoomTable(RoomTable[PrefillRoom]):
+    unknown_room = "is not live on this prefill rank"
 
-class PrefillRoomTable:
     def __init__(self, info: PrefillRankInfo, settings: RoomSettings | None = None) -> None:
-        policy = info.compat.allocation_policy
-        if policy not in POLICIES:
-            raise ValueError(f"allocation_policy must be one of {POLICIES}, got {policy!r}")
+        super().__init__(info.compat.allocation_policy, settings)
         self.info = info
-        self.settings = settings or RoomSettings()
-        self.policy = policy
         self.peers = PeerLayouts(info.compat, info.token)
-        self._rooms: dict[int, PrefillRoom] = {}
         self._tombs = Tombstones(self.settings.tombstone_ttl, self.settings.max_tombstones)
 
     # ------------------------------------------------------------------ queries
-
-    def __contains__(self, room: object) -> bool:
-        return room in self._rooms
-
-    def __len__(self) -> int:
-        return len(self._rooms)
-
-    def state(self, room: int) -> KVPoll | None:
-        r = self._rooms.get(room)
-        return None if r is None else r.poll.state
-
-    def failure_reason(self, room: int) -> str | None:
-        r = self._rooms.get(room)
-        return None if r is None else r.poll.reason
 
     def tombstone(self, room: int, now: float) -> str | None:
         outcome: str | None = self._tombs.get(room, now)
@@ -157,7 +156,7 @@ class PrefillRoomTable:
     def can_send(self, room: int) -> bool:
         """May a new KV write for `room` be enqueued now?"""
         r = self._rooms.get(room)
-        return r is not None and r.poll.state in _SENDING and not r.finished
+        return r is not None and r.phase in _SENDING
 
     def destinations(self, room: int) -> tuple[DestinationView, ...]:
         out = []
@@ -175,13 +174,10 @@ class PrefillRoomTable:
 
     def list_rooms(self, now: float) -> list[RoomView]:
         return [
-            RoomView(
-                room=r.room,
-                rid=r.rid,
-                state=r.poll.state.name,
-                age_s=max(0.0, now - r.created_at),
+            self._view(
+                r,
+                now,
                 peers=tuple(sorted(d.endpoint for d in r.dests.values())),
-                reason=r.poll.reason,
                 detail=f"destinations={len(r.dests)}/{r.expected or '?'} inflight={r.inflight}",
             )
             for r in self._rooms.values()
@@ -224,7 +220,7 @@ class PrefillRoomTable:
                     "too_many_rooms",
                 )
             r = self._new_room(room, None, None, now)
-        elif r.opened:
+        elif r.phase is not PrefillPhase.UNOPENED:
             raise RoomRejected(f"duplicate room {room}: opened by rid {r.rid!r}", "duplicate_room")
         caller_rid = None if rid_is_local else rid
         if rid_conflict(r, caller_rid) is not None:
@@ -234,34 +230,32 @@ class PrefillRoomTable:
             )
         r.rid = rid
         r.caller_rid = r.caller_rid or caller_rid
-        r.opened = True
         r.num_tokens = num_tokens
         r.prompt = prompt
         acts: list[Action] = []
-        if self.policy == PREFILL_COMPLETE:
-            r.computing = True
+        if self.policy is _PREFILL_COMPLETE:
+            self._step(r, _Ev.OPEN_COMPUTE, now)
             acts.append(StartCompute(room, rid))
+        else:
+            self._step(r, _Ev.OPEN, now)
         return acts + self._after_claim(r, now)
 
     def kv_computed(self, room: int, now: float) -> list[Action]:
         """prefill_complete: the prompt's KV is computed and held."""
-        if self.policy != PREFILL_COMPLETE:
+        if self.policy is not _PREFILL_COMPLETE:
             raise RoomStateError(
                 f"kv_computed is for prefill_complete; this rank runs {self.policy}"
             )
         r = self._rooms.get(room)
-        if r is None or r.poll.state is KVPoll.Failed:
+        if r is None or r.state is KVPoll.Failed:
             return [Dropped(room, "kv_computed", "room_not_live")]
-        if r.computed or not r.computing:
+        if not PREFILL.allows(r.phase, _Ev.KV_COMPUTED):
             raise RoomStateError(f"room {room}: kv_computed without a running computation")
-        r.computed = True
+        self._step(r, _Ev.KV_COMPUTED, now)
         acts: list[Action] = []
         for d in r.dests.values():
             acts.extend(self._ready(r, d))
-        if r.poll.state is KVPoll.Bootstrapping:
-            r.deadline = now + self.settings.bootstrap_s
-        elif r.poll.state is KVPoll.WaitingForInput and not r.held_sent:
-            r.held_sent = True
+        if r.phase is PrefillPhase.SENDING:
             acts.append(SendHeldKV(room))
         return acts
 
@@ -271,8 +265,8 @@ class PrefillRoomTable:
             raise RoomStateError(f"room {room} is {_describe(r)}: no new writes may be enqueued")
         check_int("count", count, 1, 1 << 31)
         r.inflight += count
-        if r.poll.state is KVPoll.WaitingForInput:
-            r.poll = r.poll.update(KVPoll.Transferring)
+        if r.phase is PrefillPhase.SENDING:
+            self._step(r, _Ev.FIRST_WRITE, now)
             return [self._status(r, d, KVPoll.Transferring) for d in r.reachable()]
         return []
 
@@ -280,9 +274,9 @@ class PrefillRoomTable:
         r = self._live(room)
         check_int("count", count, 1, r.inflight + 1)
         r.inflight -= count
-        if not ok and r.poll.state is not KVPoll.Failed:
+        if not ok and r.state is not KVPoll.Failed:
             return self._fail(r, "transfer_error", now)
-        if r.poll.state is KVPoll.Failed:
+        if r.state is KVPoll.Failed:
             return self._finalize(r, now) if r.inflight == 0 else []
         return self._maybe_succeed(r, now)
 
@@ -301,9 +295,9 @@ class PrefillRoomTable:
         `checksum` in that rank's Success.
         """
         r = self._rooms.get(room)
-        if r is None or r.poll.state is KVPoll.Failed:
+        if r is None or r.state is KVPoll.Failed:
             return [Dropped(room, "finish_sending", "room_not_live")]
-        if r.poll.state not in _SENDING or r.finished:
+        if not PREFILL.allows(r.phase, _Ev.FINISH):
             raise RoomStateError(f"room {room} is {_describe(r)}: cannot finish sending")
         if first_token is not None:
             check_int("first_token", first_token, 0, 1 << 31)
@@ -311,10 +305,10 @@ class PrefillRoomTable:
             check_int("checksum", checksum, 0, 1 << 63)
         for value in (checksums or {}).values():
             check_int("checksum", value, 0, 1 << 63)
-        r.finished = True
         r.checksums = dict(checksums or {})
         r.first_token = first_token
         r.checksum = checksum
+        self._step(r, _Ev.FINISH, now)
         return self._maybe_succeed(r, now)
 
     def fail(self, room: int, reason: str, now: float) -> list[Action]:
@@ -338,42 +332,26 @@ class PrefillRoomTable:
                 d.dead = True
             # Owed AbortAcks stay owed: if the peer is in fact alive (a wrong
             # verdict), a one-sided decode holds its pages until it gets one.
-            if r.poll.state is not KVPoll.Failed:
+            if r.state is not KVPoll.Failed:
                 acts.extend(self._fail(r, reason, now))
             # Writes to a dead peer never drain by themselves.
-            if r.room in self._rooms and r.inflight and not r.cancel_sent:
-                r.cancel_sent = True
-                acts.append(CancelWrites(r.room))
+            if r.phase is PrefillPhase.DRAINING:
+                acts.extend(self._cancel(r, now))
         return acts
 
     def tick(self, now: float) -> list[Action]:
         acts: list[Action] = []
         for r in list(self._rooms.values()):
-            if r.deadline is None or now < r.deadline:
+            if not self._is_due(r, now):
                 continue
-            if r.poll.state is KVPoll.Bootstrapping:
-                acts.extend(self._fail(r, "bootstrap_timeout", now))
-            elif r.poll.state in _SENDING:
-                acts.extend(self._fail(r, "transfer_timeout", now))
-            elif r.inflight and not r.cancel_sent:
-                r.cancel_sent = True
-                r.deadline = None
-                acts.append(CancelWrites(r.room))
+            if r.phase is PrefillPhase.DRAINING:
+                acts.extend(self._cancel(r, now))
+            elif (deadline := PREFILL.deadlines[r.phase]) is not None:
+                acts.extend(self._fail(r, deadline[1], now))
         self._tombs.prune(now)
         return acts
 
     # ------------------------------------------------------------- peer input
-
-    def on_message(self, msg: Message, now: float) -> list[Action]:
-        if isinstance(msg, KVLayoutRegister):
-            return self._on_layout(msg, now)
-        if isinstance(msg, TransferMeta):
-            return self._on_meta(msg, now)
-        if isinstance(msg, Bootstrap):
-            return self._on_bootstrap(msg, now)
-        if isinstance(msg, Abort):
-            return self._on_abort(msg, now)
-        return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]
 
     def _on_layout(self, msg: KVLayoutRegister, now: float) -> list[Action]:
         outcome = self.peers.register(msg)
@@ -402,7 +380,7 @@ class PrefillRoomTable:
         assert layout is not None
         bad_pages = page_problem(msg.dst_pages, layout.num_pages)
         no_bootstrap = (
-            f"allocation_policy mismatch: prefill={PREFILL_COMPLETE}, decode={EARLY} "
+            f"allocation_policy mismatch: prefill={_PREFILL_COMPLETE}, decode={_EARLY} "
             "(metadata without BOOTSTRAP)"
         )
         pages = tuple(msg.dst_pages)
@@ -410,7 +388,7 @@ class PrefillRoomTable:
         if r is None:
             problem = (
                 self._closed(msg.room, now)
-                or (no_bootstrap if self.policy == PREFILL_COMPLETE else bad_pages)
+                or (no_bootstrap if self.policy is _PREFILL_COMPLETE else bad_pages)
                 or self._overloaded()
             )
             if problem is not None:
@@ -424,7 +402,7 @@ class PrefillRoomTable:
         conflict = claim_conflict(
             r, msg.rid, msg.num_destinations, msg.decode_rank, msg.decode_endpoint
         )
-        if conflict is None and d is None and self.policy == PREFILL_COMPLETE:
+        if conflict is None and d is None and self.policy is _PREFILL_COMPLETE:
             conflict = no_bootstrap
         if conflict is None and d is not None and d.generation != msg.generation:
             conflict = f"room_conflict: generation {msg.generation}, room has {d.generation}"
@@ -450,9 +428,9 @@ class PrefillRoomTable:
     def _on_bootstrap(self, msg: Bootstrap, now: float) -> list[Action]:
         if not self.peers.is_authenticated(msg.decode_endpoint, msg.decode_rank):
             return self._unregistered(msg.room, msg.decode_endpoint, "Bootstrap")
-        if self.policy != PREFILL_COMPLETE:
+        if self.policy is not _PREFILL_COMPLETE:
             mismatch = (
-                f"allocation_policy mismatch: prefill={self.policy}, decode={PREFILL_COMPLETE}"
+                f"allocation_policy mismatch: prefill={self.policy}, decode={_PREFILL_COMPLETE}"
             )
             return self._reject(msg.room, msg.generation, msg.decode_endpoint, mismatch)
         r = self._rooms.get(msg.room)
@@ -473,7 +451,7 @@ class PrefillRoomTable:
             r.caller_rid = r.caller_rid or msg.rid
         d = Dest(msg.decode_rank, msg.decode_endpoint, msg.generation, None)
         r.dests[msg.decode_rank] = d
-        return self._ready(r, d) if r.computed else []
+        return self._ready(r, d) if r.phase is PrefillPhase.COMPUTED else []
 
     def _on_abort(self, msg: Abort, now: float) -> list[Action]:
         ack = AbortAck(room=msg.room, rank=self.info.rank, generation=msg.generation)
@@ -494,17 +472,18 @@ class PrefillRoomTable:
         if d is not None and bound:
             d.aborted = True
         r.acks[msg.decode_endpoint] = msg.generation
-        if r.poll.state is not KVPoll.Failed:
+        if r.state is not KVPoll.Failed:
             return self._fail(r, f"aborted by decode: {msg.reason}", now)
         return self._finalize(r, now) if r.inflight == 0 else []
 
-    # ------------------------------------------------------------- internals
+    handlers: ClassVar[Mapping[type, Handler]] = {
+        KVLayoutRegister: _on_layout,
+        TransferMeta: _on_meta,
+        Bootstrap: _on_bootstrap,
+        Abort: _on_abort,
+    }
 
-    def _live(self, room: int) -> PrefillRoom:
-        r = self._rooms.get(room)
-        if r is None:
-            raise UnknownRoom(f"room {room} is not live on this prefill rank")
-        return r
+    # ------------------------------------------------------------- internals
 
     def _unregistered(self, room: int, endpoint: str, what: str) -> list[Action]:
         """A claim from an endpoint without a layout: say so, so decode re-registers."""
@@ -533,7 +512,6 @@ class PrefillRoomTable:
             room=room,
             rid=None,
             caller_rid=caller_rid,
-            poll=Poll.create(KVPoll.Bootstrapping),
             created_at=now,
             deadline=now + self.settings.bootstrap_s,
             expected=expected,
@@ -549,15 +527,13 @@ class PrefillRoomTable:
             problem = page_count_problem(r, self.info.compat.page_size)
         if problem is not None:
             return self._fail(r, problem, now)
-        if not (r.opened and r.has_all_destinations and r.poll.state is KVPoll.Bootstrapping):
+        if not (r.has_all_destinations and PREFILL.allows(r.phase, _Ev.ALL_DESTINATIONS)):
             return []
-        r.poll = r.poll.update(KVPoll.WaitingForInput)
-        r.deadline = now + self.settings.waiting_budget_s(r.num_tokens or 0)
-        if self.policy == EARLY and r.rid is not None:
-            r.computing = True
+        was = r.phase
+        self._step(r, _Ev.ALL_DESTINATIONS, now)
+        if was is PrefillPhase.OPENED and r.rid is not None:
             return [StartCompute(r.room, r.rid)]
-        if r.computed and not r.held_sent:
-            r.held_sent = True
+        if was is PrefillPhase.COMPUTED:
             return [SendHeldKV(r.room)]
         return []
 
@@ -581,46 +557,60 @@ class PrefillRoomTable:
         return [Send(endpoint, status), Dropped(room, "claim", reason_label(reason))]
 
     def _maybe_succeed(self, r: PrefillRoom, now: float) -> list[Action]:
-        if not (r.finished and r.inflight == 0 and r.poll.state in _SENDING):
+        if not (r.phase is PrefillPhase.FINISHING and r.inflight == 0):
             return []
-        r.poll = r.poll.update(KVPoll.Success)
+        holds_source = r.phase in PREFILL_HOLDS_SOURCE
+        self._step(r, _Ev.DRAINED, now)
         acts: list[Action] = [self._status(r, d, KVPoll.Success) for d in r.reachable()]
         rid = r.rid or ""
         acts.append(RoomSucceeded(r.room, rid))
-        if r.computing:
+        if holds_source:
             acts.append(ReleaseSource(r.room, rid))
         self._tombs.add(r.room, now, "succeeded")
         del self._rooms[r.room]
         return acts
 
     def _fail(self, r: PrefillRoom, reason: str, now: float) -> list[Action]:
-        if r.poll.state is KVPoll.Failed:
+        if r.state is KVPoll.Failed:
             return []
-        r.poll = r.poll.fail(clip_reason(reason))
-        reason = r.poll.reason or reason
-        acts: list[Action] = [RoomFailed(r.room, r.rid, reason)]
+        holds_source = r.phase in PREFILL_HOLDS_SOURCE
+        self._step(r, _Ev.FAIL, now)  # DRAINING, under release_s
+        r.reason = clip_reason(reason)
+        acts: list[Action] = [RoomFailed(r.room, r.rid, r.reason)]
         for d in r.reachable():
             if not d.aborted:
-                acts.append(self._status(r, d, KVPoll.Failed, reason))
+                acts.append(self._status(r, d, KVPoll.Failed, r.reason))
         if r.inflight == 0:
-            acts.extend(self._finalize(r, now))
-        else:
-            r.deadline = now + self.settings.release_s
+            acts.extend(self._finalize(r, now, holds_source))
         return acts
 
-    def _finalize(self, r: PrefillRoom, now: float) -> list[Action]:
-        """A failed room with nothing in flight: ack the aborts, free the source, forget it."""
+    def _cancel(self, r: PrefillRoom, now: float) -> list[Action]:
+        """A failed room's writes will not drain by themselves: ask the transfer engine."""
+        self._step(r, _Ev.CANCEL, now)
+        return [CancelWrites(r.room)]
+
+    def _finalize(self, r: PrefillRoom, now: float, holds_source: bool = True) -> list[Action]:
+        """A failed room with nothing in flight: ack the aborts, free the source, forget it.
+
+        `holds_source`: StartCompute was emitted (always so once writes were in flight).
+        """
+        self._step(r, _Ev.DRAINED, now)
         acts: list[Action] = [
             Send(endpoint, AbortAck(room=r.room, rank=self.info.rank, generation=generation))
             for endpoint, generation in r.acks.items()
         ]
-        if r.computing and r.rid is not None:
+        if holds_source and r.rid is not None:
             acts.append(ReleaseSource(r.room, r.rid))
-        self._tombs.add(r.room, now, r.poll.reason or "failed")
+        self._tombs.add(r.room, now, r.reason or "failed")
         del self._rooms[r.room]
         return acts
 
+    def _step(self, r: PrefillRoom, event: PrefillEvent, now: float) -> None:
+        r.phase, fresh = PREFILL.step(r.phase, event)
+        if fresh:
+            self._arm(r, PREFILL.deadlines.get(r.phase), now, r.num_tokens or 0)
+
 
 def _describe(r: PrefillRoom) -> str:
-    name: str = r.poll.state.name
-    return name + (" (finished)" if r.finished else "")
+    name: str = r.state.name
+    return name + (" (finished)" if r.phase is PrefillPhase.FINISHING else "")

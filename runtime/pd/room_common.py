@@ -6,6 +6,10 @@
   Untrusted *peer* input never raises: it becomes a `Dropped` action or a
   Failed status.
 - `RoomView`: one row of the admin API's room listing.
+- `RoomTable`: what both tables share — the room map and its queries, the
+  allocation policy check, the admin listing, deadlines armed from the
+  phase tables (`room_phases`) and a type → handler dispatch of peer
+  messages.
 - Peer matching for `fail_peer`: the heartbeat knows a prefill instance by
   its bootstrap address `host:port`, the operator knows a pod by its IP, a
   room knows its peers' ZMQ endpoints `tcp://host:port`. `peer_matches`
@@ -16,10 +20,17 @@ Pure module.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from pdcluster.runtime.pd.messages import MAX_ROOM
+from pdcluster.runtime.pd.actions import Action, Dropped
+from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.messages import MAX_ROOM, Message
 from pdcluster.runtime.pd.peer_address import PeerRef
+from pdcluster.runtime.pd.room_phases import Deadline
+from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.spec import AllocationPolicy
 
 
 class RoomError(ValueError):
@@ -107,3 +118,105 @@ def peer_matches(peer: PeerRef, *addresses: str) -> bool:
         if bare_host and host_of(address) == host_of(peer):
             return True
     return False
+
+
+def check_policy(policy: object) -> AllocationPolicy:
+    """The compatibility field `allocation_policy` as the spec enum; ValueError otherwise."""
+    names = tuple(p.value for p in AllocationPolicy)
+    if not isinstance(policy, str) or policy not in names:
+        raise ValueError(f"allocation_policy must be one of {names}, got {policy!r}")
+    return AllocationPolicy(policy)
+
+
+def deadline_seconds(settings: RoomSettings, deadline: Deadline, num_tokens: int) -> float:
+    """How long a phase with `deadline` may last; the waits are extended per prompt token."""
+    setting = deadline[0]
+    if setting == "waiting_s":
+        return settings.waiting_budget_s(num_tokens)
+    if setting == "prefill_wait_s":
+        return settings.prefill_wait_budget_s(num_tokens)
+    seconds: float = getattr(settings, setting)
+    return seconds
+
+
+class _Record(Protocol):
+    room: int
+    created_at: float
+    deadline: float | None
+    reason: str | None
+
+    @property
+    def rid(self) -> str | None: ...
+
+    @property
+    def state(self) -> KVPoll: ...
+
+
+R = TypeVar("R", bound=_Record)
+# (table, message of the mapped type, now) → actions.
+Handler = Callable[[Any, Any, float], list[Action]]
+
+
+class RoomTable(Generic[R]):
+    """The room map one rank keeps, and what reading and timing it takes on both sides."""
+
+    # "room N <where>": the UnknownRoom message of `_live`.
+    unknown_room: ClassVar[str] = "is not in this table"
+    # Peer message type → the table's handler; anything else was sent the wrong way.
+    handlers: ClassVar[Mapping[type, Handler]] = {}
+
+    def __init__(self, policy: object, settings: RoomSettings | None) -> None:
+        self.policy = check_policy(policy)
+        self.settings = settings or RoomSettings()
+        self._rooms: dict[int, R] = {}
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._rooms
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def state(self, room: int) -> KVPoll | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.state
+
+    def failure_reason(self, room: int) -> str | None:
+        r = self._rooms.get(room)
+        return None if r is None else r.reason
+
+    def on_message(self, msg: Message, now: float) -> list[Action]:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]
+        return handler(self, msg, now)
+
+    def _live(self, room: int) -> R:
+        r = self._rooms.get(room)
+        if r is None:
+            raise UnknownRoom(f"room {room} {self.unknown_room}")
+        return r
+
+    def _arm(self, r: R, deadline: Deadline | None, now: float, num_tokens: int) -> None:
+        r.deadline = (
+            None
+            if deadline is None
+            else now + deadline_seconds(self.settings, deadline, num_tokens)
+        )
+
+    def _view(
+        self, r: R, now: float, peers: tuple[str, ...], detail: str, generation: int | None = None
+    ) -> RoomView:
+        return RoomView(
+            room=r.room,
+            rid=r.rid,
+            state=r.state.name,
+            age_s=max(0.0, now - r.created_at),
+            peers=peers,
+            reason=r.reason,
+            generation=generation,
+            detail=detail,
+        )
+
+    @staticmethod
+    def _is_due(r: R, now: float) -> bool:
+        return r.deadline is not None and now >= r.deadline

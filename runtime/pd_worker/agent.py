@@ -128,11 +128,13 @@ class AsyncRunner:
         self._thread.join(5)
 
 
+# The field naming a message's own sender, where it is not `decode_endpoint`.
+_SENDER_FIELD: dict[type, str] = {pdmsg.LayoutAck: "endpoint"}
+
+
 def _claimed_sender(msg: Any) -> str | None:
     """The endpoint a message names as its own sender, if it names one."""
-    if isinstance(msg, pdmsg.LayoutAck):
-        return msg.endpoint
-    claimed = getattr(msg, "decode_endpoint", None)
+    claimed = getattr(msg, _SENDER_FIELD.get(type(msg), "decode_endpoint"), None)
     return claimed if isinstance(claimed, str) else None
 
 
@@ -326,23 +328,28 @@ class RankAgent:
         self.post(lambda: self.on_message(msg, time.monotonic()))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
-        if isinstance(msg, GroupStats):
-            if self.rank_counts is None:
-                self.ctx.stats["group_reject:not_leader"] += 1
-                return
-            try:
-                with self._counts_lock:
-                    self.rank_counts.update(msg.rank, msg.name, msg.counts, time.monotonic())
-            except ValueError:
-                self.ctx.stats["group_reject:bad_stats"] += 1
+        """Leader bookkeeping (stats, reports) here; every other command to the role."""
+        handler = _LEADER_HANDLERS.get(type(msg))
+        if handler is None:
+            self.on_group(msg, time.monotonic())
+        else:
+            handler(self, msg)
+
+    def _on_group_stats(self, msg: GroupStats) -> None:
+        if self.rank_counts is None:
+            self.ctx.stats["group_reject:not_leader"] += 1
             return
-        if isinstance(msg, GroupReport):
-            if self.group_sink is None:
-                self.ctx.stats["group_reject:not_leader"] += 1
-                return
-            self.group_sink(msg)
+        try:
+            with self._counts_lock:
+                self.rank_counts.update(msg.rank, msg.name, msg.counts, time.monotonic())
+        except ValueError:
+            self.ctx.stats["group_reject:bad_stats"] += 1
+
+    def _on_group_report(self, msg: GroupReport) -> None:
+        if self.group_sink is None:
+            self.ctx.stats["group_reject:not_leader"] += 1
             return
-        self.on_group(msg, time.monotonic())
+        self.group_sink(msg)
 
     def on_message(self, msg: Any, now: float) -> None:
         raise NotImplementedError
@@ -403,3 +410,10 @@ def make_nixl_agent(address: str, pool: Any) -> Any:
     from pdcluster.runtime.transfer.nixl import NixlAgent
 
     return NixlAgent(address, pool)
+
+
+# Group messages only the leader takes, whatever the role.
+_LEADER_HANDLERS: dict[type, Callable[[RankAgent, Any], None]] = {
+    GroupStats: RankAgent._on_group_stats,
+    GroupReport: RankAgent._on_group_report,
+}

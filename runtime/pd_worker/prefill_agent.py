@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from pdcluster.runtime.pd_worker.bootstrap_client import (
     RetryPolicy,
 )
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
-from pdcluster.runtime.spec import TransferBackend
+from pdcluster.runtime.spec import AllocationPolicy, TransferBackend
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.nixl import NixlTransport
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
@@ -169,31 +170,24 @@ class PrefillAgent(RankAgent):
     # ------------------------------------------------------------ actions
     def perform(self, acts: list[Any]) -> None:
         for act in acts:
-            if isinstance(act, A.Send):
-                self.send(act.endpoint, act.message)
-            elif isinstance(act, A.StartCompute):
-                self.report(act.room, "start")
-            elif isinstance(act, A.SendHeldKV):
-                self._send_held(act.room)
-            elif isinstance(act, A.CancelWrites):
-                self.sender.cancel(act.room)
-            elif isinstance(act, A.ReleaseSource):
-                self.report(act.room, "released")
-            elif isinstance(act, A.RoomFailed):
-                log.warning(
-                    "prefill rank %s: room %s rid %s failed: %s",
-                    self.ctx.coord,
-                    act.room,
-                    act.rid,
-                    act.reason,
-                )
-                self.ctx.stats[failure_key(act.reason)] += 1
-                self.sender.cancel(act.room)
-                self.report(act.room, "failed", act.reason)
-            elif isinstance(act, A.RoomSucceeded):
-                self.report(act.room, "succeeded")
-            elif isinstance(act, A.Dropped):
-                self.ctx.stats[f"dropped:{act.reason}"] += 1
+            performer = _PERFORMERS.get(type(act))
+            if performer is not None:
+                performer(self, act)
+
+    def _count_dropped(self, act: A.Dropped) -> None:
+        self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _room_failed(self, act: A.RoomFailed) -> None:
+        log.warning(
+            "prefill rank %s: room %s rid %s failed: %s",
+            self.ctx.coord,
+            act.room,
+            act.rid,
+            act.reason,
+        )
+        self.ctx.stats[failure_key(act.reason)] += 1
+        self.sender.cancel(act.room)
+        self.report(act.room, "failed", act.reason)
 
     def _forget_if_done(self, room: int) -> None:
         r = self.rooms.get(room)
@@ -214,32 +208,36 @@ class PrefillAgent(RankAgent):
             self._forget_if_done(room)
 
     def on_group(self, msg: GroupMessage, now: float) -> None:
-        if isinstance(msg, GroupOpen):
-            self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
-            self.rid_room[msg.rid] = msg.room
-            try:
-                self.perform(
-                    self.table.open_room(
-                        msg.room,
-                        msg.rid,
-                        msg.num_tokens,
-                        now,
-                        msg.prompt,
-                        rid_is_local=msg.rid_is_local,
-                    )
+        handler = _GROUP_HANDLERS.get(type(msg))
+        if handler is not None:
+            handler(self, msg, now)
+
+    def _on_group_open(self, msg: GroupOpen, now: float) -> None:
+        self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
+        self.rid_room[msg.rid] = msg.room
+        try:
+            self.perform(
+                self.table.open_room(
+                    msg.room,
+                    msg.rid,
+                    msg.num_tokens,
+                    now,
+                    msg.prompt,
+                    rid_is_local=msg.rid_is_local,
                 )
-            except RoomError as err:
-                self.rooms.pop(msg.room, None)
-                self.rid_room.pop(msg.rid, None)
-                self.report(msg.room, "failed", f"rejected: {err}")
-        elif isinstance(msg, GroupFail):
-            if msg.room in self.table:
-                self.perform(self.table.fail(msg.room, msg.reason, now))
-            self._forget_if_done(msg.room)
-        elif isinstance(msg, GroupFailPeer):
-            # `gone` does not matter here: a decode never writes into prefill's
-            # pages, so even a hung one that resumes cannot touch what is freed.
-            self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+            )
+        except RoomError as err:
+            self.rooms.pop(msg.room, None)
+            self.rid_room.pop(msg.rid, None)
+            self.report(msg.room, "failed", f"rejected: {err}")
+
+    def _on_group_fail(self, msg: GroupFail, now: float) -> None:
+        self.fail_room(msg.room, msg.reason, now)
+
+    def _on_group_fail_peer(self, msg: GroupFailPeer, now: float) -> None:
+        # `gone` does not matter here: a decode never writes into prefill's
+        # pages, so even a hung one that resumes cannot touch what is freed.
+        self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
 
     def fail_room(self, room: int, reason: str, now: float) -> None:
         if room in self.table:
@@ -391,11 +389,11 @@ class PrefillAgent(RankAgent):
         r.page_table = tuple(page_table)
         r.computed = max(r.computed, end)
         now = time.monotonic()
-        if self.table.policy == "early":
+        if self.table.policy is AllocationPolicy.early:
             self._maybe_send(room)
         if r.computed >= r.num_tokens and not r.kv_done:
             r.kv_done = True
-            if self.table.policy == "prefill_complete":
+            if self.table.policy is AllocationPolicy.prefill_complete:
                 if room in self.table:
                     self.perform(self.table.kv_computed(room, now))
             elif not self.is_leader:
@@ -407,7 +405,7 @@ class PrefillAgent(RankAgent):
         if r is None:
             return
         r.first_token = first_token
-        if self.table.policy == "early" or r.finish_pending:
+        if self.table.policy is AllocationPolicy.early or r.finish_pending:
             self._finish(room)
 
     def _finish(self, room: int) -> None:
@@ -436,7 +434,7 @@ class PrefillAgent(RankAgent):
         r = self.rooms.get(room)
         if r is None or not self.table.can_send(room) or r.computed <= r.sent_upto:
             return
-        if self.table.policy == "prefill_complete" and not r.kv_done:
+        if self.table.policy is AllocationPolicy.prefill_complete and not r.kv_done:
             return
         dests = self.table.destinations(room)
         mine = cp_token_range(
@@ -530,3 +528,23 @@ class PrefillAgent(RankAgent):
 
     def table_views(self, now: float) -> list[dict[str, Any]]:
         return [asdict(v) | {"rank": str(self.ctx.coord)} for v in self.table.list_rooms(now)]
+
+
+# What `PrefillAgent.perform` does for each action the room table returns.
+_PERFORMERS: dict[type, Callable[[PrefillAgent, Any], None]] = {
+    A.Send: lambda agent, act: agent.send(act.endpoint, act.message),
+    A.StartCompute: lambda agent, act: agent.report(act.room, "start"),
+    A.SendHeldKV: lambda agent, act: agent._send_held(act.room),
+    A.CancelWrites: lambda agent, act: agent.sender.cancel(act.room),
+    A.ReleaseSource: lambda agent, act: agent.report(act.room, "released"),
+    A.RoomFailed: PrefillAgent._room_failed,
+    A.RoomSucceeded: lambda agent, act: agent.report(act.room, "succeeded"),
+    A.Dropped: PrefillAgent._count_dropped,
+}
+
+# The group commands a prefill rank follows.
+_GROUP_HANDLERS: dict[type, Callable[[PrefillAgent, Any, float], None]] = {
+    GroupOpen: PrefillAgent._on_group_open,
+    GroupFail: PrefillAgent._on_group_fail,
+    GroupFailPeer: PrefillAgent._on_group_fail_peer,
+}

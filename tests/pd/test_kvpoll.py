@@ -33,6 +33,21 @@ def test_table_covers_every_pair_exactly_once() -> None:
     assert set(TRANSITIONS) == {(a, b) for a in KVPoll for b in KVPoll}
 
 
+def _prose_rule(old: KVPoll, new: KVPoll) -> Effect:
+    """The module docstring's rule, restated: concluded keeps, Failed fails, else max."""
+    if old in (F, S):
+        return Effect.KEEP
+    if new is F:
+        return Effect.FAIL
+    return Effect.ADVANCE if new > old else Effect.KEEP
+
+
+@pytest.mark.parametrize("old", list(KVPoll))
+@pytest.mark.parametrize("new", list(KVPoll))
+def test_written_table_matches_the_prose_rule(old: KVPoll, new: KVPoll) -> None:
+    assert TRANSITIONS[(old, new)] is _prose_rule(old, new)
+
+
 @pytest.mark.parametrize(
     ("old", "new", "effect"),
     [

@@ -241,28 +241,12 @@ class DecodeAgent(RankAgent):
                 if missing is None:
                     missing = self._bad_checksum(act)
                 if missing is not None:
-                    log.warning(
-                        "decode rank %s: room %s rid %s failed: %s",
-                        self.ctx.coord,
-                        act.room,
-                        act.rid,
-                        missing,
-                    )
-                    self.ctx.stats[failure_key(missing)] += 1
-                    self.report(act.room, "failed", missing)
+                    self._report_failed(act.room, act.rid, missing)
                     continue
                 self.report(act.room, "complete", first_token=act.first_token)
             elif isinstance(act, A.RoomFailed):
-                log.warning(
-                    "decode rank %s: room %s rid %s failed: %s",
-                    self.ctx.coord,
-                    act.room,
-                    act.rid,
-                    act.reason,
-                )
-                self.ctx.stats[failure_key(act.reason)] += 1
                 self._receiving.pop(act.room, None)
-                self.report(act.room, "failed", act.reason)
+                self._report_failed(act.room, act.rid, act.reason)
             elif isinstance(act, A.ReleasePages):
                 # `released` itself waits in _sweep until no write is in flight.
                 self._receiving.pop(act.room, None)
@@ -270,6 +254,11 @@ class DecodeAgent(RankAgent):
                 self.report(act.room, "ready")
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
+        log.warning("decode rank %s: room %s rid %s failed: %s", self.ctx.coord, room, rid, reason)
+        self.ctx.stats[failure_key(reason)] += 1
+        self.report(room, "failed", reason)
 
     def _sweep(self, room: int) -> None:
         """Report `released` once the room left this rank's table and no frame

@@ -490,6 +490,7 @@ class LivenessModel(RuleBasedStateMachine):
         self.reports: dict[str, float] = {}  # operator report -> when
         self.answered_after: dict[str, float] = {}  # latest start of a request it answered
         self.unreachable: set[str] = set()  # declared, not answered since
+        self.dead_since: dict[str, float] = {}  # latest heartbeat death
         self.rooms: set[str] = set()
 
     def perform(self, acts: list[LivenessAction]) -> None:
@@ -500,6 +501,7 @@ class LivenessModel(RuleBasedStateMachine):
             elif isinstance(act, DeclareUnreachable):
                 assert act.peer not in self.unreachable, "one outage reported twice"
                 self.unreachable.add(act.peer)
+                self.dead_since[act.peer] = self.now
                 self.perform(
                     self.m.lost(
                         act.peer,
@@ -601,7 +603,13 @@ class LivenessModel(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         for peer, at in self.reports.items():
-            if self.now < at + BOOT_S and self.answered_after.get(peer, -1.0) < at:
+            answered = self.answered_after.get(peer, -1.0)
+            # Today's behaviour, kept as is: an answer that undoes an older
+            # heartbeat death clears the peer's one verdict record, a later
+            # operator report on the same address included.
+            if answered >= self.dead_since.get(peer, math.inf):
+                continue
+            if self.now < at + BOOT_S and answered < at:
                 assert self.verdicts.gate(peer, self.now)[0] is Gate.REFUSE
 
     @invariant()

@@ -29,5 +29,6 @@ monotonic clock. It performs the returned actions in order — `Send` frames
 via the transfer engine's control channel, the rest on its engine and HTTP
 request state. A decode dp group's leader owns `DecodeAdmission` and the
 page allocator; its ranks take the same pages. The decode worker keeps a
-`HeartbeatTracker` per prefill instance it uses and a `BootstrapPool`.
+`PeerLiveness` (heartbeat, verdicts, quarantine of the prefill instances it
+uses) and a `BootstrapPool`.
 """

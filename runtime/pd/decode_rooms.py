@@ -100,7 +100,7 @@ from pdcluster.runtime.pd.messages import (
     Status,
     TransferMeta,
 )
-from pdcluster.runtime.pd.peer_verdicts import Gate, PeerVerdicts
+from pdcluster.runtime.pd.peer_liveness import Gate, PeerVerdicts
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import (
     Handler,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,9 +31,24 @@ from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
-from pdcluster.runtime.pd.heartbeat import HeartbeatTracker, Verdict
 from pdcluster.runtime.pd.instance_counts import failure_key
-from pdcluster.runtime.pd.room_common import RoomError, peer_matches
+from pdcluster.runtime.pd.peer_liveness import (
+    CheckRestart,
+    DeclareUnreachable,
+    DropSockets,
+    FailHeldRooms,
+    FailPeerRooms,
+    ForgetIdle,
+    ForgetRoute,
+    HeartbeatTracker,
+    LivenessAction,
+    PeerAnswers,
+    PeerLiveness,
+    ReleaseRestarted,
+    ResumeHeld,
+    StartProbe,
+)
+from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import (
     DpRankConflict,
     KVSlice,
@@ -126,24 +142,12 @@ class DecodeAgent(RankAgent):
         self._fenced: set[int] = set()
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
-        self.heartbeat = HeartbeatTracker(
-            hb.interval_seconds, hb.failure_threshold, idle_s=hb.idle_seconds
+        # What this rank decides about its prefill peers; it only performs.
+        self.liveness = PeerLiveness(
+            HeartbeatTracker(hb.interval_seconds, hb.failure_threshold, idle_s=hb.idle_seconds),
+            bootstrap_s=ctx.room_settings.bootstrap_s,
+            one_sided=self.one_sided,
         )
-        # peer -> when its probe in flight started.
-        self._probing: dict[str, float] = {}
-        # fail_peer target (as given) -> when it was declared lost. Only a probe
-        # that *started* later may revive it: one already in flight when the
-        # operator reported the pod gone proves nothing.
-        self._lost_at: dict[str, float] = {}
-        # Heartbeat peer -> when its probes declared it dead. Kept (unlike
-        # `_lost_at`) until it answers again: a restart can take longer than
-        # `bootstrap_s`, and a fresh /route answer must still revive it then,
-        # or its next death would go unreported (STILL_DEAD, no verdict).
-        self._dead_at: dict[str, float] = {}
-        # shm only: prefill instance -> rank endpoints it had when it stopped
-        # answering. Pages its rooms held stay quarantined until it acks, or
-        # comes back on other endpoints (the old process is gone).
-        self._quarantined: dict[str, set[str]] = {}
 
     def close(self) -> None:
         super().close()
@@ -247,28 +251,12 @@ class DecodeAgent(RankAgent):
                 if missing is None:
                     missing = self._bad_checksum(act)
                 if missing is not None:
-                    log.warning(
-                        "decode rank %s: room %s rid %s failed: %s",
-                        self.ctx.coord,
-                        act.room,
-                        act.rid,
-                        missing,
-                    )
-                    self.ctx.stats[failure_key(missing)] += 1
-                    self.report(act.room, "failed", missing)
+                    self._report_failed(act.room, act.rid, missing)
                     continue
                 self.report(act.room, "complete", first_token=act.first_token)
             elif isinstance(act, A.RoomFailed):
-                log.warning(
-                    "decode rank %s: room %s rid %s failed: %s",
-                    self.ctx.coord,
-                    act.room,
-                    act.rid,
-                    act.reason,
-                )
-                self.ctx.stats[failure_key(act.reason)] += 1
                 self._receiving.pop(act.room, None)
-                self.report(act.room, "failed", act.reason)
+                self._report_failed(act.room, act.rid, act.reason)
             elif isinstance(act, A.ReleasePages):
                 # `released` itself waits in _sweep until no write is in flight.
                 self._receiving.pop(act.room, None)
@@ -276,6 +264,11 @@ class DecodeAgent(RankAgent):
                 self.report(act.room, "ready")
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
+        log.warning("decode rank %s: room %s rid %s failed: %s", self.ctx.coord, room, rid, reason)
+        self.ctx.stats[failure_key(reason)] += 1
+        self.report(room, "failed", reason)
 
     def _sweep(self, room: int) -> None:
         """Report `released` once the room left this rank's table and no frame
@@ -310,25 +303,29 @@ class DecodeAgent(RankAgent):
                 self._sweep(r)
 
     def on_group(self, msg: GroupMessage, now: float) -> None:
-        if isinstance(msg, GroupOpen):
-            self._open(msg, now)
-        elif isinstance(msg, GroupPages):
-            r = self.rooms.get(msg.room)
-            if r is None or msg.room not in self.table:
-                self._sweep(msg.room)
-                return
-            if r.resolved:
-                self._assign(msg.room, list(msg.pages), now)
-            else:
-                r.pending_pages = list(msg.pages)
-        elif isinstance(msg, GroupFail):
-            self._fail(msg.room, msg.reason)
-        elif isinstance(msg, GroupFailPeer):
-            # `gone`: the operator saw the pod deleted or exited, nothing of it can
-            # write any more. Otherwise (NotReady) it may be hung and resume: on a
-            # one-sided transport its rooms' pages stay quarantined like after a
-            # heartbeat verdict, until it acks, restarts elsewhere or is gone.
-            self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone)
+        handler = _GROUP_HANDLERS.get(type(msg))
+        if handler is not None:
+            handler(self, msg, now)
+
+    def _on_pages(self, msg: GroupPages, now: float) -> None:
+        r = self.rooms.get(msg.room)
+        if r is None or msg.room not in self.table:
+            self._sweep(msg.room)
+            return
+        if r.resolved:
+            self._assign(msg.room, list(msg.pages), now)
+        else:
+            r.pending_pages = list(msg.pages)
+
+    def _on_fail(self, msg: GroupFail, now: float) -> None:
+        self._fail(msg.room, msg.reason)
+
+    def _on_fail_peer(self, msg: GroupFailPeer, now: float) -> None:
+        # `gone`: the operator saw the pod deleted or exited, nothing of it can
+        # write any more. Otherwise (NotReady) it may be hung and resume: on a
+        # one-sided transport its rooms' pages stay quarantined like after a
+        # heartbeat verdict, until it acks, restarts elsewhere or is gone.
+        self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
@@ -346,14 +343,13 @@ class DecodeAgent(RankAgent):
             self.report(msg.room, "released")
             return
         self.rooms[msg.room] = _Room(msg.rid, msg.peer, msg.prefill_dp, gen, msg.num_tokens)
-        if msg.peer not in self.heartbeat.peers():
-            self.heartbeat.add(msg.peer, now)
+        self.liveness.watch(msg.peer, now)
         gate = self.table.gate_new_room(msg.room, now)
         if gate.actions:
             # The operator reported it gone (or not ready): fail now rather
             # than retry /route against it; a probe soon tells whether it is
             # back for the next room.
-            self.heartbeat.hasten(msg.peer, now)
+            self.liveness.hold(msg.peer, now)
             self.perform(gate.actions)
             self._sweep(msg.room)
             return
@@ -367,8 +363,8 @@ class DecodeAgent(RankAgent):
                 msg.room,
                 gate.probe,
             )
-            self.heartbeat.hasten(gate.probe, now)
-            self._start_probes(now)
+            self.liveness.hold(gate.probe, now)
+            self.act(self.liveness.start_probes(now), now)
             return
         self._fetch_route(msg.room, msg.peer, now)
 
@@ -382,9 +378,10 @@ class DecodeAgent(RankAgent):
 
         def done(info: Any, err: BaseException | None) -> None:
             if err is None:
-                # An answer from /route is as good as a probe: a restarted
-                # instance is used as soon as it answers, not one interval later.
-                self.post(lambda: self._revive(peer, now, recovered=False, refetch=False))
+                # An answer from /route is as good as a probe (`now`: when it was asked).
+                self.post(
+                    lambda: self.act(self.liveness.on_route_answer(peer, now), time.monotonic())
+                )
             self.post(lambda: self._resolve_room(room, info, err))
 
         self.aio.submit(client.instance(wait_s=wait_s), done)
@@ -455,125 +452,100 @@ class DecodeAgent(RankAgent):
     # ------------------------------------------------------------ liveness
     def tick(self, now: float) -> None:
         self.perform(self.table.tick(now))
-        # The table forgets a lost peer after bootstrap_s; so may we.
-        horizon = now - self.ctx.room_settings.bootstrap_s
-        self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
         for room in list(self.rooms):
             self._sweep(room)
-        self._drop_idle_peers(now)
-        self._start_probes(now)
+        in_use = {r.peer for r in self.rooms.values()}
+        self.act(self.liveness.tick(now, in_use), now)
 
-    def _drop_idle_peers(self, now: float) -> None:
-        """Stop probing prefill instances no room used for `heartbeat.idleSeconds`."""
-        in_use = {r.peer for r in self.rooms.values()} | set(self._quarantined)
-        for peer in self.heartbeat.prune_idle(now, in_use):
-            log.info("decode rank %s: prefill %s idle; no longer probed", self.ctx.coord, peer)
-            self.ctx.stats["peer_idle_dropped"] += 1
-            self.bootstrap.discard(peer)
+    def act(self, acts: list[LivenessAction], now: float) -> None:
+        """Perform what `PeerLiveness` decided, in order."""
+        for act in acts:
+            _LIVENESS_HANDLERS[type(act)](self, act, now)
 
-    def _start_probes(self, now: float) -> None:
-        for peer in self.heartbeat.due(now):
-            if peer in self._probing:
-                continue
-            self._probing[peer] = now
-            client = self.bootstrap.get(peer)
-            timeout = self.heartbeat.probe_timeout_s
+    def _start_probe(self, act: StartProbe, now: float) -> None:
+        peer = act.peer
 
-            def done(ok: Any, err: BaseException | None, peer: str = peer) -> None:
-                self.post(lambda: self._on_probe(peer, bool(ok) and err is None))
+        def done(ok: Any, err: BaseException | None) -> None:
+            self.post(lambda: self._on_probe(peer, bool(ok) and err is None))
 
-            self.aio.submit(client.health(timeout), done)
+        self.aio.submit(self.bootstrap.get(peer).health(act.timeout_s), done)
 
     def _on_probe(self, peer: str, ok: bool) -> None:
-        started = self._probing.pop(peer, 0.0)
         now = time.monotonic()
-        verdict = self.heartbeat.on_result(peer, ok, now)
-        if not ok:
-            # Rooms held for this probe (the peer was already declared dead) fail now.
-            self.perform(self.table.probe_failed(peer, now))
-            for room in list(self.rooms):
-                self._sweep(room)
-        if verdict is Verdict.DEAD:
-            log.warning(
-                "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, peer
-            )
-            self.ctx.stats["peer_dead"] += 1
-            self._dead_at[peer] = now
-            # Unreachable is not gone: a hung process may wake up and write.
-            # New rooms on it fail at once until a probe finds it answering.
-            self._peer_lost(
-                peer, "prefill_unreachable", now, definitive=False, until_recovered=True
-            )
-        elif verdict in (Verdict.OK, Verdict.RECOVERED):
-            self._revive(peer, started, recovered=verdict is Verdict.RECOVERED, refetch=True)
+        self.act(self.liveness.on_probe(peer, ok, now), now)
 
-    def _revive(self, peer: str, started: float, *, recovered: bool, refetch: bool) -> None:
-        """`peer` answered a request sent at `started`: undo verdicts older than that."""
-        revived = [p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)]
-        dead_at = self._dead_at.get(peer)
-        recovered = recovered or (dead_at is not None and dead_at <= started)
-        if recovered:
-            self._dead_at.pop(peer, None)
-        if recovered or revived:
-            log.info("decode rank %s: prefill %s answers again", self.ctx.coord, peer)
-            self.heartbeat.mark_alive(peer)
-            if refetch:
-                # It may have restarted on new rank addresses: fetch /route afresh.
-                self.bootstrap.invalidate(peer)
-            released = self.table.peer_recovered(peer)
-            for p in revived:
-                released += self.table.peer_recovered(p)
-                del self._lost_at[p]
-            now = time.monotonic()
-            for room in released:
-                r = self.rooms.get(room)
-                if r is not None:
-                    self._fetch_route(room, r.peer, now)
-        if peer in self._quarantined:
-            self._check_restarted(peer)
+    def _fail_held(self, act: FailHeldRooms, now: float) -> None:
+        self.perform(self.table.probe_failed(act.peer, now))
+        self._sweep_all()
+
+    def _unreachable(self, act: DeclareUnreachable, now: float) -> None:
+        log.warning(
+            "decode rank %s: prefill %s unreachable; failing its rooms", self.ctx.coord, act.peer
+        )
+        self.ctx.stats["peer_dead"] += 1
+        # Unreachable is not gone: a hung process may wake up and write.
+        # New rooms on it are held for a probe until one finds it answering.
+        self._peer_lost(
+            act.peer, "prefill_unreachable", now, definitive=False, until_recovered=True
+        )
+
+    def _answers(self, act: PeerAnswers, now: float) -> None:
+        log.info("decode rank %s: prefill %s answers again", self.ctx.coord, act.peer)
+
+    def _forget_route(self, act: ForgetRoute, now: float) -> None:
+        self.bootstrap.invalidate(act.peer)
+
+    def _resume_held(self, act: ResumeHeld, now: float) -> None:
+        released = [room for peer in act.peers for room in self.table.peer_recovered(peer)]
+        now = time.monotonic()
+        for room in released:
+            r = self.rooms.get(room)
+            if r is not None:
+                self._fetch_route(room, r.peer, now)
+
+    def _drop_sockets(self, act: DropSockets, now: float) -> None:
+        for endpoint in act.endpoints:
+            self.endpoint.drop_peer(endpoint)
+
+    def _fail_peer_rooms(self, act: FailPeerRooms, now: float) -> None:
+        self.perform(
+            self.table.fail_peer(
+                act.peer,
+                act.reason,
+                now,
+                definitive=act.definitive,
+                until_recovered=act.until_recovered,
+            )
+        )
+        self._sweep_all()
+
+    def _forget_idle(self, act: ForgetIdle, now: float) -> None:
+        log.info("decode rank %s: prefill %s idle; no longer probed", self.ctx.coord, act.peer)
+        self.ctx.stats["peer_idle_dropped"] += 1
+        self.bootstrap.discard(act.peer)
 
     def _peer_lost(
         self, peer: str, reason: str, now: float, *, definitive: bool, until_recovered: bool = False
     ) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
-        self._lost_at[peer] = now
-        quarantine = self.one_sided and not definitive
-        # Rank endpoints of each lost instance: what the rooms use, and /route's answer.
-        lost: dict[str, set[str]] = {}
-        for view in self.table.list_rooms(now):
-            instance, *used = view.peers
-            if peer_matches(peer, instance, *used):
-                lost.setdefault(instance, set()).update(used)
-        for watched in self.heartbeat.peers():
-            if peer_matches(peer, watched):
-                client = self.bootstrap.get(watched)
-                cached = client.cached_instance
-                known = lost.setdefault(watched, set())
-                if cached is not None:
-                    known.update(rank.endpoint for rank in cached.ranks)
-                client.invalidate()
-        for instance, endpoints in lost.items():
-            if quarantine:
-                # Keep the sockets: the ABORTs queued on them reach the process
-                # if it resumes, and its acks free the pages.
-                self._quarantined.setdefault(instance, set()).update(endpoints)
-            else:
-                # Sockets to a dead process only queue messages nobody reads.
-                for endpoint in endpoints:
-                    self.endpoint.drop_peer(endpoint)
-        if definitive:
-            for watched in [w for w in self._quarantined if peer_matches(peer, w)]:
-                del self._quarantined[watched]
-        self.perform(
-            self.table.fail_peer(
-                peer, reason, now, definitive=definitive, until_recovered=until_recovered
-            )
+        routes = {}
+        for watched in self.liveness.watched_by(peer):
+            cached = self.bootstrap.get(watched).cached_instance
+            routes[watched] = [] if cached is None else [r.endpoint for r in cached.ranks]
+        acts = self.liveness.lost(
+            peer,
+            reason,
+            now,
+            definitive=definitive,
+            until_recovered=until_recovered,
+            rooms=[view.peers for view in self.table.list_rooms(now)],
+            routes=routes,
         )
-        for room in list(self.rooms):
-            self._sweep(room)
+        self.act(acts, now)
 
-    def _check_restarted(self, peer: str) -> None:
+    def _check_restarted(self, act: CheckRestart, now: float) -> None:
         """A quarantined instance answers again: same process (it will ack) or a new one?"""
+        peer = act.peer
         client = self.bootstrap.get(peer)
 
         def done(info: InstanceInfo | None, err: BaseException | None) -> None:
@@ -582,24 +554,23 @@ class DecodeAgent(RankAgent):
         self.aio.submit(client.instance(wait_s=self.ctx.room_settings.bootstrap_s), done)
 
     def _on_restart_check(self, peer: str, info: InstanceInfo | None) -> None:
-        old = self._quarantined.get(peer)
-        if old is None or info is None:
-            return  # settled meanwhile, or not answering /route yet: the next probe retries
+        if info is None or not self.liveness.is_quarantined(peer):
+            return  # not answering /route yet (the next probe retries), or settled meanwhile
         now = time.monotonic()
-        gone = old - {rank.endpoint for rank in info.ranks}
-        for endpoint in sorted(gone):
-            # Registered again elsewhere: the process that held our pages is gone.
-            log.info("decode rank %s: %s restarted; releasing its pages", self.ctx.coord, endpoint)
-            self.endpoint.drop_peer(endpoint)
-            self.perform(self.table.fail_peer(endpoint, "prefill_restarted", now))
+        self.act(self.liveness.restart_checked(peer, [rank.endpoint for rank in info.ranks]), now)
         # The same endpoints answer: the same process resumed and will ack. Keep
         # watching while a room still waits on them (the answer may be stale).
         waiting = {e for view in self.table.list_rooms(now) for e in view.peers[1:]}
-        left = (old - gone) & waiting
-        if left:
-            self._quarantined[peer] = left
-        else:
-            del self._quarantined[peer]
+        self.liveness.keep_quarantined(peer, waiting)
+        self._sweep_all()
+
+    def _release_restarted(self, act: ReleaseRestarted, now: float) -> None:
+        # Registered again elsewhere: the process that held our pages is gone.
+        log.info("decode rank %s: %s restarted; releasing its pages", self.ctx.coord, act.endpoint)
+        self.endpoint.drop_peer(act.endpoint)
+        self.perform(self.table.fail_peer(act.endpoint, "prefill_restarted", now))
+
+    def _sweep_all(self) -> None:
         for room in list(self.rooms):
             self._sweep(room)
 
@@ -631,3 +602,25 @@ def _transfer_reason(reason: str) -> str:
     if reason in (CHECKSUM_MISMATCH, CHECKSUM_MISSING):
         return reason
     return f"transfer_failed: {reason}"
+
+
+_GROUP_HANDLERS: dict[type, Callable[[DecodeAgent, Any, float], None]] = {
+    GroupOpen: DecodeAgent._open,
+    GroupPages: DecodeAgent._on_pages,
+    GroupFail: DecodeAgent._on_fail,
+    GroupFailPeer: DecodeAgent._on_fail_peer,
+}
+
+_LIVENESS_HANDLERS: dict[type, Callable[[DecodeAgent, Any, float], None]] = {
+    StartProbe: DecodeAgent._start_probe,
+    FailHeldRooms: DecodeAgent._fail_held,
+    DeclareUnreachable: DecodeAgent._unreachable,
+    PeerAnswers: DecodeAgent._answers,
+    ForgetRoute: DecodeAgent._forget_route,
+    ResumeHeld: DecodeAgent._resume_held,
+    CheckRestart: DecodeAgent._check_restarted,
+    DropSockets: DecodeAgent._drop_sockets,
+    FailPeerRooms: DecodeAgent._fail_peer_rooms,
+    ReleaseRestarted: DecodeAgent._release_restarted,
+    ForgetIdle: DecodeAgent._forget_idle,
+}

@@ -19,7 +19,7 @@ IDLE_S = 0.5
 def watched(rig: DecodeRig) -> tuple[bool, bool]:
     """(probed, has a bootstrap client), read under the agent's lock."""
     with rig.agent.lock:
-        return PREFILL_PEER in rig.agent.heartbeat.peers(), PREFILL_PEER in rig.agent.bootstrap
+        return PREFILL_PEER in rig.agent.liveness.peers(), PREFILL_PEER in rig.agent.bootstrap
 
 
 def test_an_idle_prefill_leaves_the_heartbeat_and_comes_back_with_a_room() -> None:

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.decode_rooms import DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
-from pdcluster.runtime.pd.heartbeat import HeartbeatTracker
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.room_common import UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
@@ -246,61 +245,3 @@ def test_held_rooms_follow_the_verdicts_and_probes(ops: list[tuple[object, ...]]
             assert table.is_held(room) == (state.get(room, ("", ""))[1] == "held")
             if room in state:
                 assert table.state(room) is KVPoll.Bootstrapping
-
-
-# ---------------------------------------------------------------- heartbeat.hasten
-
-PEER = BOOTSTRAP
-
-
-@pytest.mark.parametrize(
-    ("last_start", "in_flight", "hasten_at", "due_at"),
-    [
-        (None, False, 1.0, 0.0),  # never probed: already due
-        (0.0, False, 0.1, 0.25),  # not before probe_timeout_s after the last start
-        (0.0, False, 2.0, 2.0),  # long after: at once
-        (0.0, True, 2.0, None),  # one in flight: nothing more
-    ],
-)
-def test_hasten_brings_the_next_probe_forward_within_limits(
-    last_start: float | None, in_flight: bool, hasten_at: float, due_at: float | None
-) -> None:
-    hb = HeartbeatTracker(interval_s=5.0, failure_threshold=2, probe_timeout_s=0.25)
-    hb.add(PEER, 0.0)
-    if last_start is not None:
-        assert hb.due(last_start) == [PEER]
-        if not in_flight:
-            hb.on_result(PEER, False, last_start + 0.01)
-    hb.hasten(PEER, hasten_at)
-    if due_at is None:
-        assert hb.due(hasten_at + 10) == []
-        return
-    assert hb.next_wakeup() == pytest.approx(max(due_at, 0.0))
-    assert hb.due(max(due_at, hasten_at)) == [PEER]
-
-
-def test_hasten_unknown_peer_is_a_no_op() -> None:
-    hb = HeartbeatTracker()
-    hb.hasten(PEER, 1.0)
-    assert hb.peers() == [] and hb.next_wakeup() is None
-
-
-@given(
-    calls=st.lists(st.floats(0.0, 0.2), min_size=1, max_size=50),
-    timeout=st.floats(0.05, 1.0),
-)
-def test_hastened_probes_never_closer_than_the_probe_timeout(
-    calls: list[float], timeout: float
-) -> None:
-    """However many rooms ask, probes of one peer start at least probe_timeout_s apart."""
-    hb = HeartbeatTracker(interval_s=5.0, probe_timeout_s=timeout)
-    hb.add(PEER, 0.0)
-    now, starts = 0.0, []
-    for step in calls:
-        now += step
-        hb.hasten(PEER, now)
-        if hb.due(now):
-            starts.append(now)
-            hb.on_result(PEER, False, now)  # refused at once, like a dead port
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert all(g >= timeout - 1e-9 for g in gaps)

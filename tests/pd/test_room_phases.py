@@ -31,7 +31,7 @@ from tests.pd.sim import BOOTSTRAP, Net, d_endpoint, p_endpoint
 P, PE, D, DE = PrefillPhase, PrefillEvent, DecodePhase, DecodeEvent
 enum_t = PrefillPhase | DecodePhase | PrefillEvent | DecodeEvent
 
-# The protocols as the room modules' docstrings and DESIGN §5 describe them,
+# The protocols as the room modules' docstrings and docs/design.md §5 describe them,
 # written here independently of the tables.
 LIVE_PREFILL = [P.UNOPENED, P.OPENED, P.COMPUTING, P.COMPUTED, P.AWAITING_KV]
 LIVE_PREFILL += [P.SENDING, P.TRANSFERRING, P.FINISHING]

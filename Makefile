@@ -52,8 +52,8 @@ fmt: setup
 
 # CRD YAML and the PDCluster reference are generated from runtime/spec.py.
 crds: setup
-	$(PY) -m pdcluster.operator.crdgen -o crds/pdcluster.io_pdclusters.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
-	$(PY) -m pdcluster.operator.refdoc > docs/reference.md
+	$(PY) -m pdcluster.operator.crd.crdgen -o crds/pdcluster.io_pdclusters.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
+	$(PY) -m pdcluster.operator.crd.refdoc > docs/reference.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .pdcluster

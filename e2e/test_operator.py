@@ -572,8 +572,8 @@ CM = {"apiVersion": "v1", "kind": "ConfigMap"}
 async def test_apply_carries_the_uid_so_a_replaced_object_is_not_taken_over(
     k8s_cluster: ClusterInfo, kube: KubeApi, namespace: str
 ) -> None:
-    from pdcluster.operator.kube import ApiError as OperatorApiError
-    from pdcluster.operator.kube import KubeClient, load_credentials
+    from pdcluster.operator.kube.client import ApiError as OperatorApiError
+    from pdcluster.operator.kube.client import KubeClient, load_credentials
 
     path = f"/api/v1/namespaces/{namespace}/configmaps"
     first = kube.create(path, {**CM, "metadata": {"name": "cm"}, "data": {"who": "ours"}})

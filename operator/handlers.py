@@ -29,16 +29,16 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from pdcluster.operator import crdgen
 from pdcluster.operator.api import GROUP, PLURAL, VERSION
-from pdcluster.operator.controller import Controller
-from pdcluster.operator.failover import Failover
-from pdcluster.operator.kube import ApiError, KubeClient, load_credentials
+from pdcluster.operator.crd import crdgen
+from pdcluster.operator.failover.fast_path import Failover
+from pdcluster.operator.kube.client import ApiError, KubeClient, load_credentials
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import LABEL_CLUSTER
-from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.reconcile.controller import Controller
+from pdcluster.operator.reconcile.workqueue import WorkQueue
 from pdcluster.operator.settings import OperatorSettings
-from pdcluster.operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 ANNOTATION_PREFIX = "pdcluster.io"

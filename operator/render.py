@@ -23,7 +23,7 @@ import yaml
 from pdcluster.operator.builders.config import build_token_secret
 from pdcluster.operator.builders.desired import build_desired
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.cluster import Cluster, cluster_from_body
+from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body
 from pdcluster.runtime.spec import SpecError
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"

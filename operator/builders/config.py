@@ -20,7 +20,7 @@ from pdcluster.operator.api import API_VERSION_FULL, KIND
 from pdcluster.operator.builders import meta
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement, placed_spec
-from pdcluster.operator.cluster import Cluster
+from pdcluster.operator.reconcile.cluster import Cluster
 
 
 def render_manifest_yaml(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) -> str:

@@ -25,8 +25,8 @@ from pdcluster.operator.builders.workers import (
     pod_layout,
     token_secret_for,
 )
-from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.revision import compute_cluster_revision, compute_template_hash
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_template_hash
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from pdcluster.operator import names
-from pdcluster.operator.cluster import ClusterRef
+from pdcluster.operator.reconcile.cluster import ClusterRef
 
 Manifest = dict[str, Any]
 

@@ -22,7 +22,7 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.cluster import Cluster
+from pdcluster.operator.reconcile.cluster import Cluster
 
 API_VERSION = "networking.k8s.io/v1"
 WORKER_COMPONENT = "worker"

@@ -13,8 +13,8 @@ from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.workers import BuildError, token_secret_for
-from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.revision import compute_cluster_revision, compute_router_hash
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_router_hash
 
 ROUTER_ROLE = "router"
 ANNOTATION_ROUTER_HASH = "pdcluster.io/router-hash"

@@ -31,8 +31,8 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.revision import (
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_template_hash,
 )

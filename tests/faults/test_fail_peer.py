@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdcluster.operator.admin_client import AdminClient
+from pdcluster.operator.failover.admin_client import AdminClient
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd_worker.admin_body import (

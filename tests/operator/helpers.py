@@ -17,7 +17,12 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from pdcluster.operator.actions import (
+from pdcluster.operator.builders.config import build_token_secret
+from pdcluster.operator.builders.desired import DesiredState, build_desired
+from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement
+from pdcluster.operator.kube.client import ApiError
+from pdcluster.operator.names import router_name
+from pdcluster.operator.reconcile.actions import (
     Action,
     Apply,
     Create,
@@ -25,15 +30,10 @@ from pdcluster.operator.actions import (
     Delete,
     Emit,
 )
-from pdcluster.operator.builders.config import build_token_secret
-from pdcluster.operator.builders.desired import DesiredState, build_desired
-from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement
-from pdcluster.operator.cluster import Cluster, cluster_from_body
-from pdcluster.operator.kube import ApiError
-from pdcluster.operator.names import router_name
-from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.reconcile_plan import Plan, plan_reconcile
-from pdcluster.operator.restarts import RestartLedger
+from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body
+from pdcluster.operator.reconcile.observed import Observed, observe
+from pdcluster.operator.reconcile.plan import Plan, plan_reconcile
+from pdcluster.operator.reconcile.restarts import RestartLedger
 
 # Test-only packages the dev extras must list (cel-python, kubernetes-validate,
 # which brings jsonschema). Until they are installed, the tests that need them

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from pdcluster.operator.admin_client import AdminClient
+from pdcluster.operator.failover.admin_client import AdminClient
 
 LIMIT = 64 * 1024
 

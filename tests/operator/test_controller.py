@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from pdcluster.operator.controller import Controller
-from pdcluster.operator.kube import ApiError
+from pdcluster.operator.kube.client import ApiError
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.reconcile.controller import Controller
 from pdcluster.operator.settings import OperatorSettings
 
 from .helpers import NS, PD, FakeApi, body

@@ -13,10 +13,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator import cel_rules
-from pdcluster.operator.crdgen import build_crd, main, render_crd_yaml
-from pdcluster.operator.refdoc import render_reference
-from pdcluster.operator.structural import apply_defaults, check_structural, to_structural, walk
+from pdcluster.operator.crd import cel_rules
+from pdcluster.operator.crd.crdgen import build_crd, main, render_crd_yaml
+from pdcluster.operator.crd.refdoc import render_reference
+from pdcluster.operator.crd.structural import apply_defaults, check_structural, to_structural, walk
 from pdcluster.runtime.spec import (
     MAX_RANKS_PER_INSTANCE,
     SpecError,
@@ -41,7 +41,7 @@ STATUS_SCHEMA = SCHEMA["properties"]["status"]
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
 def test_committed_crd_matches_a_fresh_generation(path: Path) -> None:
     assert path.read_text() == render_crd_yaml(), (
-        f"{path.relative_to(ROOT)} is stale: run `python -m pdcluster.operator.crdgen "
+        f"{path.relative_to(ROOT)} is stale: run `python -m pdcluster.operator.crd.crdgen "
         "-o crds/pdcluster.io_pdclusters.yaml "
         "-o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml`"
     )
@@ -49,9 +49,7 @@ def test_committed_crd_matches_a_fresh_generation(path: Path) -> None:
 
 def test_committed_reference_matches_a_fresh_generation() -> None:
     path = ROOT / "docs" / "reference.md"
-    assert path.read_text() == render_reference(), (
-        "docs/reference.md is stale: run `python -m pdcluster.operator.refdoc > docs/reference.md`"
-    )
+    assert path.read_text() == render_reference(), "docs/reference.md is stale: run `make crds`"
 
 
 def test_generator_writes_every_output(tmp_path: Path) -> None:
@@ -83,7 +81,7 @@ def test_identity_subresources_and_columns() -> None:
 
 
 def test_conversion_rejects_what_kubernetes_cannot_express() -> None:
-    from pdcluster.operator.structural import SchemaConversionError
+    from pdcluster.operator.crd.structural import SchemaConversionError
 
     with pytest.raises(SchemaConversionError, match="Optional"):
         to_structural({"anyOf": [{"type": "string"}, {"type": "integer"}]})

@@ -6,9 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdcluster.operator.api import RoleStatus
-from pdcluster.operator.cluster import ClusterRef
-from pdcluster.operator.events import EventAggregator, EventKey, build_event, event_name
-from pdcluster.operator.restarts import (
+from pdcluster.operator.kube.events import EventAggregator, EventKey, build_event, event_name
+from pdcluster.operator.reconcile.cluster import ClusterRef
+from pdcluster.operator.reconcile.restarts import (
     BUDGET_WINDOW_S,
     RestartLedger,
     ledger_from_status,

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator.admin_client import AdminResult
-from pdcluster.operator.failover import loss_message
-from pdcluster.operator.failure_counts import FailureCounts, parse_failures
-from pdcluster.operator.losses import Loss, LossCause, LossTracker
-from pdcluster.operator.peers import PodIndex
-from pdcluster.operator.pod_facts import parse_pod_facts, parse_time
+from pdcluster.operator.failover.admin_client import AdminResult
+from pdcluster.operator.failover.failure_counts import FailureCounts, parse_failures
+from pdcluster.operator.failover.fast_path import loss_message
+from pdcluster.operator.failover.losses import Loss, LossCause, LossTracker
+from pdcluster.operator.failover.peers import PodIndex
+from pdcluster.operator.failover.pod_facts import parse_pod_facts, parse_time
 from pdcluster.runtime.spec import Role
 
 from .helpers import UID

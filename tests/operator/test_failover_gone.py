@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator.admin_client import AdminClient, AdminResult
-from pdcluster.operator.failover import Failover, is_peer_gone, is_settled_by
-from pdcluster.operator.losses import Loss, LossCause
+from pdcluster.operator.failover.admin_client import AdminClient, AdminResult
+from pdcluster.operator.failover.fast_path import Failover, is_peer_gone, is_settled_by
+from pdcluster.operator.failover.losses import Loss, LossCause
+from pdcluster.operator.failover.pod_facts import parse_pod_facts
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.pod_facts import parse_pod_facts
-from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.spec import Role
 

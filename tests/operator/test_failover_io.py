@@ -19,9 +19,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdcluster.operator.failover import Failover
+from pdcluster.operator.failover.fast_path import Failover
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.recorder import EventRecorder
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.spec import Role
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pdcluster.operator import names
 from pdcluster.operator.names import InvalidNameError
-from pdcluster.operator.revision import (
+from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_router_hash,
     compute_template_hash,

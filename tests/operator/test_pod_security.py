@@ -18,7 +18,7 @@ from pdcluster.operator.builders import (
     podsecurity,
 )
 from pdcluster.operator.builders.workers import token_secret_for
-from pdcluster.operator.pod_facts import parse_pod_facts
+from pdcluster.operator.failover.pod_facts import parse_pod_facts
 from pdcluster.operator.render import cluster_for_render, render_objects
 from pdcluster.runtime.spec import Role
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from pdcluster.operator.actions import Reason
-from pdcluster.operator.policy import (
+from pdcluster.operator.reconcile.actions import Reason
+from pdcluster.operator.reconcile.policy import (
     ALLOW_REFERENCE_LABEL,
     check_cluster,
     image_allowed,

@@ -11,8 +11,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdcluster.operator.pod_facts import parse_pod_facts
-from pdcluster.operator.prefill_peers import compute_prefill_peers, decode_targets
+from pdcluster.operator.failover.pod_facts import parse_pod_facts
+from pdcluster.operator.failover.prefill_peers import compute_prefill_peers, decode_targets
 from pdcluster.runtime.spec import Role
 
 from .podmaker import terminated, worker_pod
@@ -70,7 +70,7 @@ def test_the_set_is_every_running_prefill_of_the_cluster() -> None:
 async def test_pod_events_publish_the_set_and_a_loading_decode_is_asked_again(
     decode: FakeDecode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("pdcluster.operator.failover.PUBLISH_RETRY_S", 0.05)
+    monkeypatch.setattr("pdcluster.operator.failover.fast_path.PUBLISH_RETRY_S", 0.05)
     _, failover, _ = make_failover()
     decode.refuse = 2
     await failover.on_pod_event(

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator.actions import Apply, Create, CreateTokenSecret, Delete, Emit
 from pdcluster.operator.builders.workers import Placement
-from pdcluster.operator.instances import Health, group_instances
-from pdcluster.operator.reconcile_plan import manifest_hash, stamp
-from pdcluster.operator.restarts import backoff_delay
-from pdcluster.operator.rollout import MAX_SURGE
+from pdcluster.operator.reconcile.actions import Apply, Create, CreateTokenSecret, Delete, Emit
+from pdcluster.operator.reconcile.instances import Health, group_instances
+from pdcluster.operator.reconcile.plan import manifest_hash, stamp
+from pdcluster.operator.reconcile.restarts import backoff_delay
+from pdcluster.operator.reconcile.rollout import MAX_SURGE
 from pdcluster.runtime.spec import Role
 
 from .helpers import PD, Sim, observe_store

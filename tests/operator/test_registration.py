@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.operator.registration import RegistrationWatch, is_registration_problem
+from pdcluster.operator.failover.registration import RegistrationWatch, is_registration_problem
 
 UNREG = "unregistered: 1/4 ranks registered"
 

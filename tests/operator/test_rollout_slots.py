@@ -12,10 +12,10 @@ import pytest
 
 from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.operator.builders.workers import InstanceKey
-from pdcluster.operator.instances import Health, ObservedInstance
 from pdcluster.operator.names import LABEL_REVISION, Role
-from pdcluster.operator.observed import ObservedObject, ObservedPod
-from pdcluster.operator.rollout import SlotStep, decide_slot
+from pdcluster.operator.reconcile.instances import Health, ObservedInstance
+from pdcluster.operator.reconcile.observed import ObservedObject, ObservedPod
+from pdcluster.operator.reconcile.rollout import SlotStep, decide_slot
 
 NEW, OLD = "tnew", "told"
 REV, OTHER_REV = "r2", "r1"

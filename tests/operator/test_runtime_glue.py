@@ -8,8 +8,8 @@ import kopf
 import pytest
 
 from pdcluster.operator.__main__ import build_kopf_args
+from pdcluster.operator.reconcile.workqueue import MAX_BACKOFF_EXPONENT, WorkQueue, retry_delay
 from pdcluster.operator.settings import OperatorSettings
-from pdcluster.operator.workqueue import MAX_BACKOFF_EXPONENT, WorkQueue, retry_delay
 
 
 async def test_burst_of_triggers_becomes_one_reconcile() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.operator.api import ConditionType, PDClusterStatus, Phase, parse_status
-from pdcluster.operator.status import (
+from pdcluster.operator.reconcile.status import (
     compute_invalid_status,
     compute_status,
     status_changed,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pdcluster.operator.builders.workers import InstanceKey
-from pdcluster.operator.observed import ObservedPod
+from pdcluster.operator.reconcile.observed import ObservedPod
 
 
 class Health(StrEnum):

@@ -12,7 +12,12 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdcluster.operator.actions import (
+from pdcluster.operator.builders.config import build_token_secret
+from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.kube.client import ApiError, KubeApi
+from pdcluster.operator.kube.recorder import EventRecorder
+from pdcluster.operator.metrics import OperatorMetrics
+from pdcluster.operator.reconcile.actions import (
     Action,
     Apply,
     Create,
@@ -22,14 +27,9 @@ from pdcluster.operator.actions import (
     EventType,
     Reason,
 )
-from pdcluster.operator.builders.config import build_token_secret
-from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.kube import ApiError, KubeApi
-from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.observed import parse_object
-from pdcluster.operator.reconcile_plan import describe
-from pdcluster.operator.recorder import EventRecorder
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.observed import parse_object
+from pdcluster.operator.reconcile.plan import describe
 
 log = logging.getLogger(__name__)
 TOKEN_BYTES = 32

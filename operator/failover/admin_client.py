@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdcluster.operator.failure_counts import parse_failures
+from pdcluster.operator.failover.failure_counts import parse_failures
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
 from pdcluster.runtime.pd_worker.admin_body import FailPeerRequest
 

@@ -19,12 +19,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from pdcluster.operator.admin_client import AdminClient, AdminResult
-from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.operator.failover.admin_client import AdminClient, AdminResult
+from pdcluster.operator.failover.pod_facts import PodFacts
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.spec import Role
 
-log = logging.getLogger("pdcluster.operator.prefill_peers")
+log = logging.getLogger("pdcluster.operator.failover.prefill_peers")
 
 
 def compute_prefill_peers(pods: list[PodFacts], cluster_uid: str) -> frozenset[BootstrapAddress]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.operator.api import API_VERSION_FULL, KIND, format_time
-from pdcluster.operator.cluster import ClusterRef
 from pdcluster.operator.names import MANAGED_BY, short_hash
+from pdcluster.operator.reconcile.cluster import ClusterRef
 
 MAX_MESSAGE = 1024
 

@@ -47,19 +47,19 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pdcluster.operator.actions import EventType, Reason
-from pdcluster.operator.admin_client import AdminClient, AdminResult
 from pdcluster.operator.builders.meta import TOKEN_KEY
-from pdcluster.operator.cluster import ClusterRef
-from pdcluster.operator.failure_counts import FailureCounts
-from pdcluster.operator.kube import ApiError, KubeApi
-from pdcluster.operator.losses import Loss, LossCause, LossTracker
+from pdcluster.operator.failover.admin_client import AdminClient, AdminResult
+from pdcluster.operator.failover.failure_counts import FailureCounts
+from pdcluster.operator.failover.losses import Loss, LossCause, LossTracker
+from pdcluster.operator.failover.peers import PEER_ROLE, PodIndex
+from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
+from pdcluster.operator.failover.prefill_peers import PeerPublisher
+from pdcluster.operator.failover.registration import RegistrationWatch, Unregistered
+from pdcluster.operator.kube.client import ApiError, KubeApi
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.peers import PEER_ROLE, PodIndex
-from pdcluster.operator.pod_facts import PodFacts, parse_pod_facts
-from pdcluster.operator.prefill_peers import PeerPublisher
-from pdcluster.operator.recorder import EventRecorder
-from pdcluster.operator.registration import RegistrationWatch, Unregistered
+from pdcluster.operator.reconcile.actions import EventType, Reason
+from pdcluster.operator.reconcile.cluster import ClusterRef
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.spec import Role

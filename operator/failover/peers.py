@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.operator.failover.pod_facts import PodFacts
 from pdcluster.runtime.spec import Role
 
 PEER_ROLE = {Role.prefill: Role.decode, Role.decode: Role.prefill}

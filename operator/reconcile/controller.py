@@ -25,29 +25,29 @@ from collections.abc import Callable
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.actions import Action, EventType, Reason
 from pdcluster.operator.api import PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import ObjectKey, object_key
 from pdcluster.operator.builders.workers import BuildError
-from pdcluster.operator.cluster import Cluster, cluster_from_body, ref_from_body
-from pdcluster.operator.executor import Executor
-from pdcluster.operator.kube import ApiError, KubeApi
+from pdcluster.operator.kube.client import ApiError, KubeApi
+from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError
-from pdcluster.operator.observed import Observed, observe
-from pdcluster.operator.policy import Refusal, check_cluster, secret_references
-from pdcluster.operator.reconcile_plan import MANAGED_KINDS, Plan, describe, plan_reconcile
-from pdcluster.operator.recorder import EventRecorder
-from pdcluster.operator.restarts import ledger_from_status
-from pdcluster.operator.settings import OperatorSettings
-from pdcluster.operator.status import (
+from pdcluster.operator.reconcile.actions import Action, EventType, Reason
+from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
+from pdcluster.operator.reconcile.executor import Executor
+from pdcluster.operator.reconcile.observed import Observed, observe
+from pdcluster.operator.reconcile.plan import MANAGED_KINDS, Plan, describe, plan_reconcile
+from pdcluster.operator.reconcile.policy import Refusal, check_cluster, secret_references
+from pdcluster.operator.reconcile.restarts import ledger_from_status
+from pdcluster.operator.reconcile.status import (
     compute_invalid_status,
     compute_status,
     status_changed,
     status_patch,
 )
-from pdcluster.operator.workqueue import retry_delay
+from pdcluster.operator.reconcile.workqueue import retry_delay
+from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.spec import Role, SpecError
 
 log = logging.getLogger(__name__)

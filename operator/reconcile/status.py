@@ -23,7 +23,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.actions import Reason
 from pdcluster.operator.api import (
     Condition,
     ConditionType,
@@ -33,10 +32,11 @@ from pdcluster.operator.api import (
     RouterStatus,
     format_time,
 )
-from pdcluster.operator.cluster import Cluster, ClusterRef
-from pdcluster.operator.reconcile_plan import Plan
-from pdcluster.operator.restarts import ledger_status_fields
-from pdcluster.operator.rollout import RoleReport
+from pdcluster.operator.reconcile.actions import Reason
+from pdcluster.operator.reconcile.cluster import Cluster, ClusterRef
+from pdcluster.operator.reconcile.plan import Plan
+from pdcluster.operator.reconcile.restarts import ledger_status_fields
+from pdcluster.operator.reconcile.rollout import RoleReport
 from pdcluster.runtime.spec import Role
 
 # The apiserver's message on a refused write can be long; the Event carries it whole.

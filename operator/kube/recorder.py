@@ -6,8 +6,8 @@ import logging
 import socket
 from collections.abc import Callable
 
-from pdcluster.operator.cluster import ClusterRef
-from pdcluster.operator.events import (
+from pdcluster.operator.kube.client import ApiError, KubeApi
+from pdcluster.operator.kube.events import (
     EventAggregator,
     EventKey,
     EventWrite,
@@ -15,8 +15,8 @@ from pdcluster.operator.events import (
     count_patch,
     event_name,
 )
-from pdcluster.operator.kube import ApiError, KubeApi
 from pdcluster.operator.names import MANAGED_BY
+from pdcluster.operator.reconcile.cluster import ClusterRef
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.actions import (
+from pdcluster.operator.builders.desired import DesiredState
+from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+from pdcluster.operator.reconcile.actions import (
     Action,
     Apply,
     Create,
@@ -37,12 +39,10 @@ from pdcluster.operator.actions import (
     EventType,
     Reason,
 )
-from pdcluster.operator.builders.desired import DesiredState
-from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
-from pdcluster.operator.instances import ObservedInstance
-from pdcluster.operator.observed import Observed, ObservedObject
-from pdcluster.operator.restarts import RestartLedger
-from pdcluster.operator.rollout import (
+from pdcluster.operator.reconcile.instances import ObservedInstance
+from pdcluster.operator.reconcile.observed import Observed, ObservedObject
+from pdcluster.operator.reconcile.restarts import RestartLedger
+from pdcluster.operator.reconcile.rollout import (
     RolePlan,
     RoleReport,
     plan_absent_role,

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pdcluster.operator.pod_facts import PodFacts
+from pdcluster.operator.failover.pod_facts import PodFacts
 
 
 class LossCause(StrEnum):

@@ -39,13 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pdcluster.operator.actions import Action, Create, Delete, Emit, EventType, Reason
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState
 from pdcluster.operator.builders.meta import ObjectKey
-from pdcluster.operator.instances import Health, ObservedInstance, group_instances
 from pdcluster.operator.names import LABEL_REVISION
-from pdcluster.operator.observed import Observed
-from pdcluster.operator.restarts import RestartLedger
+from pdcluster.operator.reconcile.actions import Action, Create, Delete, Emit, EventType, Reason
+from pdcluster.operator.reconcile.instances import Health, ObservedInstance, group_instances
+from pdcluster.operator.reconcile.observed import Observed
+from pdcluster.operator.reconcile.restarts import RestartLedger
 from pdcluster.runtime.spec import Role
 
 MAX_SURGE = 1

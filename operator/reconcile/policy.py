@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.actions import Reason
-from pdcluster.operator.cluster import Cluster
-from pdcluster.operator.observed import parse_object
+from pdcluster.operator.reconcile.actions import Reason
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.observed import parse_object
 
 ALLOW_REFERENCE_LABEL = "pdcluster.io/allow-reference"
 ALLOW_REFERENCE_VALUE = "true"

@@ -1,0 +1,11 @@
+"""Reconcile: one PDCluster's desired objects against what the cluster holds.
+
+Pure (decide): cluster (identity + validated spec), observed (typed views of
+what was found), instances (pods grouped into gangs), revision (which spec
+changes restart which pods), rollout (one role's per-slot decisions),
+restarts (gang back-off and budget), plan (desired vs observed → actions),
+actions (the plan's vocabulary), status (the status from a plan), policy
+(what the operator refuses to run).
+I/O (act): controller (one reconcile pass), executor (carries out a plan's
+actions), workqueue (coalescing, delaying keys).
+"""

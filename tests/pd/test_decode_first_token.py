@@ -11,13 +11,13 @@ from unittest.mock import MagicMock
 from pdcluster.runtime.engine.engine import LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.testing import generate
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.coordinator import DecodeCoordinator
 from pdcluster.runtime.pd_worker.group import GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
 from pdcluster.runtime.spec import KVLayout
+from tests.engine.testing import generate
 
 CONFIG = EngineConfig(
     num_pages=20, page_size=16, kv_layout=KVLayout.NHD, chunk_size=16, max_running_requests=4,

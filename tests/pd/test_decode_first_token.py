@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
+from pdcluster.runtime.cli import load_manifest
 from pdcluster.runtime.engine.engine import LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
@@ -16,7 +18,7 @@ from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.coordinator import DecodeCoordinator
 from pdcluster.runtime.pd_worker.group import GroupReport
 from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
-from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.spec import KVLayout, PDClusterSpec
 from tests.engine.testing import generate
 
 CONFIG = EngineConfig(
@@ -24,15 +26,18 @@ CONFIG = EngineConfig(
     max_batch_tokens=64,
 )  # fmt: skip
 ROOM = 4242
+ROOT = Path(__file__).resolve().parents[2]
 FIRST = 65
 
 
-def _spec() -> Any:
-    return SimpleNamespace(
-        transfer=SimpleNamespace(allocation_policy="early", failure_policy="fail"),
-        kv_cache=SimpleNamespace(page_size=CONFIG.page_size),
-        decode=SimpleNamespace(engine=SimpleNamespace(max_running_requests=4)),
+def _spec() -> PDClusterSpec:
+    """The 1P1D example's spec with this test's page size and decode slots."""
+    spec = load_manifest(str(ROOT / "examples" / "pd-1p1d.yaml")).spec
+    decode = spec.decode.model_copy(
+        update={"engine": spec.decode.engine.model_copy(update={"max_running_requests": 4})}
     )
+    kv = spec.kv_cache.model_copy(update={"page_size": CONFIG.page_size})
+    return spec.model_copy(update={"decode": decode, "kv_cache": kv})
 
 
 def _agent() -> Any:

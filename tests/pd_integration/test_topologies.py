@@ -82,17 +82,7 @@ _ON_NIXL_ELSEWHERE = {"pd-1p1d.yaml", "pd-prefill-tp1-decode-tp2.yaml", "pd-2p2d
 CASES: list = [(ex, None) for ex in EXAMPLES] + [
     (ex, "nixl") for ex in EXAMPLES if "nixl" not in ex and ex not in _ON_NIXL_ELSEWHERE
 ]
-# Known bug (issue #17, open): two prefill tp ranks writing one decode rank over
-# nixl leave some rooms of the 20-prompt mix without their KV (waiting_timeout),
-# twice in a row on the 2-core box. Strict: the case fails loudly once fixed.
 CASE_IDS = [f"{e}-{b}" if b else e for e, b in CASES]
-_TP2_TO_TP1 = ("pd-prefill-tp2-decode-tp1.yaml", "nixl")
-CASES[CASES.index(_TP2_TO_TP1)] = pytest.param(
-    *_TP2_TO_TP1,
-    marks=pytest.mark.xfail(
-        strict=True, reason="nixl prefill tp2 -> decode tp1: rooms end in waiting_timeout"
-    ),
-)
 
 
 @pytest.mark.slow

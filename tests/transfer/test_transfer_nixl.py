@@ -22,7 +22,7 @@ from tests.transfer.transfer_helpers import (
     make_shape,
     random_pool,
     random_table,
-    slots,
+    whole_job,
 )
 
 SMALL_FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512)
@@ -54,24 +54,8 @@ def transport(link: Link, src: KVPool, dst: KVPool, **kw):
     return t
 
 
-def nixl_job(src_table, dst_table, link, *, page_size=4, tokens=(0, 30), **kw) -> TransferJob:
-    base = dict(
-        room=21,
-        generation=0,
-        peer=link.decode.address,
-        src_slots=slots(src_table, *tokens, page_size),
-        dst_slots=slots(dst_table, *tokens, page_size),
-        token_start=tokens[0],
-        token_end=tokens[1],
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-        notify=b"nixl-done-%d" % next(_ids),
-        is_last=True,
-    )
-    base.update(kw)
-    return TransferJob(**base)  # type: ignore[arg-type]
+def nixl_job(src_table, dst_table, link, **kw) -> TransferJob:
+    return whole_job(src_table, dst_table, link, "nixl", **kw)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

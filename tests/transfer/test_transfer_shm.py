@@ -26,27 +26,12 @@ from tests.transfer.transfer_helpers import (
     random_table,
     slots,
     wait_until,
+    whole_job,
 )
 
 
-def shm_job(src_table, dst_table, link, *, page_size=4, tokens=(0, 30), **kw) -> TransferJob:
-    base = dict(
-        room=21,
-        generation=0,
-        peer=link.decode.address,
-        src_slots=slots(src_table, *tokens, page_size),
-        dst_slots=slots(dst_table, *tokens, page_size),
-        token_start=tokens[0],
-        token_end=tokens[1],
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-        notify=b"shm-done-%d" % next_id(),
-        is_last=True,
-    )
-    base.update(kw)
-    return TransferJob(**base)  # type: ignore[arg-type]
+def shm_job(src_table, dst_table, link, **kw) -> TransferJob:
+    return whole_job(src_table, dst_table, link, "shm", **kw)
 
 
 def decode_pool(tmp_path, shape, seed=2) -> KVPool:

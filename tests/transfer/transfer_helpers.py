@@ -14,6 +14,7 @@ import torch
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import SenderConfig
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
@@ -56,6 +57,30 @@ def random_table(num_pages: int, pool_pages: int, seed: int) -> list[int]:
 def slots(table: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
     positions = torch.arange(start, end)
     return slots_for_positions(table, positions, page_size).tolist()
+
+
+def whole_job(
+    src_table, dst_table, link, tag: str, *, page_size=4, tokens=(0, 30), **kw
+) -> TransferJob:
+    """A one-job room moving `tokens` over every layer and head of the test shape
+    (`tag` names the transport in the notification); `kw` overrides any field."""
+    base = dict(
+        room=21,
+        generation=0,
+        peer=link.decode.address,
+        src_slots=slots(src_table, *tokens, page_size),
+        dst_slots=slots(dst_table, *tokens, page_size),
+        token_start=tokens[0],
+        token_end=tokens[1],
+        src_layers=(0, 1, 2),
+        dst_layers=(0, 1, 2),
+        src_heads=(0, 4),
+        dst_heads=(0, 4),
+        notify=f"{tag}-done-{next_id()}".encode(),
+        is_last=True,
+    )
+    base.update(kw)
+    return TransferJob(**base)  # type: ignore[arg-type]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -101,8 +101,15 @@ class SteadyLoad:
     def _loop(self, client: int) -> None:
         i = 0
         while not self._stop.is_set():
+            try:
+                url = self.base_url()
+            except httpx.HTTPError:
+                # The test's own lookup of the router (the Kubernetes API) failed,
+                # not a request: no outcome, ask again.
+                time.sleep(0.1)
+                continue
             prompt = long_prompt(client * 100_000 + i, self.prompt_chars)
-            self.outcomes.append(complete(self.base_url(), prompt, self.max_tokens))
+            self.outcomes.append(complete(url, prompt, self.max_tokens))
             i += 1
 
     def stop(self) -> list[Outcome]:

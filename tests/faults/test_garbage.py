@@ -119,14 +119,18 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
     try:
         for name in ("decode-0", "prefill-0"):
             endpoint = pd.info(name)["endpoint"]
+            # One connection for every hostile frame: a fresh DEALER per frame
+            # reusing ROUTING_ID races the ROUTER's disconnect of the previous
+            # one, and libzmq silently ignores a newcomer with a routing id
+            # still in use, so its frame never reaches the endpoint.
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, ROUTING_ID)
+            sock.connect(endpoint)
             for expect, parts in hostile_frames(room=12345):
                 if name == "prefill-0" and expect.startswith(("kv:", "dropped:")):
                     continue  # a prefill rank receives no KV and no Status
                 before = counters(pd, name)
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.ROUTING_ID, ROUTING_ID)
-                sock.connect(endpoint)
                 sock.send_multipart(parts)
                 wait_until(
                     lambda n=name, e=expect, b=before: grew(b, counters(pd, n), e),
@@ -134,7 +138,7 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
                     0.02,
                     f"{name} to count {expect}",
                 )
-                sock.close(0)
+            sock.close(0)
             # Over the socket's hard cap: libzmq drops the connection before reading it.
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -143,7 +147,9 @@ def test_garbage_on_the_zmq_endpoints_is_dropped_and_counted(
             time.sleep(0.5)
             sock.close(0)
     finally:
-        ctx.term()
+        # destroy, not term: after a failed wait a socket is still open, and
+        # term would block on it until the test's timeout.
+        ctx.destroy(linger=0)
     for name in pd.workers():
         assert pd.launcher.procs[name].poll() is None, f"{name} died"
     # Counted for Prometheus too, by bounded reason.

@@ -24,12 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pd_overhead import start  # noqa: E402
 
-from pdcluster.runtime.local.launcher import LocalCluster, free_ports  # noqa: E402
+from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
+from pdcluster.runtime.local.sglang_router import start_sglang_router  # noqa: E402
 
 NEW_TOKENS = 16
 
@@ -51,50 +49,6 @@ NEW_TOKENS = 16
 class Target:
     name: str
     url: str
-
-
-def start_sglang_router(cluster: LocalCluster, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port, prometheus = free_ports(2)
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    for w in cluster.plan.workers:
-        if w.role == "prefill":
-            argv += ["--prefill", w.url, str(w.bootstrap_port)]
-        elif w.role == "decode":
-            argv += ["--decode", w.url]
-    argv += [
-        "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus),
-        "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-        "--disable-retries", "--disable-circuit-breaker",
-        # The workers' data plane wants the cluster token: sent on both legs.
-        "--api-key", cluster.token,
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    log = open(tmp / "sglang-router.log", "wb")  # noqa: SIM115 - the child keeps it
-    # cwd outside the repository: its operator/ folder would shadow the stdlib's.
-    proc = subprocess.Popen(
-        argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp / "sglang-router.log").read_text()[-3000:])
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("sglang router did not become ready")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def body_of(prompt: list[int], new_tokens: int) -> dict[str, object]:
@@ -249,13 +203,16 @@ def main() -> None:
         args.trials, args.seconds, args.rounds = 6, 2.0, 1
     with tempfile.TemporaryDirectory() as tmp:
         cluster = start("pd-1p1d.yaml", Path(tmp))
-        proc = None
+        router = None
         try:
-            proc, url = start_sglang_router(cluster, Path(tmp))
-            asyncio.run(run(args, cluster, url))
+            workers = cluster.plan.workers
+            prefills = [(w.url, w.bootstrap_port) for w in workers if w.role == "prefill"]
+            decodes = [w.url for w in workers if w.role == "decode"]
+            router = start_sglang_router(prefills, decodes, cluster.token, Path(tmp))
+            asyncio.run(run(args, cluster, router.url))
         finally:
-            if proc is not None:
-                stop(proc)
+            if router is not None:
+                router.stop()
             cluster.stop()
 
 

@@ -22,14 +22,10 @@ alternating prefills — the kill -9 scenario counts its failures exactly.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +37,7 @@ from pdcluster.runtime.engine.engine import LLMEngine
 from pdcluster.runtime.engine.engine_config import engine_config_from_spec
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.engine.topology import ParallelConfig
-from pdcluster.runtime.local.launcher import free_ports
+from pdcluster.runtime.local.sglang_router import SGLangRouter, start_sglang_router
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.server.colocated import ColocatedBackend
 from pdcluster.runtime.server.engine_service import EngineService
@@ -54,65 +50,15 @@ PROMPTS = ["Hello", "The capital of France is", "x" * 300, "a b c d e f g"]
 MAX_TOKENS = 8
 
 
-@dataclass
-class SGLangRouter:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    headers: dict[str, str]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-
 def start_router(
     cluster: FaultCluster, prefills: list[str], decodes: list[str], tmp: Path
 ) -> SGLangRouter:
-    port, prometheus = free_ports(2)
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    for name in prefills:
-        argv += ["--prefill", cluster.url(name), str(cluster.bootstrap(name)[1])]
-    for name in decodes:
-        argv += ["--decode", cluster.url(name)]
-    argv += [
-        "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prometheus),
-        "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-        "--disable-retries", "--disable-circuit-breaker",
-        # Our workers' data plane wants the cluster token; with --api-key the
-        # router sends it to both legs (and wants it from its own clients).
-        "--api-key", cluster.token,
-    ]  # fmt: skip
-    log_path = tmp / f"sglang-router-{port}.log"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with open(log_path, "wb") as log:
-        # cwd outside the repository: from its root, the top-level operator/
-        # folder would shadow the standard library's `operator` module.
-        proc = subprocess.Popen(
-            argv, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    headers = {"Authorization": f"Bearer {cluster.token}"}
-    router = SGLangRouter(f"http://127.0.0.1:{port}", proc, log_path, headers)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sglang router exited: {router.log()}")
-        try:
-            return httpx.get(router.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, 60, 0.1, "sglang router ready")
-    return router
-
-
-def stop_router(router: SGLangRouter) -> None:
-    if router.proc.poll() is None:
-        os.killpg(router.proc.pid, signal.SIGTERM)
-        try:
-            router.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.proc.pid, signal.SIGKILL)
-            router.proc.wait(5)
+    return start_sglang_router(
+        [(cluster.url(name), cluster.bootstrap(name)[1]) for name in prefills],
+        [cluster.url(name) for name in decodes],
+        cluster.token,
+        tmp,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +84,7 @@ def routers(
         yield started
     finally:
         for router in started.values():
-            stop_router(router)
+            router.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,70 +7,67 @@ Labels stay low-cardinality: reasons, stages and states — never rids.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class MetricFactory:
+    """Declares metrics in one registry, every name under one prefix."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, buckets: Sequence[float]) -> None:
+        self.registry = registry
+        self.prefix = prefix
+        self.buckets = tuple(buckets)
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(self.prefix + name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(self.prefix + name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, *labels: str) -> Histogram:
+        return Histogram(
+            self.prefix + name, doc, labels, buckets=self.buckets, registry=self.registry
+        )
+
+
 class WorkerMetrics:
     def __init__(self, role: str) -> None:
         self.role = role
-        r = self.registry = CollectorRegistry()
-        self.requests_in_flight = Gauge(
-            "pdcluster_requests_in_flight", "Requests being served", registry=r
+        self.registry = CollectorRegistry()
+        m = MetricFactory(self.registry, "pdcluster_", LATENCY_BUCKETS)
+        self.requests_in_flight = m.gauge("requests_in_flight", "Requests being served")
+        self.requests_total = m.counter(
+            "requests_total", "Requests finished, by finish reason", "reason"
         )
-        self.requests_total = Counter(
-            "pdcluster_requests_total",
-            "Requests finished, by finish reason",
-            ["reason"],
-            registry=r,
+        self.rejected = m.counter(
+            "rejected_requests_total", "Requests refused before anything was reserved", "reason"
         )
-        self.rejected = Counter(
-            "pdcluster_rejected_requests_total",
-            "Requests refused before anything was reserved",
-            ["reason"],
-            registry=r,
+        self.failures = m.counter(
+            "failures_total", "Failed requests and rooms, by reason", "reason"
         )
-        self.failures = Counter(
-            "pdcluster_failures_total",
-            "Failed requests and rooms, by reason",
-            ["reason"],
-            registry=r,
+        self.queue_size = m.gauge("queue_size", "Requests waiting per stage", "stage")
+        self.rooms = m.gauge("rooms", "Rooms by KVPoll state", "state")
+        self.free_pages = m.gauge("kv_free_pages", "Free KV pages (leader rank)")
+        self.total_pages = m.gauge("kv_total_pages", "KV pages (leader rank)")
+        self.transfer_bytes = m.counter("transfer_bytes_total", "KV bytes moved", "direction")
+        self.transfer_seconds = m.histogram(
+            "transfer_seconds", "Time from metadata sent to transfer concluded"
         )
-        self.queue_size = Gauge(
-            "pdcluster_queue_size", "Requests waiting per stage", ["stage"], registry=r
+        self.protocol_rejects = m.counter(
+            "protocol_rejects_total", "Malformed or unexpected control/KV frames dropped", "reason"
         )
-        self.rooms = Gauge("pdcluster_rooms", "Rooms by KVPoll state", ["state"], registry=r)
-        self.free_pages = Gauge(
-            "pdcluster_kv_free_pages", "Free KV pages (leader rank)", registry=r
-        )
-        self.total_pages = Gauge("pdcluster_kv_total_pages", "KV pages (leader rank)", registry=r)
-        self.transfer_bytes = Counter(
-            "pdcluster_transfer_bytes_total", "KV bytes moved", ["direction"], registry=r
-        )
-        self.transfer_seconds = Histogram(
-            "pdcluster_transfer_seconds",
-            "Time from metadata sent to transfer concluded",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.protocol_rejects = Counter(
-            "pdcluster_protocol_rejects_total",
-            "Malformed or unexpected control/KV frames dropped",
-            ["reason"],
-            registry=r,
-        )
-        self.kv_transport = Gauge(
-            "pdcluster_kv_transport_info",
+        self.kv_transport = m.gauge(
+            "kv_transport_info",
             "1 for the KV backend and the UCX transports it negotiated (nixl; '' before a peer)",
-            ["backend", "transports", "tcp_fallback"],
-            registry=r,
+            "backend",
+            "transports",
+            "tcp_fallback",
         )
-        self.ttft_seconds = Histogram(
-            "pdcluster_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.ttft_seconds = m.histogram("time_to_first_token_seconds", "TTFT")
 
     def watch_pages(self, free: Callable[[], int], total: Callable[[], int]) -> None:
         self.free_pages.set_function(free)

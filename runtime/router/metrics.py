@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdcluster.runtime.metrics import MetricFactory
 from pdcluster.runtime.router.workers import Worker
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -45,35 +46,25 @@ class _PoolCollector(Collector):
 class RouterMetrics:
     def __init__(self, workers: Callable[[], list[Worker]]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "pdcluster_router_requests_total",
-            "Requests answered, by route and HTTP status",
-            ["route", "code"],
-            registry=r,
+        m = MetricFactory(r, "pdcluster_router_", LATENCY_BUCKETS)
+        self.requests = m.counter(
+            "requests_total", "Requests answered, by route and HTTP status", "route", "code"
         )
-        self.latency = Histogram(
-            "pdcluster_router_request_duration_seconds",
+        self.latency = m.histogram(
+            "request_duration_seconds",
             "Time from request to the end of the response (streams included)",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "route",
         )
-        self.leg_failures = Counter(
-            "pdcluster_router_leg_failures_total",
-            "Worker legs that failed, by role and reason",
-            ["role", "reason"],
-            registry=r,
+        self.leg_failures = m.counter(
+            "leg_failures_total", "Worker legs that failed, by role and reason", "role", "reason"
         )
-        self.aborts = Counter(
-            "pdcluster_router_aborts_sent_total",
+        self.aborts = m.counter(
+            "aborts_sent_total",
             "abort_request calls sent to workers, by role and reason",
-            ["role", "reason"],
-            registry=r,
+            "role",
+            "reason",
         )
-        self.health_transitions = Counter(
-            "pdcluster_router_worker_health_transitions_total",
-            "Workers entering or leaving the pool",
-            ["role", "to"],
-            registry=r,
+        self.health_transitions = m.counter(
+            "worker_health_transitions_total", "Workers entering or leaving the pool", "role", "to"
         )
         r.register(_PoolCollector(workers))

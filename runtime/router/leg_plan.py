@@ -70,21 +70,11 @@ class LegPlanner:
     rooms_source: RandomSource
 
     def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
-        path = request.endpoint.value
         if not self.disaggregated:
             worker = self.colocated_policy.select(
                 self.pool.of_role(Role.colocated), Role.colocated.value
             )
-            rid = self.rids.mint()
-            body = build_leg_body(request.body, rid, None)
-            return LegPlan(
-                path=path,
-                body=body,
-                rid=rid,
-                stream=request.stream,
-                main=worker,
-                body_bytes=leg_body_bytes(request.raw, request.body, body),
-            )
+            return self._legs(request, worker)
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
         for role in (Role.prefill, Role.decode):
@@ -109,16 +99,26 @@ class LegPlanner:
             dp_rank=prefill.take_dp_rank(),
             in_use=rooms_in_use,
         )
-        rid = self.rids.mint()
         bootstrap = Bootstrap(host=prefill.host, port=prefill.bootstrap_port, room=room)
+        return self._legs(request, decode, prefill, bootstrap)
+
+    def _legs(
+        self,
+        request: ClientRequest,
+        main: Worker,
+        prefill: Worker | None = None,
+        bootstrap: Bootstrap | None = None,
+    ) -> LegPlan:
+        """Mint the rid and build the one body every leg is sent."""
+        rid = self.rids.mint()
         body = build_leg_body(request.body, rid, bootstrap)
         return LegPlan(
-            path=path,
+            path=request.endpoint.value,
             body=body,
             rid=rid,
             stream=request.stream,
-            main=decode,
+            main=main,
             prefill=prefill,
-            room=room,
+            room=None if bootstrap is None else bootstrap.room,
             body_bytes=leg_body_bytes(request.raw, request.body, body),
         )

@@ -8,7 +8,8 @@ Invariants:
   rotates among ties, so equal load spreads evenly;
 - random is uniform over the healthy workers and reproducible from a seed.
 
-Pure module: a policy only reads workers and its own counter.
+Pure module: a policy only reads workers and its own counter (round_robin
+and least_outstanding take turns the same way, through `_Rotation`).
 """
 
 from __future__ import annotations
@@ -35,32 +36,33 @@ def _candidates(workers: Sequence[Worker], role: str) -> list[Worker]:
     return healthy
 
 
-class RoundRobin:
-    name = SelectionPolicy.round_robin.value
+class _Rotation:
+    """Takes turns through whatever candidates a pick offers: the n-th pick
+    takes candidates[n % len(candidates)]."""
 
     def __init__(self) -> None:
-        self._next = 0
+        self._turn = 0
 
-    def select(self, workers: Sequence[Worker], role: str) -> Worker:
-        healthy = _candidates(workers, role)
-        chosen = healthy[self._next % len(healthy)]
-        self._next = (self._next + 1) % len(healthy)
+    def _take_turn(self, candidates: Sequence[Worker]) -> Worker:
+        chosen = candidates[self._turn % len(candidates)]
+        self._turn += 1
         return chosen
 
 
-class LeastOutstanding:
-    name = SelectionPolicy.least_outstanding.value
+class RoundRobin(_Rotation):
+    name = SelectionPolicy.round_robin.value
 
-    def __init__(self) -> None:
-        self._tie = 0
+    def select(self, workers: Sequence[Worker], role: str) -> Worker:
+        return self._take_turn(_candidates(workers, role))
+
+
+class LeastOutstanding(_Rotation):
+    name = SelectionPolicy.least_outstanding.value
 
     def select(self, workers: Sequence[Worker], role: str) -> Worker:
         healthy = _candidates(workers, role)
         low = min(w.outstanding for w in healthy)
-        tied = [w for w in healthy if w.outstanding == low]
-        chosen = tied[self._tie % len(tied)]
-        self._tie += 1
-        return chosen
+        return self._take_turn([w for w in healthy if w.outstanding == low])
 
 
 class RandomChoice:

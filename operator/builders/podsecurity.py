@@ -52,26 +52,26 @@ DEFAULT_REQUESTS: dict[str, dict[str, str]] = {
 }
 
 
+def _runtime_user() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_GID}
+
+
+def _seccomp() -> dict[str, Any]:
+    return {"seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def pod_security_context() -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUNTIME_UID,
-        "runAsGroup": RUNTIME_GID,
-        "fsGroup": RUNTIME_GID,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    return {**_runtime_user(), "fsGroup": RUNTIME_GID, **_seccomp()}
 
 
 def container_security_context() -> dict[str, Any]:
     return {
-        "runAsNonRoot": True,
-        "runAsUser": RUNTIME_UID,
-        "runAsGroup": RUNTIME_GID,
+        **_runtime_user(),
         "allowPrivilegeEscalation": False,
         "privileged": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
+        **_seccomp(),
     }
 
 

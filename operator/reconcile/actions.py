@@ -49,11 +49,10 @@ class Reason(StrEnum):
 
 
 @dataclass(frozen=True)
-class Apply:
-    """Server-side apply (with force) of an object we own, whose uid is `uid`."""
+class _ManifestWrite:
+    """A write that carries the whole object; its key is the manifest's."""
 
     manifest: Manifest
-    uid: str = ""
 
     @property
     def key(self) -> ObjectKey:
@@ -61,12 +60,15 @@ class Apply:
 
 
 @dataclass(frozen=True)
-class Create:
-    manifest: Manifest
+class Apply(_ManifestWrite):
+    """Server-side apply (with force) of an object we own, whose uid is `uid`."""
 
-    @property
-    def key(self) -> ObjectKey:
-        return object_key(self.manifest)
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class Create(_ManifestWrite):
+    pass
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pdcluster.runtime.engine.page_allocator import PageAllocator
 from pdcluster.runtime.engine.sequence import (
@@ -99,18 +99,12 @@ class SchedulerConfig:
     max_model_len: int  # prompt + generated tokens must fit
 
     def __post_init__(self) -> None:
-        for name in (
-            "page_size",
-            "max_running_requests",
-            "max_batch_tokens",
-            "chunk_size",
-            "max_prompt_tokens",
-            "max_model_len",
-        ):
-            value = getattr(self, name)
+        # Every field is a limit: a positive integer.
+        for f in fields(self):
+            value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
-                    f"SchedulerConfig.{name} must be a positive integer, got {value!r}"
+                    f"SchedulerConfig.{f.name} must be a positive integer, got {value!r}"
                 )
         if self.max_batch_tokens < self.max_running_requests:
             raise ValueError(

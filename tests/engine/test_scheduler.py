@@ -10,7 +10,7 @@ scheduler.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 from hypothesis import event, given, settings, target
@@ -172,17 +172,7 @@ def test_token_slice_spans_prompt_and_output(start: int, end: int) -> None:
 # ---- config and admission ------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "field",
-    [
-        "page_size",
-        "max_running_requests",
-        "max_batch_tokens",
-        "chunk_size",
-        "max_prompt_tokens",
-        "max_model_len",
-    ],
-)
+@pytest.mark.parametrize("field", [f.name for f in fields(SchedulerConfig)])
 @pytest.mark.parametrize("value", [0, -3])
 def test_config_rejects_non_positive_limits(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):

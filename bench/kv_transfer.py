@@ -422,42 +422,59 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
     )
 
 
-def markdown(rows: list[Row]) -> str:
-    lines = [
-        "| KV size | frames | raw pyzmq GiB/s | tcp GiB/s | tcp / raw | memcpy GiB/s "
-        "| shm GiB/s | shm / memcpy | CPU s/GiB raw | CPU s/GiB tcp |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+# Each table: (header, cell as a format of the row `r`, markdown alignment).
+Column = tuple[str, str, str]
+RIGHT, LEFT = "---:", "---"
+
+BASE_TABLE: list[Column] = [
+    ("KV size", "{r.size_mib} MiB", RIGHT),
+    ("frames", "{r.frames}", RIGHT),
+    ("raw pyzmq GiB/s", "{r.raw_zmq_gibs:.2f}", RIGHT),
+    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    ("tcp / raw", "{r.tcp_ratio:.2f}", RIGHT),
+    ("memcpy GiB/s", "{r.memcpy_gibs:.2f}", RIGHT),
+    ("shm GiB/s", "{r.shm_gibs:.2f}", RIGHT),
+    ("shm / memcpy", "{r.shm_ratio:.2f}", RIGHT),
+    ("CPU s/GiB raw", "{r.raw_zmq_cpu_s_per_gib:.3f}", RIGHT),
+    ("CPU s/GiB tcp", "{r.tcp_cpu_s_per_gib:.3f}", RIGHT),
+]
+NIXL_TABLE: list[Column] = [
+    ("KV size", "{r.size_mib} MiB", RIGHT),
+    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    ("raw NIXL GiB/s", "{r.raw_nixl_gibs:.2f}", RIGHT),
+    ("nixl GiB/s", "{r.nixl_gibs:.2f}", RIGHT),
+    ("nixl / raw NIXL", "{r.nixl_over_raw:.2f}", RIGHT),
+    ("nixl / tcp", "{r.nixl_over_tcp:.2f}", RIGHT),
+    ("UCX transports", "{r.ucx_transports}", LEFT),
+]
+CURVE_TABLE: list[Column] = [
+    ("KV size", "{r.size_mib} MiB", RIGHT),
+    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    ("tcp+curve GiB/s", "{r.curve_gibs:.2f}", RIGHT),
+    ("curve / tcp", "{r.curve_over_tcp:.2f}", RIGHT),
+    ("CPU s/GiB tcp", "{r.tcp_cpu_s_per_gib:.3f}", RIGHT),
+    ("CPU s/GiB tcp+curve", "{r.curve_cpu_s_per_gib:.3f}", RIGHT),
+]
+
+
+def table(columns: list[Column], rows: list[Row]) -> list[str]:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    return [
+        line([header for header, _, _ in columns]),
+        line([align for _, _, align in columns]),
+        *(line([cell.format(r=r) for _, cell, _ in columns]) for r in rows),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.size_mib} MiB | {r.frames} | {r.raw_zmq_gibs:.2f} | {r.tcp_gibs:.2f} "
-            f"| {r.tcp_ratio:.2f} | {r.memcpy_gibs:.2f} | {r.shm_gibs:.2f} | {r.shm_ratio:.2f} "
-            f"| {r.raw_zmq_cpu_s_per_gib:.3f} | {r.tcp_cpu_s_per_gib:.3f} |"
-        )
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = table(BASE_TABLE, rows)
+    # The nixl and curve tables only when every size was measured with them.
     if all(r.nixl_gibs is not None for r in rows):
-        lines += [
-            "",
-            "| KV size | tcp GiB/s | raw NIXL GiB/s | nixl GiB/s | nixl / raw NIXL "
-            "| nixl / tcp | UCX transports |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        lines += [
-            f"| {r.size_mib} MiB | {r.tcp_gibs:.2f} | {r.raw_nixl_gibs:.2f} | {r.nixl_gibs:.2f} "
-            f"| {r.nixl_over_raw:.2f} | {r.nixl_over_tcp:.2f} | {r.ucx_transports} |"
-            for r in rows
-        ]
+        lines += ["", *table(NIXL_TABLE, rows)]
     if all(r.curve_gibs is not None for r in rows):
-        lines += [
-            "",
-            "| KV size | tcp GiB/s | tcp+curve GiB/s | curve / tcp | CPU s/GiB tcp "
-            "| CPU s/GiB tcp+curve |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        lines += [
-            f"| {r.size_mib} MiB | {r.tcp_gibs:.2f} | {r.curve_gibs:.2f} | {r.curve_over_tcp:.2f} "
-            f"| {r.tcp_cpu_s_per_gib:.3f} | {r.curve_cpu_s_per_gib:.3f} |"
-            for r in rows
-        ]
+        lines += ["", *table(CURVE_TABLE, rows)]
     return "\n".join(lines)
 
 

@@ -34,6 +34,17 @@ def wait_for_object(
     return found
 
 
+def wait_for_phase(kube: KubeApi, path: str, *phases: str, timeout_s: float = 30) -> dict[str, Any]:
+    """The pod once its status.phase is one of `phases`."""
+    return wait_for_object(
+        kube,
+        path,
+        lambda p: (p.get("status") or {}).get("phase") in phases,
+        timeout_s,
+        f"phase {' or '.join(phases)}",
+    )
+
+
 def make_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
     container = {"name": "main", "image": "unused", "command": command}
     container.update(spec.pop("container", {}))

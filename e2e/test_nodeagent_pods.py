@@ -19,6 +19,7 @@ from e2e.kubetest import (
     is_ready,
     make_pod,
     wait_for_object,
+    wait_for_phase,
 )
 from e2e.nodeagent.client import NodeAgentClient, NodeAgentError
 from e2e.nodeagent.kubeapi import KubeApi
@@ -100,13 +101,7 @@ def test_restart_policy_never_fails_the_pod_with_the_exit_code(
 ) -> None:
     pod = make_pod("once", ["python", "-c", "raise SystemExit(7)"], restartPolicy="Never")
     path = create_pod(kube, namespace, pod)
-    done = wait_for_object(
-        kube,
-        path,
-        lambda p: p.get("status", {}).get("phase") == "Failed",
-        30,
-        "phase Failed",
-    )
+    done = wait_for_phase(kube, path, "Failed")
     terminated = container_status(done)["state"]["terminated"]
     assert (terminated["exitCode"], terminated["reason"]) == (7, "Error")
     assert container_status(done)["restartCount"] == 0
@@ -127,13 +122,7 @@ def test_downward_api_and_secret_reach_the_process_environment(
     script = "import json, os; print(json.dumps(dict(os.environ)))"
     pod = make_pod("env", ["python", "-c", script], restartPolicy="Never", container={"env": env})
     path = create_pod(kube, namespace, pod)
-    done = wait_for_object(
-        kube,
-        path,
-        lambda p: p.get("status", {}).get("phase") == "Succeeded",
-        30,
-        "phase Succeeded",
-    )
+    done = wait_for_phase(kube, path, "Succeeded")
     seen = json.loads(node_agent.pod_log(namespace, "env"))
     assert seen["POD_IP"] == done["status"]["podIP"]
     assert (seen["POD_NAME"], seen["POD_NS"], seen["APP"]) == ("env", namespace, "env")
@@ -194,9 +183,7 @@ def test_secret_volume_files_reach_the_process_read_only_without_a_token(
     assert waiting["reason"] == "ContainerCreating" and "mounted" in waiting["message"]
     assert stuck["status"]["phase"] == "Pending"
     create_secret(kube, namespace, "mounted", "from-a-file")
-    wait_for_object(
-        kube, path, lambda p: p.get("status", {}).get("phase") == "Succeeded", 30, "Succeeded"
-    )
+    wait_for_phase(kube, path, "Succeeded")
     seen = json.loads(node_agent.pod_log(namespace, "files"))
     assert seen["text"] == "from-a-file" and seen["mode"] == 0o400
     assert seen["arg"] == seen["path"] != "/etc/pdc/tok/token"  # rewritten to the pod's folder
@@ -385,13 +372,7 @@ def test_pod_reaches_the_api_as_its_service_account_under_rbac(
     def run(name: str) -> str:
         pod = make_pod(name, ["python", "-c", script], restartPolicy="Never")
         path = create_pod(kube, namespace, pod)
-        wait_for_object(
-            kube,
-            path,
-            lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
-            60,
-            f"{name} to finish",
-        )
+        wait_for_phase(kube, path, "Succeeded", "Failed", timeout_s=60)
         return node_agent.pod_log(namespace, name).strip().splitlines()[-1]
 
     assert run("denied") == "status 403"  # the default account may not list pods

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -251,29 +252,15 @@ def test_pod_phase_follows_the_kubelet(pod: PodView, phase: str) -> None:
 
 
 def test_condition_transition_time_moves_only_when_the_status_changes() -> None:
-    unready = PodView(
-        "Always",
-        "127.1.0.1",
-        "127.1.1.1",
-        0.0,
-        (),
-        (ContainerView("c", "img", RUNNING, ready=False),),
-    )
-    ready = PodView(
-        "Always",
-        "127.1.0.1",
-        "127.1.1.1",
-        0.0,
-        (),
-        (ContainerView("c", "img", RUNNING, ready=True),),
-    )
+    unready = view("Always", (RUNNING, None))
+    ready = replace(unready, containers=(replace(unready.containers[0], ready=True),))
 
     def ready_condition(status: dict[str, Any]) -> dict[str, Any]:
         return next(c for c in status["conditions"] if c["type"] == "Ready")
 
     first, memory = build_pod_status(unready, {}, now=100.0)
     assert ready_condition(first)["status"] == "False"
-    assert "containers with unready status: ['c']" in ready_condition(first)["message"]
+    assert "containers with unready status: ['c0']" in ready_condition(first)["message"]
     again, memory = build_pod_status(unready, memory, now=200.0)
     assert (
         ready_condition(again)["lastTransitionTime"] == ready_condition(first)["lastTransitionTime"]

@@ -299,37 +299,34 @@ def _start_components(starter: _Starter) -> ClusterInfo:
     )
     admin_kubeconfig.chmod(0o600)
 
-    cm_port = processes.free_port()
-    starter.start(
-        "kube-controller-manager",
-        [
-            str(binaries.path("kube-controller-manager")),
-            f"--kubeconfig={kubeconfig('controller-manager', identities['controller-manager'])}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={cm_port}",
-            f"--cert-dir={state_dir / 'controller-manager-certs'}",
-            f"--service-account-private-key-file={certs.sa_key}",
-            f"--root-ca-file={certs.ca_cert}",
-            f"--cluster-signing-cert-file={certs.ca_cert}",
-            f"--cluster-signing-key-file={certs.ca_key}",
-            "--use-service-account-credentials=true",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--leader-elect=false",
-            "--v=1",
-        ],
+    def start_component(name: str, *flags: str) -> int:
+        """Start kube-<name> on a free loopback port as its own identity; the port."""
+        port = processes.free_port()
+        starter.start(
+            f"kube-{name}",
+            [
+                str(binaries.path(f"kube-{name}")),
+                f"--kubeconfig={kubeconfig(name, identities[name])}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                *flags,
+                "--leader-elect=false",
+                "--v=1",
+            ],
+        )
+        return port
+
+    cm_port = start_component(
+        "controller-manager",
+        f"--cert-dir={state_dir / 'controller-manager-certs'}",
+        f"--service-account-private-key-file={certs.sa_key}",
+        f"--root-ca-file={certs.ca_cert}",
+        f"--cluster-signing-cert-file={certs.ca_cert}",
+        f"--cluster-signing-key-file={certs.ca_key}",
+        "--use-service-account-credentials=true",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
     )
-    sched_port = processes.free_port()
-    starter.start(
-        "kube-scheduler",
-        [
-            str(binaries.path("kube-scheduler")),
-            f"--kubeconfig={kubeconfig('scheduler', identities['scheduler'])}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={sched_port}",
-            "--leader-elect=false",
-            "--v=1",
-        ],
-    )
+    sched_port = start_component("scheduler")
     for name, port in (("kube-controller-manager", cm_port), ("kube-scheduler", sched_port)):
         processes.wait_until(
             functools.partial(processes.https_get_ok, f"https://127.0.0.1:{port}/healthz", None),

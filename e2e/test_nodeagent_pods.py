@@ -50,15 +50,17 @@ def create_secret(kube: KubeApi, namespace: str, name: str, value: str) -> None:
     )
 
 
-def wait_waiting_with_message(kube: KubeApi, path: str, what: str) -> dict[str, Any]:
-    """The pod once its container waits with a message (past the plain ContainerCreating)."""
-    return wait_for_object(
-        kube,
-        path,
-        lambda p: "message" in container_status(p).get("state", {}).get("waiting", {}),
-        30,
-        what,
-    )
+def wait_waiting(
+    kube: KubeApi, path: str, what: str, *, with_message: bool = False
+) -> dict[str, Any]:
+    """The pod once its container waits; `with_message`: waits with a message (past
+    the plain ContainerCreating)."""
+
+    def is_waiting(pod: dict[str, Any]) -> bool:
+        state = container_status(pod).get("state", {})
+        return "waiting" in state and (not with_message or "message" in state["waiting"])
+
+    return wait_for_object(kube, path, is_waiting, 30, what)
 
 
 def test_crashing_container_restarts_with_growing_back_off(
@@ -86,13 +88,7 @@ def test_crashing_container_restarts_with_growing_back_off(
     # Back-off is a floor that doubles: 1 s, 2 s, 4 s (plus start-up time).
     assert gaps[0] >= 0.9 and gaps[1] >= 1.8 and gaps[2] >= 3.6, gaps
     assert gaps[2] > 2 * gaps[0], gaps
-    waiting = wait_for_object(
-        kube,
-        path,
-        lambda p: "waiting" in container_status(p).get("state", {}),
-        30,
-        "the container waiting in back-off",
-    )
+    waiting = wait_waiting(kube, path, "the container waiting in back-off")
     assert container_status(waiting)["state"]["waiting"]["reason"] == "CrashLoopBackOff"
 
 
@@ -138,7 +134,7 @@ def test_missing_secret_is_reported_then_picked_up_once_created(
     pod = make_pod("waits", ["python", "-c", "import time; time.sleep(60)"], container={"env": env})
     path = create_pod(kube, namespace, pod)
     # Past the ContainerCreating every container starts out in: the first start attempt.
-    stuck = wait_waiting_with_message(kube, path, "a container waiting with a reason")
+    stuck = wait_waiting(kube, path, "a container waiting with a reason", with_message=True)
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
     assert "later" in waiting["message"]
@@ -178,7 +174,7 @@ def test_secret_volume_files_reach_the_process_read_only_without_a_token(
     path = create_pod(kube, namespace, pod)
     # Like a kubelet: no Secret, no mount, the container waits (the pod stays Pending).
     # Every container starts out waiting in ContainerCreating; wait for the mount's message.
-    stuck = wait_waiting_with_message(kube, path, "waiting on the mount")
+    stuck = wait_waiting(kube, path, "waiting on the mount", with_message=True)
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "ContainerCreating" and "mounted" in waiting["message"]
     assert stuck["status"]["phase"] == "Pending"
@@ -310,13 +306,7 @@ def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -
     pod = make_pod("nocmd", [])
     del pod["spec"]["containers"][0]["command"]
     path = create_pod(kube, namespace, pod)
-    stuck = wait_for_object(
-        kube,
-        path,
-        lambda p: "waiting" in container_status(p).get("state", {}),
-        30,
-        "a waiting container",
-    )
+    stuck = wait_waiting(kube, path, "a waiting container")
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
     assert "set `command`" in waiting["message"]

@@ -425,22 +425,25 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
 # Each table: (header, cell as a format of the row `r`, markdown alignment).
 Column = tuple[str, str, str]
 RIGHT, LEFT = "---:", "---"
+SIZE: Column = ("KV size", "{r.size_mib} MiB", RIGHT)
+TCP: Column = ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT)
+TCP_CPU: Column = ("CPU s/GiB tcp", "{r.tcp_cpu_s_per_gib:.3f}", RIGHT)
 
 BASE_TABLE: list[Column] = [
-    ("KV size", "{r.size_mib} MiB", RIGHT),
+    SIZE,
     ("frames", "{r.frames}", RIGHT),
     ("raw pyzmq GiB/s", "{r.raw_zmq_gibs:.2f}", RIGHT),
-    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    TCP,
     ("tcp / raw", "{r.tcp_ratio:.2f}", RIGHT),
     ("memcpy GiB/s", "{r.memcpy_gibs:.2f}", RIGHT),
     ("shm GiB/s", "{r.shm_gibs:.2f}", RIGHT),
     ("shm / memcpy", "{r.shm_ratio:.2f}", RIGHT),
     ("CPU s/GiB raw", "{r.raw_zmq_cpu_s_per_gib:.3f}", RIGHT),
-    ("CPU s/GiB tcp", "{r.tcp_cpu_s_per_gib:.3f}", RIGHT),
+    TCP_CPU,
 ]
 NIXL_TABLE: list[Column] = [
-    ("KV size", "{r.size_mib} MiB", RIGHT),
-    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    SIZE,
+    TCP,
     ("raw NIXL GiB/s", "{r.raw_nixl_gibs:.2f}", RIGHT),
     ("nixl GiB/s", "{r.nixl_gibs:.2f}", RIGHT),
     ("nixl / raw NIXL", "{r.nixl_over_raw:.2f}", RIGHT),
@@ -448,11 +451,11 @@ NIXL_TABLE: list[Column] = [
     ("UCX transports", "{r.ucx_transports}", LEFT),
 ]
 CURVE_TABLE: list[Column] = [
-    ("KV size", "{r.size_mib} MiB", RIGHT),
-    ("tcp GiB/s", "{r.tcp_gibs:.2f}", RIGHT),
+    SIZE,
+    TCP,
     ("tcp+curve GiB/s", "{r.curve_gibs:.2f}", RIGHT),
     ("curve / tcp", "{r.curve_over_tcp:.2f}", RIGHT),
-    ("CPU s/GiB tcp", "{r.tcp_cpu_s_per_gib:.3f}", RIGHT),
+    TCP_CPU,
     ("CPU s/GiB tcp+curve", "{r.curve_cpu_s_per_gib:.3f}", RIGHT),
 ]
 

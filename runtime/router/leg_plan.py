@@ -70,11 +70,29 @@ class LegPlanner:
     rooms_source: RandomSource
 
     def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
-        if not self.disaggregated:
-            worker = self.colocated_policy.select(
+        prefill: Worker | None = None
+        bootstrap: Bootstrap | None = None
+        if self.disaggregated:
+            prefill, main, bootstrap = self._pick_pair(rooms_in_use)
+        else:
+            main = self.colocated_policy.select(
                 self.pool.of_role(Role.colocated), Role.colocated.value
             )
-            return self._legs(request, worker)
+        rid = self.rids.mint()
+        body = build_leg_body(request.body, rid, bootstrap)
+        return LegPlan(
+            path=request.endpoint.value,
+            body=body,
+            rid=rid,
+            stream=request.stream,
+            main=main,
+            prefill=prefill,
+            room=None if bootstrap is None else bootstrap.room,
+            body_bytes=leg_body_bytes(request.raw, request.body, body),
+        )
+
+    def _pick_pair(self, rooms_in_use: Container[int]) -> tuple[Worker, Worker, Bootstrap]:
+        """The prefill and decode workers, and the room the decode leg names."""
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
         for role in (Role.prefill, Role.decode):
@@ -99,26 +117,4 @@ class LegPlanner:
             dp_rank=prefill.take_dp_rank(),
             in_use=rooms_in_use,
         )
-        bootstrap = Bootstrap(host=prefill.host, port=prefill.bootstrap_port, room=room)
-        return self._legs(request, decode, prefill, bootstrap)
-
-    def _legs(
-        self,
-        request: ClientRequest,
-        main: Worker,
-        prefill: Worker | None = None,
-        bootstrap: Bootstrap | None = None,
-    ) -> LegPlan:
-        """Mint the rid and build the one body every leg is sent."""
-        rid = self.rids.mint()
-        body = build_leg_body(request.body, rid, bootstrap)
-        return LegPlan(
-            path=request.endpoint.value,
-            body=body,
-            rid=rid,
-            stream=request.stream,
-            main=main,
-            prefill=prefill,
-            room=None if bootstrap is None else bootstrap.room,
-            body_bytes=leg_body_bytes(request.raw, request.body, body),
-        )
+        return prefill, decode, Bootstrap(host=prefill.host, port=prefill.bootstrap_port, room=room)

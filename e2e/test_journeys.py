@@ -447,10 +447,16 @@ def test_1b_a_nixl_cluster_serves_reports_its_transport_and_survives_a_killed_pr
     for o in failed:
         assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
         assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
+    wait_event(kubectl, ns, "PrefillInstanceLost", victim["metadata"]["name"], 15, name=NIXL)
+    wait_until(
+        lambda: (
+            victim["metadata"]["uid"]
+            not in {p["metadata"]["uid"] for p in pods(kube, ns, NIXL, "prefill")}
+        ),
+        60,
+        "the killed prefill pod replaced",
+    )
     wait_pdc(kubectl, ns, NIXL, "1/1", "1/1")
-    assert victim["metadata"]["uid"] not in {
-        p["metadata"]["uid"] for p in pods(kube, ns, NIXL, "prefill")
-    }
     after = Burst(router_url(kube, ns, NIXL), n=4, prompt_chars=1500, max_tokens=16).result()
     assert all(o.ok and o.completion_tokens == 16 for o in after), after
     kubectl("kubectl", "delete", "pdc", NIXL, "-n", ns, "--wait=true")

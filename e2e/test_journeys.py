@@ -8,6 +8,11 @@ against one operator installed by `helm install` (as a pod) and share state:
    Both namespaces enforce Pod Security `restricted` (a root pod is refused;
    the operator's and the cluster's pods run); with router API keys set, the
    router reads them from the mounted Secret and refuses a request without one.
+1b. The nixl example (with `requireRdma`) → the openai client's completions
+   equal colocated → `status.<role>.kvTransport` shows what UCX negotiated
+   (tcp over lo here) and a `KVTransportFallback` Warning says it is no
+   RDMA → a killed prefill pod fails its waiting rooms fast, comes back,
+   serves.
 2. A prefill pod's process is killed during a burst of long requests → its
    in-flight requests end fast with a clear error, the others complete →
    Events show the loss and the failed rooms → it comes back → serves.
@@ -57,6 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "pdcluster-operator"
 EXAMPLE = ROOT / "examples" / "pd-1p1d.yaml"
 TOUR = "pd-1p1d"  # metadata.name in the example
+NIXL_EXAMPLE = ROOT / "examples" / "pd-1p1d-nixl.yaml"
+NIXL = "nixl-journey"  # the nixl cluster of journey 1b
 NAME = "journey"  # the cluster journeys 2-5 use
 CRD = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdclusters.pdcluster.io"
 HEARTBEAT_S, HEARTBEAT_MISSES = 1.0, 2
@@ -176,14 +183,19 @@ def kubectl_events(kubectl: KubectlRunner, ns: str, name: str = NAME) -> list[di
 
 
 def wait_event(
-    kubectl: KubectlRunner, ns: str, reason: str, words: str | tuple[str, ...], timeout_s: float
+    kubectl: KubectlRunner,
+    ns: str,
+    reason: str,
+    words: str | tuple[str, ...],
+    timeout_s: float,
+    name: str = NAME,
 ) -> dict[str, Any]:
     """Until an Event with `reason` whose message holds `words` (or one of them)."""
     found: dict[str, Any] = {}
     alternatives = (words,) if isinstance(words, str) else words
 
     def seen() -> bool:
-        for e in kubectl_events(kubectl, ns):
+        for e in kubectl_events(kubectl, ns, name):
             if e["reason"] == reason and any(w in e.get("message", "") for w in alternatives):
                 found.update(e)
                 return True
@@ -192,7 +204,7 @@ def wait_event(
     try:
         wait_until(seen, timeout_s, f"a {reason} Event mentioning {words!r}", interval_s=0.5)
     except TimeoutError as err:
-        have = [(e["reason"], e.get("message")) for e in kubectl_events(kubectl, ns)]
+        have = [(e["reason"], e.get("message")) for e in kubectl_events(kubectl, ns, name)]
         raise AssertionError(f"{err}; events: {have}") from err
     return found
 
@@ -257,8 +269,8 @@ def wait_room_on(decode_url: str, token: str, prefill_ip: str, timeout_s: float 
     wait_until(open_room, timeout_s, f"a room on prefill {prefill_ip}", interval_s=0.05)
 
 
-def cluster_token(kube: KubeApi, ns: str) -> str:
-    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token")
+def cluster_token(kube: KubeApi, ns: str, name: str = NAME) -> str:
+    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{name}-token")
     assert secret is not None
     return base64.b64decode(secret["data"]["token"]).decode()
 
@@ -368,6 +380,86 @@ def test_1_install_apply_and_serve_with_the_openai_client(
     check_router_api_keys(kube, kubectl, release.apps)
     # The tour is over; the next journeys use a cluster of their own.
     kubectl("kubectl", "delete", "-n", release.apps, "-f", str(EXAMPLE), "--wait=true")
+
+
+# ---------------------------------------------------------------- 1b
+def nixl_manifest() -> dict[str, Any]:
+    """The nixl example with `requireRdma`, which this box (tcp over lo) cannot give."""
+    doc: dict[str, Any] = yaml.safe_load(NIXL_EXAMPLE.read_text())
+    doc["metadata"]["name"] = NIXL
+    spec = doc["spec"]
+    spec["kvCache"]["numPages"] = 2048
+    spec["transfer"]["ucx"] = {"requireRdma": True}
+    spec["transfer"]["heartbeat"] = {
+        "intervalSeconds": HEARTBEAT_S,
+        "failureThreshold": HEARTBEAT_MISSES,
+    }
+    engine = {"maxPromptTokens": MAX_PROMPT_TOKENS}
+    spec["prefill"].update(restart={"backoffSeconds": 1}, engine=engine)
+    spec["decode"]["engine"] = engine
+    return doc
+
+
+def test_1b_a_nixl_cluster_serves_reports_its_transport_and_survives_a_killed_prefill(
+    release: Release,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    node_agent: NodeAgentClient,
+    tmp_path: Path,
+) -> None:
+    openai = pytest.importorskip("openai", reason="the openai client is a dev extra")
+    ns, manifest = release.apps, nixl_manifest()
+    apply(kubectl, tmp_path, ns, manifest)
+    wait_pdc(kubectl, ns, NIXL, "1/1", "1/1")
+    url = router_url(kube, ns, NIXL)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompts = ["The capital of France is", "x" * 700]
+    for prompt, want in zip(prompts, colocated_text(prompts, 12, manifest), strict=True):
+        done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert done.choices[0].text == want
+
+    # The status shows what UCX negotiated; tcp over lo is no RDMA: a Warning says so.
+    seen: dict[str, Any] = {}
+
+    def negotiated() -> bool:
+        status = get_pdc(kubectl, ns, NIXL).get("status") or {}
+        seen.update({r: (status.get(r) or {}).get("kvTransport") for r in ("prefill", "decode")})
+        return all(seen.values()) and any((t or {}).get("ucxDevices") for t in seen.values())
+
+    wait_until(negotiated, 30, "status.<role>.kvTransport with UCX lanes", interval_s=1)
+    for entry in seen.values():
+        assert entry["backend"] == "nixl" and entry["rdmaRequested"] is True, seen
+    lanes = [t for t in seen.values() if t["ucxDevices"]]
+    assert all(t["tcpFallback"] and "tcp" in t["ucxTransports"] for t in lanes), seen
+    fallback = wait_event(kubectl, ns, "KVTransportFallback", "asks for RDMA", 30, name=NIXL)
+    assert fallback["type"] == "Warning" and "tcp/" in fallback["message"], fallback
+
+    # A killed prefill: the rooms waiting on its writes fail fast, it comes back.
+    victim = pods(kube, ns, NIXL, "prefill")[0]
+    decode_url = f"http://{pods(kube, ns, NIXL, 'decode')[0]['status']['podIP']}:8000"
+    burst = Burst(url, n=6, prompt_chars=1500, max_tokens=16)
+    wait_room_on(decode_url, cluster_token(kube, ns, NIXL), victim["status"]["podIP"])
+    killed_at = time.monotonic()
+    node_agent.kill_pod(ns, victim["metadata"]["name"])
+    outcomes = burst.result()
+    failed = [o for o in outcomes if not o.ok]
+    assert failed, "no request was in flight on the killed prefill"
+    for o in failed:
+        assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
+        assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
+    wait_event(kubectl, ns, "PrefillInstanceLost", victim["metadata"]["name"], 15, name=NIXL)
+    wait_until(
+        lambda: (
+            victim["metadata"]["uid"]
+            not in {p["metadata"]["uid"] for p in pods(kube, ns, NIXL, "prefill")}
+        ),
+        60,
+        "the killed prefill pod replaced",
+    )
+    wait_pdc(kubectl, ns, NIXL, "1/1", "1/1")
+    after = Burst(router_url(kube, ns, NIXL), n=4, prompt_chars=1500, max_tokens=16).result()
+    assert all(o.ok and o.completion_tokens == 16 for o in after), after
+    kubectl("kubectl", "delete", "pdc", NIXL, "-n", ns, "--wait=true")
 
 
 # ---------------------------------------------------------------- 2

@@ -42,6 +42,7 @@ __all__ = [
     "RoleStatus",
     "RouterStatus",
     "InstanceBackoff",
+    "KVTransportStatus",
 ]
 
 
@@ -85,6 +86,29 @@ class InstanceBackoff(_StatusModel):
     last_restart_time: str = Field(description="RFC 3339")
 
 
+class KVTransportStatus(_StatusModel):
+    """The KV transport the role's workers negotiated (their `/get_server_info`)."""
+
+    backend: str = Field(description="KV backend the workers run (tcp, shm, nixl)")
+    ucx_transports: list[str] = Field(
+        default_factory=list, description="nixl: UCX transports on the lanes to peers, e.g. tcp"
+    )
+    ucx_devices: list[str] = Field(
+        default_factory=list, description="nixl: transport/device of those lanes, e.g. tcp/lo"
+    )
+    tcp_fallback: bool = Field(
+        default=False, description="peers reached over lanes none of which is RDMA or GPU-direct"
+    )
+    rdma_requested: bool = Field(
+        default=False, description="the manifest asks for RDMA or GPU-direct (spec.transfer.ucx)"
+    )
+    reported: int = Field(default=0, ge=0, description="worker pods whose report this is")
+
+    @property
+    def is_rdma_missing(self) -> bool:
+        return self.rdma_requested and self.tcp_fallback
+
+
 class RoleStatus(_StatusModel):
     desired: int = Field(default=0, ge=0, description="instances asked for")
     ready: int = Field(default=0, ge=0, description="instance slots served by a Ready instance")
@@ -95,6 +119,7 @@ class RoleStatus(_StatusModel):
     restarts_in_window: int = Field(default=0, ge=0, description="restarts in the budget window")
     budget_window_start: str | None = Field(default=None, description="RFC 3339")
     backoff: list[InstanceBackoff] = Field(default_factory=list)
+    kv_transport: KVTransportStatus | None = None
 
 
 class RouterStatus(_StatusModel):

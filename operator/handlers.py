@@ -116,13 +116,21 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
     recorder = EventRecorder(client, clock=time.time, min_interval_s=op.event_min_interval_s)
     failover = Failover(client, recorder, metrics, op)
-    controller = Controller(client, op, metrics, recorder, on_pod_delete=failover.expect_deletion)
+    controller = Controller(
+        client,
+        op,
+        metrics,
+        recorder,
+        on_pod_delete=failover.expect_deletion,
+        transport_reports=failover.transports.reports,
+    )
     queue: WorkQueue[tuple[str, str]] = WorkQueue(
         controller.reconcile,
         num_workers=op.num_workers,
         retry_delay_s=op.retry_delay_s,
         max_retry_delay_s=op.max_retry_delay_s,
     )
+    failover.on_transport_change = queue.add
     queue.start()
     tasks = (
         asyncio.create_task(_flush_events(recorder, op.event_min_interval_s)),

@@ -4,6 +4,7 @@
     GET  {worker}/admin/failures                                 cumulative failure counts
     GET  {worker}/health                                         200, or 503 {status, reason}
     PUT  {decode}/admin/prefill_peers {"peers": [...]}           bootstrap servers it may contact
+    GET  {worker}/get_server_info                                kv_transport: what UCX negotiated
 
 The admin calls carry `Authorization: Bearer <cluster token>` (/health is
 open). Calls never raise on a worker's failure: the result says what
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -124,6 +126,20 @@ class AdminClient:
             return parse_failures(json.loads(data))
         except (httpx.HTTPError, ValueError, ResponseTooLarge):
             return None
+
+    async def server_info(self, base_url: str, token: str | None) -> dict[str, Any] | None:
+        """The worker's `/get_server_info`, or None when it did not answer sensibly."""
+        try:
+            async with self._http.stream(
+                "GET", f"{base_url}/get_server_info", headers=self._headers(token)
+            ) as resp:
+                if resp.status_code != 200:
+                    return None
+                data = await read_capped(resp, self._max_bytes)
+            info = json.loads(data)
+        except (httpx.HTTPError, ValueError, ResponseTooLarge):
+            return None
+        return info if isinstance(info, dict) else None
 
     async def health(self, base_url: str) -> tuple[bool, str | None]:
         """(answered, reason): reason None when healthy, the worker's 503 reason otherwise."""

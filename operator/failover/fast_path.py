@@ -14,6 +14,9 @@ restarts the instance is even queued:
 The same poller reads the prefill workers' /health: an instance whose ranks
 stay unregistered with its bootstrap server past `registration_warn_s` gets
 one Warning Event `InstanceUnregistered` per episode (registration.py).
+It also reads every PD worker's `/get_server_info` → `kv_transport` into
+`transports` (reconcile/kv_transport.py); when a cluster's reports change,
+`on_transport_change` queues its reconcile, which writes them to the status.
 
 Failure counts: every `failure_poll_interval_s` (and right after a loss)
 each PD worker's `/admin/failures` is read; the increase per (role, reason)
@@ -60,6 +63,11 @@ from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.reconcile.actions import EventType, Reason
 from pdcluster.operator.reconcile.cluster import ClusterRef
+from pdcluster.operator.reconcile.kv_transport import (
+    TransportReport,
+    TransportTable,
+    parse_transport_report,
+)
 from pdcluster.operator.settings import OperatorSettings
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.spec import Role
@@ -145,6 +153,9 @@ class Failover:
         self.counts = FailureCounts()
         self.registration = RegistrationWatch(settings.registration_warn_s)
         self.peers = PeerPublisher(self.admin)
+        self.transports = TransportTable()
+        # Called with a cluster's key when its workers' transport reports changed.
+        self.on_transport_change: Callable[[tuple[str, str]], None] | None = None
         self._publish_locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     # ------------------------------------------------------------ pod events
@@ -211,6 +222,7 @@ class Failover:
             self.counts.forget(pod.uid)
             self._maybe_alive.pop(pod.uid, None)
         self.index.forget_cluster((namespace, name))
+        self.transports.forget((namespace, name))
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace}
 
     def _schedule_recheck(self, pod: PodFacts, at: float) -> None:
@@ -443,15 +455,36 @@ class Failover:
             )
         return warnings
 
+    async def poll_transports(self, key: tuple[str, str]) -> bool:
+        """Read the PD workers' negotiated KV transport; True when the reports changed."""
+        pods = self.index.reachable(key)
+        if not pods:
+            return False
+        token = await self._token(key[0], pods[0].token_secret)
+
+        async def read(pod: PodFacts) -> TransportReport | None:
+            assert pod.http_url is not None
+            return parse_transport_report(await self.admin.server_info(pod.http_url, token))
+
+        answers = await asyncio.gather(*(read(p) for p in pods))
+        changed = self.transports.update(
+            key, {p.uid: (p.role, r) for p, r in zip(pods, answers, strict=True)}
+        )
+        if changed and self.on_transport_change is not None:
+            self.on_transport_change(key)
+        return changed
+
     async def poll_all(self) -> None:
         live = {p.uid for key in self.index.clusters() for p in self.index.pods(key)}
         self.counts.retain(live)
         self.registration.retain(live)
+        self.transports.retain(live)
         for key in self.index.clusters():
             try:
                 self._spawn(self.publish_peers(key, force=True))
                 await self.poll_failures(key)
                 await self.poll_registration(key)
+                await self.poll_transports(key)
             except Exception:  # one cluster's trouble must not stop the others' reports
                 log.exception("polling failure counts of %s/%s failed", *key)
 

@@ -5,7 +5,8 @@ what was found), instances (pods grouped into gangs), revision (which spec
 changes restart which pods), rollout (one role's per-slot decisions),
 restarts (gang back-off and budget), plan (desired vs observed → actions),
 actions (the plan's vocabulary), status (the status from a plan), policy
-(what the operator refuses to run).
+(what the operator refuses to run), kv_transport (the workers' negotiated
+KV transport → status entry and fallback Warning).
 I/O (act): controller (one reconcile pass), executor (carries out a plan's
 actions), workqueue (coalescing, delaying keys).
 """

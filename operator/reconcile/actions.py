@@ -46,6 +46,8 @@ class Reason(StrEnum):
     RoomsFailed = "RoomsFailed"
     # A prefill instance whose ranks stay unregistered with its bootstrap server.
     InstanceUnregistered = "InstanceUnregistered"
+    # The manifest asks for RDMA / GPU-direct, but nixl's UCX moves KV over TCP.
+    KVTransportFallback = "KVTransportFallback"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@
                  refused image or Secret changes nothing and is reported
     observed  <- LIST children by label, GET the names we need but did not see
     plan      <- plan_reconcile(desired, observed)   (pure)
-    execute the plan; status <- compute_status(...)  (pure); write it if changed
+    execute the plan; kvTransport <- compute_kv_transport(the workers' last
+                 reports, kept by the failover poller) (pure), a Warning on a
+                 new fallback to TCP; status <- compute_status(...)  (pure);
+                 write it if changed
 
 The pass returns when it wants to run again: at the earliest back-off or
 budget deadline the plan names, after a failed write (2 s, doubling for
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.api import PDClusterStatus, parse_status
+from pdcluster.operator.api import KVTransportStatus, PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import ObjectKey, object_key
 from pdcluster.operator.builders.workers import BuildError
@@ -36,6 +39,7 @@ from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.reconcile.actions import Action, EventType, Reason
 from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
 from pdcluster.operator.reconcile.executor import Executor
+from pdcluster.operator.reconcile.kv_transport import TransportReport, compute_kv_transport
 from pdcluster.operator.reconcile.observed import Observed, observe
 from pdcluster.operator.reconcile.plan import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.reconcile.policy import Refusal, check_cluster, secret_references
@@ -60,6 +64,9 @@ LISTED_KINDS = tuple(k for k in MANAGED_KINDS if k != "Secret")
 RETRY_AFTER_WRITE_ERROR_S = 2.0
 
 
+TransportReports = Callable[[tuple[str, str]], Mapping[Role, Sequence[TransportReport]]]
+
+
 def describe_write(action: Action) -> str:
     summary = describe(action)
     return f"{summary['op']} {summary.get('object', '')}".strip()
@@ -74,6 +81,7 @@ class Controller:
         recorder: EventRecorder,
         clock: Callable[[], float] = time.time,
         on_pod_delete: Callable[[str], None] | None = None,
+        transport_reports: TransportReports | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
@@ -81,6 +89,8 @@ class Controller:
         self.recorder = recorder
         self.executor = Executor(api, recorder, metrics, on_pod_delete)
         self._clock = clock
+        # (namespace, name) -> role -> the workers' last kv_transport reports.
+        self.transport_reports: TransportReports = transport_reports or (lambda _: {})
         # Last plan per cluster, for logs, probes and tests.
         self.last_plans: dict[tuple[str, str], Plan] = {}
         # Passes in a row whose writes the apiserver refused, per cluster.
@@ -186,8 +196,9 @@ class Controller:
         failed_writes: list[str],
     ) -> None:
         hashes: dict[Role, str] = {r.role: r.template_hash for r in desired.roles}
+        transports = await self._kv_transports(cluster, desired, prev)
         status = compute_status(
-            cluster, plan, hashes, desired.revision, prev, now, tuple(failed_writes)
+            cluster, plan, hashes, desired.revision, prev, now, tuple(failed_writes), transports
         )
         if status_changed(stored, status):
             try:
@@ -197,6 +208,34 @@ class Controller:
                     return  # deleted during the pass; the garbage collector takes it from here
                 raise
             self.metrics.status_writes.inc()
+
+    async def _kv_transports(
+        self, cluster: Cluster, desired: DesiredState, prev: PDClusterStatus
+    ) -> dict[Role, KVTransportStatus]:
+        """Each PD role's negotiated transport; a Warning when RDMA was asked for and missed."""
+        reports = self.transport_reports((cluster.namespace, cluster.name))
+        out: dict[Role, KVTransportStatus] = {}
+        for role in (r.role for r in desired.roles):
+            if role not in (Role.prefill, Role.decode):
+                continue
+            before = prev.role(role.value)
+            verdict = compute_kv_transport(
+                role,
+                cluster.spec.transfer,
+                reports.get(role, ()),
+                before.kv_transport if before is not None else None,
+            )
+            if verdict.status is not None:
+                out[role] = verdict.status
+            if verdict.warning is not None:
+                log.warning("PDCluster %s/%s: %s", cluster.namespace, cluster.name, verdict.warning)
+                await self.recorder.record(
+                    cluster.ref,
+                    EventType.Warning.value,
+                    Reason.KVTransportFallback.value,
+                    verdict.warning,
+                )
+        return out
 
     async def _report_invalid(
         self,

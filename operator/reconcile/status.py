@@ -19,13 +19,14 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.api import (
     Condition,
     ConditionType,
+    KVTransportStatus,
     PDClusterStatus,
     Phase,
     RoleStatus,
@@ -120,9 +121,12 @@ def _progressing(plan: Plan) -> tuple[bool, str, str]:
     return False, "Stable", "every instance runs the current spec"
 
 
-def _role_status(report: RoleReport, template_hash: str) -> RoleStatus:
+def _role_status(
+    report: RoleReport, template_hash: str, kv_transport: KVTransportStatus | None
+) -> RoleStatus:
     ledger: dict[str, Any] = ledger_status_fields(report.ledger)
     return RoleStatus(
+        kv_transport=kv_transport,
         desired=report.desired,
         ready=report.ready,
         updated=report.updated,
@@ -140,8 +144,10 @@ def compute_status(
     prev: PDClusterStatus,
     now: float,
     failed_writes: Sequence[str] = (),
+    kv_transports: Mapping[Role, KVTransportStatus] | None = None,
 ) -> PDClusterStatus:
-    """`failed_writes`: what the apiserver refused in this pass ("create Pod/x: 403 ...")."""
+    """`failed_writes`: what the apiserver refused in this pass ("create Pod/x: 403 ...");
+    `kv_transports`: what each role's workers negotiated (`kv_transport.py`)."""
     generation = cluster.ref.generation
     all_ready = (
         all(r.ready >= r.desired for r in plan.roles)
@@ -184,7 +190,11 @@ def compute_status(
         phase = Phase.Progressing
     else:
         phase = Phase.Pending
-    roles = {r.role: _role_status(r, template_hashes.get(r.role, "")) for r in plan.roles}
+    transports = kv_transports or {}
+    roles = {
+        r.role: _role_status(r, template_hashes.get(r.role, ""), transports.get(r.role))
+        for r in plan.roles
+    }
     decode = plan.report(Role.decode)
     return PDClusterStatus(
         observed_generation=generation,

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Time per output token: one decode step, finer than the request latencies.
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class WorkerMetrics:
@@ -70,6 +72,17 @@ class WorkerMetrics:
         )
         self.ttft_seconds = Histogram(
             "pdcluster_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot_seconds = Histogram(
+            "pdcluster_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queued_prefill_tokens = Gauge(
+            "pdcluster_queued_prefill_tokens",
+            "Prompt tokens in the engine not computed yet (waiting and partly prefilled)",
+            registry=r,
         )
 
     def watch_pages(self, free: Callable[[], int], total: Callable[[], int]) -> None:

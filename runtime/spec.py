@@ -294,12 +294,21 @@ class AutoscalingTarget(_Model):
         return self
 
 
-class StabilizationSpec(_Model):
+class ScaleUpSpec(_Model):
     stabilization_seconds: float = Field(
-        default=0.0,
+        default=30.0,
         ge=0,
         le=86400,
-        description="a change in this direction needs every recommendation of this window",
+        description="scale up only to the lowest recommendation of this window",
+    )
+
+
+class ScaleDownSpec(_Model):
+    stabilization_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        le=86400,
+        description="scale down only to the highest recommendation of this window",
     )
 
 
@@ -313,8 +322,8 @@ class RoleAutoscalingSpec(_Model):
     tolerance: float = Field(
         default=0.1, ge=0, lt=1, description="no change while |metric/target - 1| <= this"
     )
-    scale_up: StabilizationSpec = StabilizationSpec(stabilization_seconds=30.0)
-    scale_down: StabilizationSpec = StabilizationSpec(stabilization_seconds=300.0)
+    scale_up: ScaleUpSpec = ScaleUpSpec()
+    scale_down: ScaleDownSpec = ScaleDownSpec()
     max_step: int = Field(
         default=1, ge=1, le=1024, description="instances added or removed at once"
     )

@@ -23,7 +23,8 @@ from pdcluster.runtime.spec import (
     AutoscalingTarget,
     Role,
     RoleAutoscalingSpec,
-    StabilizationSpec,
+    ScaleDownSpec,
+    ScaleUpSpec,
 )
 
 METRIC = {Role.prefill: AutoscalingMetric.queued_prefill_tokens_per_instance}
@@ -48,8 +49,8 @@ def scaling(
         interval_seconds=interval_s,
         target=AutoscalingTarget(metric=METRIC[role], value=target),
         tolerance=tolerance,
-        scale_up=StabilizationSpec(stabilization_seconds=up_s),
-        scale_down=StabilizationSpec(stabilization_seconds=down_s),
+        scale_up=ScaleUpSpec(stabilization_seconds=up_s),
+        scale_down=ScaleDownSpec(stabilization_seconds=down_s),
         max_step=step,
     )
 

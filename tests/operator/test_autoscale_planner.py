@@ -18,7 +18,7 @@ from pdcluster.operator.autoscale.planner import (
     Sample,
     compute_plan,
 )
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 from tests.operator.autoscale_sim import Sim, Step, fixed_role, scaled_role, scaling
 
 P, D = Role.prefill, Role.decode
@@ -224,7 +224,7 @@ def test_bad_observation_counts_are_refused() -> None:
 
 
 @st.composite
-def role_settings(draw: st.DrawFn, role: Role) -> object:
+def role_settings(draw: st.DrawFn, role: Role) -> RoleAutoscalingSpec:
     lo = draw(st.integers(1, 3))
     return scaling(
         role,
@@ -251,12 +251,12 @@ traces = st.lists(st.tuples(loads, loads, st.integers(-2, 8)), min_size=5, max_s
     trace=traces,
 )
 def test_random_traces_keep_the_invariants(
-    p_cfg,
-    d_cfg,
-    p_gpus,
-    budget,
-    startup_s,
-    trace,  # type: ignore[no-untyped-def]
+    p_cfg: RoleAutoscalingSpec,
+    d_cfg: RoleAutoscalingSpec | None,
+    p_gpus: int,
+    budget: int | None,
+    startup_s: float,
+    trace: list[tuple[float | None, float | None, int]],
 ) -> None:
     sim = Sim(
         {P: scaled_role(p_cfg, replicas=p_cfg.min_replicas, gpus=p_gpus), D: scaled_role(d_cfg)}

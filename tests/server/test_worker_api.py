@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+from pdcluster.operator.autoscale.samples import parse_worker_metrics
 from pdcluster.runtime.server.engine_service import EngineService
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -166,8 +167,6 @@ def test_info_endpoints(worker) -> None:
 
 
 def test_a_finished_request_is_timed_per_output_token(worker) -> None:
-    from pdcluster.operator.autoscale.samples import parse_worker_metrics
-
     client, _ = worker
 
     def tpot_count() -> float:

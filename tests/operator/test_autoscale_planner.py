@@ -122,6 +122,15 @@ def test_budget_tie_goes_to_decode_and_an_instance_too_big_for_what_is_left_wait
     assert plan.decisions[P].reason is DecisionReason.capped_by_budget
 
 
+def test_a_role_gets_part_of_its_increase_when_only_part_fits() -> None:
+    obs = {P: RoleObservation(1, 1, 0, 1, scaling(P, up_s=0, step=3), Sample(40.0, 0.0))}
+    decision = compute_plan(obs, 3, 0.0, PlannerHistory()).decisions[P]
+    assert (decision.desired, decision.reason) == (3, DecisionReason.capped_by_budget)
+    scaled, capped = decision.events
+    assert scaled.reason == "ScaledUp" and scaled.message.startswith("prefill 1 -> 3:")
+    assert capped.reason == "CappedByBudget" and "4 wanted, 3 fit" in capped.message
+
+
 def test_budget_counts_a_role_without_autoscaling() -> None:
     sim = Sim({P: scaled_role(scaling(P, hi=4, up_s=0)), D: fixed_role(2)}, max_total_gpus=4)
     steps = sim.run(lambda role, t: 100.0, duration_s=300)

@@ -7,9 +7,10 @@ come back; a killed prefill makes decode fail its rooms in well under a
 second (heartbeats are set to 30 s, so only the operator's fast path can be
 that quick), then the instance restarts; `kubectl scale`; deleting the
 PDCluster removes everything. An invalid manifest (or one above the rank
-cap) is refused by the API; the operator refuses a foreign Secret reference,
-reports a quota that refuses its pods as ApplyFailed, and never applies over
-an object that replaced one of its own.
+cap, or autoscaling beyond its GPU budget) is refused by the API; the
+operator refuses a foreign Secret reference, reports a quota that refuses
+its pods as ApplyFailed, and never applies over an object that replaced one
+of its own.
 """
 
 from __future__ import annotations
@@ -498,6 +499,35 @@ def test_rank_product_above_the_cap_is_refused_by_the_apiserver(
     assert result.returncode != 0
     assert "ranks per instance (dp*tp*cp*pp) must be at most 64" in result.stderr
     assert pdc(kube, namespace, "big") is None
+
+
+def test_autoscaling_is_checked_by_the_apiserver(
+    operator: Operator, kube: KubeApi, namespace: str
+) -> None:
+    """The autoscaling CEL rules compile and pass the apiserver's cost limits, accept a
+    manifest that fits its GPU budget (server-side dry run: nothing is created) and
+    refuse one that does not, with the models' words."""
+    target = {"metric": "ttftP90Seconds", "value": 0.5}
+    fits = manifest(
+        "scaled",
+        prefill={"replicas": 1, "autoscaling": {"maxReplicas": 2, "target": target}},
+        autoscaling={"maxTotalGPUs": 3},
+    )
+    path = PDC_PATH.format(ns=namespace)
+    created = kube.request("POST", path, body=fits, params={"dryRun": "All"})
+    assert created["spec"]["prefill"]["autoscaling"]["scaleDown"] == {"stabilizationSeconds": 300.0}
+    over = manifest(
+        "over",
+        prefill={"replicas": 1, "autoscaling": {"maxReplicas": 3, "target": target}},
+        autoscaling={"maxTotalGPUs": 3},
+    )
+    with pytest.raises(ApiError) as err:
+        kube.create(path, over)
+    assert err.value.status == 422
+    assert "prefill.autoscaling.maxReplicas with the other role at its minimum" in (
+        err.value.message
+    )
+    assert pdc(kube, namespace, "over") is None
 
 
 def test_a_foreign_secret_reference_is_refused_and_nothing_mounts_it(

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Time per output token: one decode step, finer than the request latencies.
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class MetricFactory:
@@ -28,9 +30,15 @@ class MetricFactory:
     def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(self.prefix + name, doc, labels, registry=self.registry)
 
-    def histogram(self, name: str, doc: str, *labels: str) -> Histogram:
+    def histogram(
+        self, name: str, doc: str, *labels: str, buckets: Sequence[float] | None = None
+    ) -> Histogram:
         return Histogram(
-            self.prefix + name, doc, labels, buckets=self.buckets, registry=self.registry
+            self.prefix + name,
+            doc,
+            labels,
+            buckets=self.buckets if buckets is None else tuple(buckets),
+            registry=self.registry,
         )
 
 
@@ -68,6 +76,15 @@ class WorkerMetrics:
             "tcp_fallback",
         )
         self.ttft_seconds = m.histogram("time_to_first_token_seconds", "TTFT")
+        self.tpot_seconds = m.histogram(
+            "time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1)",
+            buckets=TOKEN_BUCKETS,
+        )
+        self.queued_prefill_tokens = m.gauge(
+            "queued_prefill_tokens",
+            "Prompt tokens in the engine not computed yet (waiting and partly prefilled)",
+        )
 
     def watch_pages(self, free: Callable[[], int], total: Callable[[], int]) -> None:
         self.free_pages.set_function(free)

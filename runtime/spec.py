@@ -10,7 +10,11 @@ Invariants checked here (mirrored as CEL rules in the CRD):
 - decode cp == 1; decode pp == 1 or == prefill pp;
 - ranks per instance (dp*tp*cp*pp) divisible by gpusPerPod;
 - a cluster is either colocated (one `colocated` role) or disaggregated
-  (both `prefill` and `decode`), never a mix.
+  (both `prefill` and `decode`), never a mix;
+- autoscaling: minReplicas <= maxReplicas; the target metric belongs to the
+  role (`AUTOSCALING_METRICS`); only prefill and decode autoscale; with
+  `autoscaling.maxTotalGPUs`, the roles' minimums fit the budget together and
+  each role's maximum fits beside the other role's minimum.
 
 Pure module: no I/O beyond parsing text that the caller already read.
 """
@@ -250,6 +254,100 @@ class EngineSpec(_Model):
     )
 
 
+class AutoscalingMetric(enum.StrEnum):
+    """What a role's autoscaler holds at its target value."""
+
+    # prefill: p90 time to first token over the last interval, seconds.
+    ttft_p90_seconds = "ttftP90Seconds"
+    # prefill: prompt tokens accepted and not yet computed, per Ready instance.
+    queued_prefill_tokens_per_instance = "queuedPrefillTokensPerInstance"
+    # decode: p90 time per output token over the last interval, seconds.
+    tpot_p90_seconds = "tpotP90Seconds"
+    # decode: requests being served, per Ready instance.
+    running_requests_per_instance = "runningRequestsPerInstance"
+    # decode: fraction of KV pages in use, averaged over Ready instances (0..1).
+    kv_page_usage = "kvPageUsage"
+
+
+# Which metric may drive which role (the one table; CEL rules read it too).
+AUTOSCALING_METRICS: dict[Role, tuple[AutoscalingMetric, ...]] = {
+    Role.prefill: (
+        AutoscalingMetric.ttft_p90_seconds,
+        AutoscalingMetric.queued_prefill_tokens_per_instance,
+    ),
+    Role.decode: (
+        AutoscalingMetric.tpot_p90_seconds,
+        AutoscalingMetric.running_requests_per_instance,
+        AutoscalingMetric.kv_page_usage,
+    ),
+}
+
+
+class AutoscalingTarget(_Model):
+    metric: AutoscalingMetric
+    value: float = Field(gt=0, le=1e9, description="the metric's target value")
+
+    @model_validator(mode="after")
+    def _usage_is_a_fraction(self) -> AutoscalingTarget:
+        if self.metric is AutoscalingMetric.kv_page_usage and self.value > 1:
+            raise ValueError(f"a kvPageUsage target is a fraction in (0, 1], got {self.value}")
+        return self
+
+
+class ScaleUpSpec(_Model):
+    stabilization_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=86400,
+        description="scale up only to the lowest recommendation of this window",
+    )
+
+
+class ScaleDownSpec(_Model):
+    stabilization_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        le=86400,
+        description="scale down only to the highest recommendation of this window",
+    )
+
+
+class RoleAutoscalingSpec(_Model):
+    """The built-in autoscaler of one role (docs/kubernetes.md, Autoscaling)."""
+
+    min_replicas: int = Field(default=1, ge=1, le=1024)
+    max_replicas: int = Field(ge=1, le=1024)
+    interval_seconds: float = Field(default=15.0, ge=1, le=3600)
+    target: AutoscalingTarget
+    tolerance: float = Field(
+        default=0.1, ge=0, lt=1, description="no change while |metric/target - 1| <= this"
+    )
+    scale_up: ScaleUpSpec = ScaleUpSpec()
+    scale_down: ScaleDownSpec = ScaleDownSpec()
+    max_step: int = Field(
+        default=1, ge=1, le=1024, description="instances added or removed at once"
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RoleAutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must be at most "
+                f"maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+
+class ClusterAutoscalingSpec(_Model):
+    max_total_gpus: int | None = Field(
+        default=None,
+        alias="maxTotalGPUs",
+        ge=1,
+        le=1 << 20,
+        description="GPUs (ranks) of prefill and decode together",
+    )
+
+
 class RoleSpec(_Model):
     replicas: int = Field(default=1, ge=0, le=1024, description="instances of this role")
     topology: Topology = Topology()
@@ -261,6 +359,7 @@ class RoleSpec(_Model):
     affinity: dict[str, Any] = Field(default_factory=dict)
     restart: RestartPolicySpec = RestartPolicySpec()
     engine: EngineSpec = EngineSpec()
+    autoscaling: RoleAutoscalingSpec | None = None
 
     @model_validator(mode="after")
     def _ranks_fill_pods(self) -> RoleSpec:
@@ -280,6 +379,11 @@ class RoleSpec(_Model):
     @property
     def pods_per_instance(self) -> int:
         return self.topology.num_ranks // self.gpus_per_pod
+
+    @property
+    def gpus_per_instance(self) -> int:
+        """GPUs one instance holds in the autoscaling budget: one per rank, whatever `device`."""
+        return self.topology.num_ranks
 
 
 class RouterPolicySpec(_Model):
@@ -329,6 +433,7 @@ class PDClusterSpec(_Model):
     colocated: RoleSpec | None = None
     router: RouterSpec = RouterSpec()
     auth: AuthSpec = AuthSpec()
+    autoscaling: ClusterAutoscalingSpec = ClusterAutoscalingSpec()
 
     @model_validator(mode="after")
     def _roles(self) -> PDClusterSpec:
@@ -349,7 +454,47 @@ class PDClusterSpec(_Model):
                     f"decode.topology.pp must be 1 or equal prefill.topology.pp ({p.pp}), "
                     f"got {d.pp}"
                 )
+        self._check_autoscaling()
         return self
+
+    def _check_autoscaling(self) -> None:
+        if self.colocated is not None and self.colocated.autoscaling is not None:
+            raise ValueError(
+                "colocated.autoscaling is not supported: only prefill and decode scale"
+            )
+        roles = {r: s for r in (Role.prefill, Role.decode) if (s := self.role_spec(r)) is not None}
+        for role, spec in roles.items():
+            scaling = spec.autoscaling
+            if scaling is not None and scaling.target.metric not in AUTOSCALING_METRICS[role]:
+                accepted = ", ".join(m.value for m in AUTOSCALING_METRICS[role])
+                raise ValueError(
+                    f"{role.value}.autoscaling.target.metric {scaling.target.metric.value!r} "
+                    f"does not scale {role.value}: expected one of {accepted}"
+                )
+        budget = self.autoscaling.max_total_gpus
+        if budget is None or not any(s.autoscaling for s in roles.values()):
+            return
+
+        def floor(spec: RoleSpec) -> int:  # GPUs the role holds at least
+            low = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
+            return low * spec.gpus_per_instance
+
+        if (need := sum(floor(s) for s in roles.values())) > budget:
+            raise ValueError(
+                f"autoscaling.maxTotalGPUs ({budget}) is below the GPUs of both roles at their "
+                f"minimum ({need})"
+            )
+        for role, spec in roles.items():
+            if spec.autoscaling is None:
+                continue
+            others = sum(floor(s) for r, s in roles.items() if r is not role)
+            top = spec.autoscaling.max_replicas * spec.gpus_per_instance
+            if top + others > budget:
+                raise ValueError(
+                    f"{role.value}.autoscaling.maxReplicas ({spec.autoscaling.max_replicas}) "
+                    f"needs {top} GPUs; with the other role at its minimum ({others}) that "
+                    f"exceeds autoscaling.maxTotalGPUs ({budget})"
+                )
 
     @property
     def is_disaggregated(self) -> bool:

@@ -100,3 +100,97 @@ def test_manifest_text_errors(text: str, needle: str) -> None:
     with pytest.raises(SpecError) as err:
         load_manifest_text(text)
     assert needle in str(err.value)
+
+
+def _autoscaled(metric: str = "ttftP90Seconds", **fields: object) -> dict:
+    return {"maxReplicas": 3, "target": {"metric": metric, "value": 0.5}, **fields}
+
+
+def test_autoscaling_defaults() -> None:
+    spec = parse_spec({"prefill": {"autoscaling": _autoscaled()}, "decode": {}})
+    scaling = spec.prefill.autoscaling
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.max_step) == (1, 3, 1)
+    assert (scaling.interval_seconds, scaling.tolerance) == (15.0, 0.1)
+    assert scaling.scale_up.stabilization_seconds == 30.0
+    assert scaling.scale_down.stabilization_seconds == 300.0
+    assert spec.decode.autoscaling is None and spec.autoscaling.max_total_gpus is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (
+            {"prefill": {"autoscaling": _autoscaled(minReplicas=4)}, "decode": {}},
+            "autoscaling.minReplicas (4) must be at most maxReplicas (3)",
+        ),
+        (
+            {"prefill": {"autoscaling": _autoscaled("kvPageUsage")}, "decode": {}},
+            "prefill.autoscaling.target.metric 'kvPageUsage' does not scale prefill: expected "
+            "one of ttftP90Seconds, queuedPrefillTokensPerInstance",
+        ),
+        (
+            {"prefill": {}, "decode": {"autoscaling": _autoscaled("ttftP90Seconds")}},
+            "does not scale decode: expected one of tpotP90Seconds, runningRequestsPerInstance",
+        ),
+        (
+            {"prefill": {}, "decode": {"autoscaling": _autoscaled("unknownMetric")}},
+            "decode.autoscaling.target.metric: Input should be",
+        ),
+        (
+            {"prefill": {}, "decode": {"autoscaling": _autoscaled("kvPageUsage", target=None)}},
+            "decode.autoscaling.target",
+        ),
+        (
+            {
+                "prefill": {},
+                "decode": {
+                    "autoscaling": {
+                        "maxReplicas": 2,
+                        "target": {"metric": "kvPageUsage", "value": 2},
+                    }
+                },
+            },
+            "a kvPageUsage target is a fraction in (0, 1], got 2",
+        ),
+        (
+            {"colocated": {"autoscaling": _autoscaled()}},
+            "colocated.autoscaling is not supported",
+        ),
+        (
+            {
+                "prefill": {"autoscaling": _autoscaled()},
+                "decode": {"replicas": 2, "topology": {"tp": 2}},
+                "autoscaling": {"maxTotalGPUs": 4},
+            },
+            "autoscaling.maxTotalGPUs (4) is below the GPUs of both roles at their minimum (5)",
+        ),
+        (
+            {
+                "prefill": {"autoscaling": _autoscaled()},
+                "decode": {"autoscaling": _autoscaled("kvPageUsage", minReplicas=2)},
+                "autoscaling": {"maxTotalGPUs": 4},
+            },
+            "prefill.autoscaling.maxReplicas (3) needs 3 GPUs; with the other role at its "
+            "minimum (2) that exceeds autoscaling.maxTotalGPUs (4)",
+        ),
+        (
+            {"prefill": {"autoscaling": _autoscaled(tolerance=1)}, "decode": {}},
+            "prefill.autoscaling.tolerance",
+        ),
+    ],
+)
+def test_invalid_autoscaling_names_the_problem(spec: dict, needle: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    assert needle in str(err.value)
+
+
+def test_max_total_gpus_counts_every_rank_and_fits_at_the_edge() -> None:
+    spec = {
+        "prefill": {"autoscaling": _autoscaled(), "topology": {"tp": 2}},
+        "decode": {"replicas": 2},
+        "autoscaling": {"maxTotalGPUs": 8},  # prefill 3 x 2 ranks + decode 2 = 8
+    }
+    assert parse_spec(spec).autoscaling.max_total_gpus == 8
+    with pytest.raises(SpecError, match="exceeds autoscaling.maxTotalGPUs"):
+        parse_spec({**spec, "autoscaling": {"maxTotalGPUs": 7}})

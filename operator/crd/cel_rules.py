@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.runtime.spec import MAX_RANKS_PER_INSTANCE
+from pdcluster.runtime.spec import AUTOSCALING_METRICS, MAX_RANKS_PER_INSTANCE, Role
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,50 @@ def _get(path: str, default: int) -> str:
 def _ranks(role: str) -> str:
     prefix = f"{role}." if role else ""
     return " * ".join(_get(f"{prefix}topology.{axis}", 1) for axis in ("dp", "tp", "cp", "pp"))
+
+
+def _gpu_floor(role: str) -> str:
+    """GPUs `role` holds at least: minReplicas (autoscaled) or replicas, times its ranks."""
+    low = (
+        f"(has(self.{role}.autoscaling) ? {_get(f'{role}.autoscaling.minReplicas', 1)}"
+        f" : {_get(f'{role}.replicas', 1)})"
+    )
+    return f"{low} * ({_ranks(role)})"
+
+
+def _budget_rules() -> tuple[CelRule, ...]:
+    budget = "self.autoscaling.maxTotalGPUs"
+    applies = (
+        "!has(self.autoscaling) || !has(self.autoscaling.maxTotalGPUs) || "
+        "!has(self.prefill) || !has(self.decode) || "
+        "!(has(self.prefill.autoscaling) || has(self.decode.autoscaling))"
+    )
+    rules = [
+        CelRule(
+            rule=f"{applies} || {_gpu_floor('prefill')} + {_gpu_floor('decode')} <= {budget}",
+            message="autoscaling.maxTotalGPUs is below the GPUs of both roles at their minimum",
+        )
+    ]
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        top = f"self.{role}.autoscaling.maxReplicas * ({_ranks(role)})"
+        rules.append(
+            CelRule(
+                rule=f"{applies} || !has(self.{role}.autoscaling) || "
+                f"{top} + {_gpu_floor(other)} <= {budget}",
+                message=f"{role}.autoscaling.maxReplicas with the other role at its minimum "
+                "exceeds autoscaling.maxTotalGPUs",
+            )
+        )
+    return tuple(rules)
+
+
+def _metric_rule(role: Role) -> CelRule:
+    accepted = ", ".join(f"'{m.value}'" for m in AUTOSCALING_METRICS[role])
+    return CelRule(
+        rule=f"!has(self.{role.value}) || !has(self.{role.value}.autoscaling) || "
+        f"self.{role.value}.autoscaling.target.metric in [{accepted}]",
+        message=f"{role.value}.autoscaling.target.metric does not scale {role.value}",
+    )
 
 
 ROOT_RULES = (
@@ -88,6 +132,13 @@ SPEC_RULES = (
         ),
         message="decode.topology.pp must be 1 or equal prefill.topology.pp",
     ),
+    CelRule(
+        rule="!has(self.colocated) || !has(self.colocated.autoscaling)",
+        message="colocated.autoscaling is not supported: only prefill and decode scale",
+    ),
+    _metric_rule(Role.prefill),
+    _metric_rule(Role.decode),
+    *_budget_rules(),
 )
 
 ROLE_RULES = (
@@ -98,6 +149,16 @@ ROLE_RULES = (
     CelRule(
         rule=f"({_ranks('')}) % {_get('gpusPerPod', 1)} == 0",
         message="ranks per instance (dp*tp*cp*pp) must be divisible by gpusPerPod",
+    ),
+    CelRule(
+        rule=f"!has(self.autoscaling) || {_get('autoscaling.minReplicas', 1)} <= "
+        "self.autoscaling.maxReplicas",
+        message="autoscaling.minReplicas must be at most maxReplicas",
+    ),
+    CelRule(
+        rule="!has(self.autoscaling) || self.autoscaling.target.metric != 'kvPageUsage' || "
+        "self.autoscaling.target.value <= 1.0",
+        message="a kvPageUsage target is a fraction in (0, 1]",
     ),
 )
 

@@ -99,6 +99,7 @@ def build_spec_schema() -> Schema:
         role["description"] = f"The {name} role: its instances, topology and pod settings."
         # Roles are optional objects; `null` is not a value a user means to write.
         role.pop("nullable", None)
+        role["properties"]["autoscaling"].pop("nullable", None)
     props["model"]["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.MODEL_RULES)
     props["model"]["description"] = _description(ModelSpec)
     for path, node in walk(spec, ""):

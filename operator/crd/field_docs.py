@@ -10,6 +10,7 @@ Pure module.
 
 from __future__ import annotations
 
+from pdcluster.operator.autoscale.planner import STALE_AFTER_INTERVALS
 from pdcluster.runtime.spec import Role
 
 ROLE_PLACEHOLDER = "<role>"
@@ -83,6 +84,21 @@ FIELD_DOCS: dict[str, str] = {
     "<role>.engine.maxBatchTokens": "Tokens computed in one engine step.",
     "<role>.engine.maxPromptTokens": "Longest prompt accepted; longer ones get a 400 at once.",
     "<role>.engine.maxNewTokens": "Most tokens one request may generate.",
+    "<role>.autoscaling": "The built-in autoscaler of this role (prefill and decode only): "
+    "replicas follow the target metric within [minReplicas, maxReplicas].",
+    "<role>.autoscaling.minReplicas": "Fewest instances; a manual replicas below it is raised.",
+    "<role>.autoscaling.maxReplicas": "Most instances; a manual replicas above it is lowered.",
+    "<role>.autoscaling.intervalSeconds": "Seconds between two scrapes and decisions; a "
+    f"sample older than {STALE_AFTER_INTERVALS} intervals holds the role.",
+    "<role>.autoscaling.target": "The metric held at `value`: prefill ttftP90Seconds or "
+    "queuedPrefillTokensPerInstance; decode tpotP90Seconds, runningRequestsPerInstance or "
+    "kvPageUsage (a fraction).",
+    "<role>.autoscaling.target.metric": "The metric; it must be one of this role's.",
+    "<role>.autoscaling.scaleUp": "How long a higher recommendation must last before it is "
+    "applied.",
+    "<role>.autoscaling.scaleDown": "How long a lower recommendation must last before it is "
+    "applied.",
+    "autoscaling": "Limits shared by the autoscaled roles.",
     "router": "The OpenAI-compatible router in front of the workers.",
     "router.replicas": "Router pods.",
     "router.policy": "How the router picks a worker of each role.",

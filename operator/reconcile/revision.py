@@ -7,7 +7,8 @@ Two hashes, both computed from the typed spec:
   so during a rollout new prefills never talk to old decodes;
 - the *template hash* of a role covers the revision plus that role's pod
   settings (topology, resources, scheduling, engine). A change rolls that
-  role's instances; `replicas` is excluded, so scaling never restarts pods.
+  role's instances; `replicas` and `autoscaling` are excluded, so scaling
+  (and how it is decided) never restarts pods.
 
 Values equal to their defaults are left out before hashing, so an operator
 upgrade that adds a defaulted field does not restart every pod.
@@ -61,7 +62,7 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
         {
             "revision": compute_cluster_revision(spec),
             "role": role.value,
-            "spec": _canonical(rs, exclude={"replicas"}),
+            "spec": _canonical(rs, exclude={"replicas", "autoscaling"}),
         }
     )
 

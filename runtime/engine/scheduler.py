@@ -184,6 +184,12 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Known tokens still to compute before their sequence samples (waiting or prefilling)."""
+        pending = (s for s in (*self._waiting, *self._running) if s.is_prefilling)
+        return sum(s.num_prefill_tokens - s.num_computed_tokens for s in pending)
+
+    @property
     def num_held(self) -> int:
         return len(self._held)
 

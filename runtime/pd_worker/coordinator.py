@@ -236,6 +236,7 @@ class _Coordinator:
         sched = self.engine.scheduler
         self.metrics.queue_size.labels(stage="engine_waiting").set(sched.num_waiting)
         self.metrics.queue_size.labels(stage="engine_running").set(sched.num_running)
+        self.metrics.queued_prefill_tokens.set(sched.num_queued_prefill_tokens)
 
     def room_state(self, room: _Room) -> str:
         if room.failed is not None:

@@ -190,14 +190,20 @@ class WorkerState:
         self.in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
         started, first, finished = time.monotonic(), True, False
+        first_at, num_tokens = started, 0
         try:
             async for event in self.backend.events(req):
                 if first and event.token_ids:
-                    metrics.ttft_seconds.observe(time.monotonic() - started)
+                    first_at = time.monotonic()
+                    metrics.ttft_seconds.observe(first_at - started)
                     first = False
+                num_tokens += len(event.token_ids)
                 if event.finished:
                     finished = True
                     metrics.requests_total.labels(reason=reason_label(event.finish_reason)).inc()
+                    if num_tokens > 1:
+                        tpot = (time.monotonic() - first_at) / (num_tokens - 1)
+                        metrics.tpot_seconds.observe(tpot)
                 yield event
         finally:
             if not finished:  # the client went away mid-request (the backend aborts it)

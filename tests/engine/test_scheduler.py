@@ -305,6 +305,19 @@ def test_decodes_go_first_and_prefill_fills_the_token_budget() -> None:
     assert batch.num_tokens == 10
 
 
+def test_queued_prefill_tokens_count_what_is_left_to_prefill() -> None:
+    sched, runner = make(max_batch_tokens=10, chunk_size=8)
+    sched.add(new_seq("a", 3, max_tokens=20, ignore_eos=True))
+    sched.add(new_seq("b", 30))
+    assert sched.num_queued_prefill_tokens == 33
+    step(sched, runner)  # a's 3 tokens, then b's first 7 within the budget of 10
+    assert sched.num_queued_prefill_tokens == 23
+    step(sched, runner)  # a decodes (not counted), b gets 8 more
+    assert sched.num_queued_prefill_tokens == 15
+    drain(sched, runner)
+    assert sched.num_queued_prefill_tokens == 0
+
+
 def test_running_limit_caps_admission() -> None:
     sched, runner = make(max_running_requests=2)
     for rid in "abc":

@@ -19,6 +19,7 @@ from pdcluster.operator.crd.refdoc import render_reference
 from pdcluster.operator.crd.structural import apply_defaults, check_structural, to_structural, walk
 from pdcluster.runtime.spec import (
     MAX_RANKS_PER_INSTANCE,
+    AutoscalingMetric,
     SpecError,
     load_manifest_text,
     parse_spec,
@@ -121,7 +122,17 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-@pytest.mark.parametrize("spec", [{"prefill": {}, "decode": {}}, {"colocated": {}}])
+AUTOSCALED = {
+    "prefill": {
+        "autoscaling": {"maxReplicas": 2, "target": {"metric": "ttftP90Seconds", "value": 1}}
+    },
+    "decode": {
+        "autoscaling": {"maxReplicas": 2, "target": {"metric": "kvPageUsage", "value": 0.8}}
+    },
+}
+
+
+@pytest.mark.parametrize("spec", [{"prefill": {}, "decode": {}}, {"colocated": {}}, AUTOSCALED])
 def test_crd_defaults_equal_the_model_defaults(spec: dict[str, Any]) -> None:
     defaulted = apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec))
     model = parse_spec(spec).model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -211,20 +222,44 @@ PHRASES = (
     "needs a `decode` role",
     "needs `path`",
     "needs `prefill` and `decode` roles",
+    "must be at most maxReplicas",
+    "a fraction in (0, 1]",
+    "does not scale prefill",
+    "does not scale decode",
+    "colocated.autoscaling is not supported",
+    "is below the GPUs of both roles at their minimum",
+    "exceeds autoscaling.maxTotalGPUs",
 )
 
 axis = st.integers(min_value=1, max_value=4)
+autoscaling = st.fixed_dictionaries(
+    {
+        "maxReplicas": st.integers(1, 4),
+        "target": st.fixed_dictionaries(
+            {
+                "metric": st.sampled_from([m.value for m in AutoscalingMetric]),
+                "value": st.sampled_from([0.5, 2.0]),
+            }
+        ),
+    },
+    optional={"minReplicas": st.integers(1, 4)},
+)
 roles = st.fixed_dictionaries(
     {
         "topology": st.fixed_dictionaries(
             {}, optional={"dp": axis, "tp": axis, "cp": axis, "pp": axis}
         )
     },
-    optional={"gpusPerPod": st.sampled_from([1, 2, 3, 4, 8])},
+    optional={
+        "gpusPerPod": st.sampled_from([1, 2, 3, 4, 8]),
+        "replicas": st.integers(0, 3),
+        "autoscaling": autoscaling,
+    },
 )
 specs = st.fixed_dictionaries(
     {},
     optional={
+        "autoscaling": st.fixed_dictionaries({}, optional={"maxTotalGPUs": st.integers(1, 40)}),
         "prefill": roles,
         "decode": roles,
         "colocated": roles,

@@ -20,6 +20,7 @@ from pdcluster.runtime.spec import Role
 from .helpers import PD, make_cluster
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+AUTOSCALING_TARGET = {"metric": "ttftP90Seconds", "value": 0.5}
 cluster_names = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", fullmatch=True)
 
 
@@ -107,6 +108,15 @@ def test_writing_a_default_explicitly_changes_no_hash() -> None:
         ({"decode": {"engine": {"maxRunningRequests": 8}}}, False, False, True),
         ({"decode": {"nodeSelector": {"pool": "b"}}}, False, False, True),
         ({"router": {"policy": {"prefill": "random"}}}, False, False, False),
+        (
+            {
+                "prefill": {"autoscaling": {"maxReplicas": 3, "target": AUTOSCALING_TARGET}},
+                "autoscaling": {"maxTotalGPUs": 8},
+            },
+            False,
+            False,
+            False,
+        ),
     ],
     ids=[
         "image",
@@ -116,6 +126,7 @@ def test_writing_a_default_explicitly_changes_no_hash() -> None:
         "decode-engine",
         "decode-sched",
         "router",
+        "autoscaling",
     ],
 )
 def test_each_change_restarts_exactly_the_pods_that_read_it(change, revision, prefill, decode):

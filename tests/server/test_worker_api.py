@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+from pdcluster.operator.autoscale.samples import parse_worker_metrics
 from pdcluster.runtime.server.engine_service import EngineService
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -163,3 +164,17 @@ def test_info_endpoints(worker) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     metrics = client.get("/metrics").text
     assert "pdcluster_rejected_requests_total" in metrics
+
+
+def test_a_finished_request_is_timed_per_output_token(worker) -> None:
+    client, _ = worker
+
+    def tpot_count() -> float:
+        hist = parse_worker_metrics(client.get("/metrics").text).tpot
+        return 0.0 if hist is None else hist.count
+
+    before = tpot_count()
+    client.post("/generate", json={"text": "time me", "sampling_params": GREEDY})
+    one_token = {**GREEDY, "max_new_tokens": 1}
+    client.post("/generate", json={"text": "one token", "sampling_params": one_token})
+    assert tpot_count() == before + 1  # a single-token answer has no time per token

@@ -236,7 +236,8 @@ class Supervisor:
         return min(due) if due else None
 
     def restarts_left(self, role: Role, now: float) -> int:
-        return max(0, self._policies[role].budget - self._budgets[role].used(now))
+        allowed: int = self._policies[role].budget
+        return max(0, allowed - self._budgets[role].used(now))
 
     # ------------------------------------------------------------ events
     def on_exit(

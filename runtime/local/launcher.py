@@ -173,7 +173,7 @@ class LocalCluster:
         policies: dict[Role, RestartPolicySpec],
         *,
         bootstrap_timeout_s: float = 30.0,
-        period_s: float = 0.2,
+        period_s: float = 0.1,
         on_action: Callable[[str], None] = print,
     ) -> str:
         """Keep the cluster serving until the supervisor gives up; returns why.
@@ -219,7 +219,11 @@ class LocalCluster:
                         notifier.hold(s, act.reason)
                     start_at = sup.view(act.key).start_at or time.monotonic()
                     delay = max(0.0, start_at - time.monotonic())
-                    note = f"; told {told} decode workers" if act.key.role is Role.prefill else ""
+                    note = ""
+                    if act.key.role is Role.prefill:
+                        note = (
+                            f"; its rooms failed at {told}/{len(running_decodes())} decode workers"
+                        )
                     on_action(f"{act.key} lost ({act.reason}){note}; restarting in {delay:.1f}s")
                 elif isinstance(act, Spawn):
                     for s in instances[act.key]:

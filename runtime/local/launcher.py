@@ -203,6 +203,7 @@ class LocalCluster:
             return all(notifier.is_seen_answering(s, d) for s in specs for d in running_decodes())
 
         def perform(acts: list[Action]) -> None:
+            said: list[str] = []  # printed once the state file shows it
             for act in acts:
                 if isinstance(act, TearDown):
                     specs = instances[act.key]
@@ -224,7 +225,7 @@ class LocalCluster:
                         note = (
                             f"; its rooms failed at {told}/{len(running_decodes())} decode workers"
                         )
-                    on_action(f"{act.key} lost ({act.reason}){note}; restarting in {delay:.1f}s")
+                    said.append(f"{act.key} lost ({act.reason}){note}; restarting in {delay:.1f}s")
                 elif isinstance(act, Spawn):
                     for s in instances[act.key]:
                         self.spawn(s)
@@ -237,11 +238,13 @@ class LocalCluster:
                     for s in instances[act.key]:
                         self.phase[s.name] = "running"
                         notifier.admit(s)
-                    on_action(f"{act.key} is back")
+                    said.append(f"{act.key} is back")
                 else:
                     assert isinstance(act, GiveUp)  # the loop ends on `sup.given_up`
             if acts:
                 self.write_state()
+            for line in said:
+                on_action(line)
 
         try:
             while sup.given_up is None:

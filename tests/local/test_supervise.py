@@ -10,6 +10,7 @@ ends `pdcluster up` with the reason.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -70,6 +71,13 @@ def ps(state_dir: Path) -> dict[str, dict[str, str]]:
     return {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
 
 
+def seen_as(state_dir: Path, name: str = "prefill-1") -> tuple[str, int]:
+    """(state, restarts) of a process in the state file `ps` reads (cheaper than `ps`)."""
+    state = json.loads((state_dir / "supervised" / "state.json").read_text())
+    entry = next(p for p in state["processes"] if p["name"] == name)
+    return entry["state"], entry["restarts"]
+
+
 def wait_for(cond: Any, timeout: float, what: str, step: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -117,15 +125,13 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
             assert end - killed_at < 5.0, f"a lost request took {end - killed_at:.1f}s to fail"
 
         # The supervisor saw the loss: the cluster keeps serving through prefill-0.
-        wait_for(lambda: ps(state_dir)["prefill-1"]["STATE"] != "running", 5, "the loss to be seen")
+        wait_for(lambda: seen_as(state_dir) != ("running", 0), 5, "the loss to be seen")
         outputs = list(pool.map(lambda p: generate(cluster, p), after))
         assert [s for s, _, _ in outputs] == [200] * len(after), outputs
         assert [b["output_ids"] for _, b, _ in outputs] == expected
 
         # prefill-1 comes back on its ports and serves again.
-        wait_for(
-            lambda: ps(state_dir)["prefill-1"]["STATE"] == "running", 90, "prefill-1 back", 0.5
-        )
+        wait_for(lambda: seen_as(state_dir) == ("running", 1), 120, "prefill-1 back", 0.2)
         rows = ps(state_dir)
         assert (rows["prefill-1"]["RESTARTS"], rows["prefill-1"]["LAST EXIT"]) == (
             "1",
@@ -133,8 +139,8 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
         ), rows["prefill-1"]
         assert rows["prefill-1"]["URL"] == cluster.worker("prefill-1")["url"]
         assert (rows["prefill-0"]["RESTARTS"], rows["prefill-0"]["LAST EXIT"]) == ("0", "-")
-        again = list(pool.map(lambda p: generate(cluster, p), after))
-        assert [b.get("output_ids") for _, b, _ in again] == expected, again
+        again = list(pool.map(lambda p: generate(cluster, p), after[:2]))
+        assert [b.get("output_ids") for _, b, _ in again] == expected[:2], again
 
         # A second loss spends the budget (1 per hour): `pdcluster up` ends and says why.
         os.kill(int(ps(state_dir)["prefill-1"]["PID"]), signal.SIGKILL)

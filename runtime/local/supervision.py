@@ -24,8 +24,10 @@ role. The same rules as the operator's (`spec.<role>.restart`):
   after the loss; the count resets once the instance is ready again;
 - budget: at most `budget` restarts per role in a fixed one-hour window
   that opens at the first restart after the previous window closed. A loss
-  past the budget gives up: the cluster stops, with the reason. So does
-  the loss of a process that belongs to no instance (the router).
+  past the budget gives up: the cluster stops, with the reason (the
+  operator leaves such an instance down until the window closes; a local
+  cluster has nobody watching it, so it says why and stops). So does the
+  loss of a process that belongs to no instance (the router).
 
 Invariants (tests/local/test_supervision.py): never more restarts of a role
 in one window than its budget; a restart is never planned while one is

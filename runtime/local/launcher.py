@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -175,12 +176,15 @@ class LocalCluster:
         bootstrap_timeout_s: float = 30.0,
         period_s: float = 0.1,
         on_action: Callable[[str], None] = print,
+        stop: threading.Event | None = None,
     ) -> str:
         """Keep the cluster serving until the supervisor gives up; returns why.
 
         `policies`: each role's restart policy; `bootstrap_timeout_s`: the
         longest a decode refuses rooms on a prefill it was told was lost (the
-        restarted prefill is admitted at the router at the latest then).
+        restarted prefill is admitted at the router at the latest then);
+        `stop`: set by another thread to end supervision (before `stop()`,
+        so that nothing is restarted while the cluster is being stopped).
         """
         instances = self.instances()
         sup = Supervisor(instances, policies)
@@ -263,8 +267,12 @@ class LocalCluster:
                     if is_ready(key):
                         perform(sup.on_ready(key, sup.generation(key)))
                 perform(sup.tick(time.monotonic()))
-                if sup.given_up is None:
+                if sup.given_up is not None:
+                    break
+                if stop is None:
                     time.sleep(period_s)
+                elif stop.wait(period_s):
+                    return "supervision stopped"
         finally:
             notifier.close()
         reason: str = sup.given_up

@@ -90,17 +90,23 @@ def supervised(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Super
     try:
         cluster.wait_ready(30)
         box: list[Supervised] = []
+        stop = threading.Event()
 
         def run() -> None:
             sup = box[0]
             sup.reason = cluster.supervise(
-                {Role.prefill: policy, Role.decode: policy}, on_action=sup.lines.append
+                {Role.prefill: policy, Role.decode: policy},
+                on_action=sup.lines.append,
+                stop=stop,
             )
 
         thread = threading.Thread(target=run, daemon=True)
         box.append(Supervised(cluster, thread))
         thread.start()
         yield box[0]
+        stop.set()
+        thread.join(10)
+        assert not thread.is_alive()
     finally:
         cluster.stop(grace=2)
 

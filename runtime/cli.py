@@ -15,11 +15,16 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from types import FrameType
 
-from pdcluster.runtime.spec import PDCluster, Role, SpecError, load_manifest_text
+from pdcluster.runtime.spec import (
+    PDCluster,
+    RestartPolicySpec,
+    Role,
+    SpecError,
+    load_manifest_text,
+)
 
 DEFAULT_STATE_DIR = ".pdcluster"
 DEMO_PROMPT = "The capital of France is"
@@ -103,19 +108,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.demo_only:
             return 0
         print(f"\nserving on {plan.endpoint}/v1 — press Ctrl-C to stop", flush=True)
-        while True:
-            for name, proc in cluster.procs.items():
-                if proc.poll() is not None:
-                    print(f"warning: {name} exited with code {proc.returncode}", flush=True)
-                    print(cluster.log_tail(name, 10), flush=True)
-                    raise SystemExit(1)
-            time.sleep(1.0)
+        # A lost instance is restarted (spec.<role>.restart); only a spent
+        # budget or the router's exit ends here.
+        reason = cluster.supervise(
+            restart_policies(manifest),
+            bootstrap_timeout_s=manifest.spec.transfer.bootstrap_timeout_seconds,
+            on_action=lambda line: print(line, flush=True),
+        )
+        print(
+            f"pdcluster: stopping {manifest.metadata.name}: {reason}", file=sys.stderr, flush=True
+        )
+        raise SystemExit(1)
     except KeyboardInterrupt:
         if not stop_requested:
             print("\nstopping ...", flush=True)
         return 0
     finally:
         cluster.stop()
+
+
+def restart_policies(manifest: PDCluster) -> dict[Role, RestartPolicySpec]:
+    """Each worker role's restart policy (back-off and budget), as the operator reads it."""
+    spec = manifest.spec
+    roles = {Role.prefill: spec.prefill, Role.decode: spec.decode, Role.colocated: spec.colocated}
+    return {role: rs.restart for role, rs in roles.items() if rs is not None}
 
 
 def _demo(endpoint: str, model: str) -> None:

@@ -4,6 +4,12 @@ Each process starts in its own session (process group) so stopping the
 cluster reaches the ranks a worker spawned too: SIGTERM to every group, then
 SIGKILL after a grace period. The state file lists what is running so
 `pdcluster ps` / `pdcluster down` work from another shell.
+
+Once ready, `supervise` keeps the cluster serving: it observes the
+processes, feeds their exits to the pure `Supervisor` (supervision.py) and
+performs what it decides — tear a lost instance down as a gang, tell its
+peers (peers.py), start it again on the same ports, admit it at the router
+once ready — until the supervisor gives up.
 """
 
 from __future__ import annotations
@@ -15,15 +21,30 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdcluster.runtime.local.peers import PeerNotifier
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
+from pdcluster.runtime.local.supervision import (
+    Action,
+    Admit,
+    GiveUp,
+    InstanceKey,
+    ReportLost,
+    Spawn,
+    Supervisor,
+    TearDown,
+    describe_exit,
+)
 from pdcluster.runtime.pids import is_pid_alive
+from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
@@ -54,6 +75,10 @@ class LocalCluster:
         self.state_dir = state_dir
         self.token = token or secrets.token_hex(16)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Per process: restarts, the last exit it made by itself, its instance's phase.
+        self.restarts: dict[str, int] = {}
+        self.last_exit: dict[str, str] = {}
+        self.phase: dict[str, str] = {}
 
     def start(self) -> None:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -92,7 +117,13 @@ class LocalCluster:
             "endpoint": self.plan.endpoint,
             "launcher_pid": os.getpid(),
             "processes": [
-                {**_public(spec), "pid": self.procs[spec.name].pid}
+                {
+                    **_public(spec),
+                    "pid": self.procs[spec.name].pid,
+                    "state": self.phase.get(spec.name, "running"),
+                    "restarts": self.restarts.get(spec.name, 0),
+                    "last_exit": self.last_exit.get(spec.name),
+                }
                 for spec in self.plan.processes
                 if spec.name in self.procs
             ],
@@ -128,6 +159,138 @@ class LocalCluster:
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    # ------------------------------------------------------------ supervision
+    def instances(self) -> dict[InstanceKey, list[ProcessSpec]]:
+        """The plan's processes by instance (a gang; the router is none)."""
+        out: dict[InstanceKey, list[ProcessSpec]] = {}
+        for spec in self.plan.workers:
+            assert spec.role != "router"
+            out.setdefault(InstanceKey(Role(spec.role), spec.instance), []).append(spec)
+        return out
+
+    def supervise(
+        self,
+        policies: dict[Role, RestartPolicySpec],
+        *,
+        bootstrap_timeout_s: float = 30.0,
+        period_s: float = 0.1,
+        on_action: Callable[[str], None] = print,
+        stop: threading.Event | None = None,
+    ) -> str:
+        """Keep the cluster serving until the supervisor gives up; returns why.
+
+        `policies`: each role's restart policy; `bootstrap_timeout_s`: the
+        longest a decode refuses rooms on a prefill it was told was lost (the
+        restarted prefill is admitted at the router at the latest then);
+        `stop`: set by another thread to end supervision (before `stop()`,
+        so that nothing is restarted while the cluster is being stopped).
+        """
+        instances = self.instances()
+        sup = Supervisor(instances, policies)
+        key_of = {s.name: k for k, specs in instances.items() for s in specs}
+        generation = dict.fromkeys(self.procs, 0)
+        seen: set[str] = set()  # processes whose exit was observed or caused
+        started_at: dict[InstanceKey, float] = {}
+        notifier = PeerNotifier(self.token, self.plan.endpoint)
+        decodes = [s for s in self.plan.workers if s.role is Role.decode]
+
+        def running_decodes() -> list[ProcessSpec]:
+            return [d for d in decodes if self.phase.get(d.name, "running") == "running"]
+
+        def is_ready(key: InstanceKey) -> bool:
+            specs = instances[key]
+            if not all(notifier.is_healthy(s) for s in specs):
+                return False
+            if time.monotonic() - started_at[key] > bootstrap_timeout_s:
+                return True  # every decode's verdict on it has expired by now
+            return all(notifier.is_seen_answering(s, d) for s in specs for d in running_decodes())
+
+        def perform(acts: list[Action]) -> None:
+            said: list[str] = []  # printed once the state file shows it
+            for act in acts:
+                if isinstance(act, TearDown):
+                    specs = instances[act.key]
+                    seen.update(s.name for s in specs)
+                    self._tear_down(specs)
+                    for s in specs:
+                        self.phase[s.name] = "backoff"
+                elif isinstance(act, ReportLost):
+                    specs = instances[act.key]
+                    told = 0
+                    for s in specs:
+                        if s.role is Role.prefill:
+                            told += notifier.fail_prefill(s, running_decodes())
+                        notifier.hold(s, act.reason)
+                    start_at = sup.view(act.key).start_at or time.monotonic()
+                    delay = max(0.0, start_at - time.monotonic())
+                    note = ""
+                    if act.key.role is Role.prefill:
+                        note = (
+                            f"; its rooms failed at {told}/{len(running_decodes())} decode workers"
+                        )
+                    said.append(f"{act.key} lost ({act.reason}){note}; restarting in {delay:.1f}s")
+                elif isinstance(act, Spawn):
+                    for s in instances[act.key]:
+                        self.spawn(s)
+                        generation[s.name] = act.generation
+                        seen.discard(s.name)
+                        self.restarts[s.name] = self.restarts.get(s.name, 0) + 1
+                        self.phase[s.name] = "starting"
+                    started_at[act.key] = time.monotonic()
+                elif isinstance(act, Admit):
+                    for s in instances[act.key]:
+                        self.phase[s.name] = "running"
+                        notifier.admit(s)
+                    said.append(f"{act.key} is back")
+                else:
+                    assert isinstance(act, GiveUp)  # the loop ends on `sup.given_up`
+            if acts:
+                self.write_state()
+            for line in said:
+                on_action(line)
+
+        try:
+            while sup.given_up is None:
+                now = time.monotonic()
+                for name, proc in list(self.procs.items()):
+                    if name in seen or proc.poll() is None:
+                        continue
+                    seen.add(name)
+                    self.last_exit[name] = describe_exit(proc.returncode)
+                    key = key_of.get(name)
+                    perform(sup.on_exit(name, key, generation[name], proc.returncode, now))
+                    if key is None or sup.given_up is not None:
+                        tail = self.log_tail(name, 10)
+                        on_action(f"{name} exited ({describe_exit(proc.returncode)}):\n{tail}")
+                for key in sup.starting():
+                    if is_ready(key):
+                        perform(sup.on_ready(key, sup.generation(key)))
+                perform(sup.tick(time.monotonic()))
+                if sup.given_up is not None:
+                    break
+                if stop is None:
+                    time.sleep(period_s)
+                elif stop.wait(period_s):
+                    return "supervision stopped"
+        finally:
+            notifier.close()
+        reason: str = sup.given_up
+        return reason
+
+    def _tear_down(self, specs: list[ProcessSpec]) -> None:
+        """Kill what is left of a lost instance (every process group of it) and reap it,
+        so its ports are free for the next start."""
+        procs = [self.procs[s.name] for s in specs if s.name in self.procs]
+        stop_pids([p.pid for p in procs], grace=0.0)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+            time.sleep(0.02)
+        for proc in procs:
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
 
     def stop(self, grace: float = 10.0) -> None:
         stop_pids([p.pid for p in self.procs.values()], grace)
@@ -200,7 +363,20 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
 
 
 def format_state(state: dict[str, Any]) -> str:
-    rows = [("NAME", "ROLE", "RANKS", "PID", "ALIVE", "URL", "BOOTSTRAP")]
+    rows = [
+        (
+            "NAME",
+            "ROLE",
+            "RANKS",
+            "PID",
+            "ALIVE",
+            "STATE",
+            "RESTARTS",
+            "URL",
+            "BOOTSTRAP",
+            "LAST EXIT",
+        )
+    ]
     for p in state["processes"]:
         rows.append(
             (
@@ -209,8 +385,11 @@ def format_state(state: dict[str, Any]) -> str:
                 str(p["num_ranks"]),
                 str(p["pid"]),
                 "yes" if p["alive"] else "no",
+                p.get("state", "running"),
+                str(p.get("restarts", 0)),
                 p["url"],
                 str(p.get("bootstrap_port") or "-"),
+                p.get("last_exit") or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -1,7 +1,11 @@
 """The router's HTTP front door: `create_router_app(config) -> FastAPI`.
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (stream and not),
-``/v1/models``, ``/generate`` (SGLang passthrough), ``/health``, ``/metrics``.
+``/v1/models``, ``/generate`` (SGLang passthrough), ``/health``, ``/metrics``,
+and, guarded by the cluster token, ``POST /admin/hold_worker`` and
+``POST /admin/admit_worker`` ``{"url": worker URL, "reason"?: str}``: a
+supervisor that saw a worker die keeps it out of the pool until it has
+restarted it (local mode; a probe cannot readmit a held worker).
 Handlers only read the body, validate, plan and hand the request to a
 `Relay`; every error leaves as OpenAI-style JSON (or an SSE error event once
 a stream has started).
@@ -27,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdcluster.runtime import stage_trace
-from pdcluster.runtime.http.auth import bearer_headers
+from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
@@ -56,7 +60,7 @@ from pdcluster.runtime.router.streaming import (
     RelayStreamResponse,
     run_until_disconnect,
 )
-from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget, normalize_url
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)
@@ -69,6 +73,8 @@ ROUTES = frozenset(
         "/generate",
         "/health",
         "/metrics",
+        "/admin/hold_worker",
+        "/admin/admit_worker",
     }
 )
 
@@ -286,6 +292,37 @@ class RouterState:
             if not handed_off:
                 await relay.aclose()
 
+    async def hold(self, request: Request, *, held: bool) -> JSONResponse:
+        """`/admin/hold_worker` (held) and `/admin/admit_worker`."""
+        if not self.config.worker_token:
+            raise RouterError(403, "the router has no cluster token: its admin API is off")
+        denied = check_bearer(request.headers.get("authorization"), self.config.worker_token)
+        if denied is not None:
+            raise RouterError(denied.status, denied.message, reason="unauthorized")
+        try:
+            body = parse_json_object(await _read_body(request, 4096))
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+        url, reason = body.get("url"), body.get("reason", "held out by its supervisor")
+        if not isinstance(url, str) or not isinstance(reason, str) or len(reason) > 256:
+            raise RouterError(422, "body must be {url: str, reason?: str}")
+        try:
+            worker = self.pool.get(normalize_url(url))
+        except ValueError as err:
+            raise RouterError(422, str(err)) from None
+        if worker is None:
+            raise RouterError(404, f"no worker {url} in the pool")
+        assert self.ctx is not None and self.checker is not None
+        if held:
+            if self.pool.hold_out(worker, reason):
+                log.warning("worker %s (%s) held out: %s", worker.url, worker.role, reason)
+                self._on_transition(worker, False)
+        else:
+            self.pool.let_in(worker)
+            log.info("worker %s (%s) admitted again", worker.url, worker.role)
+            self.ctx.spawn(self.checker.probe(worker))
+        return JSONResponse(worker.describe())
+
     def models(self) -> dict[str, Any]:
         created = self.started_at
         return {
@@ -356,6 +393,14 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
     async def health() -> JSONResponse:
         ok, body = state.health()
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/admin/hold_worker")
+    async def hold_worker(request: Request) -> JSONResponse:
+        return await state.hold(request, held=True)
+
+    @app.post("/admin/admit_worker")
+    async def admit_worker(request: Request) -> JSONResponse:
+        return await state.hold(request, held=False)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,6 +8,8 @@ Invariants:
 - ``failure_threshold`` consecutive failed probes (or one failed leg, which
   is a stronger signal) make a worker unhealthy; one successful probe brings
   it back;
+- a worker held out (``hold_out``: its supervisor saw it die and restarts
+  it) is not a candidate, whatever its probes say, until ``let_in``;
 - ``outstanding`` counts legs in flight and never goes negative; a worker
   removed by discovery while legs are in flight keeps its counter on the
   object those legs hold, so a late release cannot touch a newer worker
@@ -106,6 +108,8 @@ class Worker:
     consecutive_failures: int = 0
     has_info: bool = False
     last_error: str = ""
+    # Held out by its supervisor (local mode) until it is back: probes cannot readmit it.
+    held: bool = False
     # Rotates the dp group chosen for this worker's rooms.
     next_dp_rank: int = field(default=0, repr=False)
 
@@ -127,6 +131,7 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "dp_size": self.dp_size,
             "last_error": self.last_error,
+            "held": self.held,
         }
 
 
@@ -206,7 +211,7 @@ class WorkerPool:
             worker.has_info = True
             worker.next_dp_rank %= info.dp_size
         worker.consecutive_failures = 0
-        if not worker.has_info:
+        if not worker.has_info or worker.held:
             return False
         was_healthy = worker.healthy
         worker.healthy = True
@@ -234,6 +239,17 @@ class WorkerPool:
         worker.healthy = False
         worker.has_info = False
         return was_healthy
+
+    def hold_out(self, worker: Worker, reason: str) -> bool:
+        """The worker is gone and being restarted: out of the pool until `let_in`.
+        Returns True when it was a candidate."""
+        worker.held = True
+        return self.mark_unreachable(worker, reason)
+
+    @staticmethod
+    def let_in(worker: Worker) -> None:
+        """It is back: the next good probe makes it a candidate again."""
+        worker.held = False
 
     @staticmethod
     def acquire(worker: Worker) -> None:

@@ -256,3 +256,48 @@ def test_a_request_waits_for_a_new_workers_first_probe_when_none_is_healthy(
             refused = http.post("/generate", json={"text": "a"})
             assert refused.status_code == 503
             assert time.monotonic() - started < 0.3
+
+
+def test_a_held_worker_gets_no_request_until_admitted_though_its_probes_pass(
+    loop: LoopThread,
+) -> None:
+    """Local mode's supervisor holds a dead decode out while it restarts it."""
+    token = "router-admin-token"
+    settings: dict[str, Any] = {"health_check_interval_s": 0.05, "worker_token": token}
+    with start_cluster(loop, decode=2, **settings) as cluster, cluster.client() as http:
+        held, other = cluster.decode
+        auth = {"Authorization": f"Bearer {token}"}
+        body = {"url": held.url, "reason": "decode-0 killed by SIGKILL"}
+        assert http.post("/admin/hold_worker", json=body).status_code == 401
+        assert (
+            http.post(
+                "/admin/hold_worker", json=body, headers={"Authorization": "Bearer x"}
+            ).status_code
+            == 403
+        )
+        missing = http.post("/admin/hold_worker", json={"url": "http://127.0.0.1:1"}, headers=auth)
+        assert missing.status_code == 404
+        assert http.post("/admin/hold_worker", json={"url": 5}, headers=auth).status_code == 422
+        assert {held.url, other.url} <= healthy_urls(cluster), "a refused call changes nothing"
+
+        resp = http.post("/admin/hold_worker", json=body, headers=auth)
+        assert resp.status_code == 200 and resp.json()["held"] is True
+        time.sleep(0.3)  # several good probes of the held worker
+        assert held.url not in healthy_urls(cluster)
+        for _ in range(4):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.decode) == [0, 4]
+
+        assert http.post("/admin/admit_worker", json=body, headers=auth).status_code == 200
+        wait_until(lambda: held.url in healthy_urls(cluster))
+        for _ in range(4):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.decode)[0] > 0
+
+
+def test_the_admin_api_is_off_without_a_cluster_token(loop: LoopThread) -> None:
+    with start_cluster(loop, decode=1) as cluster, cluster.client() as http:
+        url = cluster.decode[0].url
+        resp = http.post("/admin/hold_worker", json={"url": url})
+        assert resp.status_code == 403 and "no cluster token" in resp.text
+        assert url in healthy_urls(cluster)

@@ -1,0 +1,151 @@
+"""`pdcluster up` supervises its instances like the operator (a real local cluster).
+
+Two prefill instances and one decode, restart budget 1: kill -9 prefill-1
+during a burst → its requests fail fast, the cluster keeps serving through
+prefill-0 (outputs equal colocated), prefill-1 comes back on its ports
+(`ps`: restarts 1, killed by SIGKILL); a second kill spends the budget and
+ends `pdcluster up` with the reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from pdcluster.runtime.spec import parse_manifest
+from tests.faults.harness import make_prompts
+from tests.local.cluster import RunningCluster, local_cluster, write_manifest
+from tests.pd_integration.reference import colocated_outputs
+
+MAX_TOKENS = 4
+SPEC: dict[str, Any] = {
+    "model": {"name": "tiny"},
+    "kvCache": {"pageSize": 16, "numPages": 1024},
+    # Decode probes its prefills every 0.5 s: a restarted prefill is seen answering soon.
+    "transfer": {"heartbeat": {"intervalSeconds": 0.5}},
+    "prefill": {"replicas": 2, "restart": {"backoffSeconds": 0.2, "budget": 1}},
+    "decode": {"replicas": 1},
+    "router": {"healthCheckIntervalSeconds": 0.5},
+}
+
+
+def generate(cluster: RunningCluster, prompt: list[int]) -> tuple[int, dict[str, Any], float]:
+    """POST /generate through the router; (status, body, monotonic end)."""
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True},
+    }
+    try:
+        resp = httpx.post(cluster.endpoint + "/generate", json=body, timeout=60)
+        data = (
+            resp.json()
+            if resp.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
+        return resp.status_code, data, time.monotonic()
+    except httpx.HTTPError as err:
+        return 599, {"error": repr(err)}, time.monotonic()
+
+
+def ps(state_dir: Path) -> dict[str, dict[str, str]]:
+    """`pdcluster ps` as rows by name (columns are two or more spaces apart)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdcluster.runtime.cli", "ps", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    header, *lines = (re.split(r"\s{2,}", line) for line in out.splitlines()[1:])
+    return {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
+
+
+def seen_as(state_dir: Path, name: str = "prefill-1") -> tuple[str, int]:
+    """(state, restarts) of a process in the state file `ps` reads (cheaper than `ps`)."""
+    state = json.loads((state_dir / "supervised" / "state.json").read_text())
+    entry = next(p for p in state["processes"] if p["name"] == name)
+    return entry["state"], entry["restarts"]
+
+
+def wait_for(cond: Any, timeout: float, what: str, step: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+def live_rooms(cluster: RunningCluster, name: str) -> int:
+    url = cluster.worker(name)["url"]
+    try:
+        resp = httpx.get(url + "/admin/rooms", headers=cluster.auth, timeout=2)
+    except httpx.HTTPError:
+        return 0
+    return sum(1 for r in resp.json()["rooms"] if r["state"] not in ("Success", "Failed"))
+
+
+@pytest.mark.slow
+def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
+    tmp_path: Path,
+) -> None:
+    path = write_manifest(tmp_path, "supervised", SPEC)
+    manifest = parse_manifest(yaml.safe_load(path.read_text()))
+    victims = make_prompts(4, seed=41, lo=2500, hi=4000)
+    after = make_prompts(6, seed=42, lo=1, hi=200)
+    expected = colocated_outputs(manifest, after, MAX_TOKENS)
+    state_dir = tmp_path / "state"
+    with (
+        local_cluster(path, state_dir) as cluster,
+        concurrent.futures.ThreadPoolExecutor(16) as pool,
+    ):
+        up_log = state_dir.parent / "up-supervised.log"
+        burst = [pool.submit(generate, cluster, p) for p in victims]
+        wait_for(lambda: live_rooms(cluster, "prefill-1") > 0, 30, "a room on prefill-1")
+        killed_at = time.monotonic()
+        os.kill(cluster.worker("prefill-1")["pid"], signal.SIGKILL)
+
+        # Requests on the killed prefill fail fast; the others succeed.
+        results = [f.result(timeout=60) for f in burst]
+        lost = [(s, b, end) for s, b, end in results if s != 200]
+        assert lost, "no request was on the killed prefill"
+        assert len(lost) < len(victims), "requests on prefill-0 failed too"
+        for status, body, end in lost:
+            assert status in (502, 504), body
+            assert end - killed_at < 5.0, f"a lost request took {end - killed_at:.1f}s to fail"
+
+        # The supervisor saw the loss: the cluster keeps serving through prefill-0.
+        wait_for(lambda: seen_as(state_dir) != ("running", 0), 5, "the loss to be seen")
+        outputs = list(pool.map(lambda p: generate(cluster, p), after))
+        assert [s for s, _, _ in outputs] == [200] * len(after), outputs
+        assert [b["output_ids"] for _, b, _ in outputs] == expected
+
+        # prefill-1 comes back on its ports and serves again.
+        wait_for(lambda: seen_as(state_dir) == ("running", 1), 120, "prefill-1 back", 0.2)
+        rows = ps(state_dir)
+        assert (rows["prefill-1"]["RESTARTS"], rows["prefill-1"]["LAST EXIT"]) == (
+            "1",
+            "killed by SIGKILL",
+        ), rows["prefill-1"]
+        assert rows["prefill-1"]["URL"] == cluster.worker("prefill-1")["url"]
+        assert (rows["prefill-0"]["RESTARTS"], rows["prefill-0"]["LAST EXIT"]) == ("0", "-")
+        again = list(pool.map(lambda p: generate(cluster, p), after[:2]))
+        assert [b.get("output_ids") for _, b, _ in again] == expected[:2], again
+
+        # A second loss spends the budget (1 per hour): `pdcluster up` ends and says why.
+        os.kill(int(ps(state_dir)["prefill-1"]["PID"]), signal.SIGKILL)
+        assert cluster.proc.wait(30) == 1
+        text = up_log.read_text()
+        assert "prefill-1 lost (prefill-1 killed by SIGKILL)" in text
+        assert "prefill restart budget is spent (1 per hour)" in text
+    assert not (state_dir / "supervised" / "state.json").exists()

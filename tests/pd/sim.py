@@ -17,7 +17,7 @@ from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
-from pdcluster.runtime.pd.messages import decode, encode
+from pdcluster.runtime.pd.messages import TransferMeta, decode, encode
 from pdcluster.runtime.pd.prefill_rooms import PrefillRankInfo, PrefillRoomTable
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.settings import RoomSettings
@@ -49,6 +49,27 @@ def d_endpoint(rank: RankCoord) -> str:
 
 
 BOOTSTRAP = "127.0.0.1:8998"
+
+
+def transfer_meta(
+    room: int,
+    rid: str | None,
+    endpoint: str,
+    pages: list[int],
+    rank: RankCoord | None = None,
+    prompt: PromptId | None = None,
+) -> TransferMeta:
+    """A decode rank's first-generation claim on `pages`, one destination per room."""
+    return TransferMeta(
+        room=room,
+        generation=1,
+        rid=rid,
+        decode_rank=RankCoord() if rank is None else rank,
+        decode_endpoint=endpoint,
+        dst_pages=pages,
+        num_destinations=1,
+        prompt=prompt,
+    )
 
 
 @dataclass

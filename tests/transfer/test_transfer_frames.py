@@ -25,6 +25,7 @@ from pdcluster.runtime.transfer.frames import (
     validate_target,
 )
 from pdcluster.runtime.transfer.job import TransferJob, check_job
+from tests.transfer.transfer_helpers import frame_header
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,10 @@ GEOM = Geometry()
 
 
 def header(**kw: object) -> KVFrameHeader:
-    base = dict(
-        room=7,
-        generation=1,
-        src_rank=0,
-        layers=(1, 2),
-        token_start=4,
-        token_end=10,
-        head_start=1,
-        head_end=3,
-        dtype="float16",
-        shape=(2, 2, 6, 2, 8),
+    base = frame_header(
+        7, 1, layers=(1, 2), tokens=(4, 10), heads=(1, 3), head_dim=8, dtype="float16"
     )
-    base.update(kw)
-    return KVFrameHeader(**base)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **kw)
 
 
 # ---- headers -----------------------------------------------------------------

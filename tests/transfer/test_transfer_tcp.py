@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tests.transfer.transfer_helpers import (
     Rooms,
     bits,
     expected_pool,
+    frame_header,
     make_shape,
     next_id,
     random_pool,
@@ -401,20 +403,9 @@ def test_a_malformed_frame_for_a_live_room_fails_it_without_writing(link, change
     failures: list[tuple[int, int, str]] = []
     receiver = receiver_for(link, dst, rooms, on_failure=lambda *a: failures.append(a))
     before = dst.buffer.clone()
-    fields = dict(
-        room=11,
-        generation=0,
-        src_rank=0,
-        layers=(0, 1, 2),
-        token_start=0,
-        token_end=4,
-        head_start=0,
-        head_end=4,
-        dtype="float32",
-        shape=(3, 2, 4, 4, 8),
+    header = msgspec.structs.replace(
+        frame_header(11, 0, layers=(0, 1, 2), tokens=(0, 4), heads=(0, 4), head_dim=8), **change
     )
-    fields.update(change)
-    header = KVFrameHeader(**fields)  # type: ignore[arg-type]
     nbytes = 4
     for dim in header.shape:
         nbytes *= dim

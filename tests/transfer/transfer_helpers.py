@@ -14,6 +14,7 @@ import torch
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.frames import KVFrameHeader
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import SenderConfig
 from pdcluster.runtime.transfer.tcp import KVReceiver
@@ -81,6 +82,32 @@ def whole_job(
     )
     base.update(kw)
     return TransferJob(**base)  # type: ignore[arg-type]
+
+
+def frame_header(
+    room: int,
+    generation: int,
+    *,
+    layers: tuple[int, ...],
+    tokens: tuple[int, int],
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: str = "float32",
+) -> KVFrameHeader:
+    """A KV frame header from rank 0 whose shape agrees with its layers, tokens and
+    heads (`msgspec.structs.replace` it to build a wrong one)."""
+    return KVFrameHeader(
+        room=room,
+        generation=generation,
+        src_rank=0,
+        layers=layers,
+        token_start=tokens[0],
+        token_end=tokens[1],
+        head_start=heads[0],
+        head_end=heads[1],
+        dtype=dtype,
+        shape=(len(layers), 2, tokens[1] - tokens[0], heads[1] - heads[0], head_dim),
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from tests.transfer.transfer_helpers import (
 
 
 def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
+    """A job over every layer and head of the test shape unless `kw` narrows them."""
     page_size = kw.pop("page_size")
     start, end = kw.pop("tokens")
     base = dict(
@@ -40,6 +41,10 @@ def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
         src_slots=slots(src_table, start, end, page_size),
         token_start=start,
         token_end=end,
+        src_layers=(0, 1, 2),
+        dst_layers=(0, 1, 2),
+        src_heads=(0, 4),
+        dst_heads=(0, 4),
         notify=b"done-%d" % next_id(),
         is_last=True,
     )
@@ -98,16 +103,7 @@ def test_round_trip_is_bit_identical(link, dtype, layouts, page_size):
     rooms.open(11, 0, dst_table)
     receiver = receiver_for(link, dst, rooms)
     # A chunk that starts and ends mid-page, over all layers and heads.
-    job = make_job(
-        src_table,
-        page_size=page_size,
-        tokens=(5, 42),
-        peer=link.decode.address,
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-    )
+    job = make_job(src_table, page_size=page_size, tokens=(5, 42), peer=link.decode.address)
     want = expected_pool(
         src,
         dst,
@@ -244,15 +240,7 @@ def _simple_case(link, seed=30, **job_kw):
     src = random_pool(make_shape(), seed=seed)
     dst = random_pool(make_shape(), seed=seed + 1)
     src_table, dst_table = random_table(8, 32, seed=seed + 2), random_table(8, 32, seed=seed + 3)
-    base = dict(
-        page_size=4,
-        tokens=(0, 30),
-        peer=link.decode.address,
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-    )
+    base = dict(page_size=4, tokens=(0, 30), peer=link.decode.address)
     base.update(job_kw)
     return src, dst, dst_table, make_job(src_table, **base)
 

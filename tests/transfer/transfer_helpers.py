@@ -16,7 +16,7 @@ from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
 from pdcluster.runtime.transfer.frames import KVFrameHeader
 from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import SenderConfig
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, Transport
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 # Frames small enough that a few-page room travels as several of them.
@@ -82,6 +82,23 @@ def whole_job(
     )
     base.update(kw)
     return TransferJob(**base)  # type: ignore[arg-type]
+
+
+def send_one_job(
+    link: Link, src: KVPool, transport: Transport, job: TransferJob, drain_s: float
+) -> list[TransferJob]:
+    """Send `job` in small frames from a fresh sender, wait for decode's notification
+    and for the room to drain; the jobs the sender reported complete."""
+    completed: list[TransferJob] = []
+    sender = KVSender(src, transport, SMALL_FRAMES, on_complete=completed.append)
+    sender.start()
+    try:
+        assert sender.submit(job)
+        link.inbox.wait_for(job.notify)
+        assert sender.drain(job.room, timeout=drain_s)
+    finally:
+        sender.close()
+    return completed
 
 
 def frame_header(

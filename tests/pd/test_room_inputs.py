@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -71,20 +72,6 @@ DECODE_CASES: list[tuple[str, str, Callable[[DecodeRoomTable], object], type[Roo
 ]
 
 
-@pytest.mark.parametrize(
-    ("state", "name", "call", "error"), DECODE_CASES, ids=[c[1] for c in DECODE_CASES]
-)
-def test_decode_rejects_bad_calls_without_changing_state(
-    state: str, name: str, call: Callable[[DecodeRoomTable], object], error: type[RoomError]
-) -> None:
-    table = net_with_room(state).decode[D0]
-    before = snapshot(table)
-    with pytest.raises(error) as err:
-        call(table)
-    assert str(err.value) and err.value.reason
-    assert snapshot(table) == before
-
-
 def test_decode_resolve_rejects_bad_sources() -> None:
     net = Net()
     table = net.decode[D0]
@@ -124,13 +111,19 @@ PREFILL_CASES: list[tuple[str, str, Callable[[PrefillRoomTable], object], type[R
 ]
 
 
+BAD_CALLS = [("decode", *c) for c in DECODE_CASES] + [("prefill", *c) for c in PREFILL_CASES]
+
+
 @pytest.mark.parametrize(
-    ("state", "name", "call", "error"), PREFILL_CASES, ids=[c[1] for c in PREFILL_CASES]
+    ("side", "state", "name", "call", "error"),
+    BAD_CALLS,
+    ids=[f"{c[0]}: {c[2]}" for c in BAD_CALLS],
 )
-def test_prefill_rejects_bad_calls_without_changing_state(
-    state: str, name: str, call: Callable[[PrefillRoomTable], object], error: type[RoomError]
+def test_bad_calls_are_rejected_without_changing_state(
+    side: str, state: str, name: str, call: Callable[[Any], object], error: type[RoomError]
 ) -> None:
-    table = net_with_room(state).prefill[P0]
+    net = net_with_room(state)
+    table = net.decode[D0] if side == "decode" else net.prefill[P0]
     before = snapshot(table)
     with pytest.raises(error) as err:
         call(table)

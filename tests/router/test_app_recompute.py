@@ -80,8 +80,7 @@ def test_prefill_error_event_mid_stream_does_not_end_the_decode_stream(
     recompute: Cluster,
 ) -> None:
     prefill, decode = recompute.prefill[0], recompute.decode[0]
-    prefill.behaviour.hang = True
-    prefill.behaviour.error_after_tokens = 1
+    prefill.behaviour.set(hang=True, error_after_tokens=1)
     decode.behaviour.token_delay_s = 0.02
     body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 12}}
     with recompute.client() as http, http.stream("POST", "/generate", json=body) as resp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.compat import CompatInfo
@@ -49,6 +50,27 @@ def d_endpoint(rank: RankCoord) -> str:
 
 
 BOOTSTRAP = "127.0.0.1:8998"
+M = TypeVar("M")
+
+
+def from_decode(
+    kind: type[M],
+    room: int,
+    generation: int,
+    rid: str | None,
+    endpoint: str,
+    rank: RankCoord | None = None,
+    **fields: object,
+) -> M:
+    """A message of `kind` a decode rank sends about a room (Bootstrap, Abort, ...)."""
+    return kind(
+        room=room,
+        generation=generation,
+        rid=rid,
+        decode_rank=RankCoord() if rank is None else rank,
+        decode_endpoint=endpoint,
+        **fields,
+    )
 
 
 def transfer_meta(
@@ -60,12 +82,13 @@ def transfer_meta(
     prompt: PromptId | None = None,
 ) -> TransferMeta:
     """A decode rank's first-generation claim on `pages`, one destination per room."""
-    return TransferMeta(
-        room=room,
-        generation=1,
-        rid=rid,
-        decode_rank=RankCoord() if rank is None else rank,
-        decode_endpoint=endpoint,
+    return from_decode(
+        TransferMeta,
+        room,
+        1,
+        rid,
+        endpoint,
+        rank,
         dst_pages=pages,
         num_destinations=1,
         prompt=prompt,

@@ -17,7 +17,7 @@ from pdcluster.runtime.pd.messages import Abort, AbortAck, Bootstrap, Ready, Sta
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.room_common import RoomError, RoomRejected, RoomStateError, UnknownRoom
 
-from .sim import Net, d_endpoint, p_endpoint
+from .sim import Net, d_endpoint, from_decode, p_endpoint
 
 D0 = P0 = RankCoord()
 
@@ -147,9 +147,7 @@ def test_messages_in_the_wrong_direction_are_dropped() -> None:
     p, d = net.prefill[P0], net.decode[D0]
     status = Status(room=5, generation=1, rank=P0, state=KVPoll.Success)
     assert p.on_message(status, 0.0) == [A.Dropped(5, "Status", "wrong_direction")]
-    abort = Abort(
-        room=5, generation=1, rid="rid-5", reason="x", decode_rank=D0, decode_endpoint="e"
-    )
+    abort = from_decode(Abort, 5, 1, "rid-5", "e", D0, reason="x")
     assert d.on_message(abort, 0.0) == [A.Dropped(5, "Abort", "wrong_direction")]
     assert p.state(5) is KVPoll.WaitingForInput and d.state(5) is KVPoll.WaitingForInput
 
@@ -157,14 +155,7 @@ def test_messages_in_the_wrong_direction_are_dropped() -> None:
 def test_bootstrap_under_early_policy_fails_naming_both_policies() -> None:
     net = net_with_room("boot")
     p = net.prefill[P0]
-    msg = Bootstrap(
-        room=6,
-        generation=3,
-        rid="r6",
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-        num_destinations=1,
-    )
+    msg = from_decode(Bootstrap, 6, 3, "r6", d_endpoint(D0), D0, num_destinations=1)
     (send, dropped) = p.on_message(msg, 0.0)
     assert isinstance(send, A.Send) and isinstance(send.message, Status)
     assert (
@@ -199,14 +190,7 @@ def test_abort_ack_for_a_live_room_is_ignored() -> None:
 def test_foreign_abort_does_not_touch_another_requests_room() -> None:
     net = net_with_room("waiting")
     p = net.prefill[P0]
-    foreign = Abort(
-        room=5,
-        generation=9,
-        rid="someone-else",
-        reason="x",
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-    )
+    foreign = from_decode(Abort, 5, 9, "someone-else", d_endpoint(D0), D0, reason="x")
     acts = p.on_message(foreign, 0.0)
     assert acts == [
         A.Send(d_endpoint(D0), AbortAck(room=5, rank=P0, generation=9)),

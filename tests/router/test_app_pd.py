@@ -194,10 +194,7 @@ def test_prefill_rejecting_the_prompt_is_the_clients_error(cluster: Cluster) -> 
 def test_decode_failure_aborts_the_prefill_leg(cluster: Cluster) -> None:
     cluster.decode[0].behaviour.fail_status = 503
     cluster.decode[0].behaviour.fail_message = "no KV pages"
-    with cluster.client() as http:
-        resp = http.post("/generate", json={"text": "x"})
-    assert resp.status_code == 502
-    assert "no KV pages" in resp.json()["error"]["message"]
+    cluster.generate_error(502, "no KV pages")
     wait_first_aborted(cluster.prefill[0])
     assert_idle(cluster)
 
@@ -251,10 +248,7 @@ def test_deadline_aborts_both_legs_with_504(loop: LoopThread) -> None:
     with start_cluster(loop, request_timeout_s=0.3) as cluster:
         cluster.prefill[0].behaviour.hang = True
         cluster.decode[0].behaviour.hang = True
-        with cluster.client() as http:
-            resp = http.post("/generate", json={"text": "x"})
-        assert resp.status_code == 504
-        assert "0.3s" in resp.json()["error"]["message"]
+        cluster.generate_error(504, "0.3s")
         rid = wait_first_aborted(cluster.decode[0])
         wait_until(lambda: rid in cluster.prefill[0].aborted_rids())
         assert_idle(cluster)

@@ -112,11 +112,7 @@ def test_decode_failure_is_the_answer_and_aborts_a_running_prefill(recompute: Cl
     recompute.prefill[0].behaviour.hang = True
     recompute.decode[0].behaviour.fail_status = 502
     recompute.decode[0].behaviour.fail_message = "kv transfer failed; recompute rejected"
-    with recompute.client() as http:
-        resp = http.post("/generate", json={"text": "x"})
-    assert resp.status_code == 502
-    assert "recompute rejected" in resp.json()["error"]["message"]
-    rid = resp.headers["x-request-id"]
+    rid = recompute.generate_error(502, "recompute rejected").headers["x-request-id"]
     wait_until(lambda: rid in recompute.prefill[0].aborted_rids())
     assert_idle(recompute)
 

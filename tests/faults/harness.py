@@ -39,6 +39,7 @@ TOKEN = "fault-suite-" + secrets.token_hex(8)
 # Workers' data plane and info need the cluster token, as a PD router sends it.
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VOCAB = 256
+PAGE = 16  # tokens per KV page in every base_spec cluster
 T = TypeVar("T")
 
 
@@ -61,7 +62,7 @@ def base_spec(**transfer: Any) -> dict[str, Any]:
     """A small 1p1d manifest spec with short timeouts and a fast heartbeat."""
     return {
         "model": {"name": "tiny"},
-        "kvCache": {"pageSize": 16, "dtype": "float32", "layout": "NHD", "numPages": 1024},
+        "kvCache": {"pageSize": PAGE, "dtype": "float32", "layout": "NHD", "numPages": 1024},
         "transfer": {
             "backend": "tcp",
             "allocationPolicy": "early",

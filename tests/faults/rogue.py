@@ -36,6 +36,7 @@ from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
 from pdcluster.runtime.transfer.frames import KVFrameHeader, decode_header, encode_header
 
 M = TypeVar("M")
+P = TypeVar("P", bound="_Peer")
 TINY = tiny_config()
 
 
@@ -126,6 +127,12 @@ class _Peer:
 
     def close(self) -> None:
         self.endpoint.close()
+
+    def __enter__(self: P) -> P:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # Called with (bootstrap address, True) when a rogue prefill starts and

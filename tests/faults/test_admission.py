@@ -100,17 +100,14 @@ def test_incompatible_prefill_instance_fails_the_request_by_name(
     change: dict[str, object],
     message: str,
 ) -> None:
-    rogue = RoguePrefill(pd.token, msgspec.structs.replace(compat, **change))
     before = pd.stats("decode-0").get("room_failed:incompatible", 0)
-    try:
+    with RoguePrefill(pd.token, msgspec.structs.replace(compat, **change)) as rogue:
         res = client.generate(None, pd.url("decode-0"), rogue.bootstrap, [2] * 40, 4)
         assert res.decode.status == 502
         assert message in res.decode.error
         assert not any(isinstance(m, pdmsg.TransferMeta) for m in rogue.seen)
         assert pd.stats("decode-0").get("room_failed:incompatible", 0) == before + 1
         pd.assert_clean(["decode-0"])
-    finally:
-        rogue.close()
 
 
 def test_unsupported_topology_fails_the_request_by_name(

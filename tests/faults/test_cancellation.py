@@ -29,6 +29,7 @@ from pdcluster.runtime.pd.coords import InstanceShape
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.transfer.frames import KVFrameHeader
 from tests.faults.harness import (
+    PAGE,
     FaultCluster,
     LegResult,
     PDClient,
@@ -43,7 +44,6 @@ from tests.faults.harness import (
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
 
-PAGE = 16
 DECODE_STATES = ["Bootstrapping", "WaitingForInput", "Transferring", "Success"]
 
 
@@ -138,10 +138,9 @@ def test_decode_abort_in_each_state(
 def test_abort_matches_the_exact_rid(
     pd: FaultCluster, client: PDClient, compat: CompatInfo
 ) -> None:
-    rogue = RoguePrefill(pd.token, compat)
     rid = mint_rid()
     longer = rid + "0"  # "req-…1" must never abort "req-…10"
-    try:
+    with RoguePrefill(pd.token, compat) as rogue:
         legs = [
             Background(
                 client.generate,
@@ -169,8 +168,6 @@ def test_abort_matches_the_exact_rid(
             rogue.expect(pdmsg.Abort, m.room)
             rogue.ack(m.decode_endpoint, m.room, m.generation)
         pd.assert_clean(["decode-0"])
-    finally:
-        rogue.close()
 
 
 # ------------------------------------------------------------------ prefill side

@@ -24,7 +24,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd_worker.group import GroupFailPeer, encode_group
-from pdcluster.runtime.transfer.frames import KVFrameHeader, encode_header
+from pdcluster.runtime.transfer.frames import encode_header
 from pdcluster.runtime.transfer.identity import identity_key, prove
 from tests.faults.harness import (
     TOKEN,
@@ -36,6 +36,7 @@ from tests.faults.harness import (
 )
 from tests.faults.rogue import fetch_instance
 from tests.pd_integration.reference import colocated_outputs
+from tests.transfer.transfer_helpers import frame_header
 
 FAKE_SENDER = b"tcp://127.0.0.1:9"
 ROUTING_ID = b"\x01garbage"
@@ -58,18 +59,7 @@ def hostile_frames(room: int) -> list[tuple[str, list[bytes]]]:
     status = msgspec.msgpack.encode(
         {"type": "status", "room": -1, "generation": 1, "rank": {}, "state": 4}
     )
-    header = KVFrameHeader(
-        room=room,
-        generation=1,
-        src_rank=0,
-        layers=(0,),
-        token_start=0,
-        token_end=1,
-        head_start=0,
-        head_end=1,
-        dtype="float32",
-        shape=(1, 2, 1, 1, 32),
-    )
+    header = frame_header(room, 1, layers=(0,), tokens=(0, 1), heads=(0, 1), head_dim=32)
     forged = pdmsg.Status(
         room=room, generation=1, rank=RankCoord(), state=KVPoll.Success, first_token=3
     )

@@ -66,20 +66,30 @@ def forge_during_a_live_room(
     assert dec.ok and dec.output_ids == expected, dec
 
 
+def forge_a_registration_for_decode_0(
+    cluster: FaultCluster, seed: int, rogue: RogueDecode, counter: str, **layout: Any
+) -> str:
+    """`rogue` sends prefill-0 a KV-layout registration naming decode-0's endpoint
+    during a live room of decode-0: prefill-0 counts `counter`, the room is served.
+    Prefill-0's endpoint."""
+    decode_ep = cluster.info("decode-0")["endpoint"]
+    prefill_ep: str = cluster.info("prefill-0")["endpoint"]
+    before = counters(cluster, "prefill-0").get(counter, 0)
+    forge_during_a_live_room(
+        cluster,
+        seed,
+        lambda: rogue.send(prefill_ep, rogue.layout(decode_endpoint=decode_ep, **layout)),
+        lambda: counters(cluster, "prefill-0").get(counter, 0) > before,
+    )
+    return prefill_ep
+
+
 def test_a_forged_registration_without_the_token_never_reaches_the_decode_it_names(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    decode_ep = pd.info("decode-0")["endpoint"]
-    prefill_ep = pd.info("prefill-0")["endpoint"]
-    before = counters(pd, "prefill-0").get("endpoint:bad_proof", 0)
     rogue = RogueDecode("not-" + pd.token, compat)
     try:
-        forge_during_a_live_room(
-            pd,
-            181,
-            lambda: rogue.send(prefill_ep, rogue.layout(decode_endpoint=decode_ep)),
-            lambda: counters(pd, "prefill-0").get("endpoint:bad_proof", 0) > before,
-        )
+        forge_a_registration_for_decode_0(pd, 181, rogue, "endpoint:bad_proof")
         assert not any(isinstance(m, pdmsg.LayoutAck) for m in rogue.seen)
     finally:
         rogue.close()
@@ -90,16 +100,10 @@ def test_an_insider_naming_another_decode_in_its_registration_is_dropped(
 ) -> None:
     # It holds the cluster token (its connection proves its own address), but
     # its registration speaks for the real decode, with a wrong layout token.
-    decode_ep = pd.info("decode-0")["endpoint"]
-    prefill_ep = pd.info("prefill-0")["endpoint"]
-    before = counters(pd, "prefill-0").get("reject:sender_mismatch", 0)
     rogue = RogueDecode(pd.token, compat)
     try:
-        forge_during_a_live_room(
-            pd,
-            183,
-            lambda: rogue.send(prefill_ep, rogue.layout(decode_endpoint=decode_ep, token="wrong")),
-            lambda: counters(pd, "prefill-0").get("reject:sender_mismatch", 0) > before,
+        prefill_ep = forge_a_registration_for_decode_0(
+            pd, 183, rogue, "reject:sender_mismatch", token="wrong"
         )
         # Its own registration, under its own address, is answered to it alone.
         ack = rogue.register(prefill_ep, token="wrong")

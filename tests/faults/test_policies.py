@@ -25,6 +25,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.transfer.curve import cluster_keys
 from tests.faults.harness import (
+    PAGE,
     FaultCluster,
     PDClient,
     PDResult,
@@ -40,7 +41,6 @@ from tests.faults.harness import (
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
 from tests.pd_integration.reference import colocated_outputs
 
-PAGE = 16
 MAX_TOKENS = 4
 
 
@@ -110,6 +110,10 @@ def held_pages(cluster: FaultCluster, name: str) -> int:
 
 
 def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
+    """Two long requests from prefill-1 (restarted first if a scenario killed it) to
+    decode-0, once prefill-1 is writing into decode-0."""
+    if cluster.launcher.procs["prefill-1"].poll() is not None:
+        cluster.restart("prefill-1")
     victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
     jobs = [
         lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, MAX_TOKENS, propagate=False)
@@ -172,8 +176,6 @@ def test_not_ready_verdict_keeps_one_sided_pages_until_gone_or_acked(
     one_sided: FaultCluster, client: PDClient, then: str
 ) -> None:
     """The operator's NotReady report (`gone: false`) fails rooms but frees no page."""
-    if one_sided.launcher.procs["prefill-1"].poll() is not None:
-        one_sided.restart("prefill-1")
     traffic = one_sided_victims(one_sided, client, seed=137)
     one_sided.hang("prefill-1")
     peer = one_sided.peer("prefill-1")
@@ -215,8 +217,6 @@ def test_not_ready_verdict_keeps_one_sided_pages_until_gone_or_acked(
 def test_killed_one_sided_writer_pages_come_back(
     one_sided: FaultCluster, client: PDClient, verdict: str
 ) -> None:
-    if one_sided.launcher.procs["prefill-1"].poll() is not None:
-        one_sided.restart("prefill-1")
     traffic = one_sided_victims(one_sided, client, seed=135)
     one_sided.kill("prefill-1")
     traffic.result(30)

@@ -14,6 +14,7 @@ from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from tests.faults.harness import (
+    PAGE,
     FaultCluster,
     PDClient,
     PDResult,
@@ -26,8 +27,6 @@ from tests.faults.harness import (
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
 from tests.pd_integration.reference import colocated_outputs
-
-PAGE = 16
 
 
 def test_duplicate_room_on_decode_is_refused(

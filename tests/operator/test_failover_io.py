@@ -124,6 +124,17 @@ def events(api: FakeApi) -> dict[str, tuple[int, str]]:
     return {e["reason"]: (e["count"], e["message"]) for e in api.events()}
 
 
+async def add_decodes_and_a_prefill(
+    failover: Failover, workers: list[FakeWorker]
+) -> dict[str, Any]:
+    """Tell `failover` of a decode pod per worker and of one prefill pod; that prefill pod."""
+    for pod in decode_pods(workers):
+        await failover.on_pod_event("ADDED", pod)
+    prefill = worker_pod(Role.prefill, ip="127.0.0.99")
+    await failover.on_pod_event("ADDED", prefill)
+    return prefill
+
+
 def metric(failover: Failover, name: str, **labels: str) -> float:
     value = failover.metrics.registry.get_sample_value(name, labels)
     return value or 0.0
@@ -131,10 +142,7 @@ def metric(failover: Failover, name: str, **labels: str) -> float:
 
 async def test_lost_prefill_makes_every_decode_fail_its_rooms_at_once(workers) -> None:
     api, failover, _ = make_failover()
-    for pod in decode_pods(workers):
-        await failover.on_pod_event("ADDED", pod)
-    prefill = worker_pod(Role.prefill, ip="127.0.0.99")
-    await failover.on_pod_event("ADDED", prefill)
+    prefill = await add_decodes_and_a_prefill(failover, workers)
     started = time.monotonic()
     loss = await failover.on_pod_event("MODIFIED", terminated(prefill))
     elapsed = time.monotonic() - started
@@ -196,10 +204,7 @@ async def test_lost_decode_is_reported_to_prefill_by_its_address(workers) -> Non
 
 async def test_the_operators_own_deletions_fail_rooms_without_a_warning(workers) -> None:
     api, failover, _ = make_failover()
-    for pod in decode_pods(workers):
-        await failover.on_pod_event("ADDED", pod)
-    prefill = worker_pod(Role.prefill, ip="127.0.0.99")
-    await failover.on_pod_event("ADDED", prefill)
+    prefill = await add_decodes_and_a_prefill(failover, workers)
     failover.expect_deletion(prefill["metadata"]["uid"])
     await failover.on_pod_event("MODIFIED", deleting(prefill))
     # It drains first: nothing is failed while it still serves its requests.
@@ -212,10 +217,7 @@ async def test_the_operators_own_deletions_fail_rooms_without_a_warning(workers)
 
 async def test_a_hung_prefill_is_lost_once_the_grace_has_passed(workers) -> None:
     api, failover, clock = make_failover(grace_s=0.3)
-    for pod in decode_pods(workers):
-        await failover.on_pod_event("ADDED", pod)
-    prefill = worker_pod(Role.prefill, ip="127.0.0.99")
-    await failover.on_pod_event("ADDED", prefill)
+    prefill = await add_decodes_and_a_prefill(failover, workers)
     assert await failover.on_pod_event("MODIFIED", not_ready(prefill)) is None
     assert all(w.calls == [] for w in workers)
     # No further event arrives: the operator's own timer rechecks the pod.
@@ -231,10 +233,7 @@ async def test_a_hung_prefill_is_lost_once_the_grace_has_passed(workers) -> None
 
 async def test_pods_of_a_deleted_cluster_are_no_loss(workers) -> None:
     api, failover, _ = make_failover()
-    for pod in decode_pods(workers):
-        await failover.on_pod_event("ADDED", pod)
-    prefill = worker_pod(Role.prefill, ip="127.0.0.99")
-    await failover.on_pod_event("ADDED", prefill)
+    prefill = await add_decodes_and_a_prefill(failover, workers)
     # The garbage collector removes the pods after the PDCluster went away.
     del api.store.objects[("PDCluster", "demo")]
     await failover.on_pod_event("MODIFIED", deleting(prefill))

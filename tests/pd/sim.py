@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
-from pdcluster.runtime.pd.messages import decode, encode
+from pdcluster.runtime.pd.messages import TransferMeta, decode, encode
 from pdcluster.runtime.pd.prefill_rooms import PrefillRankInfo, PrefillRoomTable
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.settings import RoomSettings
@@ -49,6 +50,49 @@ def d_endpoint(rank: RankCoord) -> str:
 
 
 BOOTSTRAP = "127.0.0.1:8998"
+M = TypeVar("M")
+
+
+def from_decode(
+    kind: type[M],
+    room: int,
+    generation: int,
+    rid: str | None,
+    endpoint: str,
+    rank: RankCoord | None = None,
+    **fields: object,
+) -> M:
+    """A message of `kind` a decode rank sends about a room (Bootstrap, Abort, ...)."""
+    return kind(
+        room=room,
+        generation=generation,
+        rid=rid,
+        decode_rank=RankCoord() if rank is None else rank,
+        decode_endpoint=endpoint,
+        **fields,
+    )
+
+
+def transfer_meta(
+    room: int,
+    rid: str | None,
+    endpoint: str,
+    pages: list[int],
+    rank: RankCoord | None = None,
+    prompt: PromptId | None = None,
+) -> TransferMeta:
+    """A decode rank's first-generation claim on `pages`, one destination per room."""
+    return from_decode(
+        TransferMeta,
+        room,
+        1,
+        rid,
+        endpoint,
+        rank,
+        dst_pages=pages,
+        num_destinations=1,
+        prompt=prompt,
+    )
 
 
 @dataclass

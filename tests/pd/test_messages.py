@@ -67,39 +67,34 @@ def layouts(draw: st.DrawFn) -> m.KVLayoutRegister:
     )
 
 
+def decode_rank_message(
+    kind: type, **fields: st.SearchStrategy[object]
+) -> st.SearchStrategy[m.Message]:
+    """A message a decode rank sends about a room: room, generation, rid and its own
+    rank and endpoint, plus `fields`."""
+    return st.builds(
+        kind,
+        room=rooms,
+        generation=rooms,
+        rid=text,
+        decode_rank=ranks,
+        decode_endpoint=text,
+        **fields,
+    )
+
+
 messages = st.one_of(
     layouts(),
     st.builds(
         m.LayoutAck, rank=ranks, endpoint=text, accepted=st.booleans(), reason=st.none() | text
     ),
-    st.builds(
+    decode_rank_message(
         m.TransferMeta,
-        room=rooms,
-        generation=rooms,
-        rid=text,
-        decode_rank=ranks,
-        decode_endpoint=text,
         dst_pages=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=50),
         num_destinations=st.integers(1, 64),
     ),
-    st.builds(
-        m.Bootstrap,
-        room=rooms,
-        generation=rooms,
-        rid=text,
-        decode_rank=ranks,
-        decode_endpoint=text,
-        num_destinations=st.integers(1, 64),
-    ),
-    st.builds(
-        m.Abort,
-        room=rooms,
-        generation=rooms,
-        rid=text,
-        reason=text,
-        decode_rank=ranks,
-        decode_endpoint=text,
-    ),
+    decode_rank_message(m.Bootstrap, num_destinations=st.integers(1, 64)),
+    decode_rank_message(m.Abort, reason=text),
     st.builds(m.Ready, room=rooms, generation=rooms, rank=ranks),
     st.builds(
         m.Status,

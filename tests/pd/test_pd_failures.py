@@ -8,11 +8,11 @@ import pytest
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.messages import AbortAck, Status, TransferMeta, decode, encode
+from pdcluster.runtime.pd.messages import AbortAck, Status, decode, encode
 from pdcluster.runtime.pd.room_common import RoomRejected, UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
 
-from .sim import Net, compat, d_endpoint, p_endpoint
+from .sim import Net, compat, d_endpoint, p_endpoint, transfer_meta
 
 D0 = RankCoord()
 P0 = RankCoord()
@@ -343,16 +343,7 @@ def test_second_endpoint_for_one_decode_rank_is_refused() -> None:
     layout = msgspec.structs.replace(net.decode[D0].info.layout_message(), decode_endpoint=intruder)
     prefill = net.prefill[P0]
     prefill.on_message(layout, 1.0)
-    meta = TransferMeta(
-        room=ROOM,
-        generation=1,
-        rid=RID,
-        decode_rank=D0,
-        decode_endpoint=intruder,
-        dst_pages=[30, 31],
-        num_destinations=1,
-    )
-    acts = prefill.on_message(meta, 1.0)
+    acts = prefill.on_message(transfer_meta(ROOM, RID, intruder, [30, 31], D0), 1.0)
     send = acts[0]
     assert isinstance(send, A.Send) and send.endpoint == intruder
     assert isinstance(send.message, Status) and send.message.state is KVPoll.Failed

@@ -34,7 +34,7 @@ from pdcluster.runtime.pd.prompt_digest import (
 )
 from pdcluster.runtime.pd.room_common import RoomStateError
 
-from .sim import Net, d_endpoint, p_endpoint
+from .sim import Net, d_endpoint, p_endpoint, transfer_meta
 
 D0 = RankCoord()
 ROOM = 4242
@@ -91,16 +91,7 @@ def test_problem_waits_for_both_sides() -> None:
 
 
 def test_transfer_meta_carries_the_prompt_on_the_wire() -> None:
-    meta = TransferMeta(
-        room=ROOM,
-        generation=1,
-        rid=RID,
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-        dst_pages=[1, 2],
-        num_destinations=1,
-        prompt=prompt_id(PROMPT),
-    )
+    meta = transfer_meta(ROOM, RID, d_endpoint(D0), [1, 2], D0, prompt=prompt_id(PROMPT))
     back = decode(encode(meta))
     assert isinstance(back, TransferMeta) and back.prompt == prompt_id(PROMPT)
 
@@ -205,15 +196,7 @@ def test_open_refuses_a_prompt_id_of_another_length() -> None:
 def test_a_version_1_frame_is_refused_not_read_without_its_prompt() -> None:
     # Version 1 had no PromptId: a peer speaking it is refused at the header,
     # never compared with nothing.
-    meta = TransferMeta(
-        room=ROOM,
-        generation=1,
-        rid=RID,
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-        dst_pages=[1],
-        num_destinations=1,
-    )
+    meta = transfer_meta(ROOM, RID, d_endpoint(D0), [1], D0)
     frame = encode(meta)
     old = frame[:3] + bytes([1]) + frame[4:]
     with pytest.raises(ProtocolError) as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from pdcluster.runtime.pd.messages import Abort, AbortAck, Bootstrap, Ready, Sta
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.room_common import RoomError, RoomRejected, RoomStateError, UnknownRoom
 
-from .sim import Net, d_endpoint, p_endpoint
+from .sim import Net, d_endpoint, from_decode, p_endpoint
 
 D0 = P0 = RankCoord()
 
@@ -71,20 +72,6 @@ DECODE_CASES: list[tuple[str, str, Callable[[DecodeRoomTable], object], type[Roo
 ]
 
 
-@pytest.mark.parametrize(
-    ("state", "name", "call", "error"), DECODE_CASES, ids=[c[1] for c in DECODE_CASES]
-)
-def test_decode_rejects_bad_calls_without_changing_state(
-    state: str, name: str, call: Callable[[DecodeRoomTable], object], error: type[RoomError]
-) -> None:
-    table = net_with_room(state).decode[D0]
-    before = snapshot(table)
-    with pytest.raises(error) as err:
-        call(table)
-    assert str(err.value) and err.value.reason
-    assert snapshot(table) == before
-
-
 def test_decode_resolve_rejects_bad_sources() -> None:
     net = Net()
     table = net.decode[D0]
@@ -124,13 +111,19 @@ PREFILL_CASES: list[tuple[str, str, Callable[[PrefillRoomTable], object], type[R
 ]
 
 
+BAD_CALLS = [("decode", *c) for c in DECODE_CASES] + [("prefill", *c) for c in PREFILL_CASES]
+
+
 @pytest.mark.parametrize(
-    ("state", "name", "call", "error"), PREFILL_CASES, ids=[c[1] for c in PREFILL_CASES]
+    ("side", "state", "name", "call", "error"),
+    BAD_CALLS,
+    ids=[f"{c[0]}: {c[2]}" for c in BAD_CALLS],
 )
-def test_prefill_rejects_bad_calls_without_changing_state(
-    state: str, name: str, call: Callable[[PrefillRoomTable], object], error: type[RoomError]
+def test_bad_calls_are_rejected_without_changing_state(
+    side: str, state: str, name: str, call: Callable[[Any], object], error: type[RoomError]
 ) -> None:
-    table = net_with_room(state).prefill[P0]
+    net = net_with_room(state)
+    table = net.decode[D0] if side == "decode" else net.prefill[P0]
     before = snapshot(table)
     with pytest.raises(error) as err:
         call(table)
@@ -154,9 +147,7 @@ def test_messages_in_the_wrong_direction_are_dropped() -> None:
     p, d = net.prefill[P0], net.decode[D0]
     status = Status(room=5, generation=1, rank=P0, state=KVPoll.Success)
     assert p.on_message(status, 0.0) == [A.Dropped(5, "Status", "wrong_direction")]
-    abort = Abort(
-        room=5, generation=1, rid="rid-5", reason="x", decode_rank=D0, decode_endpoint="e"
-    )
+    abort = from_decode(Abort, 5, 1, "rid-5", "e", D0, reason="x")
     assert d.on_message(abort, 0.0) == [A.Dropped(5, "Abort", "wrong_direction")]
     assert p.state(5) is KVPoll.WaitingForInput and d.state(5) is KVPoll.WaitingForInput
 
@@ -164,14 +155,7 @@ def test_messages_in_the_wrong_direction_are_dropped() -> None:
 def test_bootstrap_under_early_policy_fails_naming_both_policies() -> None:
     net = net_with_room("boot")
     p = net.prefill[P0]
-    msg = Bootstrap(
-        room=6,
-        generation=3,
-        rid="r6",
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-        num_destinations=1,
-    )
+    msg = from_decode(Bootstrap, 6, 3, "r6", d_endpoint(D0), D0, num_destinations=1)
     (send, dropped) = p.on_message(msg, 0.0)
     assert isinstance(send, A.Send) and isinstance(send.message, Status)
     assert (
@@ -206,14 +190,7 @@ def test_abort_ack_for_a_live_room_is_ignored() -> None:
 def test_foreign_abort_does_not_touch_another_requests_room() -> None:
     net = net_with_room("waiting")
     p = net.prefill[P0]
-    foreign = Abort(
-        room=5,
-        generation=9,
-        rid="someone-else",
-        reason="x",
-        decode_rank=D0,
-        decode_endpoint=d_endpoint(D0),
-    )
+    foreign = from_decode(Abort, 5, 9, "someone-else", d_endpoint(D0), D0, reason="x")
     acts = p.on_message(foreign, 0.0)
     assert acts == [
         A.Send(d_endpoint(D0), AbortAck(room=5, rank=P0, generation=9)),

@@ -24,7 +24,7 @@ from pdcluster.runtime.pd.messages import (
 )
 from pdcluster.runtime.pd.room_common import RoomRejected
 
-from .sim import BOOTSTRAP, Net, d_endpoint, p_endpoint
+from .sim import BOOTSTRAP, Net, d_endpoint, p_endpoint, transfer_meta
 
 D0 = P0 = RankCoord()
 ROOM = 6183073005224885239  # a room as SGLang's router mints it
@@ -227,16 +227,7 @@ def test_duplicate_rooms_are_still_refused_with_local_rids() -> None:
     intruder = "tcp://127.0.0.9:8000"
     _register(net, intruder, D0)
     p = net.prefill[P0]
-    meta = TransferMeta(
-        room=ROOM,
-        generation=1,
-        rid=None,
-        decode_rank=D0,
-        decode_endpoint=intruder,
-        dst_pages=[5, 6],
-        num_destinations=1,
-    )
-    (reply, dropped) = p.on_message(meta, 0.0)
+    (reply, dropped) = p.on_message(transfer_meta(ROOM, None, intruder, [5, 6], D0), 0.0)
     assert isinstance(reply, A.Send) and reply.endpoint == intruder
     assert "second endpoint" in (reply.message.reason or "")
     assert dropped == A.Dropped(ROOM, "claim", "room_conflict")

@@ -44,6 +44,12 @@ def generate(endpoint: str, prompt: list[int]) -> list[int]:
     return out
 
 
+def generate_all(cluster, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """Every prompt's output through the cluster's router, `concurrency` at a time."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+
+
 def assert_no_page_leak(cluster, timeout: float = 10.0) -> None:
     for proc in cluster.state["processes"]:
         if proc["role"] == "router":
@@ -93,8 +99,7 @@ def test_pd_equals_colocated(example: str, backend: str | None, tmp_path: Path) 
     prompts = make_prompts(20, seed=7)
     expected = colocated_outputs(cluster_spec, prompts, MAX_TOKENS)
     with local_cluster(manifest, tmp_path / "state") as cluster:
-        with ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+        got = generate_all(cluster, prompts, 8)
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"prompt {i} ({len(prompts[i])} tokens): PD {g} != colocated {e}"
         assert_no_page_leak(cluster)
@@ -108,8 +113,7 @@ def test_64_concurrent_requests_on_2p2d(backend: str | None, tmp_path: Path) -> 
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(1, 300))] for _ in range(64)]
     expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
     with local_cluster(manifest, tmp_path / "state") as cluster:
-        with ThreadPoolExecutor(64) as pool:
-            got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+        got = generate_all(cluster, prompts, 64)
         assert got == expected
         assert_no_page_leak(cluster)
 
@@ -226,8 +230,7 @@ def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path:
     prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (1, 17, 600, 1500, 40, 5)]
     expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
     with local_cluster(manifest, tmp_path / "state") as cluster:
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda p: generate(cluster.endpoint, p), prompts))
+        got = generate_all(cluster, prompts, 4)
         assert got == expected
         assert_no_page_leak(cluster)
         if transfer.get("backend") == "nixl":

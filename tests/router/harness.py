@@ -139,6 +139,14 @@ class Cluster:
     def workers(self) -> list[StandinWorker]:
         return [*self.prefill, *self.decode, *self.colocated]
 
+    def generate_error(self, status: int, words: str) -> httpx.Response:
+        """POST a one-word /generate that must answer `status` with `words` in its error."""
+        with self.client() as http:
+            resp = http.post("/generate", json={"text": "x"})
+        assert resp.status_code == status, resp.text
+        assert words in resp.json()["error"]["message"]
+        return resp
+
     def stop(self) -> None:
         for client in self._clients:
             client.close()

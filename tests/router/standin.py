@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,6 +58,14 @@ class Behaviour:
     solo: bool = False
     # Delay before /get_server_info answers (a pod that just started).
     info_delay_s: float = 0.0
+
+    def set(self, **knobs: object) -> None:
+        """Turn several knobs at once; a name that is no knob raises and turns none."""
+        unknown = sorted(set(knobs) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"no such behaviour knob: {', '.join(unknown)}")
+        for name, value in knobs.items():
+            setattr(self, name, value)
 
 
 @dataclass
@@ -199,28 +207,11 @@ class StandinWorker:
             "total_tokens": prompt_tokens + n,
         }
         if path == "/v1/chat/completions":
-            return {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model_path,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": reason,
-                    }
-                ],
-                "usage": usage,
-            }
-        return {
-            "id": f"cmpl-{rid}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_path,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-            "usage": usage,
-        }
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": reason}
+            return {**self._openai(f"chatcmpl-{rid}", "chat.completion", choice), "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._openai(f"cmpl-{rid}", "text_completion", choice), "usage": usage}
 
     def _chunk(self, path: str, body: dict[str, Any], i: int, reason: str | None) -> dict[str, Any]:
         rid = body["rid"]
@@ -235,27 +226,20 @@ class StandinWorker:
                 },
             }
         if path == "/v1/chat/completions":
-            return {
-                "id": f"chatcmpl-{rid}",
-                "object": "chat.completion.chunk",
-                "created": int(time.time()),
-                "model": self.model_path,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": piece}
-                        if i == 0
-                        else {"content": piece},
-                        "finish_reason": reason,
-                    }
-                ],
-            }
+            delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            return self._openai(f"chatcmpl-{rid}", "chat.completion.chunk", choice)
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        return self._openai(f"cmpl-{rid}", "text_completion", choice)
+
+    def _openai(self, id_: str, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        """An OpenAI-style response or chunk with one choice."""
         return {
-            "id": f"cmpl-{rid}",
-            "object": "text_completion",
+            "id": id_,
+            "object": kind,
             "created": int(time.time()),
             "model": self.model_path,
-            "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}],
+            "choices": [choice],
         }
 
     @staticmethod

@@ -18,7 +18,7 @@ import pytest
 from pdcluster.runtime.router.rooms import MAX_ROOM, is_valid_rid
 
 from .harness import Cluster, LoopThread, start_cluster, wait_until
-from .standin import words
+from .standin import StandinWorker, words
 
 # Generous bound for "abort within 100 ms" on a loaded 2-core CI machine;
 # the measured delay is a few milliseconds (see test_disconnect_delay_*).
@@ -46,6 +46,13 @@ def assert_idle(cluster: Cluster) -> None:
         return legs == 0 and not ctx.rooms_in_use
 
     wait_until(lambda: cluster.loop.call(idle))
+
+
+def wait_first_aborted(worker: StandinWorker) -> str:
+    """The rid of the first leg `worker` received, once that leg was aborted."""
+    rid: str = worker.bodies()[0]["rid"]
+    wait_until(lambda: rid in worker.aborted_rids())
+    return rid
 
 
 def test_openai_completions_non_stream(cluster: Cluster) -> None:
@@ -171,8 +178,7 @@ def test_prefill_failure_cancels_decode_and_reports_a_clear_error(
     assert "prefill" in err.value.message and "KV bootstrap failed" in err.value.message
     # Without cancel propagation the decode leg would sit out its 5 s rendezvous.
     assert elapsed < 2.0
-    rid = cluster.decode[0].bodies()[0]["rid"]
-    wait_until(lambda: rid in cluster.decode[0].aborted_rids())
+    wait_first_aborted(cluster.decode[0])
     assert_idle(cluster)
 
 
@@ -182,19 +188,14 @@ def test_prefill_rejecting_the_prompt_is_the_clients_error(cluster: Cluster) -> 
     with pytest.raises(openai.BadRequestError) as err:
         cluster.openai().completions.create(model="tiny", prompt="x")
     assert "4096" in err.value.message
-    rid = cluster.decode[0].bodies()[0]["rid"]
-    wait_until(lambda: rid in cluster.decode[0].aborted_rids())
+    wait_first_aborted(cluster.decode[0])
 
 
 def test_decode_failure_aborts_the_prefill_leg(cluster: Cluster) -> None:
     cluster.decode[0].behaviour.fail_status = 503
     cluster.decode[0].behaviour.fail_message = "no KV pages"
-    with cluster.client() as http:
-        resp = http.post("/generate", json={"text": "x"})
-    assert resp.status_code == 502
-    assert "no KV pages" in resp.json()["error"]["message"]
-    rid = cluster.prefill[0].bodies()[0]["rid"]
-    wait_until(lambda: rid in cluster.prefill[0].aborted_rids())
+    cluster.generate_error(502, "no KV pages")
+    wait_first_aborted(cluster.prefill[0])
     assert_idle(cluster)
 
 
@@ -211,8 +212,7 @@ def test_decode_error_event_mid_stream_reaches_the_client_and_aborts_prefill(
         ):
             seen.append(chunk.choices[0].text)
     assert "".join(seen) == text_of(2)
-    rid = cluster.prefill[0].bodies()[0]["rid"]
-    wait_until(lambda: rid in cluster.prefill[0].aborted_rids())
+    rid = wait_first_aborted(cluster.prefill[0])
     assert rid not in cluster.decode[0].aborted_rids()
     assert_idle(cluster)
 
@@ -221,12 +221,10 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_an_error_and_aborts_dec
     cluster: Cluster,
 ) -> None:
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    prefill.behaviour.hang = True
-    prefill.behaviour.token_delay_s = 0.02
-    prefill.behaviour.error_after_tokens = 3
-    prefill.behaviour.fail_message = "prefill rank crashed"
-    decode.behaviour.hang = True
-    decode.behaviour.token_delay_s = 0.01
+    prefill.behaviour.set(
+        hang=True, token_delay_s=0.02, error_after_tokens=3, fail_message="prefill rank crashed"
+    )
+    decode.behaviour.set(hang=True, token_delay_s=0.01)
     body = {"text": "x", "stream": True}
     with cluster.client() as http, http.stream("POST", "/generate", json=body) as resp:
         assert resp.status_code == 200
@@ -235,8 +233,7 @@ def test_prefill_failing_mid_stream_ends_the_stream_with_an_error_and_aborts_dec
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == 502 and "prefill rank crashed" in error["message"]
     assert len(events) > 3  # decode tokens reached the client before the failure
-    rid = decode.bodies()[0]["rid"]
-    wait_until(lambda: rid in decode.aborted_rids())
+    wait_first_aborted(decode)
     assert_idle(cluster)
 
 
@@ -251,12 +248,8 @@ def test_deadline_aborts_both_legs_with_504(loop: LoopThread) -> None:
     with start_cluster(loop, request_timeout_s=0.3) as cluster:
         cluster.prefill[0].behaviour.hang = True
         cluster.decode[0].behaviour.hang = True
-        with cluster.client() as http:
-            resp = http.post("/generate", json={"text": "x"})
-        assert resp.status_code == 504
-        assert "0.3s" in resp.json()["error"]["message"]
-        rid = cluster.decode[0].bodies()[0]["rid"]
-        wait_until(lambda: rid in cluster.decode[0].aborted_rids())
+        cluster.generate_error(504, "0.3s")
+        rid = wait_first_aborted(cluster.decode[0])
         wait_until(lambda: rid in cluster.prefill[0].aborted_rids())
         assert_idle(cluster)
 

@@ -80,8 +80,7 @@ def test_prefill_error_event_mid_stream_does_not_end_the_decode_stream(
     recompute: Cluster,
 ) -> None:
     prefill, decode = recompute.prefill[0], recompute.decode[0]
-    prefill.behaviour.hang = True
-    prefill.behaviour.error_after_tokens = 1
+    prefill.behaviour.set(hang=True, error_after_tokens=1)
     decode.behaviour.token_delay_s = 0.02
     body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 12}}
     with recompute.client() as http, http.stream("POST", "/generate", json=body) as resp:
@@ -113,11 +112,7 @@ def test_decode_failure_is_the_answer_and_aborts_a_running_prefill(recompute: Cl
     recompute.prefill[0].behaviour.hang = True
     recompute.decode[0].behaviour.fail_status = 502
     recompute.decode[0].behaviour.fail_message = "kv transfer failed; recompute rejected"
-    with recompute.client() as http:
-        resp = http.post("/generate", json={"text": "x"})
-    assert resp.status_code == 502
-    assert "recompute rejected" in resp.json()["error"]["message"]
-    rid = resp.headers["x-request-id"]
+    rid = recompute.generate_error(502, "recompute rejected").headers["x-request-id"]
     wait_until(lambda: rid in recompute.prefill[0].aborted_rids())
     assert_idle(recompute)
 

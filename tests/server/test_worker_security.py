@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -28,29 +29,34 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BODY_LIMIT = 64 * 1024
 
 
-def _service() -> tuple[EngineService, WorkerInfo, object]:
+@contextmanager
+def _serving(**app_kw: object) -> Iterator[tuple[TestClient, EngineService]]:
+    """A tiny colocated worker app with the cluster token, its engine running."""
     cfg = EngineConfig(num_pages=64, page_size=8, max_prompt_tokens=200, max_new_tokens=64)
     engine = LLMEngine(cfg)
     tok = load_tokenizer("tiny", engine.model_config.eos_token_id)
     info = WorkerInfo("tiny", "tiny", 200, 64, engine.model_config.vocab_size)
-    return EngineService(engine, tok), info, tok
-
-
-@pytest.fixture(scope="module")
-def guarded() -> Iterator[tuple[TestClient, EngineService]]:
-    service, info, tok = _service()
+    service = EngineService(engine, tok)
     app = create_worker_app(
         ColocatedBackend(service),
         tok,  # type: ignore[arg-type]
         info,
         WorkerMetrics("null"),
-        max_body_bytes=BODY_LIMIT,
         token=TOKEN,
+        **app_kw,  # type: ignore[arg-type]
     )
     service.start()
-    with TestClient(app) as client:
-        yield client, service
-    service.stop()
+    try:
+        with TestClient(app) as client:
+            yield client, service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[tuple[TestClient, EngineService]]:
+    with _serving(max_body_bytes=BODY_LIMIT) as served:
+        yield served
 
 
 def gen(max_tokens: int = 4, **sp: object) -> dict[str, object]:
@@ -144,20 +150,7 @@ def test_stop_token_ids_are_capped(guarded) -> None:
 
 
 def test_an_open_data_plane_still_guards_the_info() -> None:
-    service, info, tok = _service()
-    app = create_worker_app(
-        ColocatedBackend(service),
-        tok,  # type: ignore[arg-type]
-        info,
-        WorkerMetrics("null"),
-        token=TOKEN,
-        data_plane_open=True,
-    )
-    service.start()
-    try:
-        with TestClient(app) as client:
-            assert client.post("/generate", json=gen()).status_code == 200
-            assert client.post("/abort_request", json={"rid": "x"}).status_code == 200
-            assert client.get("/get_server_info").status_code == 401
-    finally:
-        service.stop()
+    with _serving(data_plane_open=True) as (client, _):
+        assert client.post("/generate", json=gen()).status_code == 200
+        assert client.post("/abort_request", json={"rid": "x"}).status_code == 200
+        assert client.get("/get_server_info").status_code == 401

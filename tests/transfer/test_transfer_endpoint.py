@@ -308,17 +308,32 @@ def test_an_address_libzmq_refuses_drops_that_send_not_the_endpoint(pair):
     inbox.wait_for(b"still-serving")
 
 
+def refused_then_genuine(
+    sock: zmq.Socket,
+    claimed: Endpoint,
+    target: Endpoint,
+    inbox: Inbox,
+    proof: bytes,
+    forged: bytes,
+    genuine: bytes,
+) -> None:
+    """`sock` sends `target` the control frame `forged` in `claimed`'s name with `proof`:
+    refused as bad_proof on `sock`'s own connection; `claimed`'s own `genuine` frame is
+    then the only one `target` handed on."""
+    sock.send_multipart([b"C", claimed.address.encode(), proof, forged])
+    assert sock.poll(5000)
+    assert sock.recv_multipart() == [b"R", b"bad_proof"]
+    claimed.send_control(target.address, genuine)
+    inbox.wait_for(genuine)
+    assert inbox.messages == [(claimed.address, genuine)]
+
+
 def test_a_frame_speaking_for_another_endpoint_is_refused_on_its_own_connection(pair, raw_dealer):
     # A peer without the key claims to be `client`: the frame never reaches the
     # handler, and the refusal goes back on the forger's connection only.
     server, client, inbox = pair
     forged = prove(identity_key(""), b"\x01someone-else", client.address.encode())
-    raw_dealer.send_multipart([b"C", client.address.encode(), forged, b"forged"])
-    assert raw_dealer.poll(5000)
-    assert raw_dealer.recv_multipart() == [b"R", b"bad_proof"]
-    client.send_control(server.address, b"genuine")
-    inbox.wait_for(b"genuine")
-    assert inbox.messages == [(client.address, b"genuine")]
+    refused_then_genuine(raw_dealer, client, server, inbox, forged, b"forged", b"genuine")
     assert server.stats.get("bad_proof") == 1
 
 
@@ -383,12 +398,9 @@ def test_a_forged_group_frame_claiming_the_leader_is_refused():
     try:
         unkeyed = prove(identity_key(""), b"\x01x", leader.address.encode())
         sock.setsockopt(zmq.ROUTING_ID, b"\x01x")
-        sock.send_multipart([b"C", leader.address.encode(), unkeyed, b"PDG\x01fail"])
-        assert sock.poll(5000)
-        assert sock.recv_multipart() == [b"R", b"bad_proof"]
-        leader.send_control(follower.address, b"PDG\x01genuine")
-        inbox.wait_for(b"PDG\x01genuine")
-        assert inbox.messages == [(leader.address, b"PDG\x01genuine")]
+        refused_then_genuine(
+            sock, leader, follower, inbox, unkeyed, b"PDG\x01fail", b"PDG\x01genuine"
+        )
     finally:
         sock.close(0)
         ctx.term()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,6 +26,7 @@ from pdcluster.runtime.transfer.frames import (
     validate_target,
 )
 from pdcluster.runtime.transfer.job import TransferJob, check_job
+from tests.transfer.transfer_helpers import frame_header
 
 
 @dataclass(frozen=True)
@@ -41,20 +43,10 @@ GEOM = Geometry()
 
 
 def header(**kw: object) -> KVFrameHeader:
-    base = dict(
-        room=7,
-        generation=1,
-        src_rank=0,
-        layers=(1, 2),
-        token_start=4,
-        token_end=10,
-        head_start=1,
-        head_end=3,
-        dtype="float16",
-        shape=(2, 2, 6, 2, 8),
+    base = frame_header(
+        7, 1, layers=(1, 2), tokens=(4, 10), heads=(1, 3), head_dim=8, dtype="float16"
     )
-    base.update(kw)
-    return KVFrameHeader(**base)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **kw)
 
 
 # ---- headers -----------------------------------------------------------------
@@ -169,13 +161,27 @@ def test_target_must_cover_the_token_range(num_table_pages, ok):
 # ---- planning ----------------------------------------------------------------
 
 
-@given(
-    num_tokens=st.integers(0, 200_000),
-    bytes_per_token=st.integers(1, 1 << 18),
-    max_frame=st.integers(1 << 10, 64 * MiB),
-    min_ratio=st.floats(0.001, 1.0),
-    depth=st.integers(1, 8),
-)
+def plan_inputs(
+    max_tokens: int, max_bytes_per_token: int, max_frame: int
+) -> dict[str, st.SearchStrategy[Any]]:
+    """`plan_frames` arguments up to these sizes (min_frame as a share of max_frame)."""
+    return dict(
+        num_tokens=st.integers(0, max_tokens),
+        bytes_per_token=st.integers(1, max_bytes_per_token),
+        max_frame=st.integers(1 << 10, max_frame),
+        min_ratio=st.floats(0.001, 1.0),
+        depth=st.integers(1, 8),
+    )
+
+
+def exact_cover_sizes(plan: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """The frame sizes of a plan that covers [0, num_tokens) in order, without gap."""
+    assert [s for s, _ in plan] == ([0] + [e for _, e in plan[:-1]] if plan else [])
+    assert (plan[-1][1] if plan else 0) == num_tokens
+    return [e - s for s, e in plan]
+
+
+@given(**plan_inputs(200_000, 1 << 18, 64 * MiB))
 def test_plan_covers_tokens_evenly_within_bounds(
     num_tokens, bytes_per_token, max_frame, min_ratio, depth
 ):
@@ -185,10 +191,7 @@ def test_plan_covers_tokens_evenly_within_bounds(
             plan_frames(num_tokens, bytes_per_token, max_frame, min_frame, depth)
         return
     plan = plan_frames(num_tokens, bytes_per_token, max_frame, min_frame, depth)
-    # Exact, ordered, contiguous cover.
-    assert [s for s, _ in plan] == ([0] + [e for _, e in plan[:-1]] if plan else [])
-    assert (plan[-1][1] if plan else 0) == num_tokens
-    sizes = [e - s for s, e in plan]
+    sizes = exact_cover_sizes(plan, num_tokens)
     assert all(size > 0 for size in sizes)
     assert all(size * bytes_per_token <= max_frame for size in sizes)
     if sizes:
@@ -203,11 +206,7 @@ def test_plan_covers_tokens_evenly_within_bounds(
 
 
 @given(
-    num_tokens=st.integers(0, 50_000),
-    bytes_per_token=st.integers(1, 1 << 16),
-    max_frame=st.integers(1 << 10, 16 * MiB),
-    min_ratio=st.floats(0.001, 1.0),
-    depth=st.integers(1, 8),
+    **plan_inputs(50_000, 1 << 16, 16 * MiB),
     align=st.integers(1, 64),
     first_token=st.integers(0, 10_000),
 )
@@ -221,9 +220,7 @@ def test_aligned_plan_cuts_only_at_block_boundaries(
         num_tokens, bytes_per_token, max_frame, min_frame, depth,
         align_tokens=align, first_token=first_token,
     )  # fmt: skip
-    assert [s for s, _ in plan] == ([0] + [e for _, e in plan[:-1]] if plan else [])
-    assert (plan[-1][1] if plan else 0) == num_tokens
-    sizes = [e - s for s, e in plan]
+    sizes = exact_cover_sizes(plan, num_tokens)
     assert all(0 < size and size * bytes_per_token <= max_frame for size in sizes)
     max_tokens = max_frame // bytes_per_token
     if align <= max_tokens:

@@ -22,6 +22,7 @@ from tests.transfer.transfer_helpers import (
     make_shape,
     random_pool,
     random_table,
+    send_one_job,
     whole_job,
 )
 
@@ -73,13 +74,7 @@ def test_round_trip_is_bit_identical(link, dtype, layout, page_size):
         src, dst, job.src_slots, job.dst_slots, (0, 1, 2), (0, 1, 2), (0, 4), (0, 4)
     )
     t = transport(link, src, dst)
-    completed: list[TransferJob] = []
-    sender = KVSender(src, t, SMALL_FRAMES, on_complete=completed.append)
-    sender.start()
-    assert sender.submit(job)
-    link.inbox.wait_for(job.notify)
-    assert sender.drain(21, timeout=10)
-    sender.close()
+    completed = send_one_job(link, src, t, job, drain_s=10)
     t.close()
     assert completed == [job]
     assert torch.equal(bits(dst.buffer), bits(want))
@@ -98,11 +93,7 @@ def test_head_slices_and_layer_ranges_land_in_place(link, layout, dst_layers):
     )  # fmt: skip
     want = expected_pool(src, dst, job.src_slots, job.dst_slots, (0, 1), dst_layers, (4, 8), (0, 4))
     t = transport(link, src, dst)
-    sender = KVSender(src, t, SMALL_FRAMES)
-    sender.start()
-    sender.submit(job)
-    link.inbox.wait_for(job.notify)
-    sender.close()
+    assert send_one_job(link, src, t, job, drain_s=10) == [job]
     t.close()
     assert torch.equal(bits(dst.buffer), bits(want))
 

@@ -24,6 +24,7 @@ from tests.transfer.transfer_helpers import (
     next_id,
     random_pool,
     random_table,
+    send_one_job,
     slots,
     wait_until,
     whole_job,
@@ -59,14 +60,7 @@ def test_round_trip_is_bit_identical(link, tmp_path, dtype, layouts, page_size, 
     # min_run_bytes 0: copy run by run straight from the pool; huge: gather + scatter.
     transport = ShmTransport(link.prefill, min_run_bytes=0 if path == "direct" else 1 << 40)
     transport.register_peer(link.decode.address, dst.shm_path, dst_shape)
-    completed: list[TransferJob] = []
-    sender = KVSender(src, transport, SMALL_FRAMES, on_complete=completed.append)
-    sender.start()
-    assert sender.submit(job)
-    link.inbox.wait_for(job.notify)
-    assert sender.drain(21, timeout=5)
-    sender.close()
-    assert completed == [job]
+    assert send_one_job(link, src, transport, job, drain_s=5) == [job]
     assert torch.equal(bits(dst.buffer), bits(want))
 
 
@@ -88,11 +82,7 @@ def test_head_slices_and_layer_ranges_land_in_place(
     want = expected_pool(src, dst, job.src_slots, job.dst_slots, (0, 1), dst_layers, (4, 8), (0, 4))
     transport = ShmTransport(link.prefill, min_run_bytes=min_run_bytes)
     transport.register_peer(link.decode.address, dst.shm_path, dst_shape)
-    sender = KVSender(src, transport, SMALL_FRAMES)
-    sender.start()
-    sender.submit(job)
-    link.inbox.wait_for(job.notify)
-    sender.close()
+    assert send_one_job(link, src, transport, job, drain_s=5) == [job]
     assert torch.equal(bits(dst.buffer), bits(want))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tests.transfer.transfer_helpers import (
     Rooms,
     bits,
     expected_pool,
+    frame_header,
     make_shape,
     next_id,
     random_pool,
@@ -30,6 +32,7 @@ from tests.transfer.transfer_helpers import (
 
 
 def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
+    """A job over every layer and head of the test shape unless `kw` narrows them."""
     page_size = kw.pop("page_size")
     start, end = kw.pop("tokens")
     base = dict(
@@ -38,6 +41,10 @@ def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
         src_slots=slots(src_table, start, end, page_size),
         token_start=start,
         token_end=end,
+        src_layers=(0, 1, 2),
+        dst_layers=(0, 1, 2),
+        src_heads=(0, 4),
+        dst_heads=(0, 4),
         notify=b"done-%d" % next_id(),
         is_last=True,
     )
@@ -96,16 +103,7 @@ def test_round_trip_is_bit_identical(link, dtype, layouts, page_size):
     rooms.open(11, 0, dst_table)
     receiver = receiver_for(link, dst, rooms)
     # A chunk that starts and ends mid-page, over all layers and heads.
-    job = make_job(
-        src_table,
-        page_size=page_size,
-        tokens=(5, 42),
-        peer=link.decode.address,
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-    )
+    job = make_job(src_table, page_size=page_size, tokens=(5, 42), peer=link.decode.address)
     want = expected_pool(
         src,
         dst,
@@ -242,15 +240,7 @@ def _simple_case(link, seed=30, **job_kw):
     src = random_pool(make_shape(), seed=seed)
     dst = random_pool(make_shape(), seed=seed + 1)
     src_table, dst_table = random_table(8, 32, seed=seed + 2), random_table(8, 32, seed=seed + 3)
-    base = dict(
-        page_size=4,
-        tokens=(0, 30),
-        peer=link.decode.address,
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-    )
+    base = dict(page_size=4, tokens=(0, 30), peer=link.decode.address)
     base.update(job_kw)
     return src, dst, dst_table, make_job(src_table, **base)
 
@@ -401,20 +391,9 @@ def test_a_malformed_frame_for_a_live_room_fails_it_without_writing(link, change
     failures: list[tuple[int, int, str]] = []
     receiver = receiver_for(link, dst, rooms, on_failure=lambda *a: failures.append(a))
     before = dst.buffer.clone()
-    fields = dict(
-        room=11,
-        generation=0,
-        src_rank=0,
-        layers=(0, 1, 2),
-        token_start=0,
-        token_end=4,
-        head_start=0,
-        head_end=4,
-        dtype="float32",
-        shape=(3, 2, 4, 4, 8),
+    header = msgspec.structs.replace(
+        frame_header(11, 0, layers=(0, 1, 2), tokens=(0, 4), heads=(0, 4), head_dim=8), **change
     )
-    fields.update(change)
-    header = KVFrameHeader(**fields)  # type: ignore[arg-type]
     nbytes = 4
     for dim in header.shape:
         nbytes *= dim

@@ -14,8 +14,9 @@ import torch
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape, slots_for_positions
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint
+from pdcluster.runtime.transfer.frames import KVFrameHeader
 from pdcluster.runtime.transfer.job import TransferJob
-from pdcluster.runtime.transfer.sender import SenderConfig
+from pdcluster.runtime.transfer.sender import KVSender, SenderConfig, Transport
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 # Frames small enough that a few-page room travels as several of them.
@@ -81,6 +82,49 @@ def whole_job(
     )
     base.update(kw)
     return TransferJob(**base)  # type: ignore[arg-type]
+
+
+def send_one_job(
+    link: Link, src: KVPool, transport: Transport, job: TransferJob, drain_s: float
+) -> list[TransferJob]:
+    """Send `job` in small frames from a fresh sender, wait for decode's notification
+    and for the room to drain; the jobs the sender reported complete."""
+    completed: list[TransferJob] = []
+    sender = KVSender(src, transport, SMALL_FRAMES, on_complete=completed.append)
+    sender.start()
+    try:
+        assert sender.submit(job)
+        link.inbox.wait_for(job.notify)
+        assert sender.drain(job.room, timeout=drain_s)
+    finally:
+        sender.close()
+    return completed
+
+
+def frame_header(
+    room: int,
+    generation: int,
+    *,
+    layers: tuple[int, ...],
+    tokens: tuple[int, int],
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: str = "float32",
+) -> KVFrameHeader:
+    """A KV frame header from rank 0 whose shape agrees with its layers, tokens and
+    heads (`msgspec.structs.replace` it to build a wrong one)."""
+    return KVFrameHeader(
+        room=room,
+        generation=generation,
+        src_rank=0,
+        layers=layers,
+        token_start=tokens[0],
+        token_end=tokens[1],
+        head_start=heads[0],
+        head_end=heads[1],
+        dtype=dtype,
+        shape=(len(layers), 2, tokens[1] - tokens[0], heads[1] - heads[0], head_dim),
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,9 @@ from pdcluster.runtime.pd_worker.coordinator import (
 )
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
-from pdcluster.runtime.server.colocated import check_capacity, engine_request, page_counts
-from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
-from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+from pdcluster.runtime.serving.backend import check_capacity, engine_request, page_counts
+from pdcluster.runtime.serving.engine_service import EngineService, EngineStalled, TokenEvent
+from pdcluster.runtime.serving.request import BadRequest, PreparedRequest
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")

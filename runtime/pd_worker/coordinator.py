@@ -51,7 +51,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
     GroupReport,
 )
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.serving.engine_service import EngineService, TokenEvent
 from pdcluster.runtime.spec import (
     AllocationPolicy,
     FailurePolicy,

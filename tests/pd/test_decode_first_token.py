@@ -17,7 +17,7 @@ from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.coordinator import DecodeCoordinator
 from pdcluster.runtime.pd_worker.group import GroupReport
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.serving.engine_service import EngineService, TokenEvent
 from pdcluster.runtime.spec import KVLayout, PDClusterSpec
 from tests.engine.testing import generate
 

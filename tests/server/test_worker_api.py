@@ -6,7 +6,7 @@ import json
 import threading
 import time
 
-from pdcluster.runtime.server.engine_service import EngineService
+from pdcluster.runtime.serving.engine_service import EngineService
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdcluster.runtime.backoff import exponential_delay
+
 
 @dataclass(frozen=True)
 class BackoffPolicy:
@@ -29,9 +31,7 @@ def compute_restart_delay(policy: BackoffPolicy, num_consecutive_crashes: int) -
     """Seconds to wait before restarting after the given number of consecutive crashes."""
     if num_consecutive_crashes < 1:
         raise ValueError(f"num_consecutive_crashes must be >= 1, got {num_consecutive_crashes}")
-    # Cap the exponent first: 2**n overflows a float long before it matters.
-    exponent = min(num_consecutive_crashes - 1, 64)
-    return min(policy.base_s * 2.0**exponent, policy.max_s)
+    return exponential_delay(policy.base_s, policy.max_s, num_consecutive_crashes)
 
 
 def count_consecutive_crashes(policy: BackoffPolicy, previous: int, ran_for_s: float) -> int:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pdcluster.runtime.backoff import exponential_delays
+
 
 @dataclass(frozen=True)
 class RegistrationBackoff:
@@ -46,10 +48,7 @@ class RegistrationBackoff:
 
     def delays(self) -> Iterator[float]:
         """An endless sequence of delays (registration never gives up on its own)."""
-        delay = self.base_s
-        while True:
-            yield delay
-            delay = min(delay * self.factor, self.max_s)
+        return exponential_delays(self.base_s, self.max_s, self.factor)
 
 
 @dataclass(frozen=True)

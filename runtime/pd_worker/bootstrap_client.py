@@ -24,6 +24,7 @@ shared connection pool.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from pdcluster.runtime.backoff import exponential_delays
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo, RankAddress, RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
 
@@ -77,10 +79,8 @@ class RetryPolicy:
 
     def delays(self) -> Iterator[float]:
         """Sleep before attempt 2, 3, ... (attempts - 1 values)."""
-        delay = self.base_delay_s
-        for _ in range(self.attempts - 1):
-            yield min(delay, self.max_delay_s)
-            delay *= self.factor
+        delays = exponential_delays(self.base_delay_s, self.max_delay_s, self.factor)
+        return itertools.islice(delays, max(0, self.attempts - 1))
 
 
 def base_url(address: str) -> str:

@@ -1,7 +1,8 @@
 """Exponential back-off: the one formula every retry and restart delay uses.
 
 The delay before retry `attempt` (1-based) is `base_s * factor**(attempt - 1)`,
-at most `max_s`. Callers: the bootstrap client's retries and a prefill
+at most `max_s` (`exponential_delay`; `ExponentialBackoff` holds the three
+numbers as a policy). Callers: the bootstrap client's retries and a prefill
 rank's registration (`pd_worker`, `pd/readiness.py`), the operator's
 instance restarts (`operator/reconcile/restarts.py`), the e2e node agent's
 container restarts.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 def exponential_delay(base_s: float, max_s: float, attempt: int, factor: float = 2.0) -> float:
@@ -35,3 +37,30 @@ def exponential_delays(base_s: float, max_s: float, factor: float = 2.0) -> Iter
     """The delays before retry 1, 2, 3, ... without end (slice it for a bounded number)."""
     for attempt in itertools.count(1):
         yield exponential_delay(base_s, max_s, attempt, factor)
+
+
+@dataclass(frozen=True)
+class ExponentialBackoff:
+    """Seconds: retry n waits base_s·factor^(n-1), at most `max_s`.
+
+    The defaults are the bootstrap client's and a prefill rank's registration
+    retries: 50 ms doubling up to 2 s.
+    """
+
+    base_s: float = 0.05
+    factor: float = 2.0
+    max_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.base_s <= self.max_s) or self.factor < 1:
+            raise ValueError(
+                f"{type(self).__name__} needs 0 <= base_s <= max_s and factor >= 1, got {self}"
+            )
+
+    def delay(self, attempt: int) -> float:
+        """Seconds before retry `attempt` (1, 2, ...)."""
+        return exponential_delay(self.base_s, self.max_s, attempt, self.factor)
+
+    def delays(self) -> Iterator[float]:
+        """The delays before retry 1, 2, 3, ... without end."""
+        return exponential_delays(self.base_s, self.max_s, self.factor)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdcluster.runtime.backoff import exponential_delay, exponential_delays
+from pdcluster.runtime.backoff import ExponentialBackoff, exponential_delay, exponential_delays
 from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd_worker.bootstrap_client import RetryPolicy
 from pdcluster.runtime.spec import RestartPolicySpec
@@ -56,9 +56,21 @@ def test_every_caller_uses_the_same_formula() -> None:
 
     expected = [exponential_delay(0.25, 2.0, n) for n in range(1, 9)]
     assert list(itertools.islice(RegistrationBackoff(0.25, 2.0, 2.0).delays(), 8)) == expected
-    assert list(RetryPolicy(9, 0.25, 2.0, 2.0).delays()) == expected
+    assert list(RetryPolicy(9, ExponentialBackoff(0.25, 2.0, 2.0)).delays()) == expected
     policy = RestartPolicySpec(backoff_seconds=0.25, max_backoff_seconds=2)
     assert [backoff_delay(policy, n) for n in range(1, 9)] == expected
     node = BackoffPolicy(base_s=0.25, max_s=2.0)
     assert [compute_restart_delay(node, n) for n in range(1, 9)] == expected
     assert list(RetryPolicy(attempts=1).delays()) == []  # one attempt: no sleep
+
+
+def test_the_policy_is_the_formula_and_refuses_what_cannot_back_off() -> None:
+    policy = ExponentialBackoff(base_s=0.5, factor=3.0, max_s=10.0)
+    assert [policy.delay(n) for n in (1, 2, 3, 4)] == [0.5, 1.5, 4.5, 10.0]
+    assert list(itertools.islice(policy.delays(), 4)) == [0.5, 1.5, 4.5, 10.0]
+    assert ExponentialBackoff(base_s=0.0, max_s=1.0).delay(5) == 0.0
+    for bad in ({"base_s": 3.0, "max_s": 2.0}, {"base_s": -1.0}, {"factor": 0.5}):
+        with pytest.raises(ValueError, match="ExponentialBackoff needs"):
+            ExponentialBackoff(**bad)
+    with pytest.raises(ValueError, match="RegistrationBackoff needs base_s > 0"):
+        RegistrationBackoff(base_s=0.0)

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from pdcluster.runtime.backoff import exponential_delays
+from pdcluster.runtime.backoff import ExponentialBackoff
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo, RankAddress, RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
 
@@ -73,14 +73,11 @@ class BootstrapProtocolError(BootstrapError):
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 6
-    base_delay_s: float = 0.05
-    max_delay_s: float = 2.0
-    factor: float = 2.0
+    backoff: ExponentialBackoff = ExponentialBackoff()
 
     def delays(self) -> Iterator[float]:
         """Sleep before attempt 2, 3, ... (attempts - 1 values)."""
-        delays = exponential_delays(self.base_delay_s, self.max_delay_s, self.factor)
-        return itertools.islice(delays, max(0, self.attempts - 1))
+        return itertools.islice(self.backoff.delays(), max(0, self.attempts - 1))
 
 
 def base_url(address: str) -> str:
@@ -205,7 +202,7 @@ class BootstrapClient:
         deadline = loop.time() + wait_s
         params = {"dp": -1, "cp": -1, "tp": -1, "pp": -1}
         delays = self.retry.delays()
-        delay = self.retry.base_delay_s
+        delay = self.retry.backoff.base_s
         while True:
             try:
                 resp = await self._with_retry(lambda: self._request("GET", "/route", params=params))

@@ -173,8 +173,8 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
     from pdcluster.runtime.http.limits import server_config
     from pdcluster.runtime.metrics import WorkerMetrics
-    from pdcluster.runtime.server.engine_service import EngineService
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+    from pdcluster.runtime.serving.engine_service import EngineService
 
     torch.set_num_threads(_torch_threads())
     cfg, dist = _init_group(settings, dp_rank, 0)

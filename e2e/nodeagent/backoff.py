@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdcluster.runtime.backoff import ExponentialBackoff
+
 
 @dataclass(frozen=True)
-class BackoffPolicy:
+class BackoffPolicy(ExponentialBackoff):
     """Seconds. Defaults are kubelet's shape at a tenth of its scale, for tests."""
 
     base_s: float = 1.0
@@ -19,8 +21,7 @@ class BackoffPolicy:
     reset_after_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.base_s <= self.max_s:
-            raise ValueError(f"need 0 <= base_s <= max_s, got {self.base_s}, {self.max_s}")
+        super().__post_init__()
         if self.reset_after_s < 0:
             raise ValueError(f"reset_after_s must be >= 0, got {self.reset_after_s}")
 
@@ -29,9 +30,7 @@ def compute_restart_delay(policy: BackoffPolicy, num_consecutive_crashes: int) -
     """Seconds to wait before restarting after the given number of consecutive crashes."""
     if num_consecutive_crashes < 1:
         raise ValueError(f"num_consecutive_crashes must be >= 1, got {num_consecutive_crashes}")
-    # Cap the exponent first: 2**n overflows a float long before it matters.
-    exponent = min(num_consecutive_crashes - 1, 64)
-    return min(policy.base_s * 2.0**exponent, policy.max_s)
+    return policy.delay(num_consecutive_crashes)
 
 
 def count_consecutive_crashes(policy: BackoffPolicy, previous: int, ran_for_s: float) -> int:

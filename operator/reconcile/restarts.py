@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from pdcluster.operator.api import InstanceBackoff, RoleStatus, format_time, parse_time
+from pdcluster.runtime.backoff import exponential_delay
 from pdcluster.runtime.spec import RestartPolicySpec
 
 BUDGET_WINDOW_S = 3600.0
@@ -94,10 +95,7 @@ class RestartLedger:
 def backoff_delay(policy: RestartPolicySpec, consecutive: int) -> float:
     if consecutive < 1:
         return 0.0
-    # Cap the exponent: 2**64 seconds is already far past any maxBackoffSeconds.
-    base: float = policy.backoff_seconds
-    cap: float = policy.max_backoff_seconds
-    return min(base * (2.0 ** min(consecutive - 1, 64)), cap)
+    return exponential_delay(policy.backoff_seconds, policy.max_backoff_seconds, consecutive)
 
 
 def ledger_from_status(status: RoleStatus | None) -> RestartLedger:

@@ -70,51 +70,62 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
-class StartCompute:
+class RoomAction:
+    """An action about one room, and nothing more to say."""
+
     room: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAction(RoomAction):
+    """An action about one room and the request bound to it."""
+
     rid: str
 
 
 @dataclass(frozen=True, slots=True)
-class SendHeldKV:
-    room: int
+class StartCompute(RequestAction):
+    """Prefill: hand the request to the engine now."""
 
 
 @dataclass(frozen=True, slots=True)
-class CancelWrites:
-    room: int
+class SendHeldKV(RoomAction):
+    """Prefill, `prefill_complete`: push the KV computed earlier."""
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseSource:
-    room: int
-    rid: str
+class CancelWrites(RoomAction):
+    """Prefill: abandon a failed room's writes that did not drain in time."""
 
 
 @dataclass(frozen=True, slots=True)
-class RoomSucceeded:
-    room: int
-    rid: str
+class ReleaseSource(RequestAction):
+    """Prefill: the engine may free the request's prefill pages."""
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillReady:
-    room: int
+class RoomSucceeded(RequestAction):
+    """Prefill: every destination got its KV and Success."""
 
 
 @dataclass(frozen=True, slots=True)
-class TransferComplete:
-    room: int
-    rid: str
+class PrefillReady(RoomAction):
+    """Decode, `prefill_complete`: every source is Ready; queue for pages."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferComplete(RequestAction):
+    """Decode: every source reported Success; the pages belong to the request."""
+
     pages: tuple[int, ...]
     first_token: int | None
     checksums: tuple[tuple[RankCoord, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
-class ReleasePages:
-    room: int
-    rid: str
+class ReleasePages(RequestAction):
+    """Decode: a failed room's pages are safe to reuse."""
+
     pages: tuple[int, ...]
     reason: str
 

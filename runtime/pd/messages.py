@@ -168,12 +168,22 @@ class LayoutAck(_Msg, tag="layout_ack", frozen=True):
     reason: Reason | None = None
 
 
-class TransferMeta(_Msg, tag="meta", frozen=True):
+class _RoomMsg(_Msg, frozen=True):
+    """A message about one room; `generation` tells its successive decode legs apart."""
+
     room: Room
     generation: Generation
+
+
+class _DecodeRoomMsg(_RoomMsg, frozen=True):
+    """A decode rank's message about one of its rooms."""
+
     rid: Rid | None  # the caller's rid of the decode leg; None: the caller sent none
     decode_rank: RankCoord
     decode_endpoint: Endpoint
+
+
+class TransferMeta(_DecodeRoomMsg, tag="meta", frozen=True):
     # The decode rank's whole page table for the prompt; each prefill rank
     # writes the part its topology slice covers.
     dst_pages: Annotated[list[PageIndex], msgspec.Meta(min_length=1, max_length=MAX_PAGES_PER_ROOM)]
@@ -184,18 +194,11 @@ class TransferMeta(_Msg, tag="meta", frozen=True):
     prompt: PromptId | None = None
 
 
-class Bootstrap(_Msg, tag="bootstrap", frozen=True):
-    room: Room
-    generation: Generation
-    rid: Rid | None  # as in TransferMeta
-    decode_rank: RankCoord
-    decode_endpoint: Endpoint
+class Bootstrap(_DecodeRoomMsg, tag="bootstrap", frozen=True):
     num_destinations: Count
 
 
-class Abort(_Msg, tag="abort", frozen=True):
-    room: Room
-    generation: Generation
+class Abort(_RoomMsg, tag="abort", frozen=True):
     # As in TransferMeta. A caller rid must match the room's; without one the
     # room, the sender's binding and its generation decide (`abort_matches`).
     rid: Rid | None
@@ -204,15 +207,11 @@ class Abort(_Msg, tag="abort", frozen=True):
     decode_endpoint: Endpoint
 
 
-class Ready(_Msg, tag="ready", frozen=True):
-    room: Room
-    generation: Generation
+class Ready(_RoomMsg, tag="ready", frozen=True):
     rank: RankCoord
 
 
-class Status(_Msg, tag="status", frozen=True):
-    room: Room
-    generation: Generation
+class Status(_RoomMsg, tag="status", frozen=True):
     rank: RankCoord
     state: KVPoll
     reason: Reason | None = None

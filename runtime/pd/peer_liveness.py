@@ -336,40 +336,38 @@ class PeerVerdicts:
 
 
 @dataclass(frozen=True)
-class StartProbe:
-    """Probe `peer`'s `GET /health` within `timeout_s`; report with `on_probe`."""
+class PeerAction:
+    """An action about one prefill instance, named by its bootstrap address `peer`."""
 
     peer: str
+
+
+@dataclass(frozen=True)
+class StartProbe(PeerAction):
+    """Probe `peer`'s `GET /health` within `timeout_s`; report with `on_probe`."""
+
     timeout_s: float
 
 
 @dataclass(frozen=True)
-class FailHeldRooms:
+class FailHeldRooms(PeerAction):
     """A probe of `peer` failed: the rooms held for it fail (`probe_failed`)."""
-
-    peer: str
 
 
 @dataclass(frozen=True)
-class DeclareUnreachable:
+class DeclareUnreachable(PeerAction):
     """`peer` just crossed the threshold: log, count `peer_dead`, then report
     it lost (`lost`, reason `prefill_unreachable`, not definitive, until it answers)."""
 
-    peer: str
-
 
 @dataclass(frozen=True)
-class PeerAnswers:
+class PeerAnswers(PeerAction):
     """A verdict on `peer` is undone: log that it answers again."""
 
-    peer: str
-
 
 @dataclass(frozen=True)
-class ForgetRoute:
+class ForgetRoute(PeerAction):
     """Drop the cached /route answer of `peer`: it may be on new rank addresses."""
-
-    peer: str
 
 
 @dataclass(frozen=True)
@@ -380,10 +378,8 @@ class ResumeHeld:
 
 
 @dataclass(frozen=True)
-class CheckRestart:
+class CheckRestart(PeerAction):
     """A quarantined instance answers: fetch its /route, report with `restart_checked`."""
-
-    peer: str
 
 
 @dataclass(frozen=True)
@@ -394,10 +390,9 @@ class DropSockets:
 
 
 @dataclass(frozen=True)
-class FailPeerRooms:
+class FailPeerRooms(PeerAction):
     """Fail every room tied to `peer` (`fail_peer` with these flags)."""
 
-    peer: str
     reason: str
     definitive: bool
     until_recovered: bool
@@ -412,10 +407,8 @@ class ReleaseRestarted:
 
 
 @dataclass(frozen=True)
-class ForgetIdle:
+class ForgetIdle(PeerAction):
     """No room used `peer` for `idle_s`: log, count, drop its bootstrap client."""
-
-    peer: str
 
 
 LivenessAction = (

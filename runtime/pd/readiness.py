@@ -26,30 +26,19 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+
+from pdcluster.runtime.backoff import ExponentialBackoff
 
 
 @dataclass(frozen=True)
-class RegistrationBackoff:
-    """Seconds to sleep between registration attempts: base·factor^k, at most `max_s`."""
-
-    base_s: float = 0.05
-    factor: float = 2.0
-    max_s: float = 2.0
+class RegistrationBackoff(ExponentialBackoff):
+    """Seconds to sleep between registration attempts; `delays()` never ends (no giving up)."""
 
     def __post_init__(self) -> None:
-        if not (0 < self.base_s <= self.max_s) or self.factor < 1:
-            raise ValueError(
-                f"RegistrationBackoff needs 0 < base_s <= max_s and factor >= 1, got {self}"
-            )
-
-    def delays(self) -> Iterator[float]:
-        """An endless sequence of delays (registration never gives up on its own)."""
-        delay = self.base_s
-        while True:
-            yield delay
-            delay = min(delay * self.factor, self.max_s)
+        super().__post_init__()
+        if self.base_s <= 0:  # a zero delay would retry in a busy loop
+            raise ValueError(f"RegistrationBackoff needs base_s > 0, got {self}")
 
 
 @dataclass(frozen=True)

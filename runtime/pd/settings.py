@@ -34,18 +34,8 @@ Pure module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class _TransferSpecLike(Protocol):
-    @property
-    def bootstrap_timeout_seconds(self) -> float: ...
-    @property
-    def waiting_timeout_seconds(self) -> float: ...
-    @property
-    def abort_release_timeout_seconds(self) -> float: ...
-    @property
-    def waiting_per_token_milliseconds(self) -> float: ...
+from pdcluster.runtime.spec import TransferSpec
 
 
 @dataclass(frozen=True)
@@ -102,7 +92,7 @@ class RoomSettings:
     @classmethod
     def from_spec(
         cls,
-        transfer: _TransferSpecLike,
+        transfer: TransferSpec,
         *,
         prefill_wait_s: float | None = None,
         max_rooms: int = 4096,

@@ -40,11 +40,10 @@ Pure module.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from pdcluster.runtime.engine import topology as engine_topology
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
-from pdcluster.runtime.spec import pages_for
+from pdcluster.runtime.spec import Topology, pages_for
 
 Span = tuple[int, int]  # half-open [start, end)
 
@@ -72,19 +71,8 @@ def prefill_dp_group(room: int, num_groups: int, data_parallel_rank: int | None 
     return group
 
 
-class _HasDims(Protocol):
-    @property
-    def dp(self) -> int: ...
-    @property
-    def cp(self) -> int: ...
-    @property
-    def tp(self) -> int: ...
-    @property
-    def pp(self) -> int: ...
-
-
-def shape_of(topology: _HasDims) -> InstanceShape:
-    """An InstanceShape from anything with dp/cp/tp/pp (e.g. the manifest's Topology)."""
+def shape_of(topology: Topology) -> InstanceShape:
+    """The InstanceShape of a role's topology in the manifest."""
     return InstanceShape(dp=topology.dp, cp=topology.cp, tp=topology.tp, pp=topology.pp)
 
 

@@ -24,10 +24,10 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.pd import messages as pdmsg
@@ -354,8 +354,15 @@ class RankAgent:
     def on_message(self, msg: Any, now: float) -> None:
         raise NotImplementedError
 
+    # The group commands a role's ranks follow: message type -> handler (each
+    # role's module sets it below its class). A command a role does not know is
+    # ignored.
+    group_handlers: ClassVar[Mapping[type, Callable[[Any, Any, float], None]]] = {}
+
     def on_group(self, msg: GroupMessage, now: float) -> None:
-        raise NotImplementedError
+        handler = self.group_handlers.get(type(msg))
+        if handler is not None:
+            handler(self, msg, now)
 
     # ------------------------------------------------------------ outbound
     def send(self, endpoint: str, message: Any) -> None:

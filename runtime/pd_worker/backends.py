@@ -45,22 +45,22 @@ from fastapi.responses import JSONResponse
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import server_config
-from pdcluster.runtime.pd.coords import InstanceShape
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
-from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group
+from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group, shape_of
 from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
 from pdcluster.runtime.pd_worker.coordinator import (
     DecodeCoordinator,
+    Leg,
     PrefillCoordinator,
     RoomConflict,
 )
 from pdcluster.runtime.pd_worker.counts import InstanceCounts
 from pdcluster.runtime.pd_worker.group import GroupFailPeer
-from pdcluster.runtime.server.colocated import check_capacity, engine_request, page_counts
-from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
-from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+from pdcluster.runtime.serving.backend import check_capacity, engine_request, page_counts
+from pdcluster.runtime.serving.engine_service import EngineService, EngineStalled, TokenEvent
+from pdcluster.runtime.serving.request import BadRequest, PreparedRequest
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
@@ -321,11 +321,7 @@ class PrefillBackend(_PDBackend):
             )
 
     def open(self, req: PreparedRequest) -> None:
-        sampling = engine_request(req).sampling
-        assert req.bootstrap.bootstrap_room is not None
-        self.coordinator.open(
-            req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling, req.rid_is_local
-        )
+        self.coordinator.open(_leg_of(req))
 
 
 class DecodeBackend(_PDBackend):
@@ -358,16 +354,14 @@ class DecodeBackend(_PDBackend):
         assert b.bootstrap_host is not None and b.bootstrap_port is not None
         assert b.bootstrap_room is not None
         peer = self.known.check(b.bootstrap_host, b.bootstrap_port)
-        sampling = engine_request(req).sampling
-        self.coordinator.open(
-            b.bootstrap_room,
-            req.rid,
-            req.prompt_ids,
-            sampling,
-            peer,
-            b.data_parallel_rank,
-            req.rid_is_local,
-        )
+        self.coordinator.open(_leg_of(req), peer, b.data_parallel_rank)
+
+
+def _leg_of(req: PreparedRequest) -> Leg:
+    """The coordinator's view of a checked request (`check` made sure it has a room)."""
+    assert req.bootstrap.bootstrap_room is not None
+    sampling = engine_request(req).sampling
+    return Leg(req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling, req.rid_is_local)
 
 
 def _admin_routes(
@@ -507,8 +501,7 @@ def build_pd_backend(
         if dp_rank == 0:
             from pdcluster.runtime.pd_worker.bootstrap_server import create_bootstrap_app
 
-            shape = InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp)
-            app = create_bootstrap_app(shape, settings.token or None)
+            app = create_bootstrap_app(shape_of(topo), settings.token or None)
             backend.registry = app.state.registry
             config = server_config(app, settings.host, settings.bootstrap_port)
             delay_s = float(os.environ.get(BOOTSTRAP_DELAY_ENV) or 0)

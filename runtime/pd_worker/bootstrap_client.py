@@ -24,6 +24,7 @@ shared connection pool.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from pdcluster.runtime.backoff import ExponentialBackoff
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo, RankAddress, RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
 
@@ -71,16 +73,11 @@ class BootstrapProtocolError(BootstrapError):
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 6
-    base_delay_s: float = 0.05
-    max_delay_s: float = 2.0
-    factor: float = 2.0
+    backoff: ExponentialBackoff = ExponentialBackoff()
 
     def delays(self) -> Iterator[float]:
         """Sleep before attempt 2, 3, ... (attempts - 1 values)."""
-        delay = self.base_delay_s
-        for _ in range(self.attempts - 1):
-            yield min(delay, self.max_delay_s)
-            delay *= self.factor
+        return itertools.islice(self.backoff.delays(), max(0, self.attempts - 1))
 
 
 def base_url(address: str) -> str:
@@ -205,7 +202,7 @@ class BootstrapClient:
         deadline = loop.time() + wait_s
         params = {"dp": -1, "cp": -1, "tp": -1, "pp": -1}
         delays = self.retry.delays()
-        delay = self.retry.base_delay_s
+        delay = self.retry.backoff.base_s
         while True:
             try:
                 resp = await self._with_retry(lambda: self._request("GET", "/route", params=params))

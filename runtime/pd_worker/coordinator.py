@@ -51,7 +51,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
     GroupReport,
 )
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.serving.engine_service import EngineService, TokenEvent
 from pdcluster.runtime.spec import (
     AllocationPolicy,
     FailurePolicy,
@@ -109,6 +109,17 @@ class PrefillGroupAgent(GroupAgent, Protocol):
 
     def leader_first_token(self, room: int, first_token: int) -> None:
         """The engine sampled the room's first token: the last chunk may go out."""
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One leg of a PD request, as the HTTP backend hands it to its coordinator."""
+
+    room_id: int
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    rid_is_local: bool = False  # the worker minted `rid`: it never leaves this instance
 
 
 @dataclass
@@ -324,16 +335,10 @@ class PrefillCoordinator(_Coordinator):
         """Any thread: a new leg would be refused now (a racy read, rechecked in `open`)."""
         return self.queue.is_full()
 
-    def open(
-        self,
-        room_id: int,
-        rid: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        rid_is_local: bool = False,
-    ) -> None:
-        """Engine thread: the prefill leg for `room_id` arrived. Raises QueueFull past the queue."""
-        self._register(room_id, _Room(rid, prompt, sampling, rid_is_local=rid_is_local))
+    def open(self, leg: Leg) -> None:
+        """Engine thread: the prefill leg arrived. Raises QueueFull past the queue."""
+        room_id, rid = leg.room_id, leg.rid
+        self._register(room_id, _Room(rid, leg.prompt, leg.sampling, leg.rid_is_local))
         try:
             offer = self.queue.offer(room_id)
         except Exception:
@@ -447,28 +452,20 @@ class DecodeCoordinator(_Coordinator):
     def num_pages_for(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size)
 
-    def open(
-        self,
-        room_id: int,
-        rid: str,
-        prompt: list[int],
-        sampling: SamplingParams,
-        peer: BootstrapAddress,
-        prefill_dp: int | None,
-        rid_is_local: bool = False,
-    ) -> None:
-        """Engine thread: the decode leg for `room_id` arrived."""
-        room = _Room(rid, prompt, sampling, num_pages=self.num_pages_for(len(prompt)))
+    def open(self, leg: Leg, peer: BootstrapAddress, prefill_dp: int | None) -> None:
+        """Engine thread: the decode leg arrived, its KV to come from prefill `peer`."""
+        room_id, prompt = leg.room_id, leg.prompt
+        room = _Room(leg.rid, prompt, leg.sampling, num_pages=self.num_pages_for(len(prompt)))
         self._register(room_id, room)
         self.agent.broadcast(
             GroupOpen(
                 room_id,
-                rid,
+                leg.rid,
                 len(prompt),
                 peer,
                 prefill_dp,
                 prompt=prompt_id(prompt),
-                rid_is_local=rid_is_local,
+                rid_is_local=leg.rid_is_local,
             )
         )
         if self.policy is AllocationPolicy.early:

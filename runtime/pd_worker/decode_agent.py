@@ -66,7 +66,6 @@ from pdcluster.runtime.pd_worker.bootstrap_client import (
 from pdcluster.runtime.pd_worker.group import (
     GroupFail,
     GroupFailPeer,
-    GroupMessage,
     GroupOpen,
     GroupPages,
 )
@@ -301,11 +300,6 @@ class DecodeAgent(RankAgent):
         else:
             for r in list(self.rooms):
                 self._sweep(r)
-
-    def on_group(self, msg: GroupMessage, now: float) -> None:
-        handler = _GROUP_HANDLERS.get(type(msg))
-        if handler is not None:
-            handler(self, msg, now)
 
     def _on_pages(self, msg: GroupPages, now: float) -> None:
         r = self.rooms.get(msg.room)
@@ -604,7 +598,8 @@ def _transfer_reason(reason: str) -> str:
     return f"transfer_failed: {reason}"
 
 
-_GROUP_HANDLERS: dict[type, Callable[[DecodeAgent, Any, float], None]] = {
+# The group commands a decode rank follows.
+DecodeAgent.group_handlers = {
     GroupOpen: DecodeAgent._open,
     GroupPages: DecodeAgent._on_pages,
     GroupFail: DecodeAgent._on_fail,

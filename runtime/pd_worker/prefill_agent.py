@@ -43,7 +43,7 @@ from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapUnreachable,
     RetryPolicy,
 )
-from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage, GroupOpen
+from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupOpen
 from pdcluster.runtime.spec import AllocationPolicy, TransferBackend
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.nixl import NixlTransport
@@ -206,11 +206,6 @@ class PrefillAgent(RankAgent):
         if room is not None:
             self._maybe_send(room)
             self._forget_if_done(room)
-
-    def on_group(self, msg: GroupMessage, now: float) -> None:
-        handler = _GROUP_HANDLERS.get(type(msg))
-        if handler is not None:
-            handler(self, msg, now)
 
     def _on_group_open(self, msg: GroupOpen, now: float) -> None:
         self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
@@ -543,7 +538,7 @@ _PERFORMERS: dict[type, Callable[[PrefillAgent, Any], None]] = {
 }
 
 # The group commands a prefill rank follows.
-_GROUP_HANDLERS: dict[type, Callable[[PrefillAgent, Any, float], None]] = {
+PrefillAgent.group_handlers = {
     GroupOpen: PrefillAgent._on_group_open,
     GroupFail: PrefillAgent._on_group_fail,
     GroupFailPeer: PrefillAgent._on_group_fail_peer,

@@ -7,9 +7,10 @@ from typing import Any
 
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.pd.compat import CompatInfo
-from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
+from pdcluster.runtime.pd.topology import shape_of
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
 from pdcluster.runtime.spec import Role
 
@@ -47,7 +48,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         coord=RankCoord(dp=dp_rank, cp=info.cp_rank, tp=info.tp_rank, pp=info.pp_rank),
         group_rank=info.rank,
         group_size=topo.cp * topo.tp * topo.pp,
-        shape=InstanceShape(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
+        shape=shape_of(topo),
         compat=compat,
         token=settings.token,
         room_settings=RoomSettings.from_spec(

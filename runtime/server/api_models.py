@@ -8,34 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from pdcluster.runtime.serving.request import BootstrapFields, Lenient
 
 MAX_RID_LEN = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 
 
-class _Lenient(BaseModel):
-    # Unknown fields are ignored (other routers and OpenAI clients send extras
-    # we do not use); known fields are type-checked strictly.
-    model_config = ConfigDict(extra="ignore")
-
-
-class BootstrapFields(_Lenient):
-    """PD pairing fields a PD router adds to both legs of a request."""
-
-    bootstrap_host: str | None = Field(default=None, max_length=253)
-    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(default=None, ge=0, le=(1 << 63) - 1)
-    # Optional explicit prefill dp rank (otherwise room % dp).
-    data_parallel_rank: int | None = Field(default=None, ge=0, le=1023)
-
-    @property
-    def has_bootstrap(self) -> bool:
-        return self.bootstrap_room is not None
-
-
-class GenerateSamplingParams(_Lenient):
+class GenerateSamplingParams(Lenient):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
@@ -63,7 +45,7 @@ class GenerateRequest(BootstrapFields):
         return self
 
 
-class AbortRequest(_Lenient):
+class AbortRequest(Lenient):
     rid: str = Field(default="", max_length=MAX_RID_LEN)
     abort_all: bool = False
 
@@ -74,7 +56,7 @@ class AbortRequest(_Lenient):
         return self
 
 
-class _OpenAISampling(_Lenient):
+class _OpenAISampling(Lenient):
     """The fields the completion and chat bodies share, after their own.
 
     A body lists this first among its bases and keeps its own fields in a
@@ -107,7 +89,7 @@ class CompletionRequest(_OpenAISampling, _CompletionPrompt):
         return self
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = ""
 

@@ -34,13 +34,14 @@ from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.server import responses as R
 from pdcluster.runtime.server.api_models import (
     AbortRequest,
-    BootstrapFields,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     normalize_stop,
 )
-from pdcluster.runtime.server.engine_service import TokenEvent
+from pdcluster.runtime.serving.backend import Backend
+from pdcluster.runtime.serving.engine_service import TokenEvent
+from pdcluster.runtime.serving.request import BadRequest, BootstrapFields, PreparedRequest
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -48,46 +49,6 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_NEW_TOKENS = 128
 # Checked against every sampled token: bounded so a body cannot slow every step.
 MAX_STOP_TOKEN_IDS = 64
-
-
-class BadRequest(ValueError):
-    """A request the worker refuses with a 4xx; nothing was reserved."""
-
-    def __init__(
-        self, message: str, status: int = 400, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers  # e.g. Retry-After on a 503
-
-
-@dataclass
-class PreparedRequest:
-    rid: str
-    prompt_ids: list[int]
-    sampling: dict[str, Any]  # keyword arguments of engine SamplingParams
-    stop_strings: list[str]
-    bootstrap: BootstrapFields
-    # The worker minted `rid` (the caller sent none): it names the request on
-    # this worker only and is never compared with the other leg's.
-    rid_is_local: bool = False
-
-
-class Backend(Protocol):
-    role: str  # "null" (colocated) | "prefill" | "decode"
-
-    def check(self, req: PreparedRequest) -> None:
-        """Raise BadRequest when the request can never be served (capacity, ids)."""
-
-    def events(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]: ...
-
-    def abort(self, rid: str) -> None: ...
-
-    def abort_all(self) -> None: ...
-
-    def server_info(self) -> dict[str, Any]: ...
-
-    def is_healthy(self) -> bool: ...
 
 
 class TextTokenizer(Protocol):

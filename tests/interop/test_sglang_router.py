@@ -40,8 +40,8 @@ from pdcluster.runtime.engine.topology import ParallelConfig
 from pdcluster.runtime.local.sglang_router import SGLangRouter, start_sglang_router
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.server.colocated import ColocatedBackend
-from pdcluster.runtime.server.engine_service import EngineService
 from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+from pdcluster.runtime.serving.engine_service import EngineService
 from tests.faults.harness import FaultCluster, base_spec, parse_counter, wait_until
 
 pytestmark = pytest.mark.slow

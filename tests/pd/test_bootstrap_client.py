@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pdcluster.runtime.backoff import ExponentialBackoff
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapAuthError,
@@ -26,7 +27,7 @@ from pdcluster.runtime.pd_worker.bootstrap_server import BootstrapServer, create
 from .test_bootstrap_registry import SHAPE, reg
 
 TOKEN = "tok-abc"
-FAST = RetryPolicy(attempts=4, base_delay_s=0.02, max_delay_s=0.1)
+FAST = RetryPolicy(attempts=4, backoff=ExponentialBackoff(base_s=0.02, max_s=0.1))
 
 
 class CountingApp:
@@ -70,7 +71,9 @@ async def register_all(client: BootstrapClient) -> None:
 async def test_register_retries_until_the_server_starts(app: CountingApp) -> None:
     srv = BootstrapServer(app)  # port bound, not listening yet: connections are refused
     c = BootstrapClient(
-        srv.url, TOKEN, retry=RetryPolicy(attempts=20, base_delay_s=0.05, max_delay_s=0.1)
+        srv.url,
+        TOKEN,
+        retry=RetryPolicy(attempts=20, backoff=ExponentialBackoff(base_s=0.05, max_s=0.1)),
     )
     try:
         task = asyncio.create_task(c.register(reg()))

@@ -12,7 +12,7 @@ from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.coordinator import PrefillCoordinator
-from pdcluster.runtime.server.engine_service import EngineService
+from pdcluster.runtime.serving.engine_service import EngineService
 
 
 def _agent() -> Any:

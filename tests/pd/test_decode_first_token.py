@@ -15,9 +15,9 @@ from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
 from pdcluster.runtime.pd.settings import RoomSettings
-from pdcluster.runtime.pd_worker.coordinator import DecodeCoordinator
+from pdcluster.runtime.pd_worker.coordinator import DecodeCoordinator, Leg
 from pdcluster.runtime.pd_worker.group import GroupReport
-from pdcluster.runtime.server.engine_service import EngineService, TokenEvent
+from pdcluster.runtime.serving.engine_service import EngineService, TokenEvent
 from pdcluster.runtime.spec import KVLayout, PDClusterSpec
 from tests.engine.testing import generate
 
@@ -59,7 +59,7 @@ async def _hand_off(engine: LLMEngine) -> tuple[EngineService, list[TokenEvent]]
     out = service.track("rid-1", 5, [])
     prompt = list(b"hello")
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    coordinator.open(ROOM, "rid-1", prompt, params, "127.0.0.1:1", None)
+    coordinator.open(Leg(ROOM, "rid-1", prompt, params), "127.0.0.1:1", None)
     coordinator.tick()  # admission reserves the pages
     coordinator._queue_report(GroupReport(ROOM, 0, "complete", None, FIRST))
     coordinator.tick()  # hand-off to the engine

@@ -12,8 +12,8 @@ from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.server.colocated import ColocatedBackend
-from pdcluster.runtime.server.engine_service import EngineService
 from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+from pdcluster.runtime.serving.engine_service import EngineService
 
 MAX_PROMPT = 200
 

@@ -9,8 +9,7 @@ import pytest
 
 from pdcluster.runtime.pd.known_peers import KnownPeers
 from pdcluster.runtime.pd_worker.backends import DecodeBackend
-from pdcluster.runtime.server.api_models import BootstrapFields
-from pdcluster.runtime.server.worker_app import BadRequest, PreparedRequest
+from pdcluster.runtime.serving.request import BadRequest, BootstrapFields, PreparedRequest
 
 
 def backend() -> DecodeBackend:

@@ -21,7 +21,7 @@ from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.stall import Progress, is_stalled, stalled_for
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
-from pdcluster.runtime.server.engine_service import EngineService, EngineStalled, TokenEvent
+from pdcluster.runtime.serving.engine_service import EngineService, EngineStalled, TokenEvent
 
 TOK = ByteTokenizer()
 CFG = EngineConfig(num_pages=64, page_size=4, max_running_requests=8, max_batch_tokens=64)

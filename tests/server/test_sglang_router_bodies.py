@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.metrics import WorkerMetrics
-from pdcluster.runtime.server.engine_service import TokenEvent
-from pdcluster.runtime.server.worker_app import PreparedRequest, WorkerInfo, create_worker_app
+from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+from pdcluster.runtime.serving.engine_service import TokenEvent
+from pdcluster.runtime.serving.request import PreparedRequest
 
 EXTRAS: dict[str, Any] = {
     "model": None,

@@ -7,7 +7,7 @@ import threading
 import time
 
 from pdcluster.operator.autoscale.samples import parse_worker_metrics
-from pdcluster.runtime.server.engine_service import EngineService
+from pdcluster.runtime.serving.engine_service import EngineService
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 

@@ -21,8 +21,8 @@ from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.server.colocated import ColocatedBackend
-from pdcluster.runtime.server.engine_service import EngineService
 from pdcluster.runtime.server.worker_app import MAX_STOP_TOKEN_IDS, WorkerInfo, create_worker_app
+from pdcluster.runtime.serving.engine_service import EngineService
 
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

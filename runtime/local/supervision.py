@@ -42,6 +42,7 @@ import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from pdcluster.runtime.backoff import exponential_delay
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 BUDGET_WINDOW_S = 3600.0
@@ -104,13 +105,10 @@ def describe_exit(returncode: int) -> str:
 
 
 def backoff_delay(policy: RestartPolicySpec, consecutive: int) -> float:
-    """Seconds before the `consecutive`-th restart in a row (0 for none)."""
+    """Seconds before the `consecutive`-th restart in a row (0 for none): the operator's rule."""
     if consecutive < 1:
         return 0.0
-    base: float = policy.backoff_seconds
-    cap: float = policy.max_backoff_seconds
-    # Cap the exponent: 2**64 seconds is already far past any cap.
-    return min(base * (2.0 ** min(consecutive - 1, 64)), cap)
+    return exponential_delay(policy.backoff_seconds, policy.max_backoff_seconds, consecutive)
 
 
 # ------------------------------------------------------------------ actions

@@ -1,7 +1,7 @@
 """Which event loop the runtime's servers (worker, router) run on.
 
 `PDCLUSTER_EVENT_LOOP` [asyncio]: `asyncio` (the standard library's loop)
-or `uvloop` (libuv; the `uvloop` package, a dependency). Read once by each
+or `uvloop` (libuv; the `uvloop` extra: `pip install 'pdcluster[uvloop]'`). Read once by each
 process's entry point (`event_loop_from_env`) and passed down; nothing else
 reads the variable. The default stays the standard loop: it is the one
 every test and fault scenario runs on. A value that names no loop, or

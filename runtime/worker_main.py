@@ -28,6 +28,8 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
+from pdcluster.runtime.http import event_loop
+from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
 
@@ -59,6 +61,8 @@ class WorkerSettings:
     # Decode: the prefill bootstrap servers it may contact, when given at start
     # (local mode); None waits for `PUT /admin/prefill_peers` (Kubernetes).
     prefill_peers: frozenset[BootstrapAddress] | None = None
+    # The HTTP servers' event loop (PDCLUSTER_EVENT_LOOP, http/event_loop.py).
+    event_loop: EventLoop = DEFAULT_EVENT_LOOP
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -237,7 +241,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
     servers.insert(0, uvicorn.Server(server_config(app, host, port)))
     service.start()
     try:
-        asyncio.run(_serve_all(servers))
+        event_loop.run(_serve_all(servers), settings.event_loop)
     finally:
         service.stop()
         if agent is not None:
@@ -303,6 +307,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         shm_dir=os.environ.get("PDCLUSTER_SHM_DIR"),
         tokenizer=getattr(args, "tokenizer", None),
         prefill_peers=_prefill_peers_arg(args),
+        event_loop=_event_loop_arg(),
     )
     if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
         # An empty token would turn every check off; the operator always sets one.
@@ -341,6 +346,13 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
+
+
+def _event_loop_arg() -> EventLoop:
+    try:
+        return event_loop.event_loop_from_env(os.environ)
+    except ValueError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
 
 
 def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] | None:

@@ -21,6 +21,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.http.h2_preface import Http1OnlyProtocol
 
 
@@ -119,14 +120,24 @@ def protocol_with(limits: ServerLimits) -> type[H11Protocol]:
 
 
 def server_config(
-    app: Any, host: str, port: int, limits: ServerLimits = DEFAULT_LIMITS, **kw: Any
+    app: Any,
+    host: str,
+    port: int,
+    limits: ServerLimits = DEFAULT_LIMITS,
+    loop: EventLoop = DEFAULT_EVENT_LOOP,
+    **kw: Any,
 ) -> uvicorn.Config:
-    """A uvicorn Config with this module's limits (and `log_level="warning"`)."""
+    """A uvicorn Config with this module's limits (and `log_level="warning"`).
+
+    `loop` is the loop `uvicorn.Server.run` creates; never uvicorn's `auto`,
+    which would switch loops by what happens to be installed.
+    """
     kw.setdefault("log_level", "warning")
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        loop=loop.value,
         http=protocol_with(limits),
         limit_concurrency=limits.max_concurrency,
         h11_max_incomplete_event_size=limits.max_header_bytes,

@@ -70,6 +70,9 @@ RETRY_AFTER_S = 1
 # Fault injection for tests only: the bootstrap server starts listening this
 # many seconds after the worker (a slow rank 0; the ranks must keep retrying).
 BOOTSTRAP_DELAY_ENV = "PDCLUSTER_TEST_BOOTSTRAP_DELAY_S"
+# Connections the front keeps to the other dp groups' leaders, all of them
+# together: the router's pool size, since every relayed request holds one.
+RELAY_MAX_CONNECTIONS = 1024
 
 
 class _LateServer(uvicorn.Server):
@@ -94,6 +97,7 @@ class _PDBackend:
         # Sent on relays to the other dp groups' leaders (their data plane is guarded).
         self.headers: dict[str, str] = bearer_headers(info.pop("token", ""))
         self._forwarded: dict[str, str] = {}
+        self._relay_client: httpx.AsyncClient | None = None  # made on the serving loop
         self.counts: InstanceCounts | None = None  # set by build_pd_backend
         # dp size of the prefill instances (both roles): a room's prefill group is room % it.
         self.prefill_dp_size: int = int(info.pop("prefill_dp_size", 1))
@@ -172,6 +176,20 @@ class _PDBackend:
     def open(self, req: PreparedRequest) -> None:
         raise NotImplementedError
 
+    def _relay(self) -> httpx.AsyncClient:
+        """One keep-alive pool for every relay (a client per request paid a new
+        connection per request). trust_env=False: a proxy variable must never
+        divert worker traffic."""
+        if self._relay_client is None:
+            limits = httpx.Limits(
+                max_connections=RELAY_MAX_CONNECTIONS,
+                max_keepalive_connections=RELAY_MAX_CONNECTIONS,
+            )
+            self._relay_client = httpx.AsyncClient(
+                timeout=None, limits=limits, trust_env=False, headers=self.headers
+            )
+        return self._relay_client
+
     async def _forward(self, target: int, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         """Relay a request to the leader of dp group `target` (its own engine)."""
         url = f"http://127.0.0.1:{self.dp_ports[target - 1]}"
@@ -199,38 +217,39 @@ class _PDBackend:
         text, n_ids = "", 0
         ended = False
         try:
-            async with httpx.AsyncClient(timeout=None) as client:
-                async with client.stream(
-                    "POST", url + "/generate", json=body, headers=self.headers
-                ) as resp:
-                    if resp.status_code != 200:
-                        detail = (await resp.aread()).decode(errors="replace")
+            async with self._relay().stream("POST", url + "/generate", json=body) as resp:
+                if resp.status_code != 200:
+                    detail = (await resp.aread()).decode(errors="replace")
+                    yield TokenEvent([], "", True, "error", error=detail, status=resp.status_code)
+                    return
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        err = data["error"]
                         yield TokenEvent(
-                            [], "", True, "error", error=detail, status=resp.status_code
+                            [],
+                            "",
+                            True,
+                            "error",
+                            error=err.get("message"),
+                            status=int(err.get("code", 502)),
                         )
                         return
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        data = json.loads(line[6:])
-                        if "error" in data:
-                            err = data["error"]
-                            yield TokenEvent(
-                                [],
-                                "",
-                                True,
-                                "error",
-                                error=err.get("message"),
-                                status=int(err.get("code", 502)),
-                            )
-                            return
-                        ids, full = data["output_ids"], data["text"]
-                        fin = (data["meta_info"].get("finish_reason") or {}).get("type")
-                        yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
-                        text, n_ids = full, len(ids)
-                        if fin is not None:
-                            ended = True
-                            return
+                    ids, full = data["output_ids"], data["text"]
+                    fin = (data["meta_info"].get("finish_reason") or {}).get("type")
+                    if fin is not None:
+                        # Read to the end ("[DONE]") before the last event: only a
+                        # response read whole gives its connection back to the pool.
+                        async for _ in lines:
+                            pass
+                        ended = True
+                    yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
+                    text, n_ids = full, len(ids)
+                    if ended:
+                        return
             if not ended:
                 msg = f"dp group {target}: stream ended without a finish"
                 yield TokenEvent([], "", True, "error", error=msg, status=502)

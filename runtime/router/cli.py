@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.runtime.cluster_token import read_cluster_token
+from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop, event_loop_from_env
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings
 from pdcluster.runtime.spec import (
@@ -41,6 +42,7 @@ class Invocation:
     host: str
     port: int
     log_level: str
+    event_loop: EventLoop = DEFAULT_EVENT_LOOP  # PDCLUSTER_EVENT_LOOP
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +162,11 @@ def invocation_from(
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     return Invocation(
-        config=RouterConfig(**fields), host=args.host, port=args.port, log_level=args.log_level
+        config=RouterConfig(**fields),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        event_loop=event_loop_from_env(os.environ if env is None else env),
     )
 
 
@@ -179,4 +185,6 @@ def run_invocation(inv: Invocation) -> None:
     logging.basicConfig(
         level=inv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run_router(inv.config, host=inv.host, port=inv.port, log_level=inv.log_level)
+    run_router(
+        inv.config, host=inv.host, port=inv.port, log_level=inv.log_level, loop=inv.event_loop
+    )

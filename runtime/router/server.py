@@ -7,24 +7,35 @@ from dataclasses import replace
 
 import uvicorn
 
+from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.http.limits import DEFAULT_LIMITS, server_config
 from pdcluster.runtime.router.app import create_router_app
 from pdcluster.runtime.router.config import RouterConfig
 
 
-def _uvicorn_config(config: RouterConfig, host: str, port: int, log_level: str) -> uvicorn.Config:
+def _uvicorn_config(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    log_level: str,
+    loop: EventLoop = DEFAULT_EVENT_LOOP,
+) -> uvicorn.Config:
     # Streams can be long; do not cut keep-alive connections mid-use.
     limits = replace(DEFAULT_LIMITS, keep_alive_s=30.0)
-    return server_config(
-        create_router_app(config), host, port, limits, log_level=log_level, access_log=False
-    )
+    app = create_router_app(config)
+    return server_config(app, host, port, limits, loop, log_level=log_level, access_log=False)
 
 
 def run_router(
-    config: RouterConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+    config: RouterConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    loop: EventLoop = DEFAULT_EVENT_LOOP,
 ) -> None:
-    """Serve until interrupted (blocks)."""
-    uvicorn.Server(_uvicorn_config(config, host, port, log_level)).run()
+    """Serve until interrupted (blocks), on a new event loop of kind `loop`."""
+    uvicorn.Server(_uvicorn_config(config, host, port, log_level, loop)).run()
 
 
 async def serve_router(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,8 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from pdcluster.runtime.http.auth import check_bearer, is_guarded
-from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.http.guard import GuardSettings, RequestGuard
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.server import responses as R
@@ -243,37 +242,7 @@ def _state(request: Request) -> WorkerState:
     return state
 
 
-# ------------------------------------------------------------- middleware, errors
-async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    state = _state(request)
-    metrics = state.metrics
-    # Auth first: an unauthenticated client gets no further than the headers.
-    if state.token and is_guarded(request.url.path, data_plane_open=state.data_plane_open):
-        denied = check_bearer(request.headers.get("authorization"), state.token)
-        if denied is not None:
-            metrics.rejected.labels(reason="unauthorized").inc()
-            return JSONResponse(
-                R.error_body(denied.message, code=denied.status),
-                denied.status,
-                headers={"WWW-Authenticate": "Bearer"} if denied.status == 401 else None,
-            )
-    # Counted while streaming: a chunked body has no Content-Length to check.
-    try:
-        body = await read_limited(
-            request.stream(), request.headers.get("content-length"), state.max_body_bytes
-        )
-    except BodyTooLarge:
-        metrics.rejected.labels(reason="body_too_large").inc()
-        return JSONResponse(
-            R.error_body(f"request body over {state.max_body_bytes} bytes", code=413), 413
-        )
-    except BadLength as err:
-        metrics.rejected.labels(reason="bad_request").inc()
-        return JSONResponse(R.error_body(str(err), code=400), 400)
-    request._body = body  # replayed to the endpoint by Starlette
-    return await call_next(request)
-
-
+# ------------------------------------------------------------------------ errors
 async def _on_invalid(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     _state(request).metrics.rejected.labels(reason="invalid_body").inc()
@@ -483,7 +452,12 @@ def create_worker_app(
     app.state.worker = WorkerState(
         backend, tokenizer, info, metrics, max_body_bytes, token, data_plane_open
     )
-    app.middleware("http")(_guard)
+    # Auth and the body limit, before routing (plain ASGI: no task per request).
+    app.add_middleware(
+        RequestGuard,
+        settings=GuardSettings(token, data_plane_open, max_body_bytes),
+        on_reject=lambda reason: metrics.rejected.labels(reason=reason).inc(),
+    )
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(BadRequest, _on_bad)
     for method, path, handler in _ROUTES:

@@ -3,9 +3,11 @@
 The engine is single-threaded by design: only the engine thread touches it.
 Callers (HTTP handlers on the event loop) talk to it through a command queue;
 results come back through per-request asyncio queues, fed with
-`loop.call_soon_threadsafe`. Other layers (the PD roles) plug in with
-`add_tick`: a callable run on the engine thread before every step, so they
-can poll transfers and admit requests without locking the engine.
+`loop.call_soon_threadsafe` (one call per event loop for all the events of
+one engine step, not one per event: each call is a wake-up of that loop).
+Other layers (the PD roles) plug in with `add_tick`: a callable run on the
+engine thread before every step, so they can poll transfers and admit
+requests without locking the engine.
 
 Invariants:
 - every submitted request gets exactly one terminal event (finished or error),
@@ -113,6 +115,9 @@ class EngineService:
         self._stall_reported = False
         self._emit_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
+        # Engine thread, while it hands out one step's outputs: their events,
+        # given to each event loop with one wake-up instead of one per event.
+        self._held: list[tuple[_Tracked, TokenEvent]] | None = None
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -278,6 +283,10 @@ class EngineService:
                 return
             if event.finished:
                 tracked.done = True
+            # Only the engine thread holds events back (other threads emit too).
+            if self._held is not None and threading.current_thread() is self._thread:
+                self._held.append((tracked, event))
+                return
         tracked.loop.call_soon_threadsafe(tracked.out.put_nowait, event)
 
     # ---------------------------------------------------------------- engine thread
@@ -292,10 +301,15 @@ class EngineService:
                     outputs = self._step()
                     self.num_steps += 1
                     self.last_step_at = time.monotonic()
-                    for output in outputs:
-                        self._guarded(
-                            functools.partial(self._on_output, output), "output", output.rid
-                        )
+                    self._held = []
+                    try:
+                        for output in outputs:
+                            self._guarded(
+                                functools.partial(self._on_output, output), "output", output.rid
+                            )
+                    finally:
+                        held, self._held = self._held, None
+                        _hand_over(held)
                 else:
                     self.last_step_at = time.monotonic()
                     self._working = False
@@ -404,6 +418,24 @@ def _safe_prefix_len(text: str, stops: list[str]) -> int:
                 end -= k
                 break
     return end
+
+
+def _hand_over(held: list[tuple[_Tracked, TokenEvent]]) -> None:
+    """One `call_soon_threadsafe` per event loop for a step's events, in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]]
+    by_loop = {}
+    for tracked, event in held:
+        by_loop.setdefault(tracked.loop, []).append((tracked.out, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: nobody waits for these events
+            log.debug("dropped %d events for a closed event loop", len(items))
+
+
+def _put_all(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+    for out, event in items:
+        out.put_nowait(event)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

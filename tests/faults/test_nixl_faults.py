@@ -7,7 +7,7 @@ lost rooms fail within the heartbeat bound, a page a NIXL writer may still
 reach is freed only by its ack or a definitive verdict, survivors equal
 colocated output and every worker gets all its pages back. The room rules
 (abort in every KVPoll state, stale generations, duplicate rooms) run the
-tcp's tests against this cluster (duplicate and replayed rooms) or, where a
+tcp's tests against this cluster (duplicate rooms) or, where a
 one-sided writer is owed other rules (ABORT sent again until acked), a
 version of their own.
 
@@ -103,28 +103,6 @@ def test_nixl_transfers_equal_colocated(nixl_pd: FaultCluster, client: PDClient)
     info = nixl_pd.info("prefill-0")["kv_transport"]
     assert info["backend"] == "nixl" and info["writes"]["prepped_writes"] >= 1
     nixl_pd.assert_clean()
-
-
-def test_kill9_nixl_writer_mid_transfer(nixl_pd: FaultCluster, client: PDClient) -> None:
-    """kill -9 prefill-1 while it WRITEs into decode-0: its rooms fail within the heartbeat
-    bound, the pages wait for a definitive verdict (never a timer), survivors are clean."""
-    traffic = one_sided_victims(nixl_pd, client, seed=151)
-    killed_at = time.monotonic()
-    nixl_pd.kill("prefill-1")
-    results: list[PDResult] = traffic.result(30)
-    for res in results:
-        if not res.decode.ok:
-            assert "prefill_unreachable" in res.decode.error, res.decode.error
-            assert res.decode.ended_at - killed_at <= HEARTBEAT_BOUND_S + 0.5
-    assert not all(r.decode.ok for r in results), "every victim finished before the kill"
-    held = held_pages(nixl_pd, "decode-0")
-    assert held > 0
-    time.sleep(nixl_pd.manifest.spec.transfer.abort_release_timeout_seconds + 1)
-    assert held_pages(nixl_pd, "decode-0") == held
-    survivors_served(nixl_pd, client, seed=152)
-    resp = nixl_pd.fail_peer("decode-0", nixl_pd.peer("prefill-1"), "pod_deleted")
-    assert resp.status_code == 200
-    nixl_pd.assert_clean(["decode-0"], timeout=2)
 
 
 def test_sigstopped_nixl_writer_keeps_its_pages_until_it_acks(
@@ -267,5 +245,24 @@ def test_duplicate_room_on_prefill_is_refused(nixl_pd: FaultCluster) -> None:
     test_room_rules.test_duplicate_room_on_prefill_is_refused(nixl_pd)
 
 
-def test_replayed_room_is_refused_on_both_legs(nixl_pd: FaultCluster) -> None:
-    test_room_rules.test_replayed_room_is_refused_on_both_legs(nixl_pd)
+# Last: prefill-1 stays dead, so no scenario after it pays for a restart.
+def test_kill9_nixl_writer_mid_transfer(nixl_pd: FaultCluster, client: PDClient) -> None:
+    """kill -9 prefill-1 while it WRITEs into decode-0: its rooms fail within the heartbeat
+    bound, the pages wait for a definitive verdict (never a timer), survivors are clean."""
+    traffic = one_sided_victims(nixl_pd, client, seed=151)
+    killed_at = time.monotonic()
+    nixl_pd.kill("prefill-1")
+    results: list[PDResult] = traffic.result(30)
+    for res in results:
+        if not res.decode.ok:
+            assert "prefill_unreachable" in res.decode.error, res.decode.error
+            assert res.decode.ended_at - killed_at <= HEARTBEAT_BOUND_S + 0.5
+    assert not all(r.decode.ok for r in results), "every victim finished before the kill"
+    held = held_pages(nixl_pd, "decode-0")
+    assert held > 0
+    time.sleep(nixl_pd.manifest.spec.transfer.abort_release_timeout_seconds + 1)
+    assert held_pages(nixl_pd, "decode-0") == held
+    survivors_served(nixl_pd, client, seed=152)
+    resp = nixl_pd.fail_peer("decode-0", nixl_pd.peer("prefill-1"), "pod_deleted")
+    assert resp.status_code == 200
+    nixl_pd.assert_clean(["decode-0"], timeout=2)

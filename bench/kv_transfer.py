@@ -11,15 +11,19 @@ For every size (MiB of KV moved for one request):
 - memcpy: one torch copy of the same number of contiguous bytes;
 - shm: KVSender (gather) -> ShmTransport (scatter into the peer's pool file),
   timed from submit to completion;
-- nixl (when the `nixl` extra imports): KVSender -> NixlTransport, one NIXL
-  WRITE per frame straight from the shuffled source pages into the shuffled
-  destination pages (the decode pool registered with a second agent in this
-  process), timed from submit to the completion message, which the sender
-  sends only after every WRITE handle reported done;
-- raw NIXL: the same frames' descriptors (nixl_plan), posted directly by the
-  agent, all in flight at once, until every handle is DONE (no sender, no
-  control plane); nixl / raw NIXL is our plumbing's cost. The UCX transports
-  that carried the bytes are printed (from UCX's info log);
+- nixl (when the `nixl` extra imports): KVSender -> NixlTransport, NIXL
+  WRITEs straight from the shuffled source pages into the shuffled
+  destination pages of a pool that a second process owns and registered
+  with its own agent (as a decode rank does), timed from submit to the
+  completion message, which the sender sends only after every WRITE handle
+  reported done;
+- raw NIXL: the same two processes and the same descriptors (the page units
+  of lists prepared once, per-frame descriptors for partial pages, per frame
+  the sender would cut), made and posted directly by the agent, all in
+  flight at once, until every handle is DONE (no sender, no control plane);
+  nixl / raw NIXL is our plumbing's cost. Both are checked to land the right
+  bytes in the other process's pool. The UCX transports that carried the
+  bytes are printed (from UCX's info logs of both processes);
 - tcp+curve (`--curve`): the tcp path again between two endpoints running
   CURVE (`spec.auth.zmqCurve`, keys from a fixed token), taking turns with
   the plain one; curve / tcp is its cost.
@@ -37,14 +41,17 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import torch
 import zmq
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape, slots_for_positions
+from pdcluster.runtime.pd.messages import NixlRegion
 from pdcluster.runtime.spec import KVLayout, pages_for
 from pdcluster.runtime.transfer.curve import cluster_keys
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig
@@ -267,58 +274,103 @@ class Bench:
 
 
 class NixlPair:
-    """Our nixl transport and a raw NIXL baseline writing the same frames."""
+    """Our nixl transport and a raw NIXL baseline, both writing into a decode pool
+    that another process owns (its own agent, as a decode rank has)."""
 
     def __init__(self, bench: Bench, config: SenderConfig) -> None:
+        import multiprocessing
+
         from pdcluster.runtime.transfer.nixl import NixlAgent, NixlTransport
 
         self.bench = bench
-        self.dst = KVPool(bench.shape, device=bench.src.device)
-        self.src_agent = NixlAgent("bench-prefill", bench.src)
-        self.dst_agent = NixlAgent("bench-decode", self.dst)
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        shape = bench.shape
+        self.decode = ctx.Process(
+            target=decode_process,
+            args=(child, msgspec.to_builtins(asdict(shape)), str(bench.src.device)),
+            daemon=True,
+        )
+        self.decode.start()
+        child.close()
+        self.region = msgspec.msgpack.decode(self.conn.recv_bytes(), type=NixlRegion)
+        self.src_agent = NixlAgent("bench-prefill", bench.src, progress_thread=False)
         self.transport = NixlTransport(bench.prefill, self.src_agent)
-        self.transport.register_peer(bench.decode.address, self.dst_agent.region(), bench.shape)
+        self.transport.register_peer(bench.decode.address, self.region, shape)
         self.sender = KVSender(bench.src, self.transport, config)
         self.sender.start()
-        self.frames = self._frame_descriptors(config)
+        self._prepare_raw(config)
 
-    def _frame_descriptors(self, config: SenderConfig) -> list[tuple[Any, Any]]:
-        """Per frame the sender would cut: (local, remote) NIXL descriptor lists."""
+    def _prepare_raw(self, config: SenderConfig) -> None:
+        """The raw baseline's WRITEs: per frame the sender cuts, the page units and
+        per-frame descriptors `nixl_plan` gives, on lists prepared here (untimed)."""
         import numpy as np
 
         from pdcluster.runtime.transfer.nixl import geometry_of
-        from pdcluster.runtime.transfer.nixl_plan import plan_descriptors
+        from pdcluster.runtime.transfer.nixl_plan import (
+            can_use_page_units,
+            page_unit_indices,
+            page_units,
+            plan_descriptors,
+            split_runs,
+        )
         from pdcluster.runtime.transfer.shm import copy_runs
 
-        b, nx = self.bench, self.src_agent.agent
+        b, nx, agent = self.bench, self.src_agent.agent, self.src_agent
         geo = geometry_of(b.shape)
+        self.remote = nx.add_remote_agent(self.region.agent_metadata)
+        if isinstance(self.remote, bytes):
+            self.remote = self.remote.decode()
+        units = page_units(geo)
+
+        def descs(table: Any, base: int) -> Any:
+            zeros = np.zeros(len(table), dtype=np.int64)
+            return np.stack([table[:, 0] + base, table[:, 1], zeros], axis=1)
+
+        self.local_units = nx.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", descs(units, agent.base_address), agent.mem_type
+        )
+        self.remote_units = nx.prep_xfer_dlist(
+            self.remote, descs(units, self.region.base_address), self.region.mem_type
+        )
         layers = [(i, i) for i in range(b.shape.num_layers)]
         heads = (0, b.shape.num_kv_heads)
-        out = []
+        assert can_use_page_units(geo, geo, heads, heads)
+        self.frames: list[tuple[Any, Any]] = []
         for s, e in plan_job_frames(b.job(one_sided=True), b.shape, config):
             runs = copy_runs(
                 np.asarray(b.src_slots[s:e]), np.asarray(b.dst_slots[s:e]),
                 b.shape.page_size, b.shape.page_size,
             )  # fmt: skip
-            t = plan_descriptors(geo, geo, runs, layers, heads, heads)
-            zeros = np.zeros(len(t), dtype=np.int64)
-            local = np.stack([t[:, 0] + self.src_agent.base_address, t[:, 2], zeros], axis=1)
-            remote = np.stack([t[:, 1] + self.dst_agent.base_address, t[:, 2], zeros], axis=1)
-            out.append(
-                (
-                    nx.get_xfer_descs(local, self.src_agent.mem_type),
-                    nx.get_xfer_descs(remote, self.dst_agent.mem_type),
-                )
+            pages, rest = split_runs(runs, b.shape.page_size)
+            indices = (
+                page_unit_indices(geo, geo, pages, layers, heads, heads) if len(pages) else None
             )
-        return out
+            rest_descs = None
+            if rest:
+                t = plan_descriptors(geo, geo, rest, layers, heads, heads)
+                rest_descs = (
+                    nx.get_xfer_descs(descs(t[:, [0, 2]], agent.base_address), agent.mem_type),
+                    nx.get_xfer_descs(
+                        descs(t[:, [1, 2]], self.region.base_address), self.region.mem_type
+                    ),
+                )
+            self.frames.append((indices, rest_descs))
 
     def raw(self) -> float:
+        """Seconds to make, post and finish every frame's WRITEs (all in flight at once)."""
         nx = self.src_agent.agent
         start = time.perf_counter()
-        handles = [
-            nx.initialize_xfer("WRITE", local, remote, self.dst_agent.name)
-            for local, remote in self.frames
-        ]
+        handles = []
+        for indices, rest in self.frames:
+            if indices is not None:
+                handles.append(
+                    nx.make_prepped_xfer(
+                        "WRITE", self.local_units, indices[0], self.remote_units, indices[1]
+                    )
+                )
+            if rest is not None:
+                handles.append(nx.initialize_xfer("WRITE", rest[0], rest[1], self.remote))
         for h in handles:
             if nx.transfer(h) == "ERR":
                 raise SystemExit("raw NIXL WRITE failed")
@@ -330,14 +382,59 @@ class NixlPair:
             nx.release_xfer_handle(h)
         return time.perf_counter() - start
 
+    def ask(self, command: str, *args: Any) -> Any:
+        self.conn.send((command, args))
+        return self.conn.recv()
+
+    def check(self, run: Timed) -> None:
+        """One run of `run` lands the right bytes in the decode process's pool."""
+        self.ask("clear")
+        run()
+        layers = range(self.bench.shape.num_layers)
+        src = self.bench.src.gather_tokens(
+            layers, torch.tensor(self.bench.src_slots, device=self.bench.src.device)
+        )
+        want = zlib.crc32(src.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        if self.ask("crc", self.bench.dst_slots) != want:
+            raise SystemExit("a NIXL WRITE corrupted the KV: benchmark numbers are void")
+
     def transports(self) -> str:
-        return ",".join(self.src_agent.report()["ucx_transports"]) or "?"
+        """The UCX transports of the lanes that carried the bytes (both processes' logs)."""
+        ours = self.src_agent.report()["ucx_transports"]
+        theirs = self.ask("transports")
+        return ",".join(sorted(set(ours) | set(theirs))) or "?"
 
     def close(self) -> None:
         self.sender.close()
         self.transport.close()
+        self.ask("stop")
+        self.decode.join(10)
         self.src_agent.close()
-        self.dst_agent.close()
+
+
+def decode_process(conn: Any, shape_fields: dict[str, Any], device: str) -> None:
+    """The decode side of the nixl columns: a pool, its agent, and answers to the parent."""
+    from pdcluster.runtime.transfer.nixl import NixlAgent
+
+    fields = dict(shape_fields, layout=KVLayout(shape_fields["layout"]))
+    pool = KVPool(KVPoolShape(**fields), device=device)
+    agent = NixlAgent("bench-decode", pool)  # a WRITE target keeps NIXL's progress thread
+    conn.send_bytes(msgspec.msgpack.encode(agent.region()))
+    while True:
+        command, args = conn.recv()
+        if command == "clear":
+            pool.buffer.zero_()
+            conn.send(None)
+        elif command == "crc":
+            layers = range(pool.shape.num_layers)
+            got = pool.gather_tokens(layers, torch.tensor(args[0], device=pool.device))
+            conn.send(zlib.crc32(got.cpu().contiguous().view(torch.uint8).numpy().tobytes()))
+        elif command == "transports":
+            conn.send(agent.report()["ucx_transports"])
+        else:
+            conn.send(None)
+            agent.close()
+            return
 
 
 def run_size(size_mib: int, args: argparse.Namespace) -> Row:
@@ -376,6 +473,8 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         if pair is not None:
             runs["nixl"] = bench.timed(pair.sender, one_sided=True)
             runs["raw_nixl"] = pair.raw
+            pair.check(runs["nixl"])
+            pair.check(runs["raw_nixl"])
         if curved is not None:
             assert bench.decode_curve is not None
             curved.start()
@@ -383,10 +482,7 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         rates = measure(nbytes, runs, repeats)
         bench.check(bench.dst_tcp)
         bench.check(bench.dst_shm)
-        transports = None
-        if pair is not None:
-            bench.check(pair.dst)
-            transports = pair.transports()
+        transports = pair.transports() if pair is not None else None
     finally:
         if pair is not None:
             pair.close()

@@ -412,11 +412,14 @@ class RankAgent:
         return report
 
 
-def make_nixl_agent(address: str, pool: Any) -> Any:
-    """This rank's NIXL agent with `pool` registered (the `nixl` backend only)."""
+def make_nixl_agent(address: str, pool: Any, *, progress_thread: bool = True) -> Any:
+    """This rank's NIXL agent with `pool` registered (the `nixl` backend only).
+
+    `progress_thread=False` for a rank that only initiates WRITEs (prefill).
+    """
     from pdcluster.runtime.transfer.nixl import NixlAgent
 
-    return NixlAgent(address, pool)
+    return NixlAgent(address, pool, progress_thread=progress_thread)
 
 
 # Group messages only the leader takes, whatever the role.

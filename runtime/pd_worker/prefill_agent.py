@@ -92,7 +92,8 @@ class PrefillAgent(RankAgent):
         self.nixl_agent: Any = None
         self.transport: Any
         if self.backend is TransferBackend.nixl:
-            self.nixl_agent = make_nixl_agent(self.address, pool)
+            # Prefill only initiates WRITEs: its transport's polling progresses UCX.
+            self.nixl_agent = make_nixl_agent(self.address, pool, progress_thread=False)
             self.transport = NixlTransport(self.endpoint, self.nixl_agent)
         elif self.one_sided:
             self.transport = ShmTransport(self.endpoint)

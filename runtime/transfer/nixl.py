@@ -5,9 +5,22 @@ on CPU, VRAM on CUDA; the tensor's device decides) with its own NIXL agent
 (`NixlAgent`). A decode rank sends the agent's metadata and the pool's
 region in its layout registration (`messages.NixlRegion`, our own msgspec
 struct: nothing a peer sends is unpickled); a prefill rank adds that agent
-(`NixlTransport.register_peer`) and from then on turns every frame into one
-WRITE whose descriptors `nixl_plan` computes from the frame's token runs
+(`NixlTransport.register_peer`) and from then on turns every frame into
+WRITEs whose descriptors `nixl_plan` computes from the frame's token runs
 (cut as for `shm`, `shm.copy_runs`), layer pairs and head slice.
+
+Descriptor lists are prepared once per registration: our pool's page units
+when the transport starts, a peer's when it registers (`prep_xfer_dlist`).
+A frame's whole-page runs then become one WRITE that names units by index
+(`make_prepped_xfer`); what page units cannot carry (a partial first or last
+page, NHD head slices) goes in a second WRITE built from per-frame
+descriptors (`initialize_xfer`). A frame is done when all its WRITEs are.
+
+A prefill agent only initiates WRITEs: it runs without NIXL's progress
+thread, whose polling costs a fifth of a core even idle, since our own
+progress thread checking the handles is what moves UCX forward on this
+side. A decode agent keeps it: over TCP, UCX emulates a remote write with
+messages the target's worker must process.
 
 One-sided safety is `shm`'s, with one difference: a WRITE finishes later,
 not inside the call. A frame's `on_done` fires only when NIXL reports its
@@ -42,9 +55,15 @@ from pdcluster.runtime.transfer.job import TransferJob, check_job
 from pdcluster.runtime.transfer.nixl_plan import (
     PlanError,
     RegionGeometry,
+    can_use_page_units,
     check_geometries,
+    page_unit_indices,
+    page_units,
     plan_descriptors,
+    split_runs,
+    unit_bytes,
 )
+from pdcluster.runtime.transfer.peer_table import PeerTable
 from pdcluster.runtime.transfer.sender import FrameDone
 from pdcluster.runtime.transfer.shm import copy_runs
 from pdcluster.runtime.transfer.ucx_report import is_tcp_fallback, parse_ucx_lanes, transports_of
@@ -83,14 +102,18 @@ def geometry_of(shape: KVPoolShape) -> RegionGeometry:
 class NixlAgent:
     """This rank's NIXL agent with its KV pool registered (one per rank process)."""
 
-    def __init__(self, owner: str, pool: KVPool) -> None:
+    def __init__(self, owner: str, pool: KVPool, *, progress_thread: bool = True) -> None:
+        """`progress_thread=False` for an agent that only initiates WRITEs (a prefill
+        rank): its transport's polling progresses UCX; a WRITE target needs the thread."""
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         # Unique per process: a restarted rank must never be mistaken for the old agent.
         self.name = f"{owner}#{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # The sender thread posts WRITEs while the progress thread polls them.
         config = nixl_agent_config(
-            backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=progress_thread,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self.agent = nixl_agent(self.name, config)
         self.pool = pool
@@ -155,6 +178,7 @@ class _Peer:
     region: NixlRegion
     remote: str  # the name NIXL knows the peer's agent by
     geometry: RegionGeometry
+    units: Any  # the prepared descriptor list of the peer's page units
 
 
 @dataclass
@@ -182,12 +206,36 @@ class NixlTransport:
         self.local = geometry_of(agent.pool.shape)
         self.handle_timeout_s = handle_timeout_s
         self._lock = threading.Condition()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: PeerTable[_Peer] = PeerTable("NIXL agent")
+        # Held while a frame's WRITEs are built and posted, and while a peer's prepared
+        # list and agent are released: NIXL must never use a released one. (Reentrant:
+        # a refused post calls back into the sender on this thread.)
+        self._posting = threading.RLock()
         self._writes: list[_Write] = []
         self._closed = False
-        self.stats: dict[str, int] = {"writes": 0, "descriptors": 0, "bytes": 0, "errors": 0}
+        self.stats: dict[str, int] = {
+            "writes": 0,
+            "prepped_writes": 0,
+            "descriptors": 0,
+            "bytes": 0,
+            "errors": 0,
+        }
+        self._units = self._prep_units(
+            "NIXL_INIT_AGENT", self.local, agent.base_address, agent.device_id, agent.mem_type
+        )
         self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
         self._thread.start()
+
+    def _prep_units(
+        self, name: str, geo: RegionGeometry, base: int, device_id: int, mem_type: str
+    ) -> Any:
+        """A prepared NIXL descriptor list of every page unit of a pool at `base`."""
+        units = page_units(geo)
+        descs = np.stack(
+            [units[:, 0] + base, units[:, 1], np.full(len(units), device_id, dtype=np.int64)],
+            axis=1,
+        )
+        return self.agent.agent.prep_xfer_dlist(name, descs, mem_type)
 
     # ---- peers -----------------------------------------------------------
 
@@ -204,55 +252,57 @@ class NixlTransport:
             raise ValueError(str(err)) from None
 
     def register_peer(self, peer: str, region: NixlRegion, shape: KVPoolShape) -> None:
-        """Add `peer`'s agent; a new agent (the peer restarted) replaces the old one."""
+        """Add `peer`'s agent and prepare its page units; a new agent (the peer
+        restarted) replaces the old one."""
         check_address(peer)
         self.check_region(region, shape)
-        with self._lock:
-            old = self._peers.get(peer)
-            if old is not None and old.region == region:
-                return
-        remote = self.agent.agent.add_remote_agent(region.agent_metadata)
+        old = self._peers.find(peer)
+        if old is not None and old.region == region:
+            return
+        nx = self.agent.agent
+        remote = nx.add_remote_agent(region.agent_metadata)
         if isinstance(remote, bytes):
             remote = remote.decode()
         if remote != region.agent_name:
-            self.agent.agent.remove_remote_agent(remote)
+            nx.remove_remote_agent(remote)
             raise ValueError(
                 f"the peer's NIXL metadata names agent {remote!r}, "
                 f"its registration {region.agent_name!r}"
             )
-        with self._lock:
-            self._peers[peer] = _Peer(region, remote, geometry_of(shape))
-        if old is not None and old.remote != remote:
-            try:  # the peer's previous process: nothing more goes to it
-                self.agent.agent.remove_remote_agent(old.remote)
-            except Exception as err:
-                log.warning("nixl: removing the old agent of %s failed: %s", peer, err)
+        geometry = geometry_of(shape)
+        try:
+            units = self._prep_units(
+                remote, geometry, region.base_address, region.device_id, region.mem_type
+            )
+        except Exception as err:
+            nx.remove_remote_agent(remote)
+            raise ValueError(f"NIXL refused the peer's region: {err}") from None
+        old = self._peers.put(peer, _Peer(region, remote, geometry, units))
+        if old is not None:  # the peer's previous process: nothing more goes to it
+            self._release_peer(peer, old, remove_agent=old.remote != remote)
 
     def has_peer(self, peer: str, region: NixlRegion) -> bool:
-        with self._lock:
-            known = self._peers.get(peer)
-            return known is not None and known.region == region
+        known = self._peers.find(peer)
+        return known is not None and known.region == region
 
     def unregister_peer(self, peer: str) -> None:
-        with self._lock:
-            known = self._peers.pop(peer, None)
+        known = self._peers.pop(peer)
         if known is not None:
-            try:
-                self.agent.agent.remove_remote_agent(known.remote)
-            except Exception as err:
-                log.warning("nixl: removing agent of %s failed: %s", peer, err)
+            self._release_peer(peer, known, remove_agent=True)
 
-    def _peer(self, peer: str) -> _Peer:
-        with self._lock:
-            known = self._peers.get(peer)
-        if known is None:
-            raise ValueError(f"no NIXL agent registered for peer {peer}")
-        return known
+    def _release_peer(self, peer: str, known: _Peer, remove_agent: bool) -> None:
+        with self._posting:
+            try:
+                self.agent.agent.release_dlist_handle(known.units)
+                if remove_agent:
+                    self.agent.agent.remove_remote_agent(known.remote)
+            except Exception as err:
+                log.warning("nixl: releasing the agent of %s failed: %s", peer, err)
 
     # ---- Transport -------------------------------------------------------
 
     def check(self, job: TransferJob, src: PoolGeometry) -> None:
-        check_job(job, src, self._peer(job.peer).geometry)
+        check_job(job, src, self._peers.get(job.peer).geometry)
 
     def send_frame(
         self, job: TransferJob, header: KVFrameHeader, payload: torch.Tensor, on_done: FrameDone
@@ -269,22 +319,69 @@ class NixlTransport:
         slots: torch.Tensor,
         on_done: FrameDone,
     ) -> None:
-        """Post one WRITE for the frame; `on_done` fires when NIXL reports it finished."""
-        try:
-            peer = self._peer(job.peer)
-        except ValueError:
-            on_done("peer_unregistered")
-            return
+        """Post the frame's WRITEs; `on_done` fires once NIXL reports all of them finished."""
         assert job.dst_slots is not None  # check() guarantees it
         start = header.token_start - job.token_start
         dst_slots = np.asarray(job.dst_slots[start : start + header.num_tokens], dtype=np.int64)
-        runs = copy_runs(
-            slots.cpu().numpy(), dst_slots, self.local.page_size, peer.geometry.page_size
-        )
+        with self._posting:
+            peer = self._peers.find(job.peer)
+            if peer is None:
+                on_done("peer_unregistered")
+                return
+            try:
+                handles = self._make_writes(job, peer, slots.cpu().numpy(), dst_slots)
+            except Exception as err:  # nothing was posted: the frame fails here
+                on_done(f"nixl_write_failed: {err}")
+                return
+            if not handles:  # a frame of no tokens: nothing to write
+                on_done(None)
+                return
+            self._post(job.room, handles, _joined(on_done, len(handles)))
+
+    def _make_writes(
+        self, job: TransferJob, peer: _Peer, src_slots: np.ndarray, dst_slots: np.ndarray
+    ) -> list[Any]:
+        """The frame's WRITE requests, not yet posted: page units, then the rest."""
+        geo = peer.geometry
+        runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
         layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
-        table = plan_descriptors(
-            self.local, peer.geometry, runs, layer_pairs, job.src_heads, job.dst_heads
-        )
+        if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
+            pages, runs = split_runs(runs, self.local.page_size)
+        else:
+            pages = np.zeros((0, 2), dtype=np.int64)
+        nx = self.agent.agent
+        handles: list[Any] = []
+        nbytes = descriptors = 0
+        try:
+            if len(pages):
+                local, remote = page_unit_indices(
+                    self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
+                )
+                handles.append(
+                    nx.make_prepped_xfer("WRITE", self._units, local, peer.units, remote)
+                )
+                descriptors += len(local)
+                nbytes += len(local) * unit_bytes(self.local)
+            if runs:
+                table = plan_descriptors(
+                    self.local, geo, runs, layer_pairs, job.src_heads, job.dst_heads
+                )
+                handles.append(self._initialize_write(table, peer))
+                descriptors += len(table)
+                nbytes += int(table[:, 2].sum())
+        except Exception:
+            for handle in handles:
+                self._release(handle)
+            raise
+        with self._lock:
+            self.stats["writes"] += len(handles)
+            self.stats["prepped_writes"] += 1 if len(pages) else 0
+            self.stats["descriptors"] += descriptors
+            self.stats["bytes"] += nbytes
+        return handles
+
+    def _initialize_write(self, table: np.ndarray, peer: _Peer) -> Any:
+        """A WRITE from per-frame descriptors ([n, 3] src offset, dst offset, bytes)."""
         region = peer.region
         local = np.stack(
             [
@@ -303,24 +400,31 @@ class NixlTransport:
             axis=1,
         )
         nx = self.agent.agent
-        handle = nx.initialize_xfer(
+        return nx.initialize_xfer(
             "WRITE",
             nx.get_xfer_descs(local, self.agent.mem_type),
             nx.get_xfer_descs(remote, region.mem_type),
             peer.remote,
         )
-        state = nx.transfer(handle)
-        with self._lock:
-            self.stats["writes"] += 1
-            self.stats["descriptors"] += len(table)
-            self.stats["bytes"] += int(table[:, 2].sum())
-        if state == "ERR":
-            self._release(handle)
-            on_done("nixl_write_failed: the UCX backend refused the WRITE")
-            return
-        with self._lock:
-            self._writes.append(_Write(job.room, handle, on_done, time.monotonic()))
-            self._lock.notify_all()
+
+    def _post(self, room: int, handles: list[Any], on_done: FrameDone) -> None:
+        nx = self.agent.agent
+        for handle in handles:
+            try:
+                state = nx.transfer(handle)
+            except Exception as err:
+                state, why = "ERR", str(err)
+            else:
+                why = "the UCX backend refused the WRITE"
+            if state == "ERR":
+                self._release(handle)
+                with self._lock:
+                    self.stats["errors"] += 1
+                on_done(f"nixl_write_failed: {why}")
+                continue
+            with self._lock:
+                self._writes.append(_Write(room, handle, on_done, time.monotonic()))
+                self._lock.notify_all()
 
     def discard(self, room: int) -> None:
         """Nothing to withdraw: posted WRITEs finish (or time out) on their own."""
@@ -382,3 +486,21 @@ class NixlTransport:
             log.debug("nixl: releasing a transfer handle failed (still in flight?): %s", err)
             return False
         return True
+
+
+def _joined(on_done: FrameDone, num_results: int) -> FrameDone:
+    """`on_done` once, after `num_results` calls, with the first error among them."""
+    lock = threading.Lock()
+    left = [num_results]
+    errors: list[str] = []
+
+    def one(error: str | None) -> None:
+        with lock:
+            if error is not None:
+                errors.append(error)
+            left[0] -= 1
+            if left[0]:
+                return
+        on_done(errors[0] if errors else None)
+
+    return one

@@ -189,3 +189,106 @@ def _check_runs(r: np.ndarray, geo: RegionGeometry, whose: str) -> None:
         raise PlanError(f"{whose} slots outside the pool's 0..{num_slots - 1}")
     if ((start % geo.page_size) + length > geo.page_size).any():
         raise PlanError(f"a token run crosses one of {whose} page boundaries")
+
+
+# ---- page units: descriptor lists prepared once per registration ------------
+#
+# A pool is also a row of equal tiles, its *page units*: one per (layer, K|V,
+# page) in NHD, one per (layer, K|V, page, head) in HND; unit i starts at
+# byte i * unit_bytes. NIXL prepares a descriptor list of every unit of a pool
+# once (ours at start, a peer's when it registers), and a frame then names
+# units by index instead of building and checking descriptors per WRITE. A
+# run moves as page units only when it is one whole page on both sides and
+# the units carry exactly the frame's heads (NHD: every head on both sides);
+# the rest of a frame (a partial first or last page, NHD head slices) keeps
+# per-frame descriptors from `plan_descriptors`.
+
+MAX_UNITS = 2**31 - 1  # NIXL takes unit indices as int32
+
+
+def unit_bytes(geo: RegionGeometry) -> int:
+    """Bytes of one page unit: a page of every head (NHD) or of one head (HND)."""
+    heads = geo.num_kv_heads if geo.layout == KVLayout.NHD else 1
+    return geo.page_size * heads * geo.head_dim * geo.item_size
+
+
+def num_units(geo: RegionGeometry) -> int:
+    return geo.nbytes // unit_bytes(geo)
+
+
+def page_units(geo: RegionGeometry) -> np.ndarray:
+    """[units, 2] int64 (offset, nbytes) of every page unit of the pool, in index order."""
+    n = num_units(geo)
+    if n > MAX_UNITS:
+        raise PlanError(f"a pool of {n} page units exceeds NIXL's {MAX_UNITS} descriptors")
+    size = unit_bytes(geo)
+    return np.stack([np.arange(n, dtype=np.int64) * size, np.full(n, size, np.int64)], axis=1)
+
+
+def can_use_page_units(
+    src: RegionGeometry,
+    dst: RegionGeometry,
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> bool:
+    """Whether whole-page runs of this pairing move as page units."""
+    if src.page_size != dst.page_size or src.layout != dst.layout:
+        return False
+    if src.layout == KVLayout.HND:
+        return True  # a unit is one head: any head slice is a set of units
+    return src_heads == (0, src.num_kv_heads) and dst_heads == (0, dst.num_kv_heads)
+
+
+def split_runs(
+    runs: Sequence[tuple[int, int, int]], page_size: int
+) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """([k, 2] int64 (src_page, dst_page) of the runs that are one whole page on
+    both sides, the other runs unchanged)."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    whole = (r[:, 0] % page_size == 0) & (r[:, 1] % page_size == 0) & (r[:, 2] == page_size)
+    pages = r[whole][:, :2] // page_size
+    rest = [(int(a), int(b), int(n)) for a, b, n in r[~whole]]
+    return pages, rest
+
+
+def page_unit_indices(
+    src: RegionGeometry,
+    dst: RegionGeometry,
+    pages: np.ndarray,
+    layer_pairs: Sequence[tuple[int, int]],
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """int32 unit indices (ours, the peer's), pair by pair, that move `pages`
+    ([k, 2] (src_page, dst_page)) of the given layers and heads.
+
+    Ordered by layer pair, K|V, page, head — the source's memory order, so
+    units that follow each other on both sides stay neighbours in the list.
+    """
+    if not can_use_page_units(src, dst, src_heads, dst_heads):
+        raise PlanError("these pools or head slices cannot move as page units")
+    num_heads = src_heads[1] - src_heads[0]
+    if num_heads < 1 or dst_heads[1] - dst_heads[0] != num_heads:
+        raise PlanError(f"head slices {src_heads} and {dst_heads} differ in size or are empty")
+    p = np.asarray(pages, dtype=np.int64).reshape(-1, 2)
+    lp = np.asarray(layer_pairs, dtype=np.int64).reshape(-1, 2)
+    for col, geo, whose in ((0, src, "our"), (1, dst, "the peer's")):
+        if len(p) and (p[:, col].min() < 0 or p[:, col].max() >= geo.num_pages):
+            raise PlanError(f"{whose} pages outside 0..{geo.num_pages - 1}")
+        if len(lp) and (lp[:, col].min() < 0 or lp[:, col].max() >= geo.num_layers):
+            raise PlanError(f"{whose} layers outside 0..{geo.num_layers - 1}")
+    kv = np.arange(2, dtype=np.int64)[None, :, None, None]
+    if src.layout == KVLayout.HND:
+        heads = np.arange(num_heads, dtype=np.int64)[None, None, None, :]
+    else:
+        heads = np.zeros((1, 1, 1, 1), dtype=np.int64)
+
+    def units(geo: RegionGeometry, layers: np.ndarray, pg: np.ndarray, first: int) -> np.ndarray:
+        block = (layers[:, None, None, None] * 2 + kv) * geo.num_pages + pg[None, None, :, None]
+        if geo.layout == KVLayout.HND:
+            block = block * geo.num_kv_heads + first + heads
+        return np.broadcast_to(block, (len(layers), 2, len(pg), heads.shape[3])).ravel()
+
+    local = units(src, lp[:, 0], p[:, 0], src_heads[0])
+    remote = units(dst, lp[:, 1], p[:, 1], dst_heads[0])
+    return local.astype(np.int32), remote.astype(np.int32)

@@ -17,7 +17,6 @@ ack (one-sided transports never release on timeout alone).
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +27,7 @@ from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint, check_address
 from pdcluster.runtime.transfer.frames import KVFrameHeader, PoolGeometry
 from pdcluster.runtime.transfer.job import TransferJob, check_job
+from pdcluster.runtime.transfer.peer_table import PeerTable
 from pdcluster.runtime.transfer.sender import FrameDone
 from pdcluster.runtime.transfer.staging import scatter_bytes
 
@@ -43,8 +43,7 @@ class ShmTransport:
     def __init__(self, endpoint: Endpoint, min_run_bytes: int = MIN_RUN_BYTES) -> None:
         self.endpoint = endpoint
         self.min_run_bytes = min_run_bytes  # shorter average runs: gather + scatter instead
-        self._lock = threading.Lock()
-        self._pools: dict[str, KVPool] = {}
+        self._pools: PeerTable[KVPool] = PeerTable("shared-memory pool")
 
     def register_peer(self, peer: str, shm_path: str, shape: KVPoolShape) -> None:
         """Map `peer`'s pool file. Raises ValueError if it is missing or of another size."""
@@ -58,21 +57,14 @@ class ShmTransport:
                 f"peer {peer} pool file {shm_path!r} holds {size} bytes, "
                 f"its registered layout needs {shape.nbytes}"
             )
-        pool = KVPool(shape, shm_path=shm_path)
-        with self._lock:
-            self._pools[peer] = pool
+        self._pools.put(peer, KVPool(shape, shm_path=shm_path))
 
     def unregister_peer(self, peer: str) -> None:
         """Unmap `peer`'s pool (drain its rooms first)."""
-        with self._lock:
-            self._pools.pop(peer, None)
+        self._pools.pop(peer)
 
     def peer_pool(self, peer: str) -> KVPool:
-        with self._lock:
-            pool = self._pools.get(peer)
-        if pool is None:
-            raise ValueError(f"no shared-memory pool registered for peer {peer}")
-        return pool
+        return self._pools.get(peer)
 
     def check(self, job: TransferJob, src: PoolGeometry) -> None:
         check_job(job, src, self.peer_pool(job.peer).shape)
@@ -82,9 +74,8 @@ class ShmTransport:
     ) -> tuple[KVPool, Sequence[int]] | None:
         """The peer's pool and the job's slots in it; None (the frame failed) once
         the peer is gone."""
-        try:
-            dst = self.peer_pool(job.peer)
-        except ValueError:
+        dst = self._pools.find(job.peer)
+        if dst is None:
             on_done("peer_unregistered")
             return None
         assert job.dst_slots is not None  # check() guarantees it

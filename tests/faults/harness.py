@@ -34,6 +34,7 @@ from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_po
 from pdcluster.runtime.spec import PDCluster
 from tests.faults.rogue import PREFILL_LISTENERS, Background
 from tests.local.cluster import write_manifest
+from tests.pd_integration.reference import colocated_outputs
 
 TOKEN = "fault-suite-" + secrets.token_hex(8)
 # Workers' data plane and info need the cluster token, as a PD router sends it.
@@ -587,3 +588,49 @@ def make_prompts(n: int, seed: int, lo: int = 1, hi: int = 64) -> list[list[int]
 
     rng = random.Random(seed)
     return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- one-sided writers
+
+
+def held_pages(cluster: FaultCluster, name: str) -> int:
+    """Pages of worker `name` reserved now."""
+    info = cluster.info(name)
+    held: int = info["num_total_pages"] - info["num_free_pages"]
+    return held
+
+
+def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
+    """Two long prompts prefill-1 -> decode-0 (left to the workers' own detection);
+    returns once prefill-1 writes into decode-0. A prefill-1 an earlier scenario
+    killed is restarted first."""
+    if cluster.launcher.procs["prefill-1"].poll() is not None:
+        cluster.restart("prefill-1")
+    victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
+    jobs = [
+        lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, 4, propagate=False)
+        for p in victims
+    ]
+    traffic = Background(client.many, jobs)
+    peer = cluster.peer("prefill-1")
+
+    def writing() -> bool:
+        return any(
+            r["state"] == "Transferring" and peer in r["peers"] for r in cluster.rooms("decode-0")
+        )
+
+    wait_until(writing, 30, 0.005, "prefill-1 writing into decode-0")
+    return traffic
+
+
+def survivors_served(cluster: FaultCluster, client: PDClient, seed: int) -> None:
+    """Four prompts prefill-0 -> decode-0, each equal to its colocated output: pages
+    reused after a writer's failure hold none of its late bytes."""
+    prompts = make_prompts(4, seed=seed, lo=200, hi=900)
+    expected = colocated_outputs(cluster.manifest, prompts, 32)
+    results = client.many(
+        [lambda p=p: client.pair(cluster, "prefill-0", "decode-0", p, 32) for p in prompts]
+    )
+    for res, want in zip(results, expected, strict=True):
+        assert res.decode.ok, res.decode.error
+        assert res.decode.output_ids == want, "a page was reused while a writer could reach it"

@@ -31,11 +31,14 @@ from tests.faults.harness import (
     PDResult,
     base_spec,
     gen_body,
+    held_pages,
     make_prompts,
     mint_rid,
     mint_room,
+    one_sided_victims,
     post_leg,
     run_all,
+    survivors_served,
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
@@ -101,45 +104,6 @@ def test_one_sided_pages_wait_for_the_ack_not_a_timer(
         one_sided.assert_clean(["decode-0"], timeout=3)
     finally:
         rogue.close()
-
-
-def held_pages(cluster: FaultCluster, name: str) -> int:
-    info = cluster.info(name)
-    held: int = info["num_total_pages"] - info["num_free_pages"]
-    return held
-
-
-def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
-    """Two long requests from prefill-1 (restarted first if a scenario killed it) to
-    decode-0, once prefill-1 is writing into decode-0."""
-    if cluster.launcher.procs["prefill-1"].poll() is not None:
-        cluster.restart("prefill-1")
-    victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
-    jobs = [
-        lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, MAX_TOKENS, propagate=False)
-        for p in victims
-    ]
-    traffic = Background(client.many, jobs)
-    peer = cluster.peer("prefill-1")
-
-    def writing() -> bool:
-        return any(
-            r["state"] == "Transferring" and peer in r["peers"] for r in cluster.rooms("decode-0")
-        )
-
-    wait_until(writing, 30, 0.005, "prefill-1 writing into decode-0")
-    return traffic
-
-
-def survivors_served(cluster: FaultCluster, client: PDClient, seed: int) -> None:
-    prompts = make_prompts(4, seed=seed, lo=200, hi=900)
-    expected = colocated_outputs(cluster.manifest, prompts, 32)
-    results = client.many(
-        [lambda p=p: client.pair(cluster, "prefill-0", "decode-0", p, 32) for p in prompts]
-    )
-    for res, want in zip(results, expected, strict=True):
-        assert res.decode.ok, res.decode.error
-        assert res.decode.output_ids == want, "a page was reused while a writer could reach it"
 
 
 @pytest.mark.slow

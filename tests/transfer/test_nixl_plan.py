@@ -9,9 +9,14 @@ from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.nixl_plan import (
     PlanError,
     RegionGeometry,
+    can_use_page_units,
     check_geometries,
     merge_descriptors,
+    page_unit_indices,
+    page_units,
     plan_descriptors,
+    split_runs,
+    unit_bytes,
 )
 
 
@@ -184,3 +189,82 @@ def test_merge_keeps_rows_that_do_not_continue_on_both_sides() -> None:
 
 def test_no_runs_no_descriptors() -> None:
     assert plan_descriptors(geo(), geo(), [], [(0, 0)], (0, 1), (0, 1)).shape == (0, 3)
+
+
+# ---- page units (descriptor lists prepared once per registration) -------------
+
+
+def unit_table(src, dst, local, remote) -> np.ndarray:
+    """The (src offset, dst offset, bytes) rows a prepared WRITE of these unit indices moves."""
+    s_units, d_units = page_units(src), page_units(dst)
+    assert (s_units[local, 1] == d_units[remote, 1]).all()
+    return np.stack([s_units[local, 0], d_units[remote, 0], s_units[local, 1]], axis=1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames())
+def test_page_units_and_the_rest_move_what_per_frame_descriptors_move(case) -> None:
+    src, dst, src_slots, dst_slots, pairs, sh, dh = case
+    rng = np.random.default_rng(1)
+    src_bytes = rng.integers(1, 255, src.nbytes, dtype=np.uint8)
+    runs = runs_of(src_slots, dst_slots, src.page_size, dst.page_size)
+    want = np.zeros(dst.nbytes, dtype=np.uint8)
+    execute(plan_descriptors(src, dst, runs, pairs, sh, dh), src_bytes, want)
+    got = np.zeros(dst.nbytes, dtype=np.uint8)
+    rest = runs
+    if can_use_page_units(src, dst, sh, dh):
+        pages, rest = split_runs(runs, src.page_size)
+        local, remote = page_unit_indices(src, dst, pages, pairs, sh, dh)
+        assert local.dtype == remote.dtype == np.int32
+        execute(unit_table(src, dst, local, remote), src_bytes, got)
+    if rest:
+        execute(plan_descriptors(src, dst, rest, pairs, sh, dh), src_bytes, got)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND])
+def test_page_units_tile_the_whole_pool(layout) -> None:
+    g = geo(layout=layout)
+    units = page_units(g)
+    assert units[0, 0] == 0 and (np.diff(units[:, 0]) == units[:-1, 1]).all()
+    assert units[:, 1].sum() == g.nbytes and (units[:, 1] == unit_bytes(g)).all()
+
+
+def test_only_whole_pages_on_both_sides_move_as_units() -> None:
+    runs = [(0, 8, 4), (5, 13, 3), (16, 20, 4), (24, 1, 4), (28, 28, 2)]
+    pages, rest = split_runs(runs, 4)
+    assert pages.tolist() == [[0, 2], [4, 5]]
+    assert rest == [(5, 13, 3), (24, 1, 4), (28, 28, 2)]
+
+
+def test_a_whole_page_of_hnd_is_one_unit_per_head_of_the_slice() -> None:
+    src, dst = geo(layout=KVLayout.HND, heads=4), geo(layout=KVLayout.HND, heads=2)
+    local, remote = page_unit_indices(src, dst, np.array([[3, 5]]), [(1, 0)], (2, 4), (0, 2))
+    # (layer, K|V, page, head) -> ((layer * 2 + kv) * pages + page) * heads + head
+    assert local.tolist() == [(2 * 8 + 3) * 4 + 2, (2 * 8 + 3) * 4 + 3,
+                              (3 * 8 + 3) * 4 + 2, (3 * 8 + 3) * 4 + 3]  # fmt: skip
+    assert remote.tolist() == [(0 * 8 + 5) * 2, (0 * 8 + 5) * 2 + 1,
+                               (1 * 8 + 5) * 2, (1 * 8 + 5) * 2 + 1]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "src, dst, sh, dh",
+    [
+        (geo(heads=4), geo(heads=2), (0, 2), (0, 2)),  # an NHD head slice: not whole rows
+        (geo(ps=4), geo(ps=8), (0, 4), (0, 4)),  # pages of another size
+    ],
+)
+def test_pairings_page_units_cannot_carry_are_left_to_per_frame_descriptors(
+    src, dst, sh, dh
+) -> None:
+    assert not can_use_page_units(src, dst, sh, dh)
+    with pytest.raises(PlanError, match="page units"):
+        page_unit_indices(src, dst, np.array([[0, 0]]), [(0, 0)], sh, dh)
+
+
+def test_page_units_outside_either_pool_are_refused() -> None:
+    g = geo()
+    with pytest.raises(PlanError, match="the peer's pages outside"):
+        page_unit_indices(g, g, np.array([[0, 8]]), [(0, 0)], (0, 4), (0, 4))
+    with pytest.raises(PlanError, match="our layers outside"):
+        page_unit_indices(g, g, np.array([[0, 0]]), [(2, 0)], (0, 4), (0, 4))

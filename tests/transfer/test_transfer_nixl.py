@@ -98,6 +98,55 @@ def test_head_slices_and_layer_ranges_land_in_place(link, layout, dst_layers):
     assert torch.equal(bits(dst.buffer), bits(want))
 
 
+class Calls:
+    """Counts calls of the NIXL agent methods it wraps (the real ones still run)."""
+
+    def __init__(self, nx, *names: str) -> None:
+        self.count = dict.fromkeys(names, 0)
+        for name in names:
+            real = getattr(nx, name)
+
+            def counted(*args, _name=name, _real=real, **kwargs):
+                self.count[_name] += 1
+                return _real(*args, **kwargs)
+
+            setattr(nx, name, counted)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_whole_pages_use_the_lists_prepared_at_registration(link, layout):
+    """Frames of whole pages build no descriptor list: they name prepared page units."""
+    shape = make_shape(num_pages=64, page_size=4, layout=layout)
+    src, dst = random_pool(shape, 26), random_pool(shape, 27)
+    t = transport(link, src, dst)
+    calls = Calls(t.agent.agent, "prep_xfer_dlist", "initialize_xfer", "make_prepped_xfer")
+    sender = KVSender(src, t, SenderConfig())  # frames cut at page boundaries
+    sender.start()
+    want = KVPool(shape)
+    want.buffer.copy_(dst.buffer)
+    for room, tokens in ((31, (0, 32)), (32, (4, 48)), (33, (2, 19))):
+        job = nixl_job(
+            random_table(12, 64, room), random_table(12, 64, room + 50), link,
+            tokens=tokens, room=room,
+        )  # fmt: skip
+        layers, heads = (0, 1, 2), (0, 4)
+        want.buffer.copy_(
+            expected_pool(src, want, job.src_slots, job.dst_slots, layers, layers, heads, heads)
+        )
+        assert sender.submit(job)
+        link.inbox.wait_for(job.notify)
+        assert sender.drain(room, timeout=10)
+        if tokens[0] % 4 == 0 and tokens[1] % 4 == 0:
+            assert calls.count["initialize_xfer"] == 0, "per-frame descriptors for whole pages"
+    sender.close()
+    t.close()
+    assert calls.count["prep_xfer_dlist"] == 0  # prepared at registration, not per frame
+    assert calls.count["make_prepped_xfer"] >= 3
+    assert calls.count["initialize_xfer"] >= 1  # room 33's partial pages
+    assert t.stats["errors"] == 0
+    assert torch.equal(bits(dst.buffer), bits(want.buffer))
+
+
 def test_a_room_stays_in_flight_until_its_handles_report_done(link):
     """Success (and an abort's ack) wait for in_flight == 0: it must cover posted WRITEs."""
     shape = make_shape()

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from pdcluster.runtime.spec import API_GROUP, API_VERSION, KIND
+from pdcluster.runtime.spec import API_GROUP, API_VERSION, KIND, Role
 
 GROUP = API_GROUP
 VERSION = API_VERSION
@@ -43,7 +43,20 @@ __all__ = [
     "RouterStatus",
     "InstanceBackoff",
     "KVTransportStatus",
+    "RoleAutoscalingStatus",
+    "RoleScalerSpec",
+    "RoleScalerStatus",
+    "SCALER_KIND",
+    "SCALER_PLURAL",
 ]
+
+# The per-role scale target: one PDClusterRoleScaler per role of a PDCluster,
+# with a /scale subresource, so kubectl scale, an HPA or KEDA drive one role.
+SCALER_KIND = "PDClusterRoleScaler"
+SCALER_PLURAL = "pdclusterrolescalers"
+SCALER_SINGULAR = "pdclusterrolescaler"
+SCALER_SHORT_NAMES = ("pdcrs",)
+SCALER_CRD_NAME = f"{SCALER_PLURAL}.{GROUP}"
 
 
 class _StatusModel(BaseModel):
@@ -109,6 +122,25 @@ class KVTransportStatus(_StatusModel):
         return self.rdma_requested and self.tcp_fallback
 
 
+class RoleAutoscalingStatus(_StatusModel):
+    """The built-in autoscaler's last decision for one role (`autoscale/step.py`)."""
+
+    metric: str = Field(description="the target's metric, e.g. ttftP90Seconds")
+    target: float = Field(description="the metric's target value")
+    last_value: float | None = Field(
+        default=None, description="the last value measured (kept while samples are missing)"
+    )
+    last_value_time: str | None = Field(default=None, description="RFC 3339, when it was measured")
+    current: int = Field(ge=0, description="replicas when the decision was made")
+    desired: int = Field(ge=0, description="replicas decided")
+    reason: str = Field(min_length=1, description="ScaleUp, ScaleDown, MetricMissing, ...")
+    message: str = Field(default="", max_length=1024)
+    last_decision_time: str = Field(description="RFC 3339")
+    last_scale_time: str | None = Field(
+        default=None, description="RFC 3339, when the autoscaler last changed replicas"
+    )
+
+
 class RoleStatus(_StatusModel):
     desired: int = Field(default=0, ge=0, description="instances asked for")
     ready: int = Field(default=0, ge=0, description="instance slots served by a Ready instance")
@@ -120,6 +152,7 @@ class RoleStatus(_StatusModel):
     budget_window_start: str | None = Field(default=None, description="RFC 3339")
     backoff: list[InstanceBackoff] = Field(default_factory=list)
     kv_transport: KVTransportStatus | None = None
+    autoscaling: RoleAutoscalingStatus | None = None
 
 
 class RouterStatus(_StatusModel):
@@ -147,6 +180,37 @@ class PDClusterStatus(_StatusModel):
     def role(self, name: str) -> RoleStatus | None:
         value: RoleStatus | None = getattr(self, name)
         return value
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class _SpecModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class RoleScalerSpec(_SpecModel):
+    """Desired replicas of one role of a PDCluster; the /scale subresource's `spec.replicas`."""
+
+    cluster: str = Field(
+        min_length=1, max_length=63, description="the PDCluster (same namespace) it scales"
+    )
+    role: Role = Field(description="the role it scales")
+    replicas: int = Field(ge=0, le=1024, description="instances of the role")
+
+
+class RoleScalerStatus(_StatusModel):
+    """Observed state of a scaler, written by the operator."""
+
+    replicas: int = Field(default=0, ge=0, description="instances of the role that exist")
+    selector: str = Field(default="", description="label selector of the role's pods")
+    synced_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas the PDCluster and the scaler agreed on at the last sync",
+    )
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -97,6 +97,11 @@ def bootstrap_service_name(cluster: str, instance: int, template_hash: str) -> s
     return fit_name(cluster, f"prefill-{instance}-{template_hash}-bs")
 
 
+def role_scaler_name(cluster: str, role: Role) -> str:
+    """The role's PDClusterRoleScaler: `kubectl scale pdcrs <cluster>-decode --replicas=N`."""
+    return fit_name(cluster, role.value)
+
+
 def router_name(cluster: str) -> str:
     return fit_name(cluster, "router")
 

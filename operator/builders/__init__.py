@@ -15,6 +15,11 @@ from pdcluster.operator.builders.desired import DesiredRole, DesiredState, build
 from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
 from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
+from pdcluster.operator.builders.scaler import (
+    build_role_scaler,
+    build_role_scaler_status,
+    build_role_scalers,
+)
 from pdcluster.operator.builders.workers import (
     BuildError,
     InstanceKey,
@@ -43,6 +48,9 @@ __all__ = [
     "build_desired",
     "build_instance",
     "build_network_policies",
+    "build_role_scaler",
+    "build_role_scaler_status",
+    "build_role_scalers",
     "build_router_deployment",
     "build_router_service",
     "build_runtime_rbac",

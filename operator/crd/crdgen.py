@@ -1,12 +1,15 @@
-"""Generate the PDCluster CustomResourceDefinition from the models.
+"""Generate the CustomResourceDefinitions from the models.
 
     python -m pdcluster.operator.crd.crdgen                      # YAML on stdout
     python -m pdcluster.operator.crd.crdgen -o crds/pdcluster.io_pdclusters.yaml \
         -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
+    python -m pdcluster.operator.crd.crdgen --kind PDClusterRoleScaler -o ...
 
-The spec schema comes from `pdcluster.runtime.spec.PDClusterSpec`, the status
-schema from `pdcluster.operator.api.PDClusterStatus`; CEL rules from
-`cel_rules`. The operator applies the same object at start-up (so a Helm
+The PDCluster's spec schema comes from `pdcluster.runtime.spec.PDClusterSpec`,
+its status schema from `pdcluster.operator.api.PDClusterStatus`; CEL rules
+from `cel_rules`. The PDClusterRoleScaler (one per role, a /scale target for
+kubectl scale, HPA and KEDA) comes from `api.RoleScalerSpec` and
+`api.RoleScalerStatus`. The operator applies the same object at start-up (so a Helm
 upgrade updates the CRD), and a test fails when the committed YAML differs
 from a fresh generation.
 
@@ -27,10 +30,17 @@ from pdcluster.operator.api import (
     GROUP,
     KIND,
     PLURAL,
+    SCALER_CRD_NAME,
+    SCALER_KIND,
+    SCALER_PLURAL,
+    SCALER_SHORT_NAMES,
+    SCALER_SINGULAR,
     SHORT_NAMES,
     SINGULAR,
     VERSION,
     PDClusterStatus,
+    RoleScalerSpec,
+    RoleScalerStatus,
 )
 from pdcluster.operator.crd import cel_rules, field_docs
 from pdcluster.operator.crd.structural import Schema, check_structural, to_structural, walk
@@ -175,16 +185,101 @@ def build_crd() -> dict[str, Any]:
     }
 
 
-def render_crd_yaml() -> str:
-    body = yaml.safe_dump(build_crd(), sort_keys=False, width=100, allow_unicode=True)
+SCALER_SCALE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+
+SCALER_PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Cluster", "type": "string", "jsonPath": ".spec.cluster"},
+    {"name": "Role", "type": "string", "jsonPath": ".spec.role"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+    {
+        "name": "Current",
+        "type": "integer",
+        "jsonPath": ".status.replicas",
+        "description": "instances that exist",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+# A scaler names its cluster and role once: moving it would leave two scalers
+# fighting over one role.
+_IMMUTABLE = {"rule": "self == oldSelf", "message": "is immutable"}
+
+
+def build_scaler_crd() -> dict[str, Any]:
+    """The PDClusterRoleScaler CRD: spec.replicas and status.replicas/selector behind /scale."""
+    spec = _model_schema(RoleScalerSpec)
+    spec["description"] = _description(RoleScalerSpec)
+    for name in ("cluster", "role"):
+        spec["properties"][name]["x-kubernetes-validations"] = [dict(_IMMUTABLE)]
+    status = _model_schema(RoleScalerStatus)
+    status["description"] = _description(RoleScalerStatus)
+    for _, node in walk(status):
+        node.pop("default", None)
+    schema: Schema = {
+        "type": "object",
+        "description": "The scale target of one role of a PDCluster (kubectl scale, HPA, KEDA).",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    problems = [p for p in check_structural(schema) if not p.startswith("<root>.metadata")]
+    if problems:
+        raise ValueError("generated CRD schema is not structural: " + "; ".join(problems))
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": SCALER_CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "pdcluster"},
+        },
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": SCALER_KIND,
+                "listKind": f"{SCALER_KIND}List",
+                "plural": SCALER_PLURAL,
+                "singular": SCALER_SINGULAR,
+                "shortNames": list(SCALER_SHORT_NAMES),
+                "categories": ["pdcluster"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}, "scale": dict(SCALER_SCALE)},
+                    "additionalPrinterColumns": [dict(c) for c in SCALER_PRINTER_COLUMNS],
+                }
+            ],
+        },
+    }
+
+
+BUILDERS = {KIND: build_crd, SCALER_KIND: build_scaler_crd}
+
+
+def render_crd_yaml(kind: str = KIND) -> str:
+    body = yaml.safe_dump(BUILDERS[kind](), sort_keys=False, width=100, allow_unicode=True)
     return HEADER + body
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdcluster.operator.crd.crdgen")
     parser.add_argument("-o", "--output", action="append", default=[], help="write here")
+    parser.add_argument("--kind", choices=sorted(BUILDERS), default=KIND, help="which CRD")
     args = parser.parse_args(argv)
-    text = render_crd_yaml()
+    text = render_crd_yaml(args.kind)
     if not args.output:
         sys.stdout.write(text)
     for path in args.output:

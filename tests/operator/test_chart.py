@@ -180,7 +180,8 @@ def test_rbac_is_least_privilege() -> None:
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
     crd_rules = [r for r in rules if r["apiGroups"] == ["apiextensions.k8s.io"]]
     assert all(
-        r.get("resourceNames") == ["pdclusters.pdcluster.io"] or r["verbs"] == ["create"]
+        r.get("resourceNames") == ["pdclusters.pdcluster.io", "pdclusterrolescalers.pdcluster.io"]
+        or r["verbs"] == ["create"]
         for r in crd_rules
     )
     # The Role the operator hands to a cluster's pods must be a subset of its own grants.
@@ -202,6 +203,11 @@ def test_rbac_is_least_privilege() -> None:
         ("secrets", "create"),
         ("secrets", "get"),
         ("pdclusters/status", "patch"),
+        # The per-role scalers: created with the cluster, their /scale value synced both ways.
+        ("pdclusterrolescalers", "create"),
+        ("pdclusterrolescalers", "patch"),
+        ("pdclusterrolescalers", "watch"),
+        ("pdclusterrolescalers/status", "patch"),
         ("events", "create"),
         ("roles", "patch"),
         ("rolebindings", "patch"),
@@ -229,8 +235,8 @@ def test_probes_use_kopf_liveness_and_crd_comes_with_the_chart() -> None:
     assert env["PDCLUSTER_OPERATOR_METRICS_HOST"] == "$(POD_IP)"
     assert env["PDCLUSTER_OPERATOR_APPLY_CRDS"] == "true"
     assert env["PDCLUSTER_OPERATOR_NOT_READY_GRACE_SECONDS"] == "5"
-    (crd,) = by_kind(docs, "CustomResourceDefinition")
-    assert crd["metadata"]["name"] == "pdclusters.pdcluster.io"
+    crds = {c["metadata"]["name"] for c in by_kind(docs, "CustomResourceDefinition")}
+    assert crds == {"pdclusters.pdcluster.io", "pdclusterrolescalers.pdcluster.io"}
     minimal = render(*VARIANTS["minimal"])
     (dep,) = by_kind(minimal, "Deployment")
     env = {

@@ -37,7 +37,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-Rules for the namespaces the operator manages: PDClusters and their children.
+Rules for the namespaces the operator manages: PDClusters and their children
+(a PDClusterRoleScaler per role among them).
 Secrets are read and created by name only (never listed). Roles it creates for
 the PDCluster pods grant a subset of these rules (pods read, events write), so
 the apiserver's escalation check passes.
@@ -48,6 +49,12 @@ the apiserver's escalation check passes.
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["pdcluster.io"]
   resources: ["pdclusters/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["pdcluster.io"]
+  resources: ["pdclusterrolescalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["pdcluster.io"]
+  resources: ["pdclusterrolescalers/status"]
   verbs: ["get", "patch"]
 - apiGroups: [""]
   resources: ["pods"]

@@ -23,7 +23,7 @@ from pdcluster.operator.builders import (
 )
 from pdcluster.operator.crd.crdgen import build_scaler_crd, render_crd_yaml
 from pdcluster.operator.crd.structural import check_structural, walk
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 from tests.operator.autoscale_sim import scaling
 
 from .helpers import PD, UID, make_cluster, need
@@ -142,9 +142,13 @@ CASES = [
 
 @pytest.mark.parametrize(("changed", "cluster", "scaler", "autoscaling", "expected"), CASES)
 def test_sync_decision_for_every_combination(
-    changed: Changed, cluster: int, scaler: int, autoscaling: object, expected: tuple[object, ...]
+    changed: Changed,
+    cluster: int,
+    scaler: int,
+    autoscaling: RoleAutoscalingSpec | None,
+    expected: tuple[object, ...],
 ) -> None:
-    sync = decide_scaler_sync(P, cluster, scaler, changed, autoscaling)  # type: ignore[arg-type]
+    sync = decide_scaler_sync(P, cluster, scaler, changed, autoscaling)
     got = (
         sync.cluster_replicas,
         sync.scaler_replicas,

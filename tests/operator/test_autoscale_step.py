@@ -270,3 +270,23 @@ def test_the_crd_status_has_room_for_the_autoscaling_status() -> None:
         assert set(node) == {
             f.alias or name for name, f in RoleAutoscalingStatus.model_fields.items()
         }
+
+
+def test_a_manual_change_outside_the_bounds_is_clamped_with_the_numbers_in_the_event() -> None:
+    spec = {
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 5, "autoscaling": autoscaling("runningRequestsPerInstance", 4)},
+    }
+    busy = WorkerMetrics("decode")
+    busy.requests_in_flight.set(6)
+    text = generate_latest(busy.registry).decode()
+    scrapes = {D: {f"d{i}": PodScrape(text, 0.0) for i in range(5)}}
+    status = PDClusterStatus(prefill=RoleStatus(ready=1), decode=RoleStatus(ready=5))
+    out = compute_autoscale_step(make_cluster(spec), status, scrapes, AutoscaleHistory(), 0.0)
+    assert [p.body() for p in out.patches] == [{"spec": {"decode": {"replicas": 2}}}]
+    (event,) = out.events
+    assert (event.type, event.reason) == ("Normal", "ReplicasClamped")
+    assert event.message == (
+        "decode: replicas 5 is outside autoscaling bounds [1, 2]: set to 2 "
+        "(runningRequestsPerInstance 6, target 4; replicas 5 -> 2)"
+    )

@@ -216,12 +216,15 @@ class PrefixCache:
         """
         if len(keys) != len(pages):
             raise PrefixCacheError(f"{len(keys)} keys for {len(pages)} pages")
+        for key, page in zip(keys, pages, strict=True):
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise PrefixCacheError(f"a key is {KEY_BYTES} bytes, got {key!r}")
+            if not isinstance(page, int) or isinstance(page, bool) or page < 0:
+                raise PrefixCacheError(f"a page is a non-negative integer, got {page!r}")
         _check_unique(pages, "page")
         _check_unique(keys, "key")
         adopt: list[tuple[PageKey, int]] = []
         for key, page in zip(keys, pages, strict=True):
-            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-                raise PrefixCacheError(f"a key is {KEY_BYTES} bytes, got {key!r}")
             held = self._key_of.get(page)
             if held is not None and held != key:
                 raise PrefixCacheError(f"page {page} is already cached under another key")

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from pdcluster.runtime.engine.prefix_cache import (
     KEY_BYTES,
-    PageKey,
     PrefixCache,
     PrefixCacheError,
     chain_page_keys,
@@ -156,10 +155,23 @@ def test_bad_insert_raises_and_changes_nothing(
     assert cache.match(prompt(3 * PAGE), record=False).pages == (0,)
 
 
-def test_insert_refuses_a_malformed_key() -> None:
+@pytest.mark.parametrize(
+    ("key", "page", "message"),
+    [
+        (b"short", 0, "16 bytes"),
+        ("text", 0, "16 bytes"),
+        (None, 0, "16 bytes"),
+        (bytes(16), -1, "non-negative integer"),
+        (bytes(16), True, "non-negative integer"),
+        (bytes(16), "0", "non-negative integer"),
+    ],
+    ids=["short-key", "str-key", "no-key", "negative-page", "bool-page", "str-page"],
+)
+def test_insert_refuses_a_malformed_key_or_page(key: object, page: object, message: str) -> None:
     cache = PrefixCache(PAGE, SALT)
-    with pytest.raises(PrefixCacheError, match="16 bytes"):
-        cache.insert([PageKey(b"short")], [0])
+    good = cache.keys_for(prompt(PAGE))[0]
+    with pytest.raises(PrefixCacheError, match=message):
+        cache.insert([good, key], [5, page])  # type: ignore[list-item]
     assert cache.num_cached == 0
 
 

@@ -74,13 +74,14 @@ def pod_layout(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> PodL
     ranks = spec.topology.num_ranks
     if placement == Placement.instance_per_pod:
         return PodLayout(pods_per_instance=1, ranks_per_pod=ranks)
-    return PodLayout(pods_per_instance=ranks // spec.gpus_per_pod, ranks_per_pod=spec.gpus_per_pod)
+    spread = spec.pod_layout  # runtime/pod_layout.py: pod k runs [k*G, (k+1)*G)
+    return PodLayout(pods_per_instance=spread.num_pods, ranks_per_pod=spread.ranks_per_pod)
 
 
 def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> RoleSpec:
     """The role as its pods run it: `gpusPerPod` equal to the ranks one pod holds."""
     layout = pod_layout(spec, placement)
-    if spec.gpus_per_pod == layout.ranks_per_pod:
+    if spec.pod_layout.ranks_per_pod == layout.ranks_per_pod:  # left out: one pod already
         return spec
     return spec.model_copy(update={"gpus_per_pod": layout.ranks_per_pod})
 

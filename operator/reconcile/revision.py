@@ -11,7 +11,8 @@ Two hashes, both computed from the typed spec:
   (and how it is decided) never restarts pods.
 
 Values equal to their defaults are left out before hashing, so an operator
-upgrade that adds a defaulted field does not restart every pod.
+upgrade that adds a defaulted field does not restart every pod; so is a
+`gpusPerPod` equal to the instance's rank count (one pod, as when left out).
 
 Pure module.
 """
@@ -24,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pdcluster.operator.names import short_hash
-from pdcluster.runtime.spec import PDClusterSpec, Role
+from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 HASH_CHARS = 8
 
@@ -53,6 +54,14 @@ def compute_cluster_revision(spec: PDClusterSpec) -> str:
     )
 
 
+def _one_pod_unset(rs: RoleSpec) -> RoleSpec:
+    """`rs` with a `gpusPerPod` that asks for one pod per instance left out, as
+    it means the same as leaving it out (runtime/pod_layout.py)."""
+    if rs.gpus_per_pod is not None and rs.pod_layout.num_pods == 1:
+        return rs.model_copy(update={"gpus_per_pod": None})
+    return rs
+
+
 def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
     """Hash of everything that shapes the pods of `role`; raises if the role is absent."""
     rs = spec.role_spec(role)
@@ -62,7 +71,7 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
         {
             "revision": compute_cluster_revision(spec),
             "role": role.value,
-            "spec": _canonical(rs, exclude={"replicas", "autoscaling"}),
+            "spec": _canonical(_one_pod_unset(rs), exclude={"replicas", "autoscaling"}),
         }
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -96,6 +97,16 @@ def test_writing_a_default_explicitly_changes_no_hash() -> None:
         implicit, Role.prefill
     )
     assert compute_cluster_revision(explicit) == compute_cluster_revision(implicit)
+
+
+def test_gpus_per_pod_of_one_pod_hashes_like_left_out_and_a_spread_rolls() -> None:
+    def prefill_hash(extra: dict[str, Any]) -> str:
+        spec = make_cluster({"prefill": {"topology": {"tp": 2}, **extra}, "decode": {}}).spec
+        return compute_template_hash(spec, Role.prefill)
+
+    left_out = prefill_hash({})
+    assert prefill_hash({"gpusPerPod": 2}) == left_out
+    assert prefill_hash({"gpusPerPod": 1}) != left_out
 
 
 @pytest.mark.parametrize(

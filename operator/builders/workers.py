@@ -233,13 +233,8 @@ def _instance_key(cluster: Cluster, role: Role, index: int) -> InstanceKey:
 
 
 def worker_labels(key: InstanceKey, pod_index: int, revision: str) -> dict[str, str]:
-    return {
-        names.LABEL_ROLE: key.role.value,
-        names.LABEL_INSTANCE_INDEX: str(key.index),
-        names.LABEL_POD_INDEX: str(pod_index),
-        names.LABEL_REVISION: revision,
-        names.LABEL_TEMPLATE: key.template_hash,
-    }
+    identity = names.PodIdentity(key.role, key.index, key.template_hash, pod_index)
+    return {**names.pod_identity_labels(identity), names.LABEL_REVISION: revision}
 
 
 def build_worker_pod(

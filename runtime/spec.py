@@ -244,6 +244,12 @@ class RestartPolicySpec(_Model):
     backoff_seconds: float = Field(default=1.0, ge=0, le=3600)
     max_backoff_seconds: float = Field(default=60.0, ge=0, le=86400)
     budget: int = Field(default=10, ge=0, le=10000, description="restarts allowed per hour")
+    not_ready_grace_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="a pod of a multi-pod instance NotReady this long restarts the instance",
+    )
 
 
 class EngineSpec(_Model):

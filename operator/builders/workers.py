@@ -7,8 +7,9 @@ Placement (`pod_layout`):
   `dp*tp*cp*pp` ranks, and on `device: cuda` that pod asks for one GPU per
   rank. `gpusPerPod` is raised to the rank count in the manifest the pods
   read, so they agree with the layout;
-- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods, pod k running ranks
-  [k * gpusPerPod, (k + 1) * gpusPerPod) — for a runtime that spreads an
+- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods (one when it is left
+  out), pod k running ranks [k * gpusPerPod, (k + 1) * gpusPerPod)
+  (runtime/pod_layout.py) — for a runtime that spreads an
   instance over pods. The planner already treats an instance as a gang of
   `pods_per_instance` pods (tests exercise it with this placement).
 

@@ -11,7 +11,7 @@ instance, the clock, the role's restart policy and the restart ledger
 3. a *fault*: a pod ended (crashed: Failed/Succeeded), is lost (phase
    Unknown, or missing while another pod of the gang passed its start), or
    is NotReady for `restart.notReadyGraceSeconds` after having passed its
-   startup probe. Then:
+   startup probe (at once when its status does not say since when). Then:
    - `wait` while some pod is still pending its first start (scheduling,
      image pull): a restart now would only recreate pods that pull again,
      so a slow pull never turns into a restart loop;
@@ -64,7 +64,8 @@ class PodState(StrEnum):
 class GangPod:
     name: str
     state: PodState
-    # not_ready: when the Ready condition last turned False.
+    # not_ready: when the Ready condition last turned False (None: unknown,
+    # which counts as past the grace).
     not_ready_since: float | None = None
 
 
@@ -111,8 +112,12 @@ def _faults(
         elif pod.state is PodState.lost:
             faults.append(_Fault(k, pod.name, f"pod {pod.name} is lost (node not reporting)"))
         elif pod.state is PodState.not_ready:
-            since = now if pod.not_ready_since is None else pod.not_ready_since
-            if now - since >= grace_s:
+            since = pod.not_ready_since
+            if since is None:
+                # No transition time to count the grace from: a grace restarted on
+                # every pass would never end, so the pod counts as faulty now.
+                faults.append(_Fault(k, pod.name, f"pod {pod.name} not ready (since unknown)"))
+            elif now - since >= grace_s:
                 faults.append(
                     _Fault(k, pod.name, f"pod {pod.name} not ready for {now - since:.0f}s")
                 )

@@ -78,6 +78,8 @@ def test_not_ready_restarts_only_once_the_grace_has_passed() -> None:
     assert within.not_before == NOW + 5  # look again when the grace ends
     past = decide(2, pods(S.ready, S.not_ready, since=NOW - GRACE))
     assert past.step == GangStep.restart and "not ready for 30s" in past.reason
+    unknown = decide(2, pods(S.ready, S.not_ready, since=None))
+    assert unknown.step == GangStep.restart and "since unknown" in unknown.reason
 
 
 def test_a_missing_pod_is_lost_once_the_gang_formed_and_created_while_it_forms() -> None:

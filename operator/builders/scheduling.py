@@ -102,7 +102,7 @@ def build_pod_group(
                 names.LABEL_TEMPLATE: template,
             },
         ),
-        "spec": {"minMember": pod_layout(spec, placement).pods_per_instance},
+        "spec": {"minMember": pod_layout(spec, placement).num_pods},
     }
 
 

@@ -37,6 +37,7 @@ from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_template_hash,
 )
+from pdcluster.runtime.pod_layout import PodLayout, compute_pod_layout
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -63,20 +64,11 @@ class Placement(StrEnum):
 DEFAULT_PLACEMENT = Placement.instance_per_pod
 
 
-@dataclass(frozen=True)
-class PodLayout:
-    """How the ranks of one instance map onto pods."""
-
-    pods_per_instance: int
-    ranks_per_pod: int
-
-
 def pod_layout(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> PodLayout:
-    ranks = spec.topology.num_ranks
+    """How the ranks of one instance map onto pods under `placement`."""
     if placement == Placement.instance_per_pod:
-        return PodLayout(pods_per_instance=1, ranks_per_pod=ranks)
-    spread = spec.pod_layout  # runtime/pod_layout.py: pod k runs [k*G, (k+1)*G)
-    return PodLayout(pods_per_instance=spread.num_pods, ranks_per_pod=spread.ranks_per_pod)
+        return compute_pod_layout(spec.topology.num_ranks, None)
+    return spec.pod_layout
 
 
 def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> RoleSpec:
@@ -219,9 +211,9 @@ def _worker_env(
         meta.env_value("PDCLUSTER_ROLE", key.role.value),
         meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
         meta.env_value("PDCLUSTER_POD_INDEX", str(pod_index)),
-        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.pods_per_instance)),
+        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.num_pods)),
         meta.env_value("PDCLUSTER_RANKS_PER_POD", str(layout.ranks_per_pod)),
-        meta.env_value("PDCLUSTER_FIRST_RANK", str(pod_index * layout.ranks_per_pod)),
+        meta.env_value("PDCLUSTER_FIRST_RANK", str(layout.rank_range(pod_index).start)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
     ]
@@ -248,7 +240,7 @@ def build_worker_pod(
     """Pod `pod_index` of instance `index` of `role`."""
     spec = _role(cluster, role)
     layout = pod_layout(spec, placement)
-    num_pods = layout.pods_per_instance
+    num_pods = layout.num_pods
     if not 0 <= pod_index < num_pods:
         raise BuildError(
             f"{role.value} has {num_pods} pods per instance; pod index {pod_index} is out of range"
@@ -373,7 +365,7 @@ def build_instance(
     """Every object of one instance: its pods and, for prefill, its bootstrap Service."""
     spec = _role(cluster, role)
     key = _instance_key(cluster, role, index)
-    num_pods = pod_layout(spec, placement).pods_per_instance
+    num_pods = pod_layout(spec, placement).num_pods
     pods = tuple(build_worker_pod(cluster, role, index, k, placement) for k in range(num_pods))
     service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
     return InstanceManifests(key=key, pods=pods, bootstrap_service=service)

@@ -11,8 +11,8 @@ Two hashes, both computed from the typed spec:
   (and how it is decided) never restarts pods.
 
 Values equal to their defaults are left out before hashing, so an operator
-upgrade that adds a defaulted field does not restart every pod; so is a
-`gpusPerPod` equal to the instance's rank count (one pod, as when left out).
+upgrade that adds a defaulted field does not restart every pod; so is
+`gpusPerPod: 1`, its default before it could be left out.
 
 Pure module.
 """
@@ -54,10 +54,15 @@ def compute_cluster_revision(spec: PDClusterSpec) -> str:
     )
 
 
-def _one_pod_unset(rs: RoleSpec) -> RoleSpec:
-    """`rs` with a `gpusPerPod` that asks for one pod per instance left out, as
-    it means the same as leaving it out (runtime/pod_layout.py)."""
-    if rs.gpus_per_pod is not None and rs.pod_layout.num_pods == 1:
+def _gpus_per_pod_as_before(rs: RoleSpec) -> RoleSpec:
+    """`rs` with `gpusPerPod: 1` hashed as left out.
+
+    `gpusPerPod` defaulted to 1 before it could be left out, so 1 was never
+    hashed; hashing 1 and "left out" alike keeps every existing role's hash
+    (an operator upgrade restarts no pod). The pods are the same either way
+    while every instance runs as one pod (builders/workers.py).
+    """
+    if rs.gpus_per_pod == 1:
         return rs.model_copy(update={"gpus_per_pod": None})
     return rs
 
@@ -71,7 +76,7 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
         {
             "revision": compute_cluster_revision(spec),
             "role": role.value,
-            "spec": _canonical(_one_pod_unset(rs), exclude={"replicas", "autoscaling"}),
+            "spec": _canonical(_gpus_per_pod_as_before(rs), exclude={"replicas", "autoscaling"}),
         }
     )
 

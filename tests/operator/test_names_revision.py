@@ -99,14 +99,22 @@ def test_writing_a_default_explicitly_changes_no_hash() -> None:
     assert compute_cluster_revision(explicit) == compute_cluster_revision(implicit)
 
 
-def test_gpus_per_pod_of_one_pod_hashes_like_left_out_and_a_spread_rolls() -> None:
-    def prefill_hash(extra: dict[str, Any]) -> str:
-        spec = make_cluster({"prefill": {"topology": {"tp": 2}, **extra}, "decode": {}}).spec
-        return compute_template_hash(spec, Role.prefill)
-
-    left_out = prefill_hash({})
-    assert prefill_hash({"gpusPerPod": 2}) == left_out
-    assert prefill_hash({"gpusPerPod": 1}) != left_out
+@pytest.mark.parametrize(
+    ("prefill", "expected"),
+    [
+        # Hashes computed before gpusPerPod could be left out (it defaulted to 1):
+        # the same manifests must keep them, or an operator upgrade rolls every pod.
+        ({}, "285520ff"),
+        ({"topology": {"tp": 2}}, "7adeb2d8"),
+        ({"topology": {"tp": 2}, "gpusPerPod": 1}, "7adeb2d8"),
+        ({"topology": {"tp": 2}, "gpusPerPod": 2}, "42a0036f"),
+    ],
+)
+def test_gpus_per_pod_hashes_as_before_it_could_be_left_out(
+    prefill: dict[str, Any], expected: str
+) -> None:
+    spec = make_cluster({"prefill": prefill, "decode": {}}).spec
+    assert compute_template_hash(spec, Role.prefill) == expected
 
 
 @pytest.mark.parametrize(

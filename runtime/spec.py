@@ -360,9 +360,9 @@ class ClusterAutoscalingSpec(_Model):
     )
 
 
+# How the pods of one instance are scheduled together (the CRD's description
+# of `gang` is in operator/crd/field_docs.py).
 class GangScheduling(enum.StrEnum):
-    """How the pods of one instance are scheduled together."""
-
     # Each pod on its own (the default scheduler's behaviour).
     none = "none"
     # A scheduler-plugins PodGroup per instance (minMember = its pods).

@@ -193,6 +193,11 @@ def _time(text: Any) -> float | None:
     return moment.timestamp()
 
 
+def _mappings(value: Any) -> list[Mapping[str, Any]]:
+    """The mappings in `value` when it is a list (what a status list holds); else none."""
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
 def pod_state_from_status(
     status: Mapping[str, Any], terminating: bool = False
 ) -> tuple[PodState, float | None]:
@@ -208,23 +213,13 @@ def pod_state_from_status(
         return PodState.ended, None
     if phase == "Unknown":
         return PodState.lost, None
-    containers = status.get("containerStatuses")
-    containers = (
-        [c for c in containers if isinstance(c, Mapping)] if isinstance(containers, list) else []
-    )
     if phase != "Running":
         return PodState.pending_first_start, None
+    containers = _mappings(status.get("containerStatuses"))
     if not containers or not all(c.get("started") is True for c in containers):
         return PodState.starting, None
-    conditions = status.get("conditions")
-    ready = next(
-        (
-            c
-            for c in (conditions if isinstance(conditions, list) else [])
-            if isinstance(c, Mapping) and c.get("type") == "Ready"
-        ),
-        None,
-    )
+    conditions = _mappings(status.get("conditions"))
+    ready = next((c for c in conditions if c.get("type") == "Ready"), None)
     if ready is not None and ready.get("status") == "True":
         return PodState.ready, None
     since = _time(ready.get("lastTransitionTime")) if ready is not None else None

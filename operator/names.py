@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pdcluster.runtime.spec import Role
 
@@ -42,6 +43,8 @@ LABEL_POD_INDEX = "pdcluster.io/pod-index"
 LABEL_REVISION = "pdcluster.io/revision"
 # Hash of one role's pod template: a change rolls that role's instances.
 LABEL_TEMPLATE = "pdcluster.io/template-hash"
+# scheduler-plugins' coscheduling: pods with one value form one PodGroup.
+LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 
 ANNOTATION_HTTP_PORT = "pdcluster.io/http-port"
 ANNOTATION_BOOTSTRAP_PORT = "pdcluster.io/bootstrap-port"
@@ -90,7 +93,96 @@ def fit_name(cluster: str, suffix: str) -> str:
 
 
 def pod_name(cluster: str, role: Role, instance: int, template_hash: str, pod_index: int) -> str:
+    """`<cluster>-<role>-<instance>-<template>-<pod index>`: pod k of one instance.
+
+    The template hash sits between instance and pod index so that, during a
+    rollout, the new instance i runs beside the old one without a name clash;
+    the name is otherwise stable across restarts of the gang.
+    """
     return fit_name(cluster, f"{role.value}-{instance}-{template_hash}-{pod_index}")
+
+
+def instance_name(cluster: str, role: Role, instance: int, template_hash: str) -> str:
+    """`<cluster>-<role>-<instance>-<template>`: one instance generation (its PodGroup)."""
+    return fit_name(cluster, f"{role.value}-{instance}-{template_hash}")
+
+
+@dataclass(frozen=True, order=True)
+class PodIdentity:
+    """Which pod of which instance a worker pod is."""
+
+    role: Role
+    instance: int
+    template_hash: str
+    pod_index: int
+
+    def name(self, cluster: str) -> str:
+        return pod_name(cluster, self.role, self.instance, self.template_hash, self.pod_index)
+
+
+def pod_identity_labels(identity: PodIdentity) -> dict[str, str]:
+    """The labels that say which pod a worker pod is (`pod_identity_from_labels` reads them)."""
+    return {
+        LABEL_ROLE: identity.role.value,
+        LABEL_INSTANCE_INDEX: str(identity.instance),
+        LABEL_TEMPLATE: identity.template_hash,
+        LABEL_POD_INDEX: str(identity.pod_index),
+    }
+
+
+def instance_selector(
+    cluster: str, role: Role, instance: int, template_hash: str
+) -> dict[str, str]:
+    """Labels every pod of one instance generation carries, and only they."""
+    return {
+        LABEL_CLUSTER: cluster,
+        LABEL_ROLE: role.value,
+        LABEL_INSTANCE_INDEX: str(instance),
+        LABEL_TEMPLATE: template_hash,
+    }
+
+
+_INDEX = re.compile(r"^(0|[1-9][0-9]*)$")
+_TEMPLATE = re.compile(r"^[0-9a-f]+$")
+_POD_SUFFIX = re.compile(
+    r"-(?P<role>[a-z]+)-(?P<instance>0|[1-9][0-9]*)-(?P<template>[0-9a-f]+)"
+    r"-(?P<pod>0|[1-9][0-9]*)$"
+)
+
+
+def _identity(role: str, instance: str, template: str, pod: str) -> PodIdentity | None:
+    try:
+        parsed_role = Role(role)
+    except ValueError:
+        return None
+    if not (_INDEX.match(instance) and _INDEX.match(pod) and _TEMPLATE.match(template)):
+        return None
+    return PodIdentity(parsed_role, int(instance), template, int(pod))
+
+
+def pod_identity_from_labels(labels: Mapping[str, str]) -> PodIdentity | None:
+    """The pod's identity from its labels; None when one is missing or malformed."""
+    return _identity(
+        labels.get(LABEL_ROLE, ""),
+        labels.get(LABEL_INSTANCE_INDEX, ""),
+        labels.get(LABEL_TEMPLATE, ""),
+        labels.get(LABEL_POD_INDEX, ""),
+    )
+
+
+def pod_identity_from_name(cluster: str, name: str) -> PodIdentity | None:
+    """The identity `pod_name(cluster, ...)` encoded in `name`; None when `name` is not
+    a worker pod name of `cluster` (including names shortened by `fit_name`)."""
+    match = _POD_SUFFIX.search(name)
+    if match is None:
+        return None
+    identity = _identity(match["role"], match["instance"], match["template"], match["pod"])
+    if identity is None:
+        return None
+    try:
+        return identity if identity.name(cluster) == name else None
+    except InvalidNameError:
+        return None
 
 
 def bootstrap_service_name(cluster: str, instance: int, template_hash: str) -> str:

@@ -8,7 +8,11 @@ camelCase on the wire (YAML/JSON) and snake_case in Python.
 Invariants checked here (mirrored as CEL rules in the CRD):
 - every role topology has dp, tp, cp, pp >= 1;
 - decode cp == 1; decode pp == 1 or == prefill pp;
-- ranks per instance (dp*tp*cp*pp) divisible by gpusPerPod;
+- `gpusPerPod`, when set, divides the ranks per instance (dp*tp*cp*pp)
+  and is at most that count (runtime/pod_layout.py); left out, an instance
+  is one pod;
+- `scheduling.schedulerName` is a DNS-1123 subdomain and
+  `placement.topologyKey` a label key;
 - a cluster is either colocated (one `colocated` role) or disaggregated
   (both `prefill` and `decode`), never a mix;
 - autoscaling: minReplicas <= maxReplicas; the target metric belongs to the
@@ -27,6 +31,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
@@ -238,6 +244,12 @@ class RestartPolicySpec(_Model):
     backoff_seconds: float = Field(default=1.0, ge=0, le=3600)
     max_backoff_seconds: float = Field(default=60.0, ge=0, le=86400)
     budget: int = Field(default=10, ge=0, le=10000, description="restarts allowed per hour")
+    not_ready_grace_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="a pod of a multi-pod instance NotReady this long restarts the instance",
+    )
 
 
 class EngineSpec(_Model):
@@ -348,15 +360,42 @@ class ClusterAutoscalingSpec(_Model):
     )
 
 
+# How the pods of one instance are scheduled together (the CRD's description
+# of `gang` is in operator/crd/field_docs.py).
+class GangScheduling(enum.StrEnum):
+    # Each pod on its own (the default scheduler's behaviour).
+    none = "none"
+    # A scheduler-plugins PodGroup per instance (minMember = its pods).
+    pod_group = "podGroup"
+
+
+# DNS-1123 subdomain (scheduler names) and label key (optional prefix/name).
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+class SchedulingSpec(_Model):
+    gang: GangScheduling = GangScheduling.none
+    scheduler_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN
+    )
+
+
+class PlacementSpec(_Model):
+    topology_key: str | None = Field(default=None, min_length=1, max_length=317, pattern=_LABEL_KEY)
+
+
 class RoleSpec(_Model):
     replicas: int = Field(default=1, ge=0, le=1024, description="instances of this role")
     topology: Topology = Topology()
-    gpus_per_pod: int = Field(default=1, ge=1, le=64)
+    gpus_per_pod: int | None = Field(default=None, ge=1, le=64)
     device: Literal["cpu", "cuda"] = "cpu"
     resources: dict[str, Any] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
+    scheduling: SchedulingSpec = SchedulingSpec()
+    placement: PlacementSpec = PlacementSpec()
     restart: RestartPolicySpec = RestartPolicySpec()
     engine: EngineSpec = EngineSpec()
     autoscaling: RoleAutoscalingSpec | None = None
@@ -369,16 +408,20 @@ class RoleSpec(_Model):
                 f"ranks per instance ({ranks} = dp*tp*cp*pp) must be at most "
                 f"{MAX_RANKS_PER_INSTANCE}"
             )
-        if ranks % self.gpus_per_pod:
-            raise ValueError(
-                f"ranks per instance ({ranks} = dp*tp*cp*pp) must be divisible by "
-                f"gpusPerPod ({self.gpus_per_pod})"
-            )
+        try:
+            compute_pod_layout(ranks, self.gpus_per_pod)
+        except PodLayoutError as err:
+            raise ValueError(str(err)) from None
         return self
 
     @property
+    def pod_layout(self) -> PodLayout:
+        """How one instance's ranks spread over pods (runtime/pod_layout.py)."""
+        return compute_pod_layout(self.topology.num_ranks, self.gpus_per_pod)
+
+    @property
     def pods_per_instance(self) -> int:
-        return self.topology.num_ranks // self.gpus_per_pod
+        return self.pod_layout.num_pods
 
     @property
     def gpus_per_instance(self) -> int:

@@ -25,13 +25,13 @@ from pdcluster.operator.builders.workers import (
     InstanceKey,
     InstanceManifests,
     Placement,
-    PodLayout,
     build_bootstrap_service,
     build_instance,
     build_worker_pod,
     placed_spec,
     pod_layout,
 )
+from pdcluster.runtime.pod_layout import PodLayout
 
 __all__ = [
     "BuildError",

@@ -81,7 +81,7 @@ def build_desired(
                 role=role,
                 replicas=spec.replicas,
                 template_hash=compute_template_hash(cluster.spec, role),
-                pods_per_instance=pod_layout(spec, placement).pods_per_instance,
+                pods_per_instance=pod_layout(spec, placement).num_pods,
                 restart=spec.restart,
             )
         )

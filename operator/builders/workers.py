@@ -7,8 +7,9 @@ Placement (`pod_layout`):
   `dp*tp*cp*pp` ranks, and on `device: cuda` that pod asks for one GPU per
   rank. `gpusPerPod` is raised to the rank count in the manifest the pods
   read, so they agree with the layout;
-- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods, pod k running ranks
-  [k * gpusPerPod, (k + 1) * gpusPerPod) — for a runtime that spreads an
+- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods (one when it is left
+  out), pod k running ranks [k * gpusPerPod, (k + 1) * gpusPerPod)
+  (runtime/pod_layout.py) — for a runtime that spreads an
   instance over pods. The planner already treats an instance as a gang of
   `pods_per_instance` pods (tests exercise it with this placement).
 
@@ -36,6 +37,7 @@ from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_template_hash,
 )
+from pdcluster.runtime.pod_layout import PodLayout, compute_pod_layout
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -62,25 +64,17 @@ class Placement(StrEnum):
 DEFAULT_PLACEMENT = Placement.instance_per_pod
 
 
-@dataclass(frozen=True)
-class PodLayout:
-    """How the ranks of one instance map onto pods."""
-
-    pods_per_instance: int
-    ranks_per_pod: int
-
-
 def pod_layout(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> PodLayout:
-    ranks = spec.topology.num_ranks
+    """How the ranks of one instance map onto pods under `placement`."""
     if placement == Placement.instance_per_pod:
-        return PodLayout(pods_per_instance=1, ranks_per_pod=ranks)
-    return PodLayout(pods_per_instance=ranks // spec.gpus_per_pod, ranks_per_pod=spec.gpus_per_pod)
+        return compute_pod_layout(spec.topology.num_ranks, None)
+    return spec.pod_layout
 
 
 def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> RoleSpec:
     """The role as its pods run it: `gpusPerPod` equal to the ranks one pod holds."""
     layout = pod_layout(spec, placement)
-    if spec.gpus_per_pod == layout.ranks_per_pod:
+    if spec.pod_layout.ranks_per_pod == layout.ranks_per_pod:  # left out: one pod already
         return spec
     return spec.model_copy(update={"gpus_per_pod": layout.ranks_per_pod})
 
@@ -217,9 +211,9 @@ def _worker_env(
         meta.env_value("PDCLUSTER_ROLE", key.role.value),
         meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
         meta.env_value("PDCLUSTER_POD_INDEX", str(pod_index)),
-        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.pods_per_instance)),
+        meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.num_pods)),
         meta.env_value("PDCLUSTER_RANKS_PER_POD", str(layout.ranks_per_pod)),
-        meta.env_value("PDCLUSTER_FIRST_RANK", str(pod_index * layout.ranks_per_pod)),
+        meta.env_value("PDCLUSTER_FIRST_RANK", str(layout.rank_range(pod_index).start)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
     ]
@@ -232,13 +226,8 @@ def _instance_key(cluster: Cluster, role: Role, index: int) -> InstanceKey:
 
 
 def worker_labels(key: InstanceKey, pod_index: int, revision: str) -> dict[str, str]:
-    return {
-        names.LABEL_ROLE: key.role.value,
-        names.LABEL_INSTANCE_INDEX: str(key.index),
-        names.LABEL_POD_INDEX: str(pod_index),
-        names.LABEL_REVISION: revision,
-        names.LABEL_TEMPLATE: key.template_hash,
-    }
+    identity = names.PodIdentity(key.role, key.index, key.template_hash, pod_index)
+    return {**names.pod_identity_labels(identity), names.LABEL_REVISION: revision}
 
 
 def build_worker_pod(
@@ -251,7 +240,7 @@ def build_worker_pod(
     """Pod `pod_index` of instance `index` of `role`."""
     spec = _role(cluster, role)
     layout = pod_layout(spec, placement)
-    num_pods = layout.pods_per_instance
+    num_pods = layout.num_pods
     if not 0 <= pod_index < num_pods:
         raise BuildError(
             f"{role.value} has {num_pods} pods per instance; pod index {pod_index} is out of range"
@@ -376,7 +365,7 @@ def build_instance(
     """Every object of one instance: its pods and, for prefill, its bootstrap Service."""
     spec = _role(cluster, role)
     key = _instance_key(cluster, role, index)
-    num_pods = pod_layout(spec, placement).pods_per_instance
+    num_pods = pod_layout(spec, placement).num_pods
     pods = tuple(build_worker_pod(cluster, role, index, k, placement) for k in range(num_pods))
     service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
     return InstanceManifests(key=key, pods=pods, bootstrap_service=service)

@@ -146,8 +146,14 @@ ROLE_RULES = (
         rule=f"{_ranks('')} <= {MAX_RANKS_PER_INSTANCE}",
         message=f"ranks per instance (dp*tp*cp*pp) must be at most {MAX_RANKS_PER_INSTANCE}",
     ),
+    # gpusPerPod left out: one pod per instance, nothing to check.
     CelRule(
-        rule=f"({_ranks('')}) % {_get('gpusPerPod', 1)} == 0",
+        rule=f"!has(self.gpusPerPod) || self.gpusPerPod <= {_ranks('')}",
+        message="gpusPerPod is larger than the ranks per instance (dp*tp*cp*pp)",
+    ),
+    CelRule(
+        rule=f"!has(self.gpusPerPod) || self.gpusPerPod > {_ranks('')} || "
+        f"({_ranks('')}) % self.gpusPerPod == 0",
         message="ranks per instance (dp*tp*cp*pp) must be divisible by gpusPerPod",
     ),
     CelRule(

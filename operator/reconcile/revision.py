@@ -11,7 +11,8 @@ Two hashes, both computed from the typed spec:
   (and how it is decided) never restarts pods.
 
 Values equal to their defaults are left out before hashing, so an operator
-upgrade that adds a defaulted field does not restart every pod.
+upgrade that adds a defaulted field does not restart every pod; so is
+`gpusPerPod: 1`, its default before it could be left out.
 
 Pure module.
 """
@@ -24,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pdcluster.operator.names import short_hash
-from pdcluster.runtime.spec import PDClusterSpec, Role
+from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 HASH_CHARS = 8
 
@@ -53,6 +54,19 @@ def compute_cluster_revision(spec: PDClusterSpec) -> str:
     )
 
 
+def _gpus_per_pod_as_before(rs: RoleSpec) -> RoleSpec:
+    """`rs` with `gpusPerPod: 1` hashed as left out.
+
+    `gpusPerPod` defaulted to 1 before it could be left out, so 1 was never
+    hashed; hashing 1 and "left out" alike keeps every existing role's hash
+    (an operator upgrade restarts no pod). The pods are the same either way
+    while every instance runs as one pod (builders/workers.py).
+    """
+    if rs.gpus_per_pod == 1:
+        return rs.model_copy(update={"gpus_per_pod": None})
+    return rs
+
+
 def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
     """Hash of everything that shapes the pods of `role`; raises if the role is absent."""
     rs = spec.role_spec(role)
@@ -62,7 +76,7 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
         {
             "revision": compute_cluster_revision(spec),
             "role": role.value,
-            "spec": _canonical(rs, exclude={"replicas", "autoscaling"}),
+            "spec": _canonical(_gpus_per_pod_as_before(rs), exclude={"replicas", "autoscaling"}),
         }
     )
 

@@ -214,6 +214,7 @@ def _failing_rules(spec: dict[str, Any]) -> list[str]:
 # Phrases shared by a model error and the CEL message for the same rule.
 PHRASES = (
     "divisible by gpusPerPod",
+    "larger than the ranks per instance",
     f"must be at most {MAX_RANKS_PER_INSTANCE}",
     "cp must be 1",
     "pp must be 1 or equal",

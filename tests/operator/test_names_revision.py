@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -96,6 +97,24 @@ def test_writing_a_default_explicitly_changes_no_hash() -> None:
         implicit, Role.prefill
     )
     assert compute_cluster_revision(explicit) == compute_cluster_revision(implicit)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "expected"),
+    [
+        # Hashes computed before gpusPerPod could be left out (it defaulted to 1):
+        # the same manifests must keep them, or an operator upgrade rolls every pod.
+        ({}, "285520ff"),
+        ({"topology": {"tp": 2}}, "7adeb2d8"),
+        ({"topology": {"tp": 2}, "gpusPerPod": 1}, "7adeb2d8"),
+        ({"topology": {"tp": 2}, "gpusPerPod": 2}, "42a0036f"),
+    ],
+)
+def test_gpus_per_pod_hashes_as_before_it_could_be_left_out(
+    prefill: dict[str, Any], expected: str
+) -> None:
+    spec = make_cluster({"prefill": prefill, "decode": {}}).spec
+    assert compute_template_hash(spec, Role.prefill) == expected
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,10 @@ from pdcluster.runtime.spec import Role
 
 from .helpers import PD, Sim, observe_store
 
-GANG = {"prefill": {"replicas": 2, "topology": {"tp": 2}}, "decode": {"replicas": 1}}
+GANG = {
+    "prefill": {"replicas": 2, "topology": {"tp": 2}, "gpusPerPod": 1},
+    "decode": {"replicas": 1},
+}
 # Gangs of several pods: instances spread over `ranks / gpusPerPod` pods.
 SPREAD = Placement.gpus_per_pod
 

@@ -150,26 +150,35 @@ def build_crd() -> dict[str, Any]:
         },
         "x-kubernetes-validations": cel_rules.rules_schema(cel_rules.ROOT_RULES),
     }
+    names = {
+        "kind": KIND,
+        "listKind": f"{KIND}List",
+        "plural": PLURAL,
+        "singular": SINGULAR,
+        "shortNames": list(SHORT_NAMES),
+        "categories": ["all", "pdcluster"],
+    }
+    return _crd_document(CRD_NAME, names, schema, SCALE, PRINTER_COLUMNS)
+
+
+def _crd_document(
+    name: str,
+    names: dict[str, Any],
+    schema: Schema,
+    scale: dict[str, str],
+    printer_columns: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One namespaced, single-version CRD with status and scale subresources."""
     problems = [p for p in check_structural(schema) if not p.startswith("<root>.metadata")]
     if problems:
         raise ValueError("generated CRD schema is not structural: " + "; ".join(problems))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": CRD_NAME,
-            "labels": {"app.kubernetes.io/name": "pdcluster"},
-        },
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "pdcluster"}},
         "spec": {
             "group": GROUP,
-            "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": SINGULAR,
-                "shortNames": list(SHORT_NAMES),
-                "categories": ["all", "pdcluster"],
-            },
+            "names": names,
             "scope": "Namespaced",
             "versions": [
                 {
@@ -177,8 +186,8 @@ def build_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}, "scale": dict(SCALE)},
-                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                    "subresources": {"status": {}, "scale": dict(scale)},
+                    "additionalPrinterColumns": [dict(c) for c in printer_columns],
                 }
             ],
         },
@@ -231,39 +240,15 @@ def build_scaler_crd() -> dict[str, Any]:
             "status": status,
         },
     }
-    problems = [p for p in check_structural(schema) if not p.startswith("<root>.metadata")]
-    if problems:
-        raise ValueError("generated CRD schema is not structural: " + "; ".join(problems))
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": SCALER_CRD_NAME,
-            "labels": {"app.kubernetes.io/name": "pdcluster"},
-        },
-        "spec": {
-            "group": GROUP,
-            "names": {
-                "kind": SCALER_KIND,
-                "listKind": f"{SCALER_KIND}List",
-                "plural": SCALER_PLURAL,
-                "singular": SCALER_SINGULAR,
-                "shortNames": list(SCALER_SHORT_NAMES),
-                "categories": ["pdcluster"],
-            },
-            "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}, "scale": dict(SCALER_SCALE)},
-                    "additionalPrinterColumns": [dict(c) for c in SCALER_PRINTER_COLUMNS],
-                }
-            ],
-        },
+    names = {
+        "kind": SCALER_KIND,
+        "listKind": f"{SCALER_KIND}List",
+        "plural": SCALER_PLURAL,
+        "singular": SCALER_SINGULAR,
+        "shortNames": list(SCALER_SHORT_NAMES),
+        "categories": ["pdcluster"],
     }
+    return _crd_document(SCALER_CRD_NAME, names, schema, SCALER_SCALE, SCALER_PRINTER_COLUMNS)
 
 
 BUILDERS = {KIND: build_crd, SCALER_KIND: build_scaler_crd}

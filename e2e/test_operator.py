@@ -626,3 +626,65 @@ async def test_apply_carries_the_uid_so_a_replaced_object_is_not_taken_over(
         assert (kube.get(f"{path}/cm") or {})["data"] == {"who": "theirs"}
     finally:
         await client.aclose()
+
+
+def test_the_role_scaler_crd_serves_scale_and_the_layout_rule_is_enforced(
+    operator: Operator, kube: KubeApi, namespace: str
+) -> None:
+    """The generated PDClusterRoleScaler CRD is accepted by the apiserver and its
+    /scale subresource reads and writes spec.replicas (what kubectl scale, HPA and
+    KEDA use); its cluster and role cannot move; and a gpusPerPod that does not
+    divide an instance's ranks is refused with the models' words."""
+    from pdcluster.operator.api import GROUP, SCALER_CRD_NAME, SCALER_KIND, SCALER_PLURAL, VERSION
+    from pdcluster.operator.crd.crdgen import build_scaler_crd
+
+    crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    if kube.get(f"{crd_path}/{SCALER_CRD_NAME}") is None:
+        kube.create(crd_path, build_scaler_crd())
+    wait_until(
+        lambda: any(
+            c["type"] == "Established" and c["status"] == "True"
+            for c in ((kube.get(f"{crd_path}/{SCALER_CRD_NAME}") or {}).get("status") or {}).get(
+                "conditions"
+            )
+            or []
+        ),
+        30,
+        "the scaler CRD to be established",
+    )
+    objects = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{SCALER_PLURAL}"
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": SCALER_KIND,
+        "metadata": {"name": "demo-decode"},
+        "spec": {"cluster": "demo", "role": "decode", "replicas": 1},
+    }
+
+    def created() -> bool:
+        try:
+            kube.create(objects, body)
+        except ApiError as err:
+            if err.status == 404:  # the new API is not served yet
+                return False
+            raise
+        return True
+
+    wait_until(created, 30, "the scaler API to be served")
+    scale = kube.get(f"{objects}/demo-decode/scale")
+    assert scale is not None and scale["kind"] == "Scale"
+    assert scale["spec"]["replicas"] == 1
+    kube.patch(f"{objects}/demo-decode/scale", {"spec": {"replicas": 3}}, patch_type="merge")
+    stored = kube.get(f"{objects}/demo-decode")
+    assert stored is not None and stored["spec"]["replicas"] == 3
+    with pytest.raises(ApiError) as moved:
+        kube.patch(f"{objects}/demo-decode", {"spec": {"cluster": "other"}}, patch_type="merge")
+    assert moved.value.status == 422
+    assert "is immutable" in moved.value.message
+    with pytest.raises(ApiError) as refused:
+        kube.create(
+            PDC_PATH.format(ns=namespace),
+            manifest("uneven", prefill={"topology": {"tp": 4}, "gpusPerPod": 3}),
+        )
+    assert refused.value.status == 422
+    assert "gpusPerPod" in refused.value.message
+    assert pdc(kube, namespace, "uneven") is None

@@ -28,6 +28,9 @@ from e2e.controlplane.build import BuildError, ensure_binaries
 from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import KubeApi
 from e2e.processes import wait_until
+from tests.hypothesis_profile import use_project_profile
+
+use_project_profile()
 
 EXISTING_CLUSTER_ENV = "PDCLUSTER_E2E_CLUSTER"
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.hypothesis_profile import use_project_profile
 from tests.operator.helpers import unavailable
 from tests.operator.test_chart import HELM
+
+use_project_profile()
 
 
 @pytest.fixture

@@ -39,8 +39,9 @@ import httpx
 import yaml
 
 from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster, free_ports
+from pdcluster.runtime.local.launcher import LocalCluster
 from pdcluster.runtime.local.plan import build_local_plan, count_ports
+from pdcluster.runtime.ports import free_ports
 
 POLL_S = 0.005
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import httpx
 
 from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster, free_ports
+from pdcluster.runtime.local.launcher import LocalCluster
 from pdcluster.runtime.local.plan import build_local_plan, count_ports
+from pdcluster.runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,6 +28,7 @@ from e2e import pki, processes
 from e2e.controlplane.build import KUBERNETES_VERSION, Binaries, BuildError, ensure_binaries
 from e2e.nodeagent.client import NodeAgentClient
 from e2e.processes import ProcessRecord
+from pdcluster.runtime.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STATE_DIR = REPO_ROOT / ".pdcluster" / "e2e-cluster"
@@ -225,7 +226,7 @@ def _start_components(starter: _Starter) -> ClusterInfo:
     token_file.write_text(pki.render_token_file(identities))
     token_file.chmod(0o600)
 
-    etcd_port, etcd_peer_port = processes.free_port(), processes.free_port()
+    etcd_port, etcd_peer_port = free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
     peer_url = f"http://127.0.0.1:{etcd_peer_port}"
     starter.start(
@@ -250,7 +251,7 @@ def _start_components(starter: _Starter) -> ClusterInfo:
         alive=lambda: starter.exited("etcd"),
     )
 
-    api_port = processes.free_port()
+    api_port = free_port()
     server = f"https://127.0.0.1:{api_port}"
     starter.start(
         "kube-apiserver",
@@ -301,7 +302,7 @@ def _start_components(starter: _Starter) -> ClusterInfo:
 
     def start_component(name: str, *flags: str) -> int:
         """Start kube-<name> on a free loopback port as its own identity; the port."""
-        port = processes.free_port()
+        port = free_port()
         starter.start(
             f"kube-{name}",
             [
@@ -335,7 +336,7 @@ def _start_components(starter: _Starter) -> ClusterInfo:
             alive=functools.partial(starter.exited, name),
         )
 
-    agent_port = processes.free_port()
+    agent_port = free_port()
     agent_url = f"http://127.0.0.1:{agent_port}"
     nodes = tuple(f"pdc-node-{i}" for i in range(1, settings.num_nodes + 1))
     starter.start(

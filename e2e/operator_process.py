@@ -13,7 +13,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from e2e.processes import ProcessRecord, free_port, http_get_ok, spawn, stop, wait_until
+from e2e.processes import ProcessRecord, http_get_ok, spawn, stop, wait_until
+from pdcluster.runtime.ports import free_port
 
 
 @contextmanager

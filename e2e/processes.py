@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -146,13 +145,6 @@ def reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on host (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(

@@ -63,8 +63,9 @@ def check_backend(manifest: PDCluster, path: str) -> None:
 
 # ---------------------------------------------------------------- local mode
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdcluster.runtime.local.launcher import LocalCluster, format_state, free_ports, read_state
+    from pdcluster.runtime.local.launcher import LocalCluster, format_state, read_state
     from pdcluster.runtime.local.plan import build_local_plan, count_ports
+    from pdcluster.runtime.ports import free_ports
 
     manifest = load_manifest(args.file)
     check_backend(manifest, args.file)

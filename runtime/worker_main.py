@@ -370,7 +370,7 @@ def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] 
 def _run_instance(settings: WorkerSettings) -> int:
     dp = settings.role_spec.topology.dp
     if dp > 1:
-        from pdcluster.runtime.local.launcher import free_ports
+        from pdcluster.runtime.ports import free_ports
 
         settings = replace(settings, dp_ports=tuple(free_ports(dp - 1)))
     children = _start_children(settings)

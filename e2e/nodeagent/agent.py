@@ -26,7 +26,7 @@ from e2e.nodeagent.pod import PodEnvironment, PodWorker, pod_key
 from e2e.nodeagent.podapi import delete_pod_object
 from e2e.nodeagent.settings import AgentSettings
 from e2e.pki import make_self_signed
-from e2e.processes import free_port
+from pdcluster.runtime.ports import free_port
 
 log = logging.getLogger("nodeagent")
 

@@ -19,7 +19,6 @@ import datetime
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
+from pdcluster.runtime.ports import free_port
 
 __all__ = [
     "DistContext",
@@ -142,14 +142,6 @@ def init_distributed(
         if rank in ranks:
             control_group = group
     return DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _rank_main(

@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,21 +47,6 @@ from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
-
-
-def free_ports(n: int) -> list[int]:
-    """Ask the kernel for n distinct free loopback ports."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def state_dir_for(base: Path, cluster: str) -> Path:

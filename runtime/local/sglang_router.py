@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from pdcluster.runtime.local.launcher import free_ports, stop_pids
+from pdcluster.runtime.local.launcher import stop_pids
+from pdcluster.runtime.ports import free_ports
 
 HOST = "127.0.0.1"
 

@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 import httpx
 
 from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster, free_ports
+from pdcluster.runtime.local.launcher import LocalCluster
 from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_ports
+from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import PDCluster
 from tests.faults.rogue import PREFILL_LISTENERS, Background
 from tests.local.cluster import write_manifest

@@ -18,10 +18,10 @@ import httpx
 import msgspec
 import pytest
 
-from pdcluster.runtime.local.launcher import free_ports
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
+from pdcluster.runtime.ports import free_ports
 from tests.faults.harness import (
     FaultCluster,
     PDClient,

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from pdcluster.runtime.spec import parse_manifest
+from pdcluster.runtime.worker_main import HANG_ENV
 from tests.faults.harness import make_prompts
 from tests.local.cluster import RunningCluster, local_cluster, write_manifest
 from tests.pd_integration.reference import colocated_outputs
@@ -97,8 +98,12 @@ def live_rooms(cluster: RunningCluster, name: str) -> int:
 
 @pytest.mark.slow
 def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Each prefill's first engine step blocks 3 s, so the burst's rooms on prefill-1
+    # are certainly live when it is killed (a fast machine finishes a bare prefill
+    # between two polls of /admin/rooms).
+    monkeypatch.setenv(HANG_ENV, "prefill:1:3")
     path = write_manifest(tmp_path, "supervised", SPEC)
     manifest = parse_manifest(yaml.safe_load(path.read_text()))
     victims = make_prompts(4, seed=41, lo=2500, hi=4000)

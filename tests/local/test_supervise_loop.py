@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from pdcluster.runtime.local.launcher import STATE_FILE, LocalCluster, free_ports
+from pdcluster.runtime.local.launcher import STATE_FILE, LocalCluster
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
+from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 TOKEN = "supervise-loop-token"

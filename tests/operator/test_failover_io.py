@@ -23,11 +23,12 @@ from pdcluster.operator.failover.fast_path import Failover
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.settings import OperatorSettings
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
 from .podmaker import deleting, not_ready, terminated, worker_pod
-from .served import free_port, serving
+from .served import serving
 
 TOKEN = "s3cret-token"
 

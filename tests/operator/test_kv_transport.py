@@ -23,10 +23,11 @@ from pdcluster.operator.reconcile.kv_transport import (
     parse_transport_report,
     rdma_request,
 )
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.spec import Role, TransferSpec, UcxSpec
 
 from .podmaker import worker_pod
-from .served import free_port, serving
+from .served import serving
 from .test_controller import KEY, make, reasons
 from .test_failover_io import TOKEN, make_failover
 

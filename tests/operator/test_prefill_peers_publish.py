@@ -13,10 +13,11 @@ from fastapi.responses import JSONResponse
 
 from pdcluster.operator.failover.pod_facts import parse_pod_facts
 from pdcluster.operator.failover.prefill_peers import compute_prefill_peers, decode_targets
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.spec import Role
 
 from .podmaker import terminated, worker_pod
-from .served import free_port, serving
+from .served import serving
 from .test_failover_io import TOKEN, make_failover
 
 

@@ -74,13 +74,6 @@ def stop_all(served: list[Served]) -> None:
         s.done.result(START_TIMEOUT_S)
 
 
-def free_port() -> int:
-    """A port with nothing listening (connections to it are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def serve(loop: LoopThread, app: FastAPI) -> Served:
     # proto must say TCP: asyncio enables TCP_NODELAY on accepted sockets only
     # then, and without it every keep-alive answer waits ~40 ms for an ACK.

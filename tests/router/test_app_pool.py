@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.router.workers import WorkerTarget
 from pdcluster.runtime.spec import Role
 
-from .harness import Cluster, LoopThread, free_port, start_cluster, wait_until
+from .harness import Cluster, LoopThread, start_cluster, wait_until
 from .standin import words
 
 

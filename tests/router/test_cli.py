@@ -9,9 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.router.cli import API_KEYS_ENV, parse_invocation
 
-from .harness import LoopThread, free_port, start_cluster
+from .harness import LoopThread, start_cluster
 
 P = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
 

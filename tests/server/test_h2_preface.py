@@ -26,13 +26,7 @@ from pdcluster.runtime.http.h2_preface import (
     HTTP_1_1_REQUIRED,
     Http1OnlyProtocol,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from pdcluster.runtime.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def server() -> Iterator[str]:
     async def health() -> dict[str, bool]:
         return {"ok": True}
 
-    port = _free_port()
+    port = free_port()
     # log_config=None: uvicorn's warnings reach the root logger (and caplog).
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_config=None, http=Http1OnlyProtocol

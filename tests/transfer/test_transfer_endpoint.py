@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.transfer.endpoint import Endpoint, EndpointConfig, check_address
 from pdcluster.runtime.transfer.identity import identity_key, prove
 from tests.transfer.transfer_helpers import Inbox, wait_until
@@ -46,10 +47,7 @@ def raw_dealer(pair: tuple[Endpoint, Endpoint, Inbox]) -> Iterator[zmq.Socket]:
 
 def dead_address() -> str:
     """An address where nothing listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def test_control_messages_arrive_in_order_with_their_sender(pair):

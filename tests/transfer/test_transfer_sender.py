@@ -3,12 +3,12 @@ failures, shutdown."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 
+from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.transfer.endpoint import Endpoint
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
@@ -22,9 +22,7 @@ BIG_FRAMES = SenderConfig(max_frame_bytes=256 * 1024, min_frame_bytes=64 * 1024)
 
 
 def dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def big_job(peer: str, room: int, notify: bytes | None = None) -> TransferJob:

@@ -7,9 +7,12 @@ Labels stay low-cardinality: reasons, stages and states — never rids.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Time per output token: one decode step, finer than the request latencies.
@@ -39,6 +42,52 @@ class MetricFactory:
             labels,
             buckets=self.buckets if buckets is None else tuple(buckets),
             registry=self.registry,
+        )
+
+
+class PrefixCacheCounts(Protocol):
+    """What the engine reports about its prefix cache (`LLMEngine.prefix_cache_stats`)."""
+
+    @property
+    def lookup_tokens(self) -> int: ...
+    @property
+    def hit_tokens(self) -> int: ...
+    @property
+    def cached_pages(self) -> int: ...
+    @property
+    def evicted_pages(self) -> int: ...
+
+
+class _PrefixCacheCollector(Collector):
+    """Reads the engine's counts at scrape time (they live in the engine, as
+    the page counts do), so the counters never drift from the cache."""
+
+    def __init__(self, prefix: str, read: Callable[[], PrefixCacheCounts]) -> None:
+        self._prefix = prefix
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._read()
+        p = self._prefix
+        yield CounterMetricFamily(
+            p + "prefix_cache_lookup_tokens",
+            "Known tokens of admitted sequences looked up in the prefix cache",
+            value=stats.lookup_tokens,
+        )
+        yield CounterMetricFamily(
+            p + "prefix_cache_hit_tokens",
+            "Tokens whose KV the prefix cache served (hit rate: hit / lookup)",
+            value=stats.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            p + "prefix_cache_evictions",
+            "Cached KV pages evicted to make room (leader rank)",
+            value=stats.evicted_pages,
+        )
+        yield GaugeMetricFamily(
+            p + "prefix_cache_pages",
+            "KV pages in the prefix cache, referenced or evictable (leader rank)",
+            value=stats.cached_pages,
         )
 
 
@@ -89,3 +138,7 @@ class WorkerMetrics:
     def watch_pages(self, free: Callable[[], int], total: Callable[[], int]) -> None:
         self.free_pages.set_function(free)
         self.total_pages.set_function(total)
+
+    def watch_prefix_cache(self, read: Callable[[], PrefixCacheCounts]) -> None:
+        """Export the engine's prefix cache counts (`pdcluster_prefix_cache_*`)."""
+        self.registry.register(_PrefixCacheCollector("pdcluster_", read))

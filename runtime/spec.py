@@ -264,6 +264,14 @@ class EngineSpec(_Model):
         le=3600,
         description="work pending and no engine step finished this long: engine_stalled",
     )
+    prefix_cache: bool = Field(
+        default=False,
+        description=(
+            "keep computed full prompt pages in a prefix cache and skip recomputing a "
+            "cached prefix (colocated engines and the prefill side of PD); off by default "
+            "until decode-side reuse lands, then the target is on by default"
+        ),
+    )
 
 
 class AutoscalingMetric(enum.StrEnum):

@@ -201,6 +201,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
         service.stall_hooks.append(lambda: agent.fail_all_rooms("engine_stalled"))
     metrics = WorkerMetrics(settings.role)
     metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
+    metrics.watch_prefix_cache(lambda: engine.prefix_cache_stats())
     model = settings.manifest.spec.model
     info = WorkerInfo(
         model_name=model.name,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.page_allocator import PageAllocator
 from pdcluster.runtime.engine.parallel import DistContext
@@ -37,6 +38,7 @@ from pdcluster.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 __all__ = [
     "EngineRequest",
     "LLMEngine",
+    "PrefixCacheStats",
     "RequestRejected",
     "StepOutput",
     "run_follower",
@@ -59,6 +61,16 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Prefix cache counters (since start) and gauge (now) of one engine."""
+
+    lookup_tokens: int  # known tokens of admitted sequences (each admission counts)
+    hit_tokens: int  # of those, tokens whose KV came from the cache
+    cached_pages: int  # gauge: pages in the cache, referenced or evictable
+    evicted_pages: int  # cached pages taken back for new allocations
 
 
 @dataclass
@@ -89,7 +101,17 @@ class LLMEngine:
         self.dist = self.runner.dist
         self.model_config = self.runner.weights.config
         self.tokenizer = tokenizer
-        self.allocator = PageAllocator(config.num_pages)
+        # With the prefix cache off the allocator is the plain one: nothing changes.
+        self.allocator: PageAllocator = (
+            CachingPageAllocator(
+                config.num_pages,
+                page_size=config.page_size,
+                salt=config.prefix_cache_salt(self.model_config),
+                enabled=True,
+            )
+            if config.prefix_cache
+            else PageAllocator(config.num_pages)
+        )
         self.scheduler = Scheduler(
             config.scheduler_config(self.model_config.max_position_embeddings), self.allocator
         )
@@ -115,6 +137,20 @@ class LLMEngine:
     def num_total_pages(self) -> int:
         total: int = self.allocator.num_total
         return total
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """What the prefix cache reused and holds (all zero when it is off)."""
+        alloc = self.allocator
+        cached = evicted = 0
+        if isinstance(alloc, CachingPageAllocator):
+            m = alloc.metrics()
+            cached, evicted = m.cached_pages, m.evicted_pages
+        return PrefixCacheStats(
+            lookup_tokens=self.scheduler.num_lookup_tokens,
+            hit_tokens=self.scheduler.num_hit_tokens,
+            cached_pages=cached,
+            evicted_pages=evicted,
+        )
 
     def check_admissible(
         self, prompt_len: int, max_tokens: int, prefill_only: bool = False

@@ -40,6 +40,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Directory for shared-memory KV pools (one file per rank), for the shm transport.
     shm_dir: str | None = None
+    # Reuse the KV of cached full prompt pages (spec.engine.prefixCache).
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "kv_dtype"):
@@ -83,6 +85,22 @@ class EngineConfig:
             max_model_len=max_len,
         )
 
+    def prefix_cache_salt(self, model_config: ModelConfig) -> bytes:
+        """What a cached page's KV depends on besides its tokens: the weights
+        (model, seed, architecture), the compute and KV dtypes, the page size
+        and layout and the sharding. Every page key derives from it."""
+        parts = (
+            self.model,
+            str(self.model_seed),
+            self.compute_dtype,
+            self.kv_dtype,
+            str(self.kv_layout),
+            str(self.page_size),
+            repr(self.parallel),
+            repr(model_config),
+        )
+        return "|".join(parts).encode()
+
     def shm_path_for(self, rank: int) -> str | None:
         if self.shm_dir is None:
             return None
@@ -112,4 +130,5 @@ def engine_config_from_spec(
         max_model_len=None,
         parallel=ParallelConfig(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
         shm_dir=shm_dir,
+        prefix_cache=eng.prefix_cache,
     )

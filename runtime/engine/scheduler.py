@@ -42,16 +42,36 @@ Invariants (asserted by the property tests):
   no generated token is sampled twice;
 - a rejected call (``RequestRejected``, ``SchedulerError``) changes nothing.
 
+Prefix cache (when the allocator is a `CachingPageAllocator` with the cache
+on; otherwise none of this happens and the scheduler behaves as without it):
+- on admission a sequence looks up its longest cached run of leading full
+  pages, over its known tokens but the last (one token is always computed so
+  there is a token to sample); it takes a reference on each, they open its
+  page table, and its first chunk starts at the first uncached token. The
+  admission check counts the hit pages that were evictable (they stop being
+  free once referenced) and needs no new page for them;
+- once a prefill chunk has computed full prompt pages they are inserted into
+  the cache (the sequence's reference moves with them); only prompt pages are
+  cached, and a page is never written after it is full, so a cached page is
+  read-only;
+- every way out (finish, abort, release, preemption, a failed step) gives a
+  cached page back by releasing the sequence's reference, an owned page by
+  freeing it: a cached page is never freed, and it is evicted only when the
+  allocator needs pages and nobody references it;
+- several sequences may hold one cached page, so a victim of preemption
+  counts as freeing only the pages whose last reference it holds.
+
 Pure module: no I/O, no torch.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
 from pdcluster.runtime.engine.page_allocator import PageAllocator
 from pdcluster.runtime.engine.sequence import (
     MODES,
@@ -167,8 +187,19 @@ class Scheduler:
         self._ready: deque[Sequence] = deque()  # prefilled, waiting for a running slot
         self._running: list[Sequence] = []  # sorted by arrival
         self._held: dict[str, Sequence] = {}
-        self._owned: set[int] = set()  # pages held by live sequences or deferred
-        self._deferred_free: list[int] = []  # pages of sequences that ended mid-step
+        # page -> holders (live sequences, or deferred page lists); above 1
+        # only for a cached page several sequences reference.
+        self._owned: Counter[int] = Counter()
+        self._deferred_free: list[list[int]] = []  # page tables of sequences that ended mid-step
+        self._cache: CachingPageAllocator | None = (
+            allocator
+            if isinstance(allocator, CachingPageAllocator) and allocator.is_enabled
+            else None
+        )
+        # Prefix cache counters (tokens, since start): known tokens of admitted
+        # sequences, and how many of them the cache served.
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
         self._in_flight: dict[str, tuple[ScheduledChunk, Sequence]] | None = None
         self._reports: list[Sequence] = []  # finished on add; reported by on_step_done
         self._next_arrival = 0
@@ -387,20 +418,23 @@ class Scheduler:
             if len(self._running) >= cfg.max_running_requests:
                 break
             seq = self._waiting[0]
-            end = min(cfg.chunk_size, seq.num_prefill_tokens, plan.budget)
+            hit = self._lookup(seq)
+            start = len(hit) * cfg.page_size
+            end = start + min(cfg.chunk_size, seq.num_prefill_tokens - start, plan.budget)
             # A prefill_only sequence streams its KV out while it computes, so
             # its pages must never move: it takes the whole prompt's pages now
             # (all or nothing) and is never preempted.
             upto = seq.num_prefill_tokens if seq.mode == SequenceMode.prefill_only else end
-            need = seq.num_new_pages_for(upto, cfg.page_size)
-            if need > self.allocator.num_free:
+            need = pages_for(upto, cfg.page_size) - len(hit)
+            if need + self._num_evictable(hit) > self.allocator.num_free:
                 break
             self._waiting.pop(0)
+            self._take_hit(seq, hit)
             self._take_pages(seq, need)
             seq.transition(_S.RUNNING)
             bisect.insort(self._running, seq, key=_arrival)
-            plan.chunks[seq.rid] = (seq, 0, end)
-            plan.budget -= end
+            plan.chunks[seq.rid] = (seq, start, end)
+            plan.budget -= end - start
 
     def _seal(self, plan: _Plan) -> ScheduledBatch:
         """Build the step's chunks and mark them in flight until on_step_done."""
@@ -437,13 +471,14 @@ class Scheduler:
         shortfall = need - self.allocator.num_free
         if shortfall > 0:
             victims: list[Sequence] = []
+            released: Counter[int] = Counter()  # references the victims so far give back
             for cand in sorted([*self._running, *self._ready], key=_arrival, reverse=True):
                 if cand.arrival <= seq.arrival or shortfall <= 0:
                     break
                 if cand.mode == SequenceMode.prefill_only:
                     continue  # a transfer may be reading its pages: never move them
                 victims.append(cand)
-                shortfall -= len(cand.page_table)
+                shortfall -= self._num_freed_by(cand, released)
             if shortfall > 0:
                 return False
             for victim in victims:
@@ -462,6 +497,7 @@ class Scheduler:
         self._give_back(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
+        seq.num_keyed_pages = 0
         seq.num_prefill_tokens = seq.num_tokens
         seq.num_preemptions += 1
         seq.transition(_S.PREEMPTED)
@@ -499,6 +535,8 @@ class Scheduler:
             if seq.status is not _S.RUNNING:  # ended mid-step; its pages are deferred
                 continue
             seq.num_computed_tokens = chunk.end_pos
+            if chunk.is_prefill:
+                self._insert_computed(seq)
             if not chunk.sample:
                 continue
             seq.output_token_ids.append(sampled[rid])
@@ -522,8 +560,9 @@ class Scheduler:
 
     def _close_step(self) -> None:
         self._in_flight = None
-        self._give_back(self._deferred_free)
-        self._deferred_free = []
+        deferred, self._deferred_free = self._deferred_free, []
+        for pages in deferred:
+            self._give_back(pages)
 
     # ---- ending requests -----------------------------------------------
 
@@ -581,7 +620,7 @@ class Scheduler:
         if in_flight is not None and in_flight.get(seq.rid, (None, None))[1] is seq:
             # The runner may still be writing these pages; reusing them before
             # on_step_done would let this step's writes land in another request.
-            self._deferred_free.extend(pages)
+            self._deferred_free.append(pages)
         else:
             self._give_back(pages)
 
@@ -598,6 +637,80 @@ class Scheduler:
             seq.page_table.extend(pages)
 
     def _give_back(self, pages: list[int]) -> None:
-        if pages:
+        """Return one sequence's pages: release its reference on cached ones,
+        free owned ones."""
+        if not pages:
+            return
+        cache = self._cache
+        if cache is None:
             self.allocator.free(pages)
-            self._owned.difference_update(pages)
+        else:
+            cached = [p for p in pages if cache.is_cached(p)]
+            cache.release(cached)  # the last page first in the LRU: tails go first
+            self.allocator.free([p for p in pages if not cache.is_cached(p)])
+        owned = self._owned
+        for page in pages:
+            owned[page] -= 1
+            if owned[page] <= 0:
+                del owned[page]
+
+    # ---- prefix cache ---------------------------------------------------
+
+    def _lookup(self, seq: Sequence) -> tuple[int, ...]:
+        """Cached pages of ``seq``'s leading full pages; one token is always left
+        to compute. Takes nothing: ``_take_hit`` does once admission is sure."""
+        if self._cache is None:
+            return ()
+        tokens = seq.token_slice(0, seq.num_prefill_tokens - 1)
+        return self._cache.match(tokens, record=False).pages
+
+    def _num_evictable(self, pages: tuple[int, ...]) -> int:
+        """Of these cached pages, those now counted free (nobody references them)."""
+        cache = self._cache
+        if cache is None:
+            return 0
+        return sum(1 for p in pages if cache.refcount(p) == 0)
+
+    def _take_hit(self, seq: Sequence, hit: tuple[int, ...]) -> None:
+        cache = self._cache
+        if cache is None:
+            return
+        self.num_lookup_tokens += seq.num_prefill_tokens
+        self.num_hit_tokens += len(hit) * self.config.page_size
+        if hit:
+            cache.acquire(hit)
+            self._owned.update(hit)
+            seq.page_table = list(hit)
+            seq.num_computed_tokens = len(hit) * self.config.page_size
+        seq.num_keyed_pages = len(hit)
+
+    def _insert_computed(self, seq: Sequence) -> None:
+        """Offer the full prompt pages computed since the last offer to the cache."""
+        cache = self._cache
+        if cache is None:
+            return
+        size = self.config.page_size
+        num_full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // size
+        first = seq.num_keyed_pages
+        if num_full <= first:
+            return
+        keys = cache.keys_for(seq.prompt_token_ids[: num_full * size])
+        # Pages whose key another page already holds stay this sequence's own.
+        cache.insert(keys[first:], seq.page_table[first:num_full])
+        seq.num_keyed_pages = num_full
+
+    def _num_freed_by(self, victim: Sequence, released: Counter[int]) -> int:
+        """Pages preempting ``victim`` makes free, given the references earlier
+        victims of the same step give back (counted into ``released``)."""
+        cache = self._cache
+        if cache is None:
+            return len(victim.page_table)
+        freed = 0
+        for page in victim.page_table:
+            if not cache.is_cached(page):
+                freed += 1
+                continue
+            released[page] += 1
+            if cache.refcount(page) == released[page]:
+                freed += 1
+        return freed

@@ -105,6 +105,9 @@ class Sequence:
     arrival: int = -1
     num_prefill_tokens: int = 0
     num_preemptions: int = 0
+    # Prefix cache: leading full prompt pages of ``page_table`` already looked
+    # up or offered to the cache (0 when the cache is off).
+    num_keyed_pages: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """PD with the prefix cache on for prefill: prefill computes only the uncached
-suffix and still delivers the whole prompt's KV, so decode's output equals
+suffix (every rank of a multi-rank prefill follows the leader's plan, so all
+agree on the hits) and still delivers the whole prompt's KV, so decode's output equals
 colocated output token for token; the prefill worker's metrics show the
 reuse, and no page leaks on either side (cached pages count as free).
 """
@@ -31,7 +32,11 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill", [{}, {"topology": {"cp": 2}}], ids=["1p1d", "prefill-cp2"])
+@pytest.mark.parametrize(
+    "prefill",
+    [{}, {"topology": {"tp": 2}}, {"topology": {"cp": 2}}],
+    ids=["1p1d", "prefill-tp2", "prefill-cp2"],
+)
 def test_prefill_with_the_prefix_cache_equals_colocated(prefill: dict, tmp_path: Path) -> None:
     spec = {
         # float64: a cached prefix changes which tokens one step computes together.

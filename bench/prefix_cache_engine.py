@@ -1,6 +1,6 @@
 """Engine-level prefix cache: time to first token with the cache on vs off.
 
-    .venv/bin/python bench/prefix_cache_engine.py
+    .venv/bin/python bench/prefix_cache_engine.py --requests 16
     .venv/bin/python bench/prefix_cache_engine.py --requests 64 --device cuda
 
 Workload (the shape of issue 15's, in one in-process engine, no PD, no
@@ -46,7 +46,9 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1536)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     rng = random.Random(0)
     systems = [

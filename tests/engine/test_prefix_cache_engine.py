@@ -15,15 +15,17 @@ import random
 import pytest
 import torch
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 
 from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
-from pdcluster.runtime.engine.engine_config import EngineConfig
+from pdcluster.runtime.engine.engine_config import EngineConfig, engine_config_from_spec
 from pdcluster.runtime.engine.kv_pool import slots_for_positions
 from pdcluster.runtime.engine.page_allocator import PageAllocator
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import ScheduledBatch
 from pdcluster.runtime.metrics import WorkerMetrics
+from pdcluster.runtime.spec import PDCluster
 from tests.engine.testing import generate
 
 PAGE = 4
@@ -229,3 +231,30 @@ def test_worker_metrics_export_the_prefix_cache_counts() -> None:
     assert "pdcluster_prefix_cache_lookup_tokens_total 44.0" in text
     assert "pdcluster_prefix_cache_evictions_total 0.0" in text
     assert "pdcluster_prefix_cache_pages 5.0" in text
+
+
+def _cluster(prefill_engine: object) -> PDCluster:
+    return PDCluster.model_validate(
+        {
+            "apiVersion": "pdcluster.io/v1alpha1",
+            "kind": "PDCluster",
+            "metadata": {"name": "c"},
+            "spec": {
+                "model": {"name": "tiny"},
+                "prefill": {"engine": prefill_engine},
+                "decode": {},
+            },
+        }
+    )
+
+
+def test_the_manifest_flag_reaches_the_engine_config_and_defaults_to_off() -> None:
+    spec = _cluster({"prefixCache": True}).spec
+    assert spec.prefill is not None and spec.decode is not None
+    assert engine_config_from_spec(spec, spec.prefill).prefix_cache is True
+    assert engine_config_from_spec(spec, spec.decode).prefix_cache is False
+
+
+def test_a_flag_that_is_not_a_boolean_is_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="prefixCache"):
+        _cluster({"prefixCache": "sometimes"})

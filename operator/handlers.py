@@ -10,9 +10,10 @@ reconcile itself lives in `controller.py`. Triggers:
   deleted → reconcile its cluster (deleted children come back);
 - the queue re-runs every cluster at the resync interval and at the
   deadlines the planner names (back-off ends, budget windows);
-- one daemon per PDCluster runs its autoscaling loop
+- one asyncio task per PDCluster runs its autoscaling loop
   (`reconcile/autoscaling.py`: the role scalers' sync, the built-in planner)
-  at each role's `intervalSeconds`; a PDClusterRoleScaler's change wakes it.
+  at each role's `intervalSeconds`; a change of the PDCluster or of one of
+  its PDClusterRoleScalers wakes it.
 
 The failover fast path (`failover.py`: pod lost → tell the peers' admin
 endpoints at once) runs in `on_child_pod`, before the reconcile that
@@ -172,7 +173,9 @@ def queue_depth(memo: kopf.Memo, **_: Any) -> int:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def on_cluster(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     if namespace:
-        _runtime(memo).queue.add((namespace, name))
+        runtime = _runtime(memo)
+        runtime.queue.add((namespace, name))
+        runtime.autoscaler.ensure((namespace, name))  # autoscaling or replicas may have changed
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -189,20 +192,6 @@ async def on_cluster_deleted(
     runtime.controller.recorder.forget(uid)
     runtime.controller.forget((namespace, name))
     runtime.autoscaler.forget((namespace, name))
-
-
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def autoscale_daemon(
-    namespace: str | None, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any
-) -> None:
-    """The cluster's autoscaling loop: a pass, then sleep until the next role is due."""
-    if not namespace:
-        return
-    autoscaler = _runtime(memo).autoscaler
-    key = (namespace, name)
-    while not stopped:
-        delay = await autoscaler.run_pass(key)
-        await autoscaler.sleep(key, delay)
 
 
 @kopf.on.event(GROUP, VERSION, SCALER_PLURAL)

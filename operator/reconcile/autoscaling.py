@@ -1,9 +1,12 @@
 """The per-cluster autoscaling loop: read, decide (pure modules), write.
 
-One pass of one PDCluster (`Autoscaler.run_pass`), run by a kopf daemon per
-PDCluster (`handlers.autoscale_daemon`) that sleeps between passes until the
-next role is due (`intervalSeconds`), or until a scaler of the cluster
-changed (`wake`):
+One pass of one PDCluster (`Autoscaler.run_pass`), run by one asyncio task
+per PDCluster (`Autoscaler.ensure`, called by the cluster's kopf handlers)
+that sleeps between passes until the next role is due (`intervalSeconds`),
+or until the cluster or one of its scalers changed (`wake`); it ends when the
+cluster is gone. (A kopf timer or daemon would put a finalizer on every
+PDCluster, which then could not be deleted while the operator is down; the
+operator keeps PDClusters free of finalizers.)
 
     body, pods     <- GET the PDCluster, LIST its pods
     scalers        <- GET each role's PDClusterRoleScaler; plan_scaler (pure):
@@ -62,6 +65,8 @@ log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT_S = 5.0
 # A /metrics body larger than this is cut (and then probably unreadable).
 MAX_METRICS_BYTES = 4 << 20
+# After a failed pass (an API or HTTP error), try again this soon.
+RETRY_S = 2.0
 
 TokenLookup = Callable[[str, str | None], Awaitable[str | None]]
 Key = tuple[str, str]
@@ -83,20 +88,40 @@ class Autoscaler:
         self.histories: dict[Key, AutoscaleHistory] = {}
         self.last_steps: dict[Key, AutoscaleStep] = {}  # for logs and tests
         self._wakes: dict[Key, asyncio.Event] = {}
+        self._loops: dict[Key, asyncio.Task[None]] = {}
 
     async def aclose(self) -> None:
+        loops = list(self._loops.values())
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         await self._http.aclose()
 
+    def ensure(self, key: Key) -> None:
+        """Start the cluster's loop if it does not run, else wake it (the cluster changed)."""
+        task = self._loops.get(key)
+        if task is None or task.done():
+            self._wakes[key] = asyncio.Event()
+            self._loops[key] = asyncio.create_task(self._loop(key), name=f"autoscale {key}")
+        else:
+            self.wake(key)
+
     def forget(self, key: Key) -> None:
+        """The cluster was deleted: stop its loop and drop what was kept of it."""
         self.histories.pop(key, None)
         self.last_steps.pop(key, None)
         self._wakes.pop(key, None)
+        task = self._loops.pop(key, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
     def wake(self, key: Key) -> None:
-        """A scaler of the cluster changed: run its next pass now."""
-        self._wakes.setdefault(key, asyncio.Event()).set()
+        """Run the cluster's next pass now (no loop runs for it: nothing to do)."""
+        event = self._wakes.get(key)
+        if event is not None:
+            event.set()
 
-    async def sleep(self, key: Key, seconds: float) -> None:
+    async def _sleep(self, key: Key, seconds: float) -> None:
         event = self._wakes.setdefault(key, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout=seconds)
@@ -104,20 +129,31 @@ class Autoscaler:
             pass
         event.clear()
 
-    async def run_pass(self, key: Key) -> float:
-        """One pass; returns the seconds to sleep before the next one."""
+    async def _loop(self, key: Key) -> None:
+        while True:
+            try:
+                delay = await self.run_pass(key)
+            except Exception:  # the loop must outlive a bug in one pass
+                log.exception("autoscaling pass of %s/%s failed", *key)
+                delay = RETRY_S
+            if delay is None:
+                return
+            await self._sleep(key, delay)
+
+    async def run_pass(self, key: Key) -> float | None:
+        """One pass; the seconds to sleep before the next one (None: the cluster is gone)."""
         try:
             return await self._run_pass(key)
         except (ApiError, httpx.HTTPError) as err:
             log.warning("autoscaling pass of %s/%s failed: %s", *key, err)
-            return MIN_WAIT_S * 4
+            return RETRY_S
 
-    async def _run_pass(self, key: Key) -> float:
+    async def _run_pass(self, key: Key) -> float | None:
         namespace, name = key
         body = await self.client.get("PDCluster", namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             self.forget(key)
-            return wait_seconds(None, 0.0)
+            return None
         try:
             cluster = cluster_from_body(body)
         except SpecError:
@@ -148,7 +184,7 @@ class Autoscaler:
                 await self.client.patch("PDCluster", namespace, name, patch.body())
             except ApiError as err:
                 log.warning("%s/%s: could not set %s replicas: %s", *key, patch.role.value, err)
-                return MIN_WAIT_S * 4  # the history stays: the next pass decides again
+                return RETRY_S  # the history stays: the next pass decides again
         self.histories[key] = step.history
         for event in step.events:
             await self.recorder.record(cluster.ref, event.type, event.reason, event.message)

@@ -6,7 +6,8 @@ leaving it Ready for the next: apply → Ready and serving; deleted children
 come back; load above the TTFT target scales prefill 1 → 2 and back; a
 killed prefill makes decode fail its rooms in well under a second
 (heartbeats are set to 30 s, so only the operator's fast path can be that
-quick), then the instance restarts; `kubectl scale`; deleting the
+quick), then the instance restarts; `kubectl scale` (of the PDCluster and
+of the decode role's scaler); deleting the
 PDCluster removes everything. An invalid manifest (or one above the rank
 cap, or autoscaling beyond its GPU budget) is refused by the API; the
 operator refuses a foreign Secret reference, reports a quota that refuses
@@ -522,6 +523,28 @@ def test_kubectl_scale_sets_the_decode_replicas(
     scale = kube.get(f"{PDC_PATH.format(ns=ns)}/{NAME}/scale")
     assert scale is not None and scale["status"]["replicas"] == 3
     assert scale["status"]["selector"] == f"pdcluster.io/cluster={NAME},pdcluster.io/role=decode"
+    # The decode scaler followed, and scaling it scales the role.
+    scaler_path = f"{SCALERS_PATH.format(ns=ns)}/{NAME}-decode"
+    wait_until(
+        lambda: ((kube.get(scaler_path) or {}).get("status") or {}).get("syncedReplicas") == 3,
+        30,
+        "the decode scaler synced at 3",
+    )
+    assert (kube.get(scaler_path) or {})["spec"]["replicas"] == 3
+    kubectl("kubectl", "scale", f"pdcrs/{NAME}-decode", "-n", ns, "--replicas=2")
+    scaled = wait_ready(
+        operator,
+        kube,
+        ns,
+        "2 decode instances Ready after scaling the decode scaler",
+        extra=lambda o: (o["status"].get("decode") or {}).get("summary") == "2/2",
+    )
+    assert scaled["spec"]["decode"]["replicas"] == 2
+    wait_until(
+        lambda: (kube.get(f"{scaler_path}/scale") or {}).get("status", {}).get("replicas") == 2,
+        60,
+        "the decode scaler's /scale reporting 2 instances",
+    )
 
 
 def test_deleting_the_cluster_removes_everything(

@@ -7,12 +7,11 @@ come back; load above the TTFT target scales prefill 1 → 2 and back; a
 killed prefill makes decode fail its rooms in well under a second
 (heartbeats are set to 30 s, so only the operator's fast path can be that
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
-of the decode role's scaler); deleting the
-PDCluster removes everything. An invalid manifest (or one above the rank
-cap, or autoscaling beyond its GPU budget) is refused by the API; the
-operator refuses a foreign Secret reference, reports a quota that refuses
-its pods as ApplyFailed, and never applies over an object that replaced one
-of its own.
+of the decode role's scaler); deleting the PDCluster removes everything. An
+invalid manifest (or one above the rank cap, or autoscaling beyond its GPU
+budget) is refused by the API; the operator refuses a foreign Secret
+reference, reports a quota that refuses its pods as ApplyFailed, and never
+applies over an object that replaced one of its own.
 """
 
 from __future__ import annotations

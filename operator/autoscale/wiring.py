@@ -13,7 +13,9 @@ role's scaler; the functions here turn those raw objects into what to do:
 - `plan_scaler(cluster, role, scaler, existing)`: the scaler to create (none
   yet), the sync decision (`scaler_sync.py`: which side's replicas win) and
   the scaler's status to write.
-- `wait_seconds(step, now, idle_s)`: how long the loop sleeps after a step.
+- `stale_scalers(scalers, cluster_uid, roles)`: the cluster's scalers of
+  roles it no longer has (a switch between PD and colocated), to delete.
+- `wait_seconds(step, now)`: how long the loop sleeps after a step.
 
 Pure module.
 """
@@ -142,6 +144,22 @@ def plan_scaler(
         )
     status = build_role_scaler_status(cluster, role, existing, sync.synced)
     return ScalerPlan(create=create, sync=sync, status=status)
+
+
+def stale_scalers(
+    scalers: Iterable[Mapping[str, Any]], cluster_uid: str, roles: Iterable[Role]
+) -> list[tuple[str, str]]:
+    """(name, uid) of each scaler owned by the cluster whose role it no longer has."""
+    kept = {role.value for role in roles}
+    out = []
+    for scaler in scalers:
+        meta = scaler.get("metadata") or {}
+        owners = meta.get("ownerReferences") or []
+        owned = any(isinstance(o, Mapping) and o.get("uid") == cluster_uid for o in owners)
+        role = (scaler.get("spec") or {}).get("role")
+        if owned and role not in kept and meta.get("name") and not meta.get("deletionTimestamp"):
+            out.append((str(meta["name"]), str(meta.get("uid", ""))))
+    return out
 
 
 def wait_seconds(step: AutoscaleStep | None, now: float) -> float:

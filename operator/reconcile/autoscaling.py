@@ -12,7 +12,8 @@ operator keeps PDClusters free of finalizers.)
     scalers        <- GET each role's PDClusterRoleScaler; plan_scaler (pure):
                       create a missing one (owned by the PDCluster), copy the
                       winning side's replicas to the other (scaler_sync.py),
-                      write the scaler's status (replicas, selector, synced)
+                      write the scaler's status (replicas, selector, synced);
+                      delete the scalers of roles the cluster no longer has
     scrapes        <- GET /metrics of each autoscaled role's Ready leader pods
     step           <- compute_autoscale_step(...)  (pure: planner + samples)
     write          <- merge-patch spec.<role>.replicas (the path `kubectl
@@ -50,6 +51,7 @@ from pdcluster.operator.autoscale.wiring import (
     existing_instances,
     plan_scaler,
     scrape_targets,
+    stale_scalers,
     token_secret,
     wait_seconds,
 )
@@ -201,6 +203,10 @@ class Autoscaler:
     async def _sync_scalers(self, cluster: Cluster, pods: list[dict[str, Any]]) -> bool:
         """Create and sync each role's scaler; True when the PDCluster's replicas were changed."""
         existing = existing_instances(pods, cluster.name)
+        selector = names.format_selector(names.cluster_selector(cluster.name))
+        listed = await self.client.list(SCALER_KIND, cluster.namespace, selector)
+        for name, uid in stale_scalers(listed, cluster.ref.uid, roles_of(cluster)):
+            await self.client.delete(SCALER_KIND, cluster.namespace, name, uid)
         changed = False
         for role in roles_of(cluster):
             scaler_name = names.role_scaler_name(cluster.name, role)

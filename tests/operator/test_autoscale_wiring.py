@@ -18,6 +18,7 @@ from pdcluster.operator.autoscale.wiring import (
     existing_instances,
     plan_scaler,
     scrape_targets,
+    stale_scalers,
     token_secret,
     wait_seconds,
 )
@@ -25,7 +26,7 @@ from pdcluster.operator.builders import build_role_scaler
 from pdcluster.operator.reconcile.status import status_changed, status_patch
 from pdcluster.runtime.spec import Role
 
-from .helpers import make_cluster
+from .helpers import UID, make_cluster
 from .podmaker import deleting, not_ready, worker_pod
 
 P, D = Role.prefill, Role.decode
@@ -168,6 +169,22 @@ def test_a_malformed_scaler_is_a_clear_error(replicas: Any) -> None:
 def test_a_scaler_for_a_role_the_cluster_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match="no colocated role"):
         plan_scaler(make_cluster(SPEC), Role.colocated, None, existing=0)
+
+
+def test_scalers_of_roles_the_cluster_no_longer_has_are_stale() -> None:
+    prefill, decode = scaler_obj(1, 1, P), scaler_obj(1, 1, D)
+    for obj, uid in ((prefill, "s-p"), (decode, "s-d")):
+        obj["metadata"]["uid"] = uid
+    foreign = copy.deepcopy(prefill)
+    foreign["metadata"]["ownerReferences"][0]["uid"] = "another-cluster"
+    going = copy.deepcopy(decode)
+    going["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert stale_scalers([prefill, decode], UID, [P, D]) == []
+    assert stale_scalers([prefill, decode], UID, [Role.colocated]) == [
+        ("demo-prefill", "s-p"),
+        ("demo-decode", "s-d"),
+    ]
+    assert stale_scalers([foreign, going, {"metadata": {}}], UID, [Role.colocated]) == []
 
 
 # ---------------------------------------------------------------- waits

@@ -124,6 +124,16 @@ def _is_due(role: Role, interval_s: float, history: AutoscaleHistory, now: float
     return last is None or now >= last + interval_s - DUE_EARLY_S
 
 
+def roles_due(cluster: Cluster, history: AutoscaleHistory, now: float) -> tuple[Role, ...]:
+    """The autoscaled roles whose interval ended by `now`: the only ones worth scraping."""
+    out = []
+    for role in _SCALED_ROLES if cluster.spec.is_disaggregated else ():
+        cfg = _autoscaling(cluster, role)
+        if cfg is not None and _is_due(role, cfg.interval_seconds, history, now):
+            out.append(role)
+    return tuple(out)
+
+
 def _parse(
     scrapes: Mapping[str, PodScrape], unreadable: list[str]
 ) -> tuple[dict[str, WorkerScrape], float | None]:

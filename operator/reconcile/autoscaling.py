@@ -44,6 +44,7 @@ from pdcluster.operator.autoscale.step import (
     AutoscaleStep,
     PodScrape,
     compute_autoscale_step,
+    roles_due,
 )
 from pdcluster.operator.autoscale.wiring import (
     MIN_WAIT_S,
@@ -164,21 +165,19 @@ class Autoscaler:
         pods = await self.client.list("Pod", namespace, selector)
         if await self._sync_scalers(cluster, pods):
             return MIN_WAIT_S  # the replicas moved: decide on the new ones
-        autoscaled = [
-            role
-            for role in (Role.prefill, Role.decode)
-            if (spec := cluster.spec.role_spec(role)) is not None and spec.autoscaling is not None
-        ]
         stored = parse_status(body.get("status"))
-        if not autoscaled and not any(
+        if not _autoscales(cluster) and not any(
             (s := stored.role(r.value)) is not None and s.autoscaling is not None
             for r in (Role.prefill, Role.decode)
         ):
             self.histories.pop(key, None)
             return wait_seconds(None, 0.0)
-        scrapes = await self._scrape(namespace, pods, name, autoscaled)
-        now = self._clock()
         history = self.histories.get(key, AutoscaleHistory())
+        # One `now` for "which roles are due" and the step, so a role that
+        # turns due while the others are scraped is not decided without scrapes.
+        now = self._clock()
+        due = roles_due(cluster, history, now)
+        scrapes = await self._scrape(namespace, pods, name, list(due)) if due else {}
         step = compute_autoscale_step(cluster, stored, scrapes, history, now)
         self.last_steps[key] = step
         for patch in step.patches:
@@ -268,6 +267,13 @@ class Autoscaler:
             results = await asyncio.gather(*(fetch(url) for _, url in pairs))
             out[role] = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
         return out
+
+
+def _autoscales(cluster: Cluster) -> bool:
+    return any(
+        (spec := cluster.spec.role_spec(role)) is not None and spec.autoscaling is not None
+        for role in (Role.prefill, Role.decode)
+    )
 
 
 def _found(results: Mapping[str, PodScrape | None]) -> dict[str, PodScrape]:

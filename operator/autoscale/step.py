@@ -3,11 +3,12 @@
 `compute_autoscale_step(cluster, status, scrapes, history, now)` composes
 `samples` (metric text → one sample per role) and `planner` (samples →
 decisions) and returns everything the caller then writes: the replicas
-patches, the Events, and `status.<role>.autoscaling`. The caller (a timer per
-PDCluster, not wired yet) fetches the scrapes, applies the result, and keeps
-the returned history for the next call — only once the patches were applied,
-as the planner requires; a failed write means the next call gets the old
-history again (its latency deltas then span two intervals, which is harmless).
+patches, the Events, and `status.<role>.autoscaling`. The caller (the loop
+per PDCluster, `reconcile/autoscaling.py`) fetches the scrapes, applies the
+result, and keeps the returned history for the next call — only once the
+patches were applied, as the planner requires; a failed write means the next
+call gets the old history again (its latency deltas then span two intervals,
+which is harmless).
 
 Inputs:
 - `cluster`, `status`: the PDCluster's validated spec and its stored status.

@@ -3,14 +3,15 @@
 One operator process (as `python -m pdcluster.operator` runs it) watches
 every namespace. The tests share one PDCluster and run in file order, each
 leaving it Ready for the next: apply → Ready and serving; deleted children
-come back; a killed prefill makes decode fail its rooms in well under a
-second (heartbeats are set to 30 s, so only the operator's fast path can be
-that quick), then the instance restarts; `kubectl scale`; deleting the
-PDCluster removes everything. An invalid manifest (or one above the rank
-cap, or autoscaling beyond its GPU budget) is refused by the API; the
-operator refuses a foreign Secret reference, reports a quota that refuses
-its pods as ApplyFailed, and never applies over an object that replaced one
-of its own.
+come back; load above the TTFT target scales prefill 1 → 2 and back; a
+killed prefill makes decode fail its rooms in well under a second
+(heartbeats are set to 30 s, so only the operator's fast path can be that
+quick), then the instance restarts; `kubectl scale` (of the PDCluster and
+of the decode role's scaler); deleting the PDCluster removes everything. An
+invalid manifest (or one above the rank cap, or autoscaling beyond its GPU
+budget) is refused by the API; the operator refuses a foreign Secret
+reference, reports a quota that refuses its pods as ApplyFailed, and never
+applies over an object that replaced one of its own.
 """
 
 from __future__ import annotations
@@ -256,6 +257,117 @@ def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str
     wait_until(recreated, 30, "the deleted ConfigMap and Service to be recreated")
 
 
+# Any finished request takes longer than this to its first token: load above target.
+TTFT_TARGET_S = 0.001
+AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 2,
+    "intervalSeconds": 1,
+    "target": {"metric": "ttftP90Seconds", "value": TTFT_TARGET_S},
+    "scaleUp": {"stabilizationSeconds": 0},
+    "scaleDown": {"stabilizationSeconds": 3},
+}
+SCALERS_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusterrolescalers"
+
+
+class Load:
+    """Requests through the router, one after another, until stopped; none may fail."""
+
+    def __init__(self, router_ip: str) -> None:
+        self.router_ip = router_ip
+        self.stop = threading.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
+        url = f"http://{self.router_ip}:8000/v1/completions"
+        while not self.stop.is_set():
+            try:
+                resp = httpx.post(url, json=body, timeout=60)
+            except httpx.HTTPError as err:
+                self.failures.append(f"{type(err).__name__}: {err}")
+                continue
+            if resp.status_code != 200:
+                self.failures.append(f"{resp.status_code}: {resp.text[:200]}")
+            self.done += 1
+
+    def __enter__(self) -> Load:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=90)
+
+
+def prefill_autoscaling(kube: KubeApi, ns: str) -> dict[str, Any]:
+    return ((pdc(kube, ns) or {}).get("status") or {}).get("prefill", {}).get("autoscaling") or {}
+
+
+def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
+    demo: dict[str, Any], operator: Operator, kube: KubeApi, ns: str
+) -> None:
+    """The built-in planner, end to end: the workers' own TTFT histogram over
+    target makes the operator raise prefill 1 -> 2 (ScaledUp, the role's scaler
+    following, status.prefill.autoscaling filled); with the load gone it goes
+    back to 1 after the scale-down window, through the drain, with no failed
+    request."""
+    wait_ready(operator, kube, ns, "Ready before autoscaling")
+    scaler_path = f"{SCALERS_PATH.format(ns=ns)}/{NAME}-prefill"
+    scaler = kube.get(scaler_path)
+    assert scaler is not None, "the operator creates one scaler per role"
+    assert scaler["metadata"]["ownerReferences"][0]["uid"] == demo["metadata"]["uid"]
+    assert scaler["spec"] == {"cluster": NAME, "role": "prefill", "replicas": 1}
+    path = f"{PDC_PATH.format(ns=ns)}/{NAME}"
+    kube.patch(path, {"spec": {"prefill": {"autoscaling": AUTOSCALING}}}, patch_type="merge")
+    router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+    try:
+        with Load(router_ip) as load:
+            wait_until(
+                lambda: (pdc(kube, ns) or {})["spec"]["prefill"]["replicas"] == 2,
+                90,
+                f"prefill scaled up (status: {prefill_autoscaling(kube, ns)})",
+                interval_s=0.5,
+            )
+        assert load.done > 0 and not load.failures, load.failures
+        wait_until(
+            lambda: bool(prefill_autoscaling(kube, ns).get("lastScaleTime")),
+            30,
+            "status.prefill.autoscaling naming the scale",
+        )
+        decided = prefill_autoscaling(kube, ns)
+        assert decided["metric"] == "ttftP90Seconds" and decided["target"] == TTFT_TARGET_S
+        assert isinstance(decided["lastValue"], float) and decided["lastDecisionTime"]
+        wait_until(lambda: "ScaledUp" in events(kube, ns), 30, "the ScaledUp Event")
+        message = events(kube, ns)["ScaledUp"]["message"]
+        assert "ttftP90Seconds" in message and "1 -> 2" in message, message
+        wait_until(
+            lambda: (kube.get(scaler_path) or {})["spec"]["replicas"] == 2,
+            30,
+            "the prefill scaler following the PDCluster",
+        )
+        # Idle: p90 0 -> the minimum, once the new instance is Ready and the window passed.
+        wait_ready(
+            operator,
+            kube,
+            ns,
+            "prefill back at one instance",
+            extra=lambda o: (
+                o["spec"]["prefill"]["replicas"] == 1
+                and (o["status"].get("prefill") or {}).get("summary") == "1/1"
+            ),
+        )
+        wait_until(lambda: "ScaledDown" in events(kube, ns), 30, "the ScaledDown Event")
+        assert "2 -> 1" in events(kube, ns)["ScaledDown"]["message"]
+        wait_until(lambda: len(pods(kube, ns, "prefill")) == 1, 60, "the drained pod gone")
+        assert complete(router_ip)["usage"]["completion_tokens"] == 8
+    finally:
+        kube.patch(path, {"spec": {"prefill": {"autoscaling": None}}}, patch_type="merge")
+    wait_until(lambda: not prefill_autoscaling(kube, ns), 60, "the autoscaling status cleared")
+
+
 @dataclass
 class StatusLog:
     """Every status the PDCluster goes through, from a watch in a thread."""
@@ -410,6 +522,28 @@ def test_kubectl_scale_sets_the_decode_replicas(
     scale = kube.get(f"{PDC_PATH.format(ns=ns)}/{NAME}/scale")
     assert scale is not None and scale["status"]["replicas"] == 3
     assert scale["status"]["selector"] == f"pdcluster.io/cluster={NAME},pdcluster.io/role=decode"
+    # The decode scaler followed, and scaling it scales the role.
+    scaler_path = f"{SCALERS_PATH.format(ns=ns)}/{NAME}-decode"
+    wait_until(
+        lambda: ((kube.get(scaler_path) or {}).get("status") or {}).get("syncedReplicas") == 3,
+        30,
+        "the decode scaler synced at 3",
+    )
+    assert (kube.get(scaler_path) or {})["spec"]["replicas"] == 3
+    kubectl("kubectl", "scale", f"pdcrs/{NAME}-decode", "-n", ns, "--replicas=2")
+    scaled = wait_ready(
+        operator,
+        kube,
+        ns,
+        "2 decode instances Ready after scaling the decode scaler",
+        extra=lambda o: (o["status"].get("decode") or {}).get("summary") == "2/2",
+    )
+    assert scaled["spec"]["decode"]["replicas"] == 2
+    wait_until(
+        lambda: (kube.get(f"{scaler_path}/scale") or {}).get("status", {}).get("replicas") == 2,
+        60,
+        "the decode scaler's /scale reporting 2 instances",
+    )
 
 
 def test_deleting_the_cluster_removes_everything(

@@ -9,7 +9,11 @@ reconcile itself lives in `controller.py`. Triggers:
 - a labelled child (pod, service, deployment, configmap, networkpolicy) changed or was
   deleted → reconcile its cluster (deleted children come back);
 - the queue re-runs every cluster at the resync interval and at the
-  deadlines the planner names (back-off ends, budget windows).
+  deadlines the planner names (back-off ends, budget windows);
+- one asyncio task per PDCluster runs its autoscaling loop
+  (`reconcile/autoscaling.py`: the role scalers' sync, the built-in planner)
+  at each role's `intervalSeconds`; a change of the PDCluster or of one of
+  its PDClusterRoleScalers wakes it.
 
 The failover fast path (`failover.py`: pod lost → tell the peers' admin
 endpoints at once) runs in `on_child_pod`, before the reconcile that
@@ -29,13 +33,14 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from pdcluster.operator.api import GROUP, PLURAL, VERSION
+from pdcluster.operator.api import GROUP, PLURAL, SCALER_PLURAL, VERSION
 from pdcluster.operator.crd import crdgen
 from pdcluster.operator.failover.fast_path import Failover
 from pdcluster.operator.kube.client import ApiError, KubeClient, load_credentials
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import LABEL_CLUSTER
+from pdcluster.operator.reconcile.autoscaling import Autoscaler
 from pdcluster.operator.reconcile.controller import Controller
 from pdcluster.operator.reconcile.workqueue import WorkQueue
 from pdcluster.operator.settings import OperatorSettings
@@ -55,6 +60,7 @@ class Runtime:
     controller: Controller
     queue: WorkQueue[tuple[str, str]]
     failover: Failover
+    autoscaler: Autoscaler
     tasks: tuple[asyncio.Task[None], ...]
 
 
@@ -66,18 +72,22 @@ def _runtime(memo: kopf.Memo) -> Runtime:
 
 
 async def apply_crd(client: KubeClient, timeout_s: float = 60.0) -> None:
-    """Server-side apply of the CRD this operator was built with (Helm does not
-    upgrade CRDs, so the operator does), then wait until the API serves it.
+    """Server-side apply of the CRDs this operator was built with (PDCluster and
+    PDClusterRoleScaler; Helm does not upgrade CRDs, so the operator does),
+    then wait until the API serves both.
 
     kopf scans the API's resources right after start-up and only rescans when
     a CRD changes later: a CRD still being established at that scan would
     never be watched, so start-up returns only once discovery lists it.
     """
     await client.apply(crdgen.build_crd())
+    await client.apply(crdgen.build_scaler_crd())
     deadline = time.monotonic() + timeout_s
-    while PLURAL not in await client.served_resources(f"/apis/{GROUP}/{VERSION}"):
+    wanted = {PLURAL, SCALER_PLURAL}
+    while missing := wanted - set(await client.served_resources(f"/apis/{GROUP}/{VERSION}")):
         if time.monotonic() > deadline:
-            raise ApiError(0, "Timeout", f"the API does not serve {PLURAL}.{GROUP} after apply")
+            what = ", ".join(f"{p}.{GROUP}" for p in sorted(missing))
+            raise ApiError(0, "Timeout", f"the API does not serve {what} after apply")
         await asyncio.sleep(0.2)
 
 
@@ -110,7 +120,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         try:
             await apply_crd(client)
         except ApiError as err:
-            raise kopf.PermanentError(f"could not apply the PDCluster CRD: {err}") from err
+            raise kopf.PermanentError(f"could not apply the CRDs: {err}") from err
     metrics = OperatorMetrics()
     if op.metrics_port:
         start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
@@ -131,12 +141,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         max_retry_delay_s=op.max_retry_delay_s,
     )
     failover.on_transport_change = queue.add
+    autoscaler = Autoscaler(client, recorder, failover.token_for)
     queue.start()
     tasks = (
         asyncio.create_task(_flush_events(recorder, op.event_min_interval_s)),
         asyncio.create_task(failover.run_poller()),
     )
-    memo["pdcluster"] = Runtime(op, client, controller, queue, failover, tasks)
+    memo["pdcluster"] = Runtime(op, client, controller, queue, failover, autoscaler, tasks)
     log.info("pdcluster operator started (metrics port %s)", op.metrics_port or "off")
 
 
@@ -148,6 +159,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
             task.cancel()
         await runtime.queue.stop()
         await runtime.failover.aclose()
+        await runtime.autoscaler.aclose()
         await runtime.client.aclose()
 
 
@@ -161,7 +173,9 @@ def queue_depth(memo: kopf.Memo, **_: Any) -> int:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def on_cluster(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     if namespace:
-        _runtime(memo).queue.add((namespace, name))
+        runtime = _runtime(memo)
+        runtime.queue.add((namespace, name))
+        runtime.autoscaler.ensure((namespace, name))  # autoscaling or replicas may have changed
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -177,6 +191,16 @@ async def on_cluster_deleted(
     runtime.queue.forget((namespace, name))
     runtime.controller.recorder.forget(uid)
     runtime.controller.forget((namespace, name))
+    runtime.autoscaler.forget((namespace, name))
+
+
+@kopf.on.event(GROUP, VERSION, SCALER_PLURAL)
+async def on_role_scaler(
+    namespace: str | None, spec: Mapping[str, Any], memo: kopf.Memo, **_: Any
+) -> None:
+    cluster = spec.get("cluster")
+    if namespace and isinstance(cluster, str) and cluster:
+        _runtime(memo).autoscaler.wake((namespace, cluster))
 
 
 def _enqueue_parent(memo: kopf.Memo, namespace: str | None, labels: Mapping[str, str]) -> None:

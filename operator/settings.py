@@ -5,7 +5,7 @@ the handlers module reads the environment.
 
 Environment (all optional):
     PDCLUSTER_OPERATOR_METRICS_PORT       Prometheus port, 0 disables (9090)
-    PDCLUSTER_OPERATOR_APPLY_CRDS         apply the CRD at start-up: true/false (true)
+    PDCLUSTER_OPERATOR_APPLY_CRDS         apply both CRDs at start-up: true/false (true)
     PDCLUSTER_OPERATOR_RESYNC_SECONDS     reconcile every cluster at least this often (60)
     PDCLUSTER_OPERATOR_EVENT_INTERVAL_SECONDS  least time between writes of one Event (30)
     PDCLUSTER_OPERATOR_WORKERS            clusters reconciled at once (4)

@@ -3,11 +3,12 @@
 `compute_autoscale_step(cluster, status, scrapes, history, now)` composes
 `samples` (metric text → one sample per role) and `planner` (samples →
 decisions) and returns everything the caller then writes: the replicas
-patches, the Events, and `status.<role>.autoscaling`. The caller (a timer per
-PDCluster, not wired yet) fetches the scrapes, applies the result, and keeps
-the returned history for the next call — only once the patches were applied,
-as the planner requires; a failed write means the next call gets the old
-history again (its latency deltas then span two intervals, which is harmless).
+patches, the Events, and `status.<role>.autoscaling`. The caller (the loop
+per PDCluster, `reconcile/autoscaling.py`) fetches the scrapes, applies the
+result, and keeps the returned history for the next call — only once the
+patches were applied, as the planner requires; a failed write means the next
+call gets the old history again (its latency deltas then span two intervals,
+which is harmless).
 
 Inputs:
 - `cluster`, `status`: the PDCluster's validated spec and its stored status.
@@ -122,6 +123,16 @@ class AutoscaleStep:
 def _is_due(role: Role, interval_s: float, history: AutoscaleHistory, now: float) -> bool:
     last = history.decided_at.get(role)
     return last is None or now >= last + interval_s - DUE_EARLY_S
+
+
+def roles_due(cluster: Cluster, history: AutoscaleHistory, now: float) -> tuple[Role, ...]:
+    """The autoscaled roles whose interval ended by `now`: the only ones worth scraping."""
+    out = []
+    for role in _SCALED_ROLES if cluster.spec.is_disaggregated else ():
+        cfg = _autoscaling(cluster, role)
+        if cfg is not None and _is_due(role, cfg.interval_seconds, history, now):
+            out.append(role)
+    return tuple(out)
 
 
 def _parse(

@@ -327,6 +327,10 @@ class Failover:
                 results[i] = result
         return results
 
+    async def token_for(self, namespace: str, secret: str | None) -> str | None:
+        """The cluster token read from `secret` (cached); None without one."""
+        return await self._token(namespace, secret)
+
     async def _token(self, namespace: str, secret: str | None) -> str | None:
         if not secret:
             return None

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
-from pdcluster.operator.api import GROUP, PLURAL, VERSION
+from pdcluster.operator.api import GROUP, PLURAL, SCALER_PLURAL, VERSION
 
 FIELD_MANAGER = "pdcluster-operator"
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -54,6 +54,7 @@ RESOURCES: dict[str, Resource] = {
     "Role": Resource("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "PDCluster": Resource(f"/apis/{GROUP}/{VERSION}", PLURAL),
+    "PDClusterRoleScaler": Resource(f"/apis/{GROUP}/{VERSION}", SCALER_PLURAL),
     "CustomResourceDefinition": Resource(
         "/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False
     ),
@@ -275,11 +276,11 @@ class KubeClient:
         return [str(r.get("name")) for r in found if isinstance(r, dict)]
 
     async def patch_status(
-        self, namespace: str, name: str, patch: Mapping[str, Any]
+        self, namespace: str, name: str, patch: Mapping[str, Any], kind: str = "PDCluster"
     ) -> dict[str, Any]:
         return await self._request(
             "PATCH",
-            _path("PDCluster", namespace, name, "status"),
+            _path(kind, namespace, name, "status"),
             params={"fieldManager": FIELD_MANAGER},
             json=patch,
             content_type=MERGE_CONTENT_TYPE,

@@ -9,5 +9,6 @@ actions (the plan's vocabulary), status (the status from a plan), policy
 (what the operator refuses to run), kv_transport (the workers' negotiated
 KV transport → status entry and fallback Warning).
 I/O (act): controller (one reconcile pass), executor (carries out a plan's
-actions), workqueue (coalescing, delaying keys).
+actions), workqueue (coalescing, delaying keys), autoscaling (one loop per
+PDCluster: role scalers, scrapes, the autoscale step, its writes).
 """

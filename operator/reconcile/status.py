@@ -14,6 +14,13 @@ A condition keeps its lastTransitionTime while its status stays the same,
 so computing the status of an unchanged cluster twice gives equal values
 and nothing is written.
 
+`status.<role>.autoscaling` belongs to the autoscaling loop
+(`reconcile/autoscaling.py`), which writes it on its own interval:
+`compute_status` carries the stored value over, and `status_changed` /
+`status_patch` leave that field out, so a reconcile pass that read the
+status before the loop's last write never puts an older decision back (a
+merge patch keeps a nested key it does not name).
+
 Pure module.
 """
 
@@ -122,11 +129,15 @@ def _progressing(plan: Plan) -> tuple[bool, str, str]:
 
 
 def _role_status(
-    report: RoleReport, template_hash: str, kv_transport: KVTransportStatus | None
+    report: RoleReport,
+    template_hash: str,
+    kv_transport: KVTransportStatus | None,
+    prev: RoleStatus | None,
 ) -> RoleStatus:
     ledger: dict[str, Any] = ledger_status_fields(report.ledger)
     return RoleStatus(
         kv_transport=kv_transport,
+        autoscaling=prev.autoscaling if prev is not None else None,
         desired=report.desired,
         ready=report.ready,
         updated=report.updated,
@@ -192,7 +203,9 @@ def compute_status(
         phase = Phase.Pending
     transports = kv_transports or {}
     roles = {
-        r.role: _role_status(r, template_hashes.get(r.role, ""), transports.get(r.role))
+        r.role: _role_status(
+            r, template_hashes.get(r.role, ""), transports.get(r.role), prev.role(r.role.value)
+        )
         for r in plan.roles
     }
     decode = plan.report(Role.decode)
@@ -254,8 +267,8 @@ def status_changed(stored: Any, new: PDClusterStatus) -> bool:
     """
     if not isinstance(stored, dict):
         return True
-    wire = new.to_wire()
-    if any(stored.get(k) != v for k, v in wire.items()):
+    wire = _without_autoscaling(new.to_wire())
+    if any(_without_role_autoscaling(k, stored.get(k)) != v for k, v in wire.items()):
         return True
     return any(stored.get(k) is not None for k in STATUS_KEYS - wire.keys())
 
@@ -263,7 +276,21 @@ def status_changed(stored: Any, new: PDClusterStatus) -> bool:
 def status_patch(new: PDClusterStatus) -> dict[str, Any]:
     """A merge patch body for the status subresource: our fields, and null for
     the ones this status leaves out (e.g. `colocated` after a switch to PD)."""
-    wire: dict[str, Any] = new.to_wire()
+    wire: dict[str, Any] = _without_autoscaling(new.to_wire())
     for key in STATUS_KEYS - wire.keys():
         wire[key] = None
     return {"status": wire}
+
+
+_ROLE_KEYS = frozenset(role.value for role in Role)
+
+
+def _without_role_autoscaling(key: str, value: Any) -> Any:
+    if key in _ROLE_KEYS and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "autoscaling"}
+    return value
+
+
+def _without_autoscaling(wire: dict[str, Any]) -> dict[str, Any]:
+    """The status less each role's `autoscaling` (the autoscaling loop's own field)."""
+    return {k: _without_role_autoscaling(k, v) for k, v in wire.items()}

@@ -16,6 +16,7 @@ from pdcluster.operator.autoscale.step import (
     AutoscaleStep,
     PodScrape,
     compute_autoscale_step,
+    roles_due,
 )
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.spec import Role
@@ -290,3 +291,17 @@ def test_a_manual_change_outside_the_bounds_is_clamped_with_the_numbers_in_the_e
         "decode: replicas 5 is outside autoscaling bounds [1, 2]: set to 2 "
         "(runningRequestsPerInstance 6, target 4; replicas 5 -> 2)"
     )
+
+
+def test_only_the_autoscaled_roles_whose_interval_ended_are_due() -> None:
+    auto = {
+        "maxReplicas": 2,
+        "intervalSeconds": 10,
+        "target": {"metric": "tpotP90Seconds", "value": 1},
+    }
+    cluster = make_cluster({"prefill": {}, "decode": {"autoscaling": auto}})
+    assert roles_due(cluster, AutoscaleHistory(), 100.0) == (Role.decode,)
+    decided = AutoscaleHistory(decided_at={Role.decode: 100.0})
+    assert roles_due(cluster, decided, 105.0) == ()
+    assert roles_due(cluster, decided, 109.6) == (Role.decode,)  # a timer fires a little early
+    assert roles_due(make_cluster({"prefill": {}, "decode": {}}), decided, 200.0) == ()

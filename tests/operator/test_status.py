@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcluster.operator.api import ConditionType, PDClusterStatus, Phase, parse_status
+from pdcluster.operator.api import (
+    ConditionType,
+    PDClusterStatus,
+    Phase,
+    RoleAutoscalingStatus,
+    RoleStatus,
+    parse_status,
+)
 from pdcluster.operator.reconcile.status import (
     compute_invalid_status,
     compute_status,
@@ -171,3 +178,18 @@ def test_role_counts_follow_the_plan() -> None:
     assert status.role(Role.prefill.value).summary == "3/3"
     assert status.role(Role.decode.value).summary == "2/2"
     assert status.replicas == 2
+
+
+def test_the_autoscaling_decision_is_carried_over_not_dropped() -> None:
+    decision = RoleAutoscalingStatus(
+        metric="ttftP90Seconds",
+        target=0.5,
+        current=1,
+        desired=2,
+        reason="ScaleUp",
+        last_decision_time="2026-01-01T00:00:00Z",
+    )
+    prev = PDClusterStatus(prefill=RoleStatus(desired=1, autoscaling=decision))
+    status = status_of(Sim(PD), prev)
+    assert status.prefill is not None and status.prefill.autoscaling == decision
+    assert status.decode is not None and status.decode.autoscaling is None

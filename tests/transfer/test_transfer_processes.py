@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
+from queue import Empty
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +26,21 @@ from tests.transfer.transfer_helpers import (
 )
 
 FRAMES = SenderConfig(max_frame_bytes=4096, min_frame_bytes=1024)
+# A spawned child imports torch and the test helpers before it answers: on a
+# loaded 2-core machine that alone took over a minute once.
+CHILD_TIMEOUT_S = 300
+
+
+def from_child(queue: Any, proc: Any) -> Any:
+    """The child's next message; fails at once (with its exit code) if it died."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1)
+        except Empty:
+            if not proc.is_alive():
+                raise AssertionError(f"decode rank process exited ({proc.exitcode})") from None
+    raise AssertionError(f"no message from the decode rank process in {CHILD_TIMEOUT_S} s")
 
 
 @pytest.mark.slow
@@ -40,7 +58,7 @@ def test_a_decode_rank_in_another_process_receives_over_tcp_and_shm(tmp_path):
     link = Link.open()
     received: dict[bytes, bytes] = {}
     try:
-        address = queue.get(timeout=60)
+        address = from_child(queue, proc)
         jobs = {
             name: TransferJob(
                 room=1 if name == b"tcp-done" else 2,
@@ -68,7 +86,7 @@ def test_a_decode_rank_in_another_process_receives_over_tcp_and_shm(tmp_path):
             sender.start()
             assert sender.submit(jobs[name])
         for _ in jobs:
-            name, data = queue.get(timeout=60)
+            name, data = from_child(queue, proc)
             received[name] = data
         for sender in senders:
             sender.close()

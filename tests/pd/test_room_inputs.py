@@ -61,6 +61,8 @@ DECODE_CASES: list[tuple[str, str, Callable[[DecodeRoomTable], object], type[Roo
     ("new", "huge room", lambda t: t.add_room(RoomLeg(1 << 63, "r"), "p:1", 0.0), RoomError),
     ("new", "empty rid", lambda t: t.add_room(RoomLeg(1, ""), "p:1", 0.0), RoomError),
     ("new", "no peer", lambda t: t.add_room(RoomLeg(1, "r"), "", 0.0), RoomError),
+    ("new", "negative length", lambda t: t.add_room(RoomLeg(1, "r", -1), "p:1", 0.0), RoomError),
+    ("new", "bool length", lambda t: t.add_room(RoomLeg(1, "r", True), "p:1", 0.0), RoomError),
     ("boot", "duplicate", lambda t: t.add_room(RoomLeg(5, "rid-x"), "p:1", 0.0), RoomRejected),
     ("new", "resolve unknown", lambda t: t.resolve(9, [], 0.0), UnknownRoom),
     (

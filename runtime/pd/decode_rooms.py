@@ -101,16 +101,14 @@ from pdcluster.runtime.pd.messages import (
     TransferMeta,
 )
 from pdcluster.runtime.pd.peer_liveness import Gate, PeerVerdicts
-from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import (
     Handler,
     RoomError,
+    RoomLeg,
     RoomRejected,
     RoomStateError,
     RoomTable,
     RoomView,
-    check_rid,
-    check_room,
     peer_matches,
 )
 from pdcluster.runtime.pd.room_phases import DECODE, DecodeEvent, DecodePhase
@@ -224,29 +222,13 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
 
     # ------------------------------------------------------------- local events
 
-    def add_room(
-        self,
-        room: int,
-        rid: str,
-        peer: str,
-        now: float,
-        prompt: PromptId | None = None,
-        *,
-        rid_is_local: bool = False,
-        num_tokens: int = 0,
-    ) -> int:
-        """The decode leg of `rid` arrived for `room` on prefill `peer`; returns its generation.
+    def add_room(self, leg: RoomLeg, peer: str, now: float) -> int:
+        """The decode leg arrived for prefill `peer`; returns the room's generation.
 
-        `prompt` (the leg's PromptId) rides in every TransferMeta of the room.
-        `rid_is_local`: the worker minted `rid` (the caller sent none); the
-        messages to prefill then carry no rid, and the room alone pairs the legs.
-        `num_tokens` (the prompt's length) extends the waiting deadlines by
+        `leg.num_tokens` extends the waiting deadlines by
         `settings.waiting_per_token_s` a token.
         """
-        check_room(room)
-        check_rid(rid)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise RoomError(f"num_tokens must be an int >= 0, got {num_tokens!r}", "bad_num_tokens")
+        room = leg.room
         if not isinstance(peer, str) or not peer:
             raise RoomError(
                 f"peer must name the prefill bootstrap address, got {peer!r}", "bad_peer"
@@ -266,14 +248,14 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         self._next_generation += 1
         self._rooms[room] = DecodeRoom(
             room=room,
-            rid=rid,
+            rid=leg.rid,
             generation=generation,
             peer=peer,
             created_at=now,
             deadline=now + self.settings.bootstrap_s,
-            prompt=prompt,
-            rid_is_local=rid_is_local,
-            num_tokens=num_tokens,
+            prompt=leg.prompt,
+            rid_is_local=leg.rid_is_local,
+            num_tokens=leg.num_tokens,
         )
         return generation
 

@@ -108,17 +108,16 @@ from pdcluster.runtime.pd.prefill_claims import (
     rid_conflict,
 )
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
-from pdcluster.runtime.pd.prompt_digest import PromptId, prompt_problem
+from pdcluster.runtime.pd.prompt_digest import prompt_problem
 from pdcluster.runtime.pd.room_common import (
     Handler,
+    RoomLeg,
     RoomRejected,
     RoomStateError,
     RoomTable,
     RoomView,
     UnknownRoom,
     check_int,
-    check_rid,
-    check_room,
     clip_reason,
     peer_matches,
 )
@@ -185,24 +184,12 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
 
     # ------------------------------------------------------------- local events
 
-    def open_room(
-        self,
-        room: int,
-        rid: str,
-        num_tokens: int,
-        now: float,
-        prompt: PromptId | None = None,
-        *,
-        rid_is_local: bool = False,
-    ) -> list[Action]:
-        """The prefill leg of `rid` arrived. Raises RoomRejected / RoomError, table unchanged.
+    def open_room(self, leg: RoomLeg, now: float) -> list[Action]:
+        """The prefill leg arrived. Raises RoomRejected / RoomError, table unchanged.
 
-        `prompt`: the leg's PromptId, compared with every destination's.
-        `rid_is_local`: the worker minted `rid` (the caller sent none), so it
-        names the request here only and binds nothing.
+        `leg.prompt` is compared with every destination's PromptId.
         """
-        check_room(room)
-        check_rid(rid)
+        room, rid, num_tokens, prompt = leg.room, leg.rid, leg.num_tokens, leg.prompt
         check_int("num_tokens", num_tokens, 1, 1 << 31)
         if prompt is not None and prompt.num_tokens != num_tokens:
             raise RoomStateError(
@@ -222,7 +209,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             r = self._new_room(room, None, None, now)
         elif r.phase is not PrefillPhase.UNOPENED:
             raise RoomRejected(f"duplicate room {room}: opened by rid {r.rid!r}", "duplicate_room")
-        caller_rid = None if rid_is_local else rid
+        caller_rid = None if leg.rid_is_local else rid
         if rid_conflict(r, caller_rid) is not None:
             raise RoomRejected(
                 f"room {room} is bound to rid {r.caller_rid!r} by decode metadata, not {rid!r}",

@@ -5,6 +5,7 @@
   machine-readable code (metric label) while the message explains.
   Untrusted *peer* input never raises: it becomes a `Dropped` action or a
   Failed status.
+- `RoomLeg`: one leg of a request as either table takes it (checked once).
 - `RoomView`: one row of the admin API's room listing.
 - `RoomTable`: what both tables share — the room map and its queries, the
   allocation policy check, the admin listing, deadlines armed from the
@@ -28,6 +29,7 @@ from pdcluster.runtime.pd.actions import Action, Dropped
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import MAX_ROOM, Message
 from pdcluster.runtime.pd.peer_address import PeerRef
+from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_phases import Deadline
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.spec import AllocationPolicy
@@ -58,6 +60,32 @@ class RoomStateError(RoomError):
     """The call is not valid in the room's current state."""
 
     reason = "bad_state"
+
+
+@dataclass(frozen=True, slots=True)
+class RoomLeg:
+    """One leg of request `rid` for `room`, as it arrives at a rank's room table.
+
+    `num_tokens`: the prompt's length (0: not known; prefill needs it).
+    `prompt`: the leg's PromptId (prefill compares it with every destination's;
+    decode sends it in every TransferMeta of the room).
+    `rid_is_local`: the worker minted `rid` (the caller sent none), so it names
+    the request on this instance only: the messages to the other side carry no
+    rid, it binds nothing, and the room alone pairs the legs.
+
+    Raises RoomError on a bad room, rid or length.
+    """
+
+    room: int
+    rid: str
+    num_tokens: int = 0
+    prompt: PromptId | None = None
+    rid_is_local: bool = False
+
+    def __post_init__(self) -> None:
+        check_room(self.room)
+        check_rid(self.rid)
+        check_int("num_tokens", self.num_tokens, 0, 1 << 31)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ Pure module.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from pdcluster.runtime.engine import topology as engine_topology
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
@@ -129,17 +130,36 @@ def cp_token_range(num_tokens: int, page_size: int, cp_size: int, cp_rank: int) 
     return min(first * page_size, num_tokens), min(last * page_size, num_tokens)
 
 
-def _overlap(a: Span, b: Span) -> Span | None:
+def overlap(a: Span, b: Span) -> Span | None:
+    """The part of `a` that is also in `b`; None where they share nothing."""
     start, end = max(a[0], b[0]), min(a[1], b[1])
     return (start, end) if start < end else None
+
+
+def offset_span(span: Span, origin: int) -> Span:
+    """Global `span` as offsets from `origin` (where a rank's own part begins)."""
+    return span[0] - origin, span[1] - origin
+
+
+class PoolSpans(NamedTuple):
+    """Layers and heads as offsets into one rank's own KV pool (which holds
+    only that rank's part of the model)."""
+
+    layers: Span
+    heads: Span
+
+    @classmethod
+    def within(cls, layers: Span, heads: Span, held_layers: Span, held_heads: Span) -> PoolSpans:
+        """Global `layers`/`heads` inside a pool holding `held_layers`/`held_heads`."""
+        return cls(offset_span(layers, held_layers[0]), offset_span(heads, held_heads[0]))
 
 
 @dataclass(frozen=True)
 class KVSlice:
     """What one prefill rank sends one decode rank for every room they share.
 
-    Ranges are global model indices; `*_local_*` give the same ranges as
-    offsets into each side's own KV pool (which holds only its rank's part).
+    Ranges are global model indices; `prefill_local` / `decode_local` give the
+    same ranges as offsets into each side's own KV pool (which holds only its rank's part).
     """
 
     prefill_rank: RankCoord
@@ -159,24 +179,12 @@ class KVSlice:
         return cp_token_range(num_tokens, page_size, self.cp_size, self.prefill_rank.cp)
 
     @property
-    def prefill_local_layers(self) -> Span:
-        return _shift(self.layers, self.prefill_layers[0])
+    def prefill_local(self) -> PoolSpans:
+        return PoolSpans.within(self.layers, self.heads, self.prefill_layers, self.prefill_heads)
 
     @property
-    def prefill_local_heads(self) -> Span:
-        return _shift(self.heads, self.prefill_heads[0])
-
-    @property
-    def decode_local_layers(self) -> Span:
-        return _shift(self.layers, self.decode_layers[0])
-
-    @property
-    def decode_local_heads(self) -> Span:
-        return _shift(self.heads, self.decode_heads[0])
-
-
-def _shift(span: Span, origin: int) -> Span:
-    return span[0] - origin, span[1] - origin
+    def decode_local(self) -> PoolSpans:
+        return PoolSpans.within(self.layers, self.heads, self.decode_layers, self.decode_heads)
 
 
 class PDTopology:
@@ -226,8 +234,8 @@ class PDTopology:
             d_layers, d_heads = self._layers(self.decode, d), self._heads(self.decode, d)
             for p in self.prefill.group(0):
                 p_layers, p_heads = self._layers(self.prefill, p), self._heads(self.prefill, p)
-                layers = _overlap(d_layers, p_layers)
-                heads = _overlap(d_heads, p_heads)
+                layers = overlap(d_layers, p_layers)
+                heads = overlap(d_heads, p_heads)
                 if layers is None or heads is None:
                     continue
                 is_dummy = False
@@ -254,16 +262,17 @@ class PDTopology:
         self._by_decode = {k: tuple(v) for k, v in by_decode.items()}
         self._by_prefill = {k: tuple(v) for k, v in by_prefill.items()}
 
-    def _check(self, shape: InstanceShape, rank: RankCoord, role: str) -> None:
+    @staticmethod
+    def _key(shape: InstanceShape, rank: RankCoord, role: str) -> RankCoord:
+        """`rank` as the tables hold it: in dp group 0 (every dp group is alike)."""
         if not shape.contains(rank):
             raise TopologyError(f"{role} rank {rank} is outside the {role} instance ({shape})")
+        return _with_dp(rank, 0)
 
     def sources(self, decode_rank: RankCoord, prefill_dp: int) -> tuple[KVSlice, ...]:
         """The slices decode rank `decode_rank` receives from prefill dp group `prefill_dp`."""
-        self._check(self.decode, decode_rank, "decode")
-        if not 0 <= prefill_dp < self.prefill.dp:
-            raise TopologyError(f"prefill dp group {prefill_dp} outside dp={self.prefill.dp}")
-        base = self._by_decode[_with_dp(decode_rank, 0)]
+        base = self._by_decode[self._key(self.decode, decode_rank, "decode")]
+        _check_dp_group(self.prefill, prefill_dp, "prefill")
         return tuple(
             replace(s, prefill_rank=_with_dp(s.prefill_rank, prefill_dp), decode_rank=decode_rank)
             for s in base
@@ -271,15 +280,13 @@ class PDTopology:
 
     def required_responses(self, decode_rank: RankCoord) -> int:
         """Distinct prefill ranks that must report Success before the room may decode."""
-        self._check(self.decode, decode_rank, "decode")
-        return len({s.prefill_rank for s in self._by_decode[_with_dp(decode_rank, 0)]})
+        base = self._by_decode[self._key(self.decode, decode_rank, "decode")]
+        return len({s.prefill_rank for s in base})
 
     def destinations(self, prefill_rank: RankCoord, decode_dp: int) -> tuple[KVSlice, ...]:
         """The slices prefill rank `prefill_rank` sends into decode dp group `decode_dp`."""
-        self._check(self.prefill, prefill_rank, "prefill")
-        if not 0 <= decode_dp < self.decode.dp:
-            raise TopologyError(f"decode dp group {decode_dp} outside dp={self.decode.dp}")
-        base = self._by_prefill[_with_dp(prefill_rank, 0)]
+        base = self._by_prefill[self._key(self.prefill, prefill_rank, "prefill")]
+        _check_dp_group(self.decode, decode_dp, "decode")
         return tuple(
             replace(s, prefill_rank=prefill_rank, decode_rank=_with_dp(s.decode_rank, decode_dp))
             for s in base
@@ -287,8 +294,12 @@ class PDTopology:
 
     def num_destinations(self, prefill_rank: RankCoord) -> int:
         """How many decode ranks this prefill rank hears from for one room."""
-        self._check(self.prefill, prefill_rank, "prefill")
-        return len(self._by_prefill[_with_dp(prefill_rank, 0)])
+        return len(self._by_prefill[self._key(self.prefill, prefill_rank, "prefill")])
+
+
+def _check_dp_group(shape: InstanceShape, dp: int, role: str) -> None:
+    if not 0 <= dp < shape.dp:
+        raise TopologyError(f"{role} dp group {dp} outside dp={shape.dp}")
 
 
 def _with_dp(rank: RankCoord, dp: int) -> RankCoord:

@@ -209,9 +209,9 @@ class DecodeAgent(RankAgent):
             if s is None:
                 continue  # a replicated-KV source sends nothing real to check
             start, end = s.token_range(r.num_tokens, ps)
-            layers = range(*s.decode_local_layers)
+            local = s.decode_local
             slots = token_slots(act.pages, start, end, ps)
-            got = compute_kv_checksum(self.pool, layers, slots, s.decode_local_heads)
+            got = compute_kv_checksum(self.pool, range(*local.layers), slots, local.heads)
             if got != expected:
                 log.warning(
                     "decode rank %s: room %s: pages from prefill rank %s hash to %08x, sent %08x",
@@ -323,15 +323,7 @@ class DecodeAgent(RankAgent):
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
-            gen = self.table.add_room(
-                msg.room,
-                msg.rid,
-                msg.peer,
-                now,
-                msg.prompt,
-                rid_is_local=msg.rid_is_local,
-                num_tokens=msg.num_tokens,
-            )
+            gen = self.table.add_room(msg.leg(), msg.peer, now)
         except RoomError as err:
             self.report(msg.room, "failed", f"rejected: {err}")
             self.report(msg.room, "released")

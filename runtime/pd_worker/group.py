@@ -21,6 +21,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.pd.room_common import RoomLeg
 
 GROUP_MAGIC: Final = b"PDG\x01"
 MAX_GROUP_BYTES: Final = 1 << 20
@@ -42,6 +43,10 @@ class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=T
     prompt: PromptId | None = None
     # The worker minted `rid` (the caller sent none): it never leaves this instance.
     rid_is_local: bool = False
+
+    def leg(self) -> RoomLeg:
+        """The leg as the rank's room table takes it (raises RoomError if malformed)."""
+        return RoomLeg(self.room, self.rid, self.num_tokens, self.prompt, self.rid_is_local)
 
 
 class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):

@@ -36,7 +36,7 @@ from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd.room_common import RoomError
-from pdcluster.runtime.pd.topology import cp_token_range
+from pdcluster.runtime.pd.topology import PoolSpans, cp_token_range, overlap
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, make_nixl_agent
 from pdcluster.runtime.pd_worker.bootstrap_client import (
     BootstrapClient,
@@ -71,11 +71,6 @@ class _Room:
     # transfer.checksum: decode rank -> CRC so far of the KV sent to it, read
     # from the source pages by the request's own page table (page_checksum).
     checksums: dict[RankCoord, int] = field(default_factory=dict)
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, hi) if lo < hi else None
 
 
 class PrefillAgent(RankAgent):
@@ -212,16 +207,7 @@ class PrefillAgent(RankAgent):
         self.rooms[msg.room] = _Room(msg.rid, msg.num_tokens)
         self.rid_room[msg.rid] = msg.room
         try:
-            self.perform(
-                self.table.open_room(
-                    msg.room,
-                    msg.rid,
-                    msg.num_tokens,
-                    now,
-                    msg.prompt,
-                    rid_is_local=msg.rid_is_local,
-                )
-            )
+            self.perform(self.table.open_room(msg.leg(), now))
         except RoomError as err:
             self.rooms.pop(msg.room, None)
             self.rid_room.pop(msg.rid, None)
@@ -467,30 +453,32 @@ class PrefillAgent(RankAgent):
         self, room: int, r: _Room, dest: DestinationView, t0: int, t1: int
     ) -> TransferJob | None:
         lay = dest.layout
-        layers = _overlap(self.ctx.layers, (lay.layer_start, lay.layer_end))
-        heads = _overlap(self.ctx.heads, (lay.head_start, lay.head_end))
+        dst_layers, dst_heads = (lay.layer_start, lay.layer_end), (lay.head_start, lay.head_end)
+        layers = overlap(self.ctx.layers, dst_layers)
+        heads = overlap(self.ctx.heads, dst_heads)
         if layers is None or heads is None:
             return None
+        src = PoolSpans.within(layers, heads, self.ctx.layers, self.ctx.heads)
+        dst = PoolSpans.within(layers, heads, dst_layers, dst_heads)
         ps = self.ctx.page_size
-        src_slots = [r.page_table[t // ps] * ps + t % ps for t in range(t0, t1)]
         dst_slots = None
         if self.nixl_agent is not None:
             self._ensure_nixl_peer(dest)
-            dst_slots = [dest.pages[t // ps] * ps + t % ps for t in range(t0, t1)]
+            dst_slots = token_slots(dest.pages, t0, t1, ps)
         elif self.one_sided:
             self._ensure_shm_peer(dest)
-            dst_slots = [dest.pages[t // ps] * ps + t % ps for t in range(t0, t1)]
+            dst_slots = token_slots(dest.pages, t0, t1, ps)
         return TransferJob(
             room=room,
             generation=dest.generation,
             peer=dest.endpoint,
-            src_slots=src_slots,
+            src_slots=token_slots(r.page_table, t0, t1, ps),
             token_start=t0,
             token_end=t1,
-            src_layers=tuple(range(layers[0] - self.ctx.layers[0], layers[1] - self.ctx.layers[0])),
-            dst_layers=tuple(range(layers[0] - lay.layer_start, layers[1] - lay.layer_start)),
-            src_heads=(heads[0] - self.ctx.heads[0], heads[1] - self.ctx.heads[0]),
-            dst_heads=(heads[0] - lay.head_start, heads[1] - lay.head_start),
+            src_layers=tuple(range(*src.layers)),
+            dst_layers=tuple(range(*dst.layers)),
+            src_heads=src.heads,
+            dst_heads=dst.heads,
             dst_slots=dst_slots,
         )
 

@@ -555,6 +555,16 @@ def run_all(
     )
 
 
+def run_all_equal_colocated(
+    cluster: FaultCluster, client: PDClient, prompts: list[list[int]], max_tokens: int = 4
+) -> list[PDResult]:
+    """`run_all`, checked: every prompt's PD output equals the colocated engine's."""
+    expected = colocated_outputs(cluster.manifest, prompts, max_tokens)
+    results = run_all(cluster, client, prompts, max_tokens)
+    assert [r.decode.output_ids for r in results] == expected
+    return results
+
+
 def check_survivors(results: list[PDResult], expected: list[list[int]]) -> None:
     for i, (res, want) in enumerate(zip(results, expected, strict=True)):
         assert res.decode.ok, f"survivor {i} failed: {res.decode.status} {res.decode.error}"
@@ -574,6 +584,22 @@ def wait_mid_transfer(cluster: FaultCluster, decode: str, prefill: str) -> None:
         wait_until(ready, 30, 0.01, f"a room on {decode} Transferring from {prefill}")
     except AssertionError as err:
         raise AssertionError(f"{err}; last seen {seen}; {cluster.stats(decode)}") from None
+
+
+def abort_decode_leg(cluster: FaultCluster, rid: str, leg: Background, state: str) -> PDResult:
+    """Abort `rid` on decode-0 while its room is in `state`; the client's leg ends
+    at once: its tokens end with "abort" if decoding had begun (`Success`),
+    otherwise it gets a 502 saying the request was aborted."""
+    aborted_at = time.monotonic()
+    assert cluster.abort("decode-0", rid)["found"] is True
+    result: PDResult = leg.result(10)
+    assert result.decode.ended_at - aborted_at < 1.0
+    if state == "Success":
+        assert result.decode.status == 200
+        assert result.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
+    else:
+        assert result.decode.status == 502 and "aborted" in result.decode.error
+    return result
 
 
 def router_generate(endpoint: str, prompt: list[int], max_tokens: int, timeout: float) -> LegResult:

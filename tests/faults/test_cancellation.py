@@ -34,6 +34,7 @@ from tests.faults.harness import (
     LegResult,
     PDClient,
     PDResult,
+    abort_decode_leg,
     gen_body,
     make_prompts,
     mint_rid,
@@ -90,17 +91,7 @@ def test_decode_abort_in_each_state(
                     pd.info("decode-0")["num_free_pages"] < pd.info("decode-0")["num_total_pages"]
                 )
 
-        aborted_at = time.monotonic()
-        assert pd.abort("decode-0", rid)["found"] is True
-        result: PDResult = leg.result(10)
-        assert result.decode.ended_at - aborted_at < 1.0
-        if state == "Success":
-            # Decoding had begun: the client sees its tokens end with "abort".
-            assert result.decode.status == 200
-            assert result.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
-        else:
-            assert result.decode.status == 502 and "aborted" in result.decode.error
-
+        result = abort_decode_leg(pd, rid, leg, state)
         if meta is None or state == "Success":
             # No prefill rank holds a write into these pages: nothing to wait for.
             assert rogue.quiet(pdmsg.Abort, result.room, 0.3)
@@ -181,20 +172,34 @@ def rogue_decode(pd: FaultCluster, compat: CompatInfo) -> tuple[RogueDecode, str
     return rogue, prefill
 
 
+def scripted_room(
+    pd: FaultCluster, compat: CompatInfo, seed: int, num_tokens: int
+) -> tuple[RogueDecode, str, str, int, list[int]]:
+    """A scripted decode rank registered with prefill-0 (and prefill-0's rank
+    endpoint), with a fresh rid, room and prompt of `num_tokens` for it."""
+    rogue, prefill = rogue_decode(pd, compat)
+    prompt = make_prompts(1, seed=seed, lo=num_tokens, hi=num_tokens)[0]
+    return rogue, prefill, mint_rid(), mint_room(), prompt
+
+
 def prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int) -> Background:
     body = gen_body(prompt, 4, rid=rid, room=room, bootstrap=pd.bootstrap("prefill-0"))
     return Background(post_leg, pd.url("prefill-0"), body, 30.0)
 
 
+def waiting_prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int) -> Background:
+    """The prefill leg, once its room on prefill-0 waits for decode's metadata."""
+    leg = prefill_leg(pd, prompt, rid, room)
+    wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+    return leg
+
+
 def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill = rogue_decode(pd, compat)
-    rid, room = mint_rid(), mint_room()
-    prompt = make_prompts(1, seed=71, lo=100, hi=100)[0]
+    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 71, 100)
     try:
-        leg = prefill_leg(pd, prompt, rid, room)
-        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+        leg = waiting_prefill_leg(pd, prompt, rid, room)
         assert pd.abort("prefill-0", rid)["found"] is True
         res: LegResult = leg.result(10)
         assert res.status == 502 and "aborted" in res.error
@@ -212,9 +217,7 @@ def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
 def test_decode_abort_before_the_prefill_leg_refuses_it(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill = rogue_decode(pd, compat)
-    rid, room = mint_rid(), mint_room()
-    prompt = make_prompts(1, seed=72, lo=100, hi=100)[0]
+    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 72, 100)
     try:
         rogue.meta(prefill, room, rid, list(range(7)))  # the claim creates the room
         wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
@@ -234,13 +237,10 @@ def test_decode_abort_before_the_prefill_leg_refuses_it(
 def test_prefill_acks_an_abort_only_after_its_writes_drained(
     pd: FaultCluster, compat: CompatInfo, state: str
 ) -> None:
-    rogue, prefill = rogue_decode(pd, compat)
-    rid, room = mint_rid(), mint_room()
-    prompt = make_prompts(1, seed=73, lo=4000, hi=4000)[0]
+    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 73, 4000)
     pages = list(range(math.ceil(len(prompt) / PAGE)))
     try:
-        leg = prefill_leg(pd, prompt, rid, room)
-        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+        leg = waiting_prefill_leg(pd, prompt, rid, room)
         rogue.meta(prefill, room, rid, pages)
         if state == "WaitingForInput":
             # Same connection, next message: handled before any chunk is computed.
@@ -277,13 +277,10 @@ def test_prefill_acks_an_abort_only_after_its_writes_drained(
 def test_prefill_abort_with_undeliverable_writes_frees_after_release_timeout(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill = rogue_decode(pd, compat)
-    rid, room = mint_rid(), mint_room()
-    prompt = make_prompts(1, seed=74, lo=4000, hi=4000)[0]
+    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 74, 4000)
     pages = list(range(math.ceil(len(prompt) / PAGE)))
-    leg = prefill_leg(pd, prompt, rid, room)
     try:
-        wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
+        leg = waiting_prefill_leg(pd, prompt, rid, room)
         rogue.meta(prefill, room, rid, pages)
         wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
     finally:

@@ -39,17 +39,17 @@ from tests.faults.harness import (
     FaultCluster,
     PDClient,
     PDResult,
+    abort_decode_leg,
     base_spec,
     held_pages,
     make_prompts,
     mint_rid,
     one_sided_victims,
-    run_all,
+    run_all_equal_colocated,
     survivors_served,
     wait_until,
 )
 from tests.faults.rogue import Background, RoguePrefill, fetch_instance
-from tests.pd_integration.reference import colocated_outputs
 from tests.transfer.nixl_helpers import need_nixl
 
 MAX_TOKENS = 4
@@ -97,9 +97,7 @@ def nixl_compat(nixl_pd: FaultCluster) -> CompatInfo:
 
 def test_nixl_transfers_equal_colocated(nixl_pd: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(5, seed=131, lo=1, hi=1300)
-    expected = colocated_outputs(nixl_pd.manifest, prompts, MAX_TOKENS)
-    results = run_all(nixl_pd, client, prompts)
-    assert [r.decode.output_ids for r in results] == expected
+    run_all_equal_colocated(nixl_pd, client, prompts, MAX_TOKENS)
     info = nixl_pd.info("prefill-0")["kv_transport"]
     assert info["backend"] == "nixl" and info["writes"]["prepped_writes"] >= 1
     nixl_pd.assert_clean()
@@ -200,14 +198,7 @@ def test_decode_abort_in_each_state(
                 wait_until(lambda: nixl_pd.room_state("decode-0", room) is None, 5)
             else:
                 wait_until(lambda: nixl_pd.room_state("decode-0", room) == state, 5, what=state)
-        aborted_at = time.monotonic()
-        assert nixl_pd.abort("decode-0", rid)["found"] is True
-        result: PDResult = leg.result(10)
-        assert result.decode.ended_at - aborted_at < 1.0
-        if state == "Success":
-            assert result.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
-        else:
-            assert result.decode.status == 502 and "aborted" in result.decode.error
+        result = abort_decode_leg(nixl_pd, rid, leg, state)
         if meta is None or state == "Success":
             # No writer holds these pages: nothing to wait for.
             assert rogue.quiet(pdmsg.Abort, result.room, 0.3)

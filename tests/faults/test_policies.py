@@ -37,12 +37,11 @@ from tests.faults.harness import (
     mint_room,
     one_sided_victims,
     post_leg,
-    run_all,
+    run_all_equal_colocated,
     survivors_served,
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
-from tests.pd_integration.reference import colocated_outputs
 
 MAX_TOKENS = 4
 
@@ -71,9 +70,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster]:
 
 def test_one_sided_transfers_equal_colocated(one_sided: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(5, seed=131, lo=1, hi=1500)
-    expected = colocated_outputs(one_sided.manifest, prompts, MAX_TOKENS)
-    results = run_all(one_sided, client, prompts)
-    assert [r.decode.output_ids for r in results] == expected
+    run_all_equal_colocated(one_sided, client, prompts, MAX_TOKENS)
     one_sided.assert_clean()
 
 
@@ -223,9 +220,7 @@ def test_prompt_over_page_capacity_is_refused(one_sided: FaultCluster) -> None:
 
 def test_prefill_complete_equals_colocated(staged: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(5, seed=141, lo=1, hi=1500)
-    expected = colocated_outputs(staged.manifest, prompts, MAX_TOKENS)
-    results = run_all(staged, client, prompts)
-    assert [r.decode.output_ids for r in results] == expected
+    run_all_equal_colocated(staged, client, prompts, MAX_TOKENS)
     staged.assert_clean()
 
 

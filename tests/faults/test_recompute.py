@@ -30,7 +30,7 @@ from tests.faults.harness import (
     base_spec,
     make_prompts,
     parse_counter,
-    run_all,
+    run_all_equal_colocated,
     wait_until,
 )
 from tests.faults.rogue import Background, RoguePrefill, fetch_instance
@@ -51,9 +51,7 @@ def recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultCluster
 
 def test_checksummed_transfers_equal_colocated(recompute: FaultCluster, client: PDClient) -> None:
     prompts = make_prompts(6, seed=121, lo=1, hi=1500)
-    expected = colocated_outputs(recompute.manifest, prompts, MAX_TOKENS)
-    results = run_all(recompute, client, prompts)
-    assert [r.decode.output_ids for r in results] == expected
+    run_all_equal_colocated(recompute, client, prompts, MAX_TOKENS)
     stats = recompute.info("decode-0")["kv_receive_stats"]
     assert stats.get("accepted", 0) >= len(prompts)
     assert not any("checksum" in k for k in stats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,22 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def ps_text(state_dir: Path) -> str:
+    """What `pdcluster ps` prints for the clusters under `state_dir`."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdcluster.runtime.cli", "ps", "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def ps_rows(state_dir: Path) -> dict[str, dict[str, str]]:
+    """`pdcluster ps` as rows by name (columns are two or more spaces apart)."""
+    header, *lines = (re.split(r"\s{2,}", line) for line in ps_text(state_dir).splitlines()[1:])
+    return {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
 
 
 def write_manifest(tmp: Path, name: str, spec: dict[str, Any]) -> Path:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.local.cluster import local_cluster, pid_alive
+from tests.local.cluster import local_cluster, pid_alive, ps_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +33,7 @@ def test_colocated_cluster_serves_openai_and_stops_cleanly(tmp_path: Path) -> No
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
         )
         assert streamed == whole.choices[0].message.content
-        ps = subprocess.run(
-            [sys.executable, "-m", "pdcluster.runtime.cli", "ps", "--state-dir", str(state_dir)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        ps = ps_text(state_dir)
         assert "colocated-0" in ps and "router" in ps and cluster.endpoint in ps
         pids = cluster.pids()
         assert all(pid_alive(p) for p in pids)

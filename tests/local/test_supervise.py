@@ -12,10 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,7 @@ import yaml
 from pdcluster.runtime.spec import parse_manifest
 from pdcluster.runtime.worker_main import HANG_ENV
 from tests.faults.harness import make_prompts
-from tests.local.cluster import RunningCluster, local_cluster, write_manifest
+from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
 from tests.pd_integration.reference import colocated_outputs
 
 MAX_TOKENS = 4
@@ -58,18 +55,6 @@ def generate(cluster: RunningCluster, prompt: list[int]) -> tuple[int, dict[str,
         return resp.status_code, data, time.monotonic()
     except httpx.HTTPError as err:
         return 599, {"error": repr(err)}, time.monotonic()
-
-
-def ps(state_dir: Path) -> dict[str, dict[str, str]]:
-    """`pdcluster ps` as rows by name (columns are two or more spaces apart)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pdcluster.runtime.cli", "ps", "--state-dir", str(state_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    header, *lines = (re.split(r"\s{2,}", line) for line in out.splitlines()[1:])
-    return {cells[0]: dict(zip(header, cells, strict=True)) for cells in lines}
 
 
 def seen_as(state_dir: Path, name: str = "prefill-1") -> tuple[str, int]:
@@ -137,7 +122,7 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
 
         # prefill-1 comes back on its ports and serves again.
         wait_for(lambda: seen_as(state_dir) == ("running", 1), 120, "prefill-1 back", 0.2)
-        rows = ps(state_dir)
+        rows = ps_rows(state_dir)
         assert (rows["prefill-1"]["RESTARTS"], rows["prefill-1"]["LAST EXIT"]) == (
             "1",
             "killed by SIGKILL",
@@ -148,7 +133,7 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
         assert [b.get("output_ids") for _, b, _ in again] == expected[:2], again
 
         # A second loss spends the budget (1 per hour): `pdcluster up` ends and says why.
-        os.kill(int(ps(state_dir)["prefill-1"]["PID"]), signal.SIGKILL)
+        os.kill(int(ps_rows(state_dir)["prefill-1"]["PID"]), signal.SIGKILL)
         assert cluster.proc.wait(30) == 1
         text = up_log.read_text()
         assert "prefill-1 lost (prefill-1 killed by SIGKILL)" in text

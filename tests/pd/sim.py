@@ -21,6 +21,7 @@ from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.messages import TransferMeta, decode, encode
 from pdcluster.runtime.pd.prefill_rooms import PrefillRankInfo, PrefillRoomTable
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.pd.room_common import RoomLeg
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import ModelShape, PDTopology
 
@@ -202,7 +203,7 @@ class Net:
 
     def open_decode(self, room: int, rid: str, now: float, prompt: PromptId | None = None) -> None:
         for rank, table in self.decode.items():
-            table.add_room(room, rid, BOOTSTRAP, now, prompt)
+            table.add_room(RoomLeg(room, rid, prompt=prompt), BOOTSTRAP, now)
             self.handle(d_endpoint(rank), table.resolve(room, self.sources(rank, room), now))
 
     def open_prefill(
@@ -211,7 +212,9 @@ class Net:
         dp = self.topology.prefill_dp_for_room(room)
         for rank, table in self.prefill.items():
             if rank.dp == dp:
-                self.handle(p_endpoint(rank), table.open_room(room, rid, num_tokens, now, prompt))
+                self.handle(
+                    p_endpoint(rank), table.open_room(RoomLeg(room, rid, num_tokens, prompt), now)
+                )
 
     def assign(self, room: int, pages: list[int], now: float) -> None:
         for rank, table in self.decode.items():

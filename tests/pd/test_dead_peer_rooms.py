@@ -22,7 +22,7 @@ from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.decode_rooms import DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.room_common import UnknownRoom
+from pdcluster.runtime.pd.room_common import RoomLeg, UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
 from tests.pd.sim import BOOTSTRAP, Net
 
@@ -75,7 +75,7 @@ def test_new_room_on_a_declared_dead_peer(case: Case) -> None:
     if case.recovered:
         assert table.peer_recovered(case.declared) == []
     now = 100.0 + case.after_s
-    table.add_room(7, "rid-7", case.room_peer, now)
+    table.add_room(RoomLeg(7, "rid-7"), case.room_peer, now)
     gate = table.gate_new_room(7, now)
     if case.expect is None:
         assert gate.proceed and table.state(7) is KVPoll.Bootstrapping
@@ -98,9 +98,9 @@ def held_table(rooms: list[int]) -> DecodeRoomTable:
     table = decode_table()
     table.fail_peer(BOOTSTRAP, "prefill_unreachable", 100.0, until_recovered=True)
     for room in rooms:
-        table.add_room(room, f"rid-{room}", BOOTSTRAP, 101.0)
+        table.add_room(RoomLeg(room, f"rid-{room}"), BOOTSTRAP, 101.0)
         assert table.gate_new_room(room, 101.0).probe == BOOTSTRAP
-    table.add_room(99, "rid-99", OTHER, 101.0)
+    table.add_room(RoomLeg(99, "rid-99"), OTHER, 101.0)
     assert table.gate_new_room(99, 101.0).proceed
     return table
 
@@ -146,12 +146,12 @@ def test_operator_report_gone_fails_held_rooms_and_refuses_new_ones() -> None:
     acts = table.fail_peer(BOOTSTRAP, "prefill_pod_lost", 102.0)
     assert acts == [A.RoomFailed(4, "rid-4", "prefill_pod_lost")]
     # peers_down keeps the first verdict's reason, and so do rooms it refuses.
-    table.add_room(5, "rid-5", BOOTSTRAP, 103.0)
+    table.add_room(RoomLeg(5, "rid-5"), BOOTSTRAP, 103.0)
     gate = table.gate_new_room(5, 103.0)
     assert gate.actions == [A.RoomFailed(5, "rid-5", "prefill_unreachable")]
     assert gate.probe is None
     # Once the report's own limit passed, the heartbeat verdict holds new rooms again.
-    table.add_room(6, "rid-6", BOOTSTRAP, 102.0 + S.bootstrap_s)
+    table.add_room(RoomLeg(6, "rid-6"), BOOTSTRAP, 102.0 + S.bootstrap_s)
     assert table.gate_new_room(6, 102.0 + S.bootstrap_s).probe == BOOTSTRAP
 
 
@@ -204,7 +204,7 @@ def test_held_rooms_follow_the_verdicts_and_probes(ops: list[tuple[object, ...]]
         if kind == "open":
             peer = str(op[1])
             room, next_room = next_room, next_room + 1
-            table.add_room(room, f"rid-{room}", peer, now)
+            table.add_room(RoomLeg(room, f"rid-{room}"), peer, now)
             gate = table.gate_new_room(room, now)
             if gone[peer]:
                 assert gate.actions and gate.probe is None and room not in table

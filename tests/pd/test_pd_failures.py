@@ -9,7 +9,7 @@ from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import AbortAck, Status, decode, encode
-from pdcluster.runtime.pd.room_common import RoomRejected, UnknownRoom
+from pdcluster.runtime.pd.room_common import RoomLeg, RoomRejected, UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
 
 from .sim import Net, compat, d_endpoint, p_endpoint, transfer_meta
@@ -148,7 +148,7 @@ def test_prefill_bootstrap_timeout_then_late_metadata_gets_failed() -> None:
     assert released(net) == [A.ReleasePages(ROOM, RID, (1, 2), "drained")]
     # The prefill leg retried under the same room is refused, not attached.
     with pytest.raises(RoomRejected) as err:
-        prefill.open_room(ROOM, RID, 8, S.bootstrap_s + 0.2)
+        prefill.open_room(RoomLeg(ROOM, RID, 8), S.bootstrap_s + 0.2)
     assert err.value.reason == "room_closed"
 
 
@@ -160,7 +160,7 @@ def test_tombstone_expires_after_its_ttl() -> None:
     prefill.tick(1.0)
     assert prefill.tombstone(ROOM, 4.9) == "bootstrap_timeout"
     assert prefill.tombstone(ROOM, 5.0) is None
-    prefill.open_room(ROOM, RID, 8, 5.0)
+    prefill.open_room(RoomLeg(ROOM, RID, 8), 5.0)
     assert prefill.state(ROOM) is KVPoll.Bootstrapping
 
 
@@ -212,13 +212,13 @@ def test_heartbeat_loss_fails_unfinished_rooms_and_forgets_registration() -> Non
     assert released(net) == [A.ReleasePages(ROOM, RID, (10, 11), "peer_dead")]
     assert not table.is_registered(p_endpoint(P0))
     # While the peer is known dead, a new room on it fails at once.
-    table.add_room(ROOM + 1, "rid-1", "127.0.0.1:8998", 3.0)
+    table.add_room(RoomLeg(ROOM + 1, "rid-1"), "127.0.0.1:8998", 3.0)
     acts = table.resolve(ROOM + 1, net.sources(D0, ROOM + 1), 3.0)
     assert acts == [A.RoomFailed(ROOM + 1, "rid-1", "prefill_unreachable")]
     assert ROOM + 1 not in table
     # Once the heartbeat reaches it again, the next room registers the layout again.
     table.peer_recovered("127.0.0.1:8998")
-    table.add_room(ROOM + 2, "rid-2", "127.0.0.1:8998", 4.0)
+    table.add_room(RoomLeg(ROOM + 2, "rid-2"), "127.0.0.1:8998", 4.0)
     acts = table.resolve(ROOM + 2, net.sources(D0, ROOM + 2), 4.0)
     assert any(isinstance(a, A.Send) and b"layout" in encode(a.message)[:20] for a in acts)
 
@@ -227,7 +227,7 @@ def test_dead_peer_memory_expires() -> None:
     net = Net(settings=S)
     table = net.decode[D0]
     table.fail_peer(p_endpoint(P0), "peer_lost", 0.0)
-    table.add_room(ROOM, RID, "127.0.0.1:8998", S.bootstrap_s)
+    table.add_room(RoomLeg(ROOM, RID), "127.0.0.1:8998", S.bootstrap_s)
     acts = table.resolve(ROOM, net.sources(D0, ROOM), S.bootstrap_s)
     assert table.state(ROOM) is KVPoll.Bootstrapping and not any(
         isinstance(a, A.RoomFailed) for a in acts
@@ -241,7 +241,7 @@ def test_claims_from_an_unregistered_endpoint_make_decode_register_again() -> No
     net.handle(p_endpoint(P0), prefill.fail_peer(d_endpoint(D0), "peer_lost", 1.0))
     net.pump(1.0)
     net.log.clear()
-    table.add_room(ROOM + 1, "rid-1", "127.0.0.1:8998", 2.0)
+    table.add_room(RoomLeg(ROOM + 1, "rid-1"), "127.0.0.1:8998", 2.0)
     net.handle(d_endpoint(D0), table.resolve(ROOM + 1, net.sources(D0, ROOM + 1), 2.0))
     net.handle(d_endpoint(D0), table.assign_pages(ROOM + 1, [20, 21], 2.0))
     net.pump(2.0)
@@ -356,10 +356,10 @@ def test_second_endpoint_for_one_decode_rank_is_refused() -> None:
 def test_duplicate_rooms_are_refused_on_both_sides() -> None:
     net = started(Net(settings=S))
     with pytest.raises(RoomRejected) as err:
-        net.decode[D0].add_room(ROOM, "rid-other", "127.0.0.1:8998", 1.0)
+        net.decode[D0].add_room(RoomLeg(ROOM, "rid-other"), "127.0.0.1:8998", 1.0)
     assert err.value.reason == "duplicate_room"
     with pytest.raises(RoomRejected) as err:
-        net.prefill[P0].open_room(ROOM, "rid-other", 8, 1.0)
+        net.prefill[P0].open_room(RoomLeg(ROOM, "rid-other", 8), 1.0)
     assert err.value.reason == "duplicate_room"
     assert net.decode[D0].state(ROOM) is KVPoll.WaitingForInput
 

@@ -15,6 +15,7 @@ from typing import Any
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.prefill_rooms import PrefillRankInfo, PrefillRoomTable
+from pdcluster.runtime.pd.room_common import RoomLeg
 from pdcluster.runtime.pd_worker.prefill_agent import PrefillAgent
 
 from .sim import compat
@@ -40,7 +41,7 @@ def _agent_with(table: PrefillRoomTable, room: int, rid: str, error: Exception) 
 
 def test_a_chunk_that_cannot_be_sent_fails_its_room_and_does_not_raise() -> None:
     table = PrefillRoomTable(PrefillRankInfo(RankCoord(), "tcp://127.0.0.1:7000", compat(), "t"))
-    table.open_room(11, "req-a", 32, now=0.0)
+    table.open_room(RoomLeg(11, "req-a", 32), 0.0)
     agent = _agent_with(table, 11, "req-a", ValueError("decode offers no shared-memory pool"))
     PrefillAgent.on_chunk(agent, "req-a", [0, 1], 0, 16)  # must not raise into the step
     failed = [a for a in agent.performed if isinstance(a, A.RoomFailed)]

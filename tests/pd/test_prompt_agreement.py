@@ -32,7 +32,7 @@ from pdcluster.runtime.pd.prompt_digest import (
     prompt_mismatch,
     prompt_problem,
 )
-from pdcluster.runtime.pd.room_common import RoomStateError
+from pdcluster.runtime.pd.room_common import RoomLeg, RoomStateError
 
 from .sim import Net, d_endpoint, p_endpoint, transfer_meta
 
@@ -189,7 +189,7 @@ def test_open_refuses_a_prompt_id_of_another_length() -> None:
     net = Net()
     table = net.prefill[D0]
     with pytest.raises(RoomStateError):
-        table.open_room(ROOM, RID, 5, 0.0, PromptId(num_tokens=6, digest=bytes(16)))
+        table.open_room(RoomLeg(ROOM, RID, 5, PromptId(num_tokens=6, digest=bytes(16))), 0.0)
     assert ROOM not in table
 
 

@@ -15,7 +15,13 @@ from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import Abort, AbortAck, Bootstrap, Ready, Status
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
-from pdcluster.runtime.pd.room_common import RoomError, RoomRejected, RoomStateError, UnknownRoom
+from pdcluster.runtime.pd.room_common import (
+    RoomError,
+    RoomLeg,
+    RoomRejected,
+    RoomStateError,
+    UnknownRoom,
+)
 
 from .sim import Net, d_endpoint, from_decode, p_endpoint
 
@@ -51,11 +57,13 @@ def net_with_room(state: str) -> Net:
 
 
 DECODE_CASES: list[tuple[str, str, Callable[[DecodeRoomTable], object], type[RoomError]]] = [
-    ("new", "bad room", lambda t: t.add_room(-1, "r", "p:1", 0.0), RoomError),
-    ("new", "huge room", lambda t: t.add_room(1 << 63, "r", "p:1", 0.0), RoomError),
-    ("new", "empty rid", lambda t: t.add_room(1, "", "p:1", 0.0), RoomError),
-    ("new", "no peer", lambda t: t.add_room(1, "r", "", 0.0), RoomError),
-    ("boot", "duplicate", lambda t: t.add_room(5, "rid-x", "p:1", 0.0), RoomRejected),
+    ("new", "bad room", lambda t: t.add_room(RoomLeg(-1, "r"), "p:1", 0.0), RoomError),
+    ("new", "huge room", lambda t: t.add_room(RoomLeg(1 << 63, "r"), "p:1", 0.0), RoomError),
+    ("new", "empty rid", lambda t: t.add_room(RoomLeg(1, ""), "p:1", 0.0), RoomError),
+    ("new", "no peer", lambda t: t.add_room(RoomLeg(1, "r"), "", 0.0), RoomError),
+    ("new", "negative length", lambda t: t.add_room(RoomLeg(1, "r", -1), "p:1", 0.0), RoomError),
+    ("new", "bool length", lambda t: t.add_room(RoomLeg(1, "r", True), "p:1", 0.0), RoomError),
+    ("boot", "duplicate", lambda t: t.add_room(RoomLeg(5, "rid-x"), "p:1", 0.0), RoomRejected),
     ("new", "resolve unknown", lambda t: t.resolve(9, [], 0.0), UnknownRoom),
     (
         "boot",
@@ -75,7 +83,7 @@ DECODE_CASES: list[tuple[str, str, Callable[[DecodeRoomTable], object], type[Roo
 def test_decode_resolve_rejects_bad_sources() -> None:
     net = Net()
     table = net.decode[D0]
-    table.add_room(5, "rid", "p:1", 0.0)
+    table.add_room(RoomLeg(5, "rid"), "p:1", 0.0)
     before = snapshot(table)
     for sources in (
         [],
@@ -90,16 +98,16 @@ def test_decode_resolve_rejects_bad_sources() -> None:
 
 def test_assign_before_resolve_is_refused() -> None:
     table = Net().decode[D0]
-    table.add_room(5, "rid", "p:1", 0.0)
+    table.add_room(RoomLeg(5, "rid"), "p:1", 0.0)
     with pytest.raises(RoomStateError, match="unresolved"):
         table.assign_pages(5, [1], 0.0)
 
 
 PREFILL_CASES: list[tuple[str, str, Callable[[PrefillRoomTable], object], type[RoomError]]] = [
-    ("new", "bad room", lambda t: t.open_room(-5, "r", 3, 0.0), RoomError),
-    ("new", "bad rid", lambda t: t.open_room(5, "x" * 300, 3, 0.0), RoomError),
-    ("new", "no tokens", lambda t: t.open_room(5, "r", 0, 0.0), RoomError),
-    ("boot", "duplicate", lambda t: t.open_room(5, "rid-5", 8, 0.0), RoomRejected),
+    ("new", "bad room", lambda t: t.open_room(RoomLeg(-5, "r", 3), 0.0), RoomError),
+    ("new", "bad rid", lambda t: t.open_room(RoomLeg(5, "x" * 300, 3), 0.0), RoomError),
+    ("new", "no tokens", lambda t: t.open_room(RoomLeg(5, "r", 0), 0.0), RoomError),
+    ("boot", "duplicate", lambda t: t.open_room(RoomLeg(5, "rid-5", 8), 0.0), RoomRejected),
     ("boot", "write before metadata", lambda t: t.writes_enqueued(5, 1, 0.0), RoomStateError),
     ("waiting", "zero writes", lambda t: t.writes_enqueued(5, 0, 0.0), RoomError),
     ("waiting", "more done than in flight", lambda t: t.writes_done(5, 1, True, 0.0), RoomError),
@@ -208,7 +216,7 @@ def test_unauthenticated_abort_for_unknown_room_is_acked_without_a_tombstone() -
         A.Send("tcp://evil:1", AbortAck(room=77, rank=P0, generation=1))
     ]
     assert p.tombstone(77, 0.0) is None
-    p.open_room(77, "r", 4, 0.0)  # a stranger cannot block a future room
+    p.open_room(RoomLeg(77, "r", 4), 0.0)  # a stranger cannot block a future room
 
 
 def test_prefill_endpoint_is_reported_in_views() -> None:

@@ -22,7 +22,7 @@ from pdcluster.runtime.pd.messages import (
     TransferMeta,
     decode,
 )
-from pdcluster.runtime.pd.room_common import RoomRejected
+from pdcluster.runtime.pd.room_common import RoomLeg, RoomRejected
 
 from .sim import BOOTSTRAP, Net, d_endpoint, p_endpoint, transfer_meta
 
@@ -32,13 +32,15 @@ ROOM = 6183073005224885239  # a room as SGLang's router mints it
 
 def open_decode(net: Net, room: int, rid: str, local: bool, now: float = 0.0) -> None:
     for rank, table in net.decode.items():
-        table.add_room(room, rid, BOOTSTRAP, now, rid_is_local=local)
+        table.add_room(RoomLeg(room, rid, rid_is_local=local), BOOTSTRAP, now)
         net.handle(d_endpoint(rank), table.resolve(room, net.sources(rank, room), now))
 
 
 def open_prefill(net: Net, room: int, rid: str, local: bool, now: float = 0.0) -> None:
     for rank, table in net.prefill_group(room).items():
-        net.handle(p_endpoint(rank), table.open_room(room, rid, 8, now, rid_is_local=local))
+        net.handle(
+            p_endpoint(rank), table.open_room(RoomLeg(room, rid, 8, rid_is_local=local), now)
+        )
 
 
 def run_request(net: Net, room: int, legs: tuple[tuple[str, bool], tuple[str, bool]], order: str):
@@ -217,10 +219,10 @@ def test_duplicate_rooms_are_still_refused_with_local_rids() -> None:
     net = Net()
     _waiting_local_room(net)
     with pytest.raises(RoomRejected) as err:
-        net.prefill[P0].open_room(ROOM, "p-other", 8, 0.0, rid_is_local=True)
+        net.prefill[P0].open_room(RoomLeg(ROOM, "p-other", 8, rid_is_local=True), 0.0)
     assert err.value.reason == "duplicate_room"
     with pytest.raises(RoomRejected) as err:
-        net.decode[D0].add_room(ROOM, "d-other", BOOTSTRAP, 0.0, rid_is_local=True)
+        net.decode[D0].add_room(RoomLeg(ROOM, "d-other", rid_is_local=True), BOOTSTRAP, 0.0)
     assert err.value.reason == "duplicate_room"
     # A second endpoint for the bound decode rank (another decode instance
     # reusing the room number) is refused, and the room is unchanged.

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.room_common import RoomLeg
 from pdcluster.runtime.pd.room_phases import (
     DECODE,
     DECODE_DEADLINES,
@@ -176,7 +177,7 @@ class RoomPair(RuleBasedStateMachine):
         if room in self.added:
             return
         self.added.add(room)
-        self.d.add_room(room, f"r{room}", BOOTSTRAP, self.now, num_tokens=4)
+        self.d.add_room(RoomLeg(room, f"r{room}", num_tokens=4), BOOTSTRAP, self.now)
         self.react(self.dp, self.d.resolve(room, self.net.sources(D0, room), self.now))
         if self.policy == "early":
             self._assign(room)
@@ -187,7 +188,7 @@ class RoomPair(RuleBasedStateMachine):
             return
         self.opened.add(room)
         try:
-            self.react(self.pp, self.p.open_room(room, f"r{room}", 4, self.now))
+            self.react(self.pp, self.p.open_room(RoomLeg(room, f"r{room}", 4), self.now))
         except ValueError:
             assert self.p.tombstone(room, self.now) is not None  # only a concluded room refuses
 

@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.room_common import RoomRejected
+from pdcluster.runtime.pd.room_common import RoomLeg, RoomRejected
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import ModelShape
 
@@ -248,7 +248,7 @@ class PDMachine(RuleBasedStateMachine):
         req = Req(room, f"rid-{room:08d}", num_tokens)
         self.reqs[room] = req
         for rank, table in self.net.decode.items():
-            table.add_room(room, req.rid, "127.0.0.1:8998", self.now)
+            table.add_room(RoomLeg(room, req.rid), "127.0.0.1:8998", self.now)
             sources = self.net.sources(rank, room)
             self.react(d_endpoint(rank), table.resolve(room, sources, self.now))
         return req
@@ -259,7 +259,7 @@ class PDMachine(RuleBasedStateMachine):
             if rank in self.dead:
                 continue
             try:
-                acts = table.open_room(req.room, req.rid, req.num_tokens, self.now)
+                acts = table.open_room(RoomLeg(req.room, req.rid, req.num_tokens), self.now)
             except RoomRejected as err:
                 # Only a room that already concluded here may refuse its own leg.
                 assert err.reason == "room_closed", err

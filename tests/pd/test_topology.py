@@ -41,11 +41,11 @@ def check_mapping(topo: PDTopology, num_tokens: int, page_size: int) -> None:
                 assert 0 <= t0 <= t1 <= num_tokens
                 seen[s.layers[0] : s.layers[1], s.heads[0] : s.heads[1], t0:t1] += 1
                 # Local offsets address each side's own pool.
-                for lo, hi in (s.prefill_local_layers, s.decode_local_layers):
+                for lo, hi in (s.prefill_local.layers, s.decode_local.layers):
                     assert 0 <= lo < hi <= model.num_layers
-                assert 0 <= s.decode_local_heads[0] < s.decode_local_heads[1]
-                assert s.decode_local_heads[1] <= d_heads[1] - d_heads[0]
-                assert s.prefill_local_heads[1] <= s.prefill_heads[1] - s.prefill_heads[0]
+                assert 0 <= s.decode_local.heads[0] < s.decode_local.heads[1]
+                assert s.decode_local.heads[1] <= d_heads[1] - d_heads[0]
+                assert s.prefill_local.heads[1] <= s.prefill_heads[1] - s.prefill_heads[0]
             share = seen[d_layers[0] : d_layers[1], d_heads[0] : d_heads[1], :]
             assert (share == 1).all(), f"{d}: a cell arrived {share.min()}..{share.max()} times"
             assert seen.sum() == share.size, f"{d}: received KV it does not hold"

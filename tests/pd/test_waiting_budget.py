@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.room_common import RoomError
+from pdcluster.runtime.pd.room_common import RoomError, RoomLeg
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.spec import TransferSpec
 
@@ -70,7 +70,7 @@ PAGES = list(range(50))
 
 def decode_room(net: Net, num_tokens: int) -> None:
     table = net.decode[D0]
-    table.add_room(ROOM, RID, BOOTSTRAP, 0.0, num_tokens=num_tokens)
+    table.add_room(RoomLeg(ROOM, RID, num_tokens=num_tokens), BOOTSTRAP, 0.0)
     net.handle(d_endpoint(D0), table.resolve(ROOM, net.sources(D0, ROOM), 0.0))
 
 
@@ -115,5 +115,5 @@ def test_prefill_bounds_its_transfer_phase_by_the_prompt() -> None:
 def test_a_bad_prompt_length_is_refused_and_adds_no_room(bad: object) -> None:
     table = Net(settings=S).decode[D0]
     with pytest.raises(RoomError, match="num_tokens"):
-        table.add_room(ROOM, RID, BOOTSTRAP, 0.0, num_tokens=bad)  # type: ignore[arg-type]
+        table.add_room(RoomLeg(ROOM, RID, num_tokens=bad), BOOTSTRAP, 0.0)  # type: ignore[arg-type]
     assert ROOM not in table

@@ -56,7 +56,7 @@ def transport(link: Link, src: KVPool, dst: KVPool, **kw):
 
 
 def nixl_job(src_table, dst_table, link, **kw) -> TransferJob:
-    return whole_job(src_table, dst_table, link, "nixl", **kw)
+    return whole_job(src_table, dst_table, link.decode.address, "nixl", **kw)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

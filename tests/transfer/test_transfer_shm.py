@@ -32,7 +32,7 @@ from tests.transfer.transfer_helpers import (
 
 
 def shm_job(src_table, dst_table, link, **kw) -> TransferJob:
-    return whole_job(src_table, dst_table, link, "shm", **kw)
+    return whole_job(src_table, dst_table, link.decode.address, "shm", **kw)
 
 
 def decode_pool(tmp_path, shape, seed=2) -> KVPool:

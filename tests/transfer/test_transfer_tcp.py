@@ -28,28 +28,13 @@ from tests.transfer.transfer_helpers import (
     random_pool,
     random_table,
     slots,
+    whole_job,
 )
 
 
-def make_job(src_table, dst_layers_heads=None, **kw) -> TransferJob:
+def make_job(src_table, *, peer: str, room: int = 11, **kw) -> TransferJob:
     """A job over every layer and head of the test shape unless `kw` narrows them."""
-    page_size = kw.pop("page_size")
-    start, end = kw.pop("tokens")
-    base = dict(
-        room=kw.pop("room", 11),
-        generation=kw.pop("generation", 0),
-        src_slots=slots(src_table, start, end, page_size),
-        token_start=start,
-        token_end=end,
-        src_layers=(0, 1, 2),
-        dst_layers=(0, 1, 2),
-        src_heads=(0, 4),
-        dst_heads=(0, 4),
-        notify=b"done-%d" % next_id(),
-        is_last=True,
-    )
-    base.update(kw)
-    return TransferJob(**base)  # type: ignore[arg-type]
+    return whole_job(src_table, None, peer, "tcp", room=room, **kw)
 
 
 def run_jobs(

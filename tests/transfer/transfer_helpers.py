@@ -61,16 +61,17 @@ def slots(table: Sequence[int], start: int, end: int, page_size: int) -> list[in
 
 
 def whole_job(
-    src_table, dst_table, link, tag: str, *, page_size=4, tokens=(0, 30), **kw
+    src_table, dst_table, peer: str, tag: str, *, page_size=4, tokens=(0, 30), **kw
 ) -> TransferJob:
     """A one-job room moving `tokens` over every layer and head of the test shape
-    (`tag` names the transport in the notification); `kw` overrides any field."""
+    to `peer` (`tag` names the transport in the notification); `kw` overrides any
+    field. No `dst_table`: no destination slots (tcp places frames on receipt)."""
     base = dict(
         room=21,
         generation=0,
-        peer=link.decode.address,
+        peer=peer,
         src_slots=slots(src_table, *tokens, page_size),
-        dst_slots=slots(dst_table, *tokens, page_size),
+        dst_slots=None if dst_table is None else slots(dst_table, *tokens, page_size),
         token_start=tokens[0],
         token_end=tokens[1],
         src_layers=(0, 1, 2),

@@ -10,9 +10,8 @@ import pytest
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine, RequestRejected, StepFailed
 from pdcluster.runtime.engine.engine_config import EngineConfig, EngineConfigError
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.scheduler import ScheduledBatch
 from pdcluster.runtime.engine.tokenizer import ByteTokenizer
-from tests.engine.testing import generate
+from tests.engine.testing import generate, record_preemptions
 
 TOK = ByteTokenizer()
 SMALL = EngineConfig(num_pages=64, page_size=4, max_running_requests=8, max_batch_tokens=64)
@@ -72,15 +71,7 @@ def test_a_tight_pool_preempts_and_recomputes_without_changing_output(
     reqs = [_req(f"r{i}", "abcdefghij"[: 3 + i] * 2, max_tokens=20) for i in range(5)]
     roomy = generate(LLMEngine(base), reqs)
     engine = LLMEngine(dataclasses.replace(base, num_pages=16))
-    preempted: list[str] = []
-    original_schedule = engine.scheduler.schedule
-
-    def spy() -> ScheduledBatch:
-        batch = original_schedule()
-        preempted.extend(batch.preempted)
-        return batch
-
-    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    preempted = record_preemptions(engine, monkeypatch)
     tight = generate(engine, reqs)
     assert preempted, "the pool was meant to be too small to run everything at once"
     assert tight == roomy

@@ -23,10 +23,9 @@ from pdcluster.runtime.engine.engine_config import EngineConfig, engine_config_f
 from pdcluster.runtime.engine.kv_pool import slots_for_positions
 from pdcluster.runtime.engine.page_allocator import PageAllocator
 from pdcluster.runtime.engine.sampling import SamplingParams
-from pdcluster.runtime.engine.scheduler import ScheduledBatch
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.spec import PDCluster
-from tests.engine.testing import generate
+from tests.engine.testing import generate, record_preemptions
 
 PAGE = 4
 OFF = EngineConfig(
@@ -143,15 +142,7 @@ def test_preemption_with_shared_cached_pages_recomputes_the_same_tokens(
     expected = _one_by_one(LLMEngine(OFF), [warm])
     expected.update({rid: toks for rid, (toks, _) in generate(LLMEngine(OFF), reqs).items()})
     engine = LLMEngine(dataclasses.replace(ON, num_pages=20))
-    preempted: list[str] = []
-    schedule = engine.scheduler.schedule
-
-    def spy() -> ScheduledBatch:
-        batch = schedule()
-        preempted.extend(batch.preempted)
-        return batch
-
-    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    preempted = record_preemptions(engine, monkeypatch)
     got = _one_by_one(engine, [warm])
     got.update({rid: toks for rid, (toks, _) in generate(engine, reqs).items()})
     assert preempted, "the pool was meant to be too small to run everything at once"

@@ -14,9 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import pytest
+
 from pdcluster.runtime.engine.config import from_hf_config
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
+from pdcluster.runtime.engine.scheduler import ScheduledBatch
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -169,3 +172,17 @@ def sleep_rank(rank: int, world_size: int, port: int, seconds: float) -> int:
 
     time.sleep(seconds)
     return rank
+
+
+def record_preemptions(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The rids the engine's scheduler preempts from now on, in order."""
+    preempted: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def spy() -> ScheduledBatch:
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    return preempted

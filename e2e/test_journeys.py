@@ -281,6 +281,31 @@ def assert_clear_prefill_failure(o: Outcome, words: tuple[str, ...]) -> None:
     assert any(w in error["message"] for w in words), error
 
 
+def kill_prefill_mid_burst(
+    kube: KubeApi, node_agent: NodeAgentClient, ns: str, cluster: str, burst: Burst
+) -> tuple[dict[str, Any], float, list[Outcome]]:
+    """Kill -9 `cluster`'s first prefill pod once decode has a room on it.
+
+    Returns the victim, when it was killed and the burst's outcomes."""
+    victim = pods(kube, ns, cluster, "prefill")[0]
+    decode_url = f"http://{pods(kube, ns, cluster, 'decode')[0]['status']['podIP']}:8000"
+    wait_room_on(decode_url, cluster_token(kube, ns, cluster), victim["status"]["podIP"])
+    killed_at = time.monotonic()
+    node_agent.kill_pod(ns, victim["metadata"]["name"])
+    return victim, killed_at, burst.result()
+
+
+def assert_failed_fast_and_clearly(outcomes: list[Outcome], killed_at: float) -> list[Outcome]:
+    """Some request was hit; each one hit failed within 10 s (the operator's fast
+    path, not a timeout) with an error that names the prefill."""
+    failed = [o for o in outcomes if not o.ok]
+    assert failed, "no request was in flight on the killed prefill"
+    for o in failed:
+        assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
+        assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
+    return failed
+
+
 def check_restricted_pods(kube: KubeApi, ns: str) -> None:
     """The namespace really enforces `restricted`, and the tour's pods got in."""
     root = {"securityContext": {"runAsUser": 0, "privileged": True}}
@@ -435,18 +460,9 @@ def test_1b_a_nixl_cluster_serves_reports_its_transport_and_survives_a_killed_pr
     assert fallback["type"] == "Warning" and "tcp/" in fallback["message"], fallback
 
     # A killed prefill: the rooms waiting on its writes fail fast, it comes back.
-    victim = pods(kube, ns, NIXL, "prefill")[0]
-    decode_url = f"http://{pods(kube, ns, NIXL, 'decode')[0]['status']['podIP']}:8000"
     burst = Burst(url, n=6, prompt_chars=1500, max_tokens=16)
-    wait_room_on(decode_url, cluster_token(kube, ns, NIXL), victim["status"]["podIP"])
-    killed_at = time.monotonic()
-    node_agent.kill_pod(ns, victim["metadata"]["name"])
-    outcomes = burst.result()
-    failed = [o for o in outcomes if not o.ok]
-    assert failed, "no request was in flight on the killed prefill"
-    for o in failed:
-        assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
-        assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
+    victim, killed_at, outcomes = kill_prefill_mid_burst(kube, node_agent, ns, NIXL, burst)
+    assert_failed_fast_and_clearly(outcomes, killed_at)
     wait_event(kubectl, ns, "PrefillInstanceLost", victim["metadata"]["name"], 15, name=NIXL)
     wait_until(
         lambda: (
@@ -474,23 +490,11 @@ def test_2_killed_prefill_during_a_burst_fails_only_its_requests_then_comes_back
     apply(kubectl, tmp_path, ns, journey_manifest())
     wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
     url = router_url(kube, ns, NAME)
-    victim = pods(kube, ns, NAME, "prefill")[0]
-    victim_ip = victim["status"]["podIP"]
-    decode_url = f"http://{pods(kube, ns, NAME, 'decode')[0]['status']['podIP']}:8000"
-
     burst = Burst(url, n=24, prompt_chars=1500, max_tokens=16)
-    wait_room_on(decode_url, cluster_token(kube, ns), victim_ip)
-    killed_at = time.monotonic()
-    node_agent.kill_pod(ns, victim["metadata"]["name"])
-    outcomes = burst.result()
+    victim, killed_at, outcomes = kill_prefill_mid_burst(kube, node_agent, ns, NAME, burst)
 
-    failed = [o for o in outcomes if not o.ok]
-    assert failed, "no request was in flight on the killed prefill"
+    failed = assert_failed_fast_and_clearly(outcomes, killed_at)
     assert len(failed) < len(outcomes), "the other prefill's requests failed too"
-    for o in failed:
-        # Fast: the operator's fast path, not a timeout.
-        assert o.ended - killed_at < 10, f"ended {o.ended - killed_at:.1f}s after the kill"
-        assert_clear_prefill_failure(o, ("prefill_pod_lost", "prefill", "connect"))
     assert all(o.completion_tokens == 16 for o in outcomes if o.ok)
 
     lost = wait_event(kubectl, ns, "PrefillInstanceLost", victim["metadata"]["name"], 15)
@@ -581,18 +585,14 @@ def test_2b_under_recompute_a_killed_prefill_changes_no_answer(
     )  # fmt: skip
     wait_pdc(kubectl, ns, NAME, "2/2", "1/1")
     url = router_url(kube, ns, NAME)
-    victim = pods(kube, ns, NAME, "prefill")[0]
     decode = pods(kube, ns, NAME, "decode")[0]
-    decode_url = f"http://{decode['status']['podIP']}:8000"
     n, chars, max_tokens = 16, 1500, 16
     expected = colocated_text(
         [long_prompt(i, chars) for i in range(n)], max_tokens, journey_manifest()
     )
 
     burst = Burst(url, n=n, prompt_chars=chars, max_tokens=max_tokens)
-    wait_room_on(decode_url, cluster_token(kube, ns), victim["status"]["podIP"])
-    node_agent.kill_pod(ns, victim["metadata"]["name"])
-    outcomes = burst.result()
+    _, _, outcomes = kill_prefill_mid_burst(kube, node_agent, ns, NAME, burst)
 
     assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok]
     texts = [

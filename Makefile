@@ -43,8 +43,9 @@ typecheck: setup links
 controlplane: setup
 	$(PY) -m e2e.controlplane.build
 
+# --durations: the slowest tests, to see where CI time goes.
 test: lint typecheck controlplane
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 fmt: setup
 	$(VENV)/bin/ruff format runtime operator tests e2e bench

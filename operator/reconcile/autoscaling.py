@@ -22,8 +22,11 @@ operator keeps PDClusters free of finalizers.)
 
 The planner's history is kept in memory per cluster and replaced only once
 every replicas patch succeeded (a failed write: the next pass starts from
-the old history). A pass that copied a scaler's replicas into the PDCluster
-decides nothing: the next one (at once) sees the new replicas. Nothing here
+the old history). Its windows are also written to status.<role>.autoscaling
+(`autoscale/persisted.py`) and restored from there when the loop has no
+history for the cluster (an operator restart). A pass that copied a
+scaler's replicas into the PDCluster decides nothing: the next one (at
+once) sees the new replicas. Nothing here
 raises into kopf: a failed API or HTTP call is logged and the pass retried.
 """
 
@@ -39,6 +42,7 @@ import httpx
 
 from pdcluster.operator import names
 from pdcluster.operator.api import SCALER_KIND, parse_status
+from pdcluster.operator.autoscale.persisted import restore_history, status_patch_with_windows
 from pdcluster.operator.autoscale.step import (
     AutoscaleHistory,
     AutoscaleStep,
@@ -172,7 +176,9 @@ class Autoscaler:
         ):
             self.histories.pop(key, None)
             return wait_seconds(None, 0.0)
-        history = self.histories.get(key, AutoscaleHistory())
+        history = self.histories.get(key)
+        if history is None:  # a start: the windows the last operator wrote
+            history = restore_history(stored)
         # One `now` for "which roles are due" and the step, so a role that
         # turns due while the others are scraped is not decided without scrapes.
         now = self._clock()
@@ -191,7 +197,7 @@ class Autoscaler:
             await self.recorder.record(cluster.ref, event.type, event.reason, event.message)
         if step.statuses:
             try:
-                await self.client.patch_status(namespace, name, step.status_patch())
+                await self.client.patch_status(namespace, name, status_patch_with_windows(step))
             except ApiError as err:
                 if not err.is_not_found:
                     log.warning("%s/%s: could not write the autoscaling status: %s", *key, err)

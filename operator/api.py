@@ -150,6 +150,13 @@ class RoleAutoscalingStatus(_StatusModel):
     last_scale_time: str | None = Field(
         default=None, description="RFC 3339, when the autoscaler last changed replicas"
     )
+    source: str | None = Field(
+        default=None,
+        description=(
+            "where the metric is read: router (the router's /metrics: prefill ttftP90Seconds) "
+            "or workers (the Ready instances' /metrics)"
+        ),
+    )
     recommendations: list[AutoscalingRecommendation] | None = Field(
         default=None,
         max_length=MAX_AUTOSCALING_RECOMMENDATIONS,

@@ -15,6 +15,8 @@ operator keeps PDClusters free of finalizers.)
                       write the scaler's status (replicas, selector, synced);
                       delete the scalers of roles the cluster no longer has
     scrapes        <- GET /metrics of each autoscaled role's Ready leader pods
+                      (prefill ttftP90Seconds: of the Ready router pods,
+                      autoscale/router_metrics.py)
     step           <- compute_autoscale_step(...)  (pure: planner + samples)
     write          <- merge-patch spec.<role>.replicas (the path `kubectl
                       scale` takes, so the reconcile drains a removed
@@ -36,13 +38,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
 from pdcluster.operator import names
 from pdcluster.operator.api import SCALER_KIND, parse_status
-from pdcluster.operator.autoscale.persisted import restore_history, status_patch_with_windows
+from pdcluster.operator.autoscale.persisted import restore_history
+from pdcluster.operator.autoscale.router_metrics import (
+    as_prefill_scrape,
+    is_read_from_router,
+    router_scrape_targets,
+)
 from pdcluster.operator.autoscale.step import (
     AutoscaleHistory,
     AutoscaleStep,
@@ -57,6 +65,7 @@ from pdcluster.operator.autoscale.wiring import (
     plan_scaler,
     scrape_targets,
     stale_scalers,
+    status_patch,
     token_secret,
     wait_seconds,
 )
@@ -183,7 +192,7 @@ class Autoscaler:
         # turns due while the others are scraped is not decided without scrapes.
         now = self._clock()
         due = roles_due(cluster, history, now)
-        scrapes = await self._scrape(namespace, pods, name, list(due)) if due else {}
+        scrapes = await self._scrape(cluster, pods, list(due)) if due else {}
         step = compute_autoscale_step(cluster, stored, scrapes, history, now)
         self.last_steps[key] = step
         for patch in step.patches:
@@ -197,7 +206,7 @@ class Autoscaler:
             await self.recorder.record(cluster.ref, event.type, event.reason, event.message)
         if step.statuses:
             try:
-                await self.client.patch_status(namespace, name, status_patch_with_windows(step))
+                await self.client.patch_status(namespace, name, status_patch(cluster, step))
             except ApiError as err:
                 if not err.is_not_found:
                     log.warning("%s/%s: could not write the autoscaling status: %s", *key, err)
@@ -250,10 +259,15 @@ class Autoscaler:
         return changed
 
     async def _scrape(
-        self, namespace: str, pods: list[dict[str, Any]], cluster: str, roles: list[Role]
+        self, cluster: Cluster, pods: list[dict[str, Any]], roles: list[Role]
     ) -> dict[Role, dict[str, PodScrape]]:
-        targets = scrape_targets(pods, cluster, roles)
-        token = await self.token_for(namespace, token_secret(pods, cluster))
+        """Per role, the /metrics of its Ready leader pods, or of the router's Ready pods
+        for a target read from the router (`router_metrics.py`)."""
+        from_router = [r for r in roles if is_read_from_router(cluster, r)]
+        targets = scrape_targets(pods, cluster.name, [r for r in roles if r not in from_router])
+        routers = router_scrape_targets(pods, cluster.name)
+        targets.update({role: dict(routers) for role in from_router})
+        token = await self.token_for(cluster.namespace, token_secret(pods, cluster.name))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
         async def fetch(url: str) -> PodScrape | None:
@@ -271,7 +285,10 @@ class Autoscaler:
         for role, by_pod in targets.items():
             pairs = list(by_pod.items())
             results = await asyncio.gather(*(fetch(url) for _, url in pairs))
-            out[role] = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
+            found = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
+            if role in from_router:
+                found = {p: replace(s, text=as_prefill_scrape(s.text)) for p, s in found.items()}
+            out[role] = found
         return out
 
 

@@ -509,6 +509,20 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
             one_pod(kube, ns, "prefill")["metadata"]["uid"] == prefill["metadata"]["uid"]
         ),
     )
+    # Ready again, but decode holds it dead until its heartbeat sees it answer (up to
+    # 30 s here): the router keeps it out meanwhile, so no request fails at decode.
+    router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+    answers: list[tuple[int, str]] = []
+
+    def served() -> bool:
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
+        resp = httpx.post(f"http://{router_ip}:8000/v1/completions", json=body, timeout=60)
+        answers.append((resp.status_code, resp.text[:200]))
+        return resp.status_code == 200
+
+    wait_until(served, 3 * HEARTBEAT_S, "a request through the router served", interval_s=0.5)
+    refused = [(code, text) for code, text in answers if code != 200]
+    assert all(code == 503 and "prefill" in text for code, text in refused), refused
 
 
 def test_kubectl_scale_sets_the_decode_replicas(

@@ -28,8 +28,8 @@ the old history). Its windows are also written to status.<role>.autoscaling
 (`autoscale/persisted.py`) and restored from there when the loop has no
 history for the cluster (an operator restart). A pass that copied a
 scaler's replicas into the PDCluster decides nothing: the next one (at
-once) sees the new replicas. Nothing here
-raises into kopf: a failed API or HTTP call is logged and the pass retried.
+once) sees the new replicas. Nothing here raises into kopf: a failed API or
+HTTP call is logged and the pass retried.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ flight.
 
 A prefill probe also reads the live decodes' ``peers_down`` (one
 ``/get_server_info`` per decode per round): a prefill that a decode still
-holds down stays out of the pool even though it answers. This closes the
-window where a prefill pod that was declared lost (the operator's fast path,
-or a decode heartbeat) is Ready again before the decode has seen it answer:
-a request routed to it then would fail at the decode with
-``prefill_pod_lost``.
+holds down for a loss the operator reported stays out of the pool even
+though it answers. This closes the window where a prefill pod declared lost
+by the operator's fast path is Ready again before the decode's heartbeat
+has seen it answer: a request routed to it then would fail at the decode
+with ``prefill_pod_lost``.
 """
 
 from __future__ import annotations

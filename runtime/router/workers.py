@@ -10,11 +10,13 @@ Invariants:
   it back;
 - a worker held out (``hold_out``: its supervisor saw it die and restarts
   it) is not a candidate, whatever its probes say, until ``let_in``;
-- a prefill that a live decode reports in its ``peers_down`` (the operator
-  or the decode's heartbeat declared it lost, and the decode refuses new
-  rooms on it until its heartbeat sees it answer) is not a candidate while
-  the report stands (``held_down_by``, ``record_peer_down``), whatever its
-  own probes say: a request routed to it would fail at the decode;
+- a prefill that a live decode reports in its ``peers_down`` for a loss the
+  operator reported (the decode refuses new rooms on it at once until its
+  heartbeat sees it answer) is not a candidate while the report stands
+  (``held_down_by``, ``record_peer_down``), whatever its own probes say: a
+  request routed to it would fail at the decode. The decode's own heartbeat
+  verdict (``prefill_unreachable``) does not keep it out: under it the
+  decode holds a new room for one probe and serves it if the prefill answers;
 - ``outstanding`` counts legs in flight and never goes negative; a worker
   removed by discovery while legs are in flight keeps its counter on the
   object those legs hold, so a late release cannot touch a newer worker
@@ -281,6 +283,10 @@ class WorkerPool:
         worker.outstanding -= 1
 
 
+# The decode heartbeat's own verdict: a new room waits for one probe instead of failing.
+HEARTBEAT_VERDICT = "prefill_unreachable"
+
+
 def bootstrap_address(worker: Worker) -> str | None:
     """How decodes name this prefill in ``peers_down``: ``host:bootstrap_port``."""
     if worker.role is not Role.prefill or worker.bootstrap_port is None:
@@ -303,7 +309,7 @@ def parse_peers_down(info: Any) -> dict[str, str]:
 
 
 def held_down_by(worker: Worker, peers_down: Mapping[str, Mapping[str, str]]) -> str | None:
-    """Why a decode refuses rooms on this prefill now, or None.
+    """Why a decode refuses rooms on this prefill now, or None (see the invariants).
 
     ``peers_down``: decode URL -> that decode's ``peers_down``. A report names
     the prefill by its bootstrap address, or by its bare host (every
@@ -315,6 +321,6 @@ def held_down_by(worker: Worker, peers_down: Mapping[str, Mapping[str, str]]) ->
     bare = address.rsplit(":", 1)[0]
     for decode_url in sorted(peers_down):
         for peer, reason in sorted(peers_down[decode_url].items()):
-            if peer in (address, bare):
+            if peer in (address, bare) and reason != HEARTBEAT_VERDICT:
                 return f"decode {decode_url} holds it down ({reason})"
     return None

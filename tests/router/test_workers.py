@@ -201,9 +201,11 @@ PREFILL = Worker(url="http://10.0.0.5:8000", role=P, bootstrap_port=8998, has_in
             "decode http://d:8000 holds it down (prefill_pod_lost)",
         ),
         (
-            {"http://d:8000": {"10.0.0.5": "prefill_unreachable"}},
-            "decode http://d:8000 holds it down (prefill_unreachable)",
+            {"http://d:8000": {"10.0.0.5": "prefill_pod_removed"}},
+            "decode http://d:8000 holds it down (prefill_pod_removed)",
         ),
+        # The decode's heartbeat verdict: it probes the prefill for a new room itself.
+        ({"http://d:8000": {"10.0.0.5:8998": "prefill_unreachable"}}, None),
         (
             {"http://b:8000": {"10.0.0.5:8998": "b"}, "http://a:8000": {"10.0.0.5:8998": "a"}},
             "decode http://a:8000 holds it down (a)",

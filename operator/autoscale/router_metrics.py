@@ -28,7 +28,8 @@ holds with a `MetricMissing` Warning, as for the workers; a body that is
 not Prometheus text is passed on as is, so the step names it as unreadable.
 
 `status.prefill.autoscaling.source` says which it was (`router` or
-`workers`).
+`workers`), and `with_router_hold_notes` adds to a hold's Event and status
+message that the metric is the router's and how many router pods answered.
 
 Pure module.
 """
@@ -36,12 +37,15 @@ Pure module.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster.operator import names
+from pdcluster.operator.autoscale.planner import DecisionReason
 from pdcluster.operator.autoscale.samples import IN_FLIGHT, TTFT
+from pdcluster.operator.autoscale.step import AutoscaleStep
 from pdcluster.operator.builders.meta import HTTP_PORT
 from pdcluster.operator.builders.router import ROUTER_ROLE
 from pdcluster.operator.reconcile.cluster import Cluster
@@ -133,3 +137,28 @@ def status_patch_with_sources(
         if body is not None and body.get("autoscaling") is not None:
             body["autoscaling"] = {**body["autoscaling"], "source": source}
     return {"status": roles}
+
+
+_HOLDS = frozenset({DecisionReason.metric_missing.value, DecisionReason.metric_stale.value})
+
+
+def with_router_hold_notes(
+    cluster: Cluster, step: AutoscaleStep, answered: Mapping[Role, int]
+) -> AutoscaleStep:
+    """`step` with its MetricMissing/MetricStale messages of roles read from the router
+    naming the router's /metrics and the router pods that answered (`answered`)."""
+    events = list(step.events)
+    statuses = dict(step.statuses)
+    for role, status in step.statuses.items():
+        if status is None or status.reason not in _HOLDS or not is_read_from_router(cluster, role):
+            continue
+        note = f"; read from the router's /metrics: {answered.get(role, 0)} router pod(s) answered"
+        statuses[role] = status.model_copy(update={"message": (status.message + note)[:1024]})
+        prefix = f"{role.value}: "
+        events = [
+            replace(e, message=e.message + note)
+            if e.reason in _HOLDS and e.message.startswith(prefix)
+            else e
+            for e in events
+        ]
+    return replace(step, events=tuple(events), statuses=statuses)

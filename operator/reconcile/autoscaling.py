@@ -50,6 +50,7 @@ from pdcluster.operator.autoscale.router_metrics import (
     as_prefill_scrape,
     is_read_from_router,
     router_scrape_targets,
+    with_router_hold_notes,
 )
 from pdcluster.operator.autoscale.step import (
     AutoscaleHistory,
@@ -194,6 +195,8 @@ class Autoscaler:
         due = roles_due(cluster, history, now)
         scrapes = await self._scrape(cluster, pods, list(due)) if due else {}
         step = compute_autoscale_step(cluster, stored, scrapes, history, now)
+        answered = {role: len(by_pod) for role, by_pod in scrapes.items()}
+        step = with_router_hold_notes(cluster, step, answered)
         self.last_steps[key] = step
         for patch in step.patches:
             try:

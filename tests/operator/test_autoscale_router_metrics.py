@@ -13,6 +13,7 @@ from pdcluster.operator.autoscale.router_metrics import (
     as_prefill_scrape,
     is_read_from_router,
     router_scrape_targets,
+    with_router_hold_notes,
 )
 from pdcluster.operator.autoscale.samples import parse_worker_metrics
 from pdcluster.operator.autoscale.step import (
@@ -137,11 +138,32 @@ def test_a_router_body_without_the_histogram_holds_with_a_warning(body: str, rea
     assert reason in event.message
 
 
-def test_no_router_pod_answering_holds_with_a_warning() -> None:
+def test_no_router_pod_answering_holds_with_a_warning_that_says_so() -> None:
     history = step({"router-0": Router()}, AutoscaleHistory(), 0.0).history
-    held = step({}, history, INTERVAL)
+    held = with_router_hold_notes(make_cluster(spec()), step({}, history, INTERVAL), {P: 0})
+    status = held.statuses[P]
+    note = "; read from the router's /metrics: 0 router pod(s) answered"
+    assert status is not None and status.reason == "MetricMissing"
+    assert status.message.endswith(note)
+    (event,) = held.events
+    assert (event.type, event.reason) == ("Warning", "MetricMissing")
+    assert event.message.startswith("prefill: no ttftP90Seconds sample: holding")
+    assert event.message.endswith(note)
+
+
+def test_only_a_hold_of_a_role_read_from_the_router_gets_the_note() -> None:
+    router = Router()
+    first = step({"router-0": router}, AutoscaleHistory(), 0.0)
+    router.metrics.time_to_first_token.observe(4.0)
+    up = step({"router-0": router}, first.history, INTERVAL)
+    for decided in (first, up):  # FirstInterval, ScaleUp: no hold
+        assert with_router_hold_notes(make_cluster(spec()), decided, {P: 1}) == decided
+    queued = spec("queuedPrefillTokensPerInstance", 100)
+    cluster = make_cluster(queued)
+    status = PDClusterStatus(prefill=RoleStatus(desired=1, ready=1), decode=RoleStatus(ready=1))
+    held = compute_autoscale_step(cluster, status, {}, AutoscaleHistory(), 0.0)
     assert held.statuses[P] is not None and held.statuses[P].reason == "MetricMissing"
-    assert [e.reason for e in held.events] == ["MetricMissing"]
+    assert with_router_hold_notes(cluster, held, {P: 0}) == held  # the workers' metric
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,10 @@ come back; load above the TTFT target scales prefill 1 → 2 and back; a
 killed prefill makes decode fail its rooms in well under a second
 (heartbeats are set to 30 s, so only the operator's fast path can be that
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
-of the decode role's scaler); deleting the PDCluster removes everything. An
-invalid manifest (or one above the rank cap, or autoscaling beyond its GPU
-budget) is refused by the API; the operator refuses a foreign Secret
+of the decode role's scaler); a real HPA reads the decode scaler's /scale
+(the harness has no metrics API, so it cannot act); deleting the PDCluster
+removes everything. An invalid manifest (or one above the rank cap, or
+autoscaling beyond its GPU budget) is refused by the API; the operator refuses a foreign Secret
 reference, reports a quota that refuses its pods as ApplyFailed, and never
 applies over an object that replaced one of its own.
 """
@@ -309,7 +310,7 @@ def prefill_autoscaling(kube: KubeApi, ns: str) -> dict[str, Any]:
 def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
     demo: dict[str, Any], operator: Operator, kube: KubeApi, ns: str
 ) -> None:
-    """The built-in planner, end to end: the workers' own TTFT histogram over
+    """The built-in planner, end to end: the router's own TTFT histogram over
     target makes the operator raise prefill 1 -> 2 (ScaledUp, the role's scaler
     following, status.prefill.autoscaling filled); with the load gone it goes
     back to 1 after the scale-down window, through the drain, with no failed
@@ -339,7 +340,12 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
         )
         decided = prefill_autoscaling(kube, ns)
         assert decided["metric"] == "ttftP90Seconds" and decided["target"] == TTFT_TARGET_S
+        # Prefill's TTFT comes from the router's own /metrics (its end-to-end view).
+        assert decided["source"] == "router", decided
         assert isinstance(decided["lastValue"], float) and decided["lastDecisionTime"]
+        # The planner's windows, kept for an operator restart.
+        kept = [p["replicas"] for p in decided.get("recommendations") or []]
+        assert kept and set(kept) <= {1, 2}, decided
         wait_until(lambda: "ScaledUp" in events(kube, ns), 30, "the ScaledUp Event")
         message = events(kube, ns)["ScaledUp"]["message"]
         assert "ttftP90Seconds" in message and "1 -> 2" in message, message
@@ -503,6 +509,20 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
             one_pod(kube, ns, "prefill")["metadata"]["uid"] == prefill["metadata"]["uid"]
         ),
     )
+    # Ready again, but decode holds it dead until its heartbeat sees it answer (up to
+    # 30 s here): the router keeps it out meanwhile, so no request fails at decode.
+    router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+    answers: list[tuple[int, str]] = []
+
+    def served() -> bool:
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
+        resp = httpx.post(f"http://{router_ip}:8000/v1/completions", json=body, timeout=60)
+        answers.append((resp.status_code, resp.text[:200]))
+        return resp.status_code == 200
+
+    wait_until(served, 3 * HEARTBEAT_S, "a request through the router served", interval_s=0.5)
+    refused = [(code, text) for code, text in answers if code != 200]
+    assert all(code == 503 and "prefill" in text for code, text in refused), refused
 
 
 def test_kubectl_scale_sets_the_decode_replicas(
@@ -544,6 +564,84 @@ def test_kubectl_scale_sets_the_decode_replicas(
         60,
         "the decode scaler's /scale reporting 2 instances",
     )
+
+
+HPA_PATH = "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers"
+
+
+def hpa_condition(hpa: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for cond in ((hpa or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return {}
+
+
+def test_a_real_hpa_reads_the_decode_scalers_scale_and_waits_for_metrics(
+    demo: dict[str, Any], kube: KubeApi, ns: str
+) -> None:
+    """An `autoscaling/v2` HorizontalPodAutoscaler on the decode role's scaler,
+    run by the harness's real kube-controller-manager: it reads the scaler's
+    /scale (replicas and selector: AbleToScale True, SucceededGetScale) and,
+    with no metrics API in the harness, reports ScalingActive False
+    (FailedGetResourceMetric) and changes nothing."""
+    scaler_path = f"{SCALERS_PATH.format(ns=ns)}/{NAME}-decode"
+    wait_until(
+        lambda: bool(
+            ((kube.get(f"{scaler_path}/scale") or {}).get("status") or {}).get("selector")
+        ),
+        30,
+        "the decode scaler's /scale selector",
+    )
+    before = kube.get(scaler_path)
+    assert before is not None
+    replicas = before["spec"]["replicas"]
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": f"{NAME}-decode"},
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "pdcluster.io/v1alpha1",
+                "kind": "PDClusterRoleScaler",
+                "name": f"{NAME}-decode",
+            },
+            # The current replicas lie inside the bounds: only a metric could move them.
+            "minReplicas": 1,
+            "maxReplicas": max(3, replicas),
+            "metrics": [
+                {
+                    "type": "Resource",
+                    "resource": {
+                        "name": "cpu",
+                        "target": {"type": "Utilization", "averageUtilization": 50},
+                    },
+                }
+            ],
+        },
+    }
+    path = HPA_PATH.format(ns=ns)
+    kube.create(path, hpa)
+    try:
+        # The controller syncs an HPA every 15 s.
+        wait_until(
+            lambda: bool(hpa_condition(kube.get(f"{path}/{NAME}-decode"), "ScalingActive")),
+            90,
+            "the HPA controller's conditions",
+            interval_s=1.0,
+        )
+        seen = kube.get(f"{path}/{NAME}-decode")
+        able = hpa_condition(seen, "AbleToScale")
+        assert able.get("status") == "True" and able.get("reason") == "SucceededGetScale", seen
+        active = hpa_condition(seen, "ScalingActive")
+        assert active.get("status") == "False", seen
+        assert active.get("reason") == "FailedGetResourceMetric", seen
+        assert "metrics" in active.get("message", ""), seen
+        assert (seen or {})["status"]["currentReplicas"] == replicas
+        # Without a metric it decided nothing: the scaler and the role are untouched.
+        assert (kube.get(scaler_path) or {})["spec"]["replicas"] == replicas
+        assert (pdc(kube, ns) or {})["spec"]["decode"]["replicas"] == replicas
+    finally:
+        kube.delete(f"{path}/{NAME}-decode")
 
 
 def test_deleting_the_cluster_removes_everything(

@@ -122,6 +122,17 @@ class KVTransportStatus(_StatusModel):
         return self.rdma_requested and self.tcp_fallback
 
 
+# status.<role>.autoscaling.recommendations holds at most this many points (a few KiB).
+MAX_AUTOSCALING_RECOMMENDATIONS = 128
+
+
+class AutoscalingRecommendation(_StatusModel):
+    """One point of the planner's recommendation step function (`autoscale/planner.py`)."""
+
+    time: str = Field(description="RFC 3339 with milliseconds, when it was recommended")
+    replicas: int = Field(ge=0, description="the replicas recommended from then on")
+
+
 class RoleAutoscalingStatus(_StatusModel):
     """The built-in autoscaler's last decision for one role (`autoscale/step.py`)."""
 
@@ -138,6 +149,21 @@ class RoleAutoscalingStatus(_StatusModel):
     last_decision_time: str = Field(description="RFC 3339")
     last_scale_time: str | None = Field(
         default=None, description="RFC 3339, when the autoscaler last changed replicas"
+    )
+    source: str | None = Field(
+        default=None,
+        description=(
+            "where the metric is read: router (the router's /metrics: prefill ttftP90Seconds) "
+            "or workers (the Ready instances' /metrics)"
+        ),
+    )
+    recommendations: list[AutoscalingRecommendation] | None = Field(
+        default=None,
+        max_length=MAX_AUTOSCALING_RECOMMENDATIONS,
+        description=(
+            "the planner's stabilization windows (autoscale/persisted.py), restored when the "
+            "operator restarts; absent: the windows start afresh"
+        ),
     )
 
 

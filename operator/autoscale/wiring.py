@@ -1,6 +1,6 @@
 """What the per-cluster autoscaling loop reads and writes, decided from API objects.
 
-The loop (`autoscale/runner.py`) lists the cluster's pods and reads each
+The loop (`reconcile/autoscaling.py`) lists the cluster's pods and reads each
 role's scaler; the functions here turn those raw objects into what to do:
 
 - `scrape_targets(pods)`: per autoscaled role, the `/metrics` URL of each
@@ -16,6 +16,9 @@ role's scaler; the functions here turn those raw objects into what to do:
 - `stale_scalers(scalers, cluster_uid, roles)`: the cluster's scalers of
   roles it no longer has (a switch between PD and colocated), to delete.
 - `wait_seconds(step, now)`: how long the loop sleeps after a step.
+- `status_patch(cluster, step)`: the step's `status.<role>.autoscaling`
+  with the planner's windows (`persisted.py`) and where the metric was read
+  (`router_metrics.py`).
 
 Pure module.
 """
@@ -28,6 +31,13 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.api import RoleScalerStatus
+from pdcluster.operator.autoscale.persisted import status_patch_with_windows
+from pdcluster.operator.autoscale.router_metrics import (
+    SOURCE_ROUTER,
+    SOURCE_WORKERS,
+    is_read_from_router,
+    status_patch_with_sources,
+)
 from pdcluster.operator.autoscale.scaler_sync import ScalerSync, compute_scaler_sync
 from pdcluster.operator.autoscale.step import AutoscaleStep
 from pdcluster.operator.builders.meta import Manifest
@@ -167,3 +177,12 @@ def wait_seconds(step: AutoscaleStep | None, now: float) -> float:
     if step is None or step.next_due_at is None:
         return MAX_WAIT_S
     return min(MAX_WAIT_S, max(MIN_WAIT_S, step.next_due_at - now))
+
+
+def status_patch(cluster: Cluster, step: AutoscaleStep) -> dict[str, Any]:
+    """The merge patch of the status subresource that writes `step`'s decisions."""
+    sources = {
+        role: SOURCE_ROUTER if is_read_from_router(cluster, role) else SOURCE_WORKERS
+        for role in step.statuses
+    }
+    return status_patch_with_sources(status_patch_with_windows(step), sources)

@@ -15,6 +15,8 @@ operator keeps PDClusters free of finalizers.)
                       write the scaler's status (replicas, selector, synced);
                       delete the scalers of roles the cluster no longer has
     scrapes        <- GET /metrics of each autoscaled role's Ready leader pods
+                      (prefill ttftP90Seconds: of the Ready router pods,
+                      autoscale/router_metrics.py)
     step           <- compute_autoscale_step(...)  (pure: planner + samples)
     write          <- merge-patch spec.<role>.replicas (the path `kubectl
                       scale` takes, so the reconcile drains a removed
@@ -22,9 +24,12 @@ operator keeps PDClusters free of finalizers.)
 
 The planner's history is kept in memory per cluster and replaced only once
 every replicas patch succeeded (a failed write: the next pass starts from
-the old history). A pass that copied a scaler's replicas into the PDCluster
-decides nothing: the next one (at once) sees the new replicas. Nothing here
-raises into kopf: a failed API or HTTP call is logged and the pass retried.
+the old history). Its windows are also written to status.<role>.autoscaling
+(`autoscale/persisted.py`) and restored from there when the loop has no
+history for the cluster (an operator restart). A pass that copied a
+scaler's replicas into the PDCluster decides nothing: the next one (at
+once) sees the new replicas. Nothing here raises into kopf: a failed API or
+HTTP call is logged and the pass retried.
 """
 
 from __future__ import annotations
@@ -33,12 +38,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
 from pdcluster.operator import names
 from pdcluster.operator.api import SCALER_KIND, parse_status
+from pdcluster.operator.autoscale.persisted import restore_history
+from pdcluster.operator.autoscale.router_metrics import (
+    as_prefill_scrape,
+    is_read_from_router,
+    router_scrape_targets,
+    with_router_hold_notes,
+)
 from pdcluster.operator.autoscale.step import (
     AutoscaleHistory,
     AutoscaleStep,
@@ -53,6 +66,7 @@ from pdcluster.operator.autoscale.wiring import (
     plan_scaler,
     scrape_targets,
     stale_scalers,
+    status_patch,
     token_secret,
     wait_seconds,
 )
@@ -172,13 +186,17 @@ class Autoscaler:
         ):
             self.histories.pop(key, None)
             return wait_seconds(None, 0.0)
-        history = self.histories.get(key, AutoscaleHistory())
+        history = self.histories.get(key)
+        if history is None:  # a start: the windows the last operator wrote
+            history = restore_history(stored)
         # One `now` for "which roles are due" and the step, so a role that
         # turns due while the others are scraped is not decided without scrapes.
         now = self._clock()
         due = roles_due(cluster, history, now)
-        scrapes = await self._scrape(namespace, pods, name, list(due)) if due else {}
+        scrapes = await self._scrape(cluster, pods, list(due)) if due else {}
         step = compute_autoscale_step(cluster, stored, scrapes, history, now)
+        answered = {role: len(by_pod) for role, by_pod in scrapes.items()}
+        step = with_router_hold_notes(cluster, step, answered)
         self.last_steps[key] = step
         for patch in step.patches:
             try:
@@ -191,7 +209,7 @@ class Autoscaler:
             await self.recorder.record(cluster.ref, event.type, event.reason, event.message)
         if step.statuses:
             try:
-                await self.client.patch_status(namespace, name, step.status_patch())
+                await self.client.patch_status(namespace, name, status_patch(cluster, step))
             except ApiError as err:
                 if not err.is_not_found:
                     log.warning("%s/%s: could not write the autoscaling status: %s", *key, err)
@@ -244,10 +262,15 @@ class Autoscaler:
         return changed
 
     async def _scrape(
-        self, namespace: str, pods: list[dict[str, Any]], cluster: str, roles: list[Role]
+        self, cluster: Cluster, pods: list[dict[str, Any]], roles: list[Role]
     ) -> dict[Role, dict[str, PodScrape]]:
-        targets = scrape_targets(pods, cluster, roles)
-        token = await self.token_for(namespace, token_secret(pods, cluster))
+        """Per role, the /metrics of its Ready leader pods, or of the router's Ready pods
+        for a target read from the router (`router_metrics.py`)."""
+        from_router = [r for r in roles if is_read_from_router(cluster, r)]
+        targets = scrape_targets(pods, cluster.name, [r for r in roles if r not in from_router])
+        routers = router_scrape_targets(pods, cluster.name)
+        targets.update({role: dict(routers) for role in from_router})
+        token = await self.token_for(cluster.namespace, token_secret(pods, cluster.name))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
         async def fetch(url: str) -> PodScrape | None:
@@ -265,7 +288,10 @@ class Autoscaler:
         for role, by_pod in targets.items():
             pairs = list(by_pod.items())
             results = await asyncio.gather(*(fetch(url) for _, url in pairs))
-            out[role] = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
+            found = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
+            if role in from_router:
+                found = {p: replace(s, text=as_prefill_scrape(s.text)) for p, s in found.items()}
+            out[role] = found
         return out
 
 

@@ -5,17 +5,35 @@ A probe of a worker without server info first reads ``/get_server_info``
 decides what the result means. Probes of one round run concurrently and a
 round ends before the next starts, so a worker never has two probes in
 flight.
+
+A prefill probe also reads the live decodes' ``peers_down`` (one
+``/get_server_info`` per decode per round): a prefill that a decode still
+holds down for a loss the operator reported stays out of the pool even
+though it answers. This closes the window where a prefill pod declared lost
+by the operator's fast path is Ready again before the decode's heartbeat
+has seen it answer: a request routed to it then would fail at the decode
+with ``prefill_pod_lost``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import httpx
 
-from pdcluster.runtime.router.workers import ServerInfo, Worker, WorkerPool, parse_server_info
+from pdcluster.runtime.router.workers import (
+    ServerInfo,
+    Worker,
+    WorkerPool,
+    held_down_by,
+    parse_peers_down,
+    parse_server_info,
+)
+from pdcluster.runtime.spec import Role
+
+PeersDown = Mapping[str, Mapping[str, str]]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +64,21 @@ class HealthChecker:
             raise ValueError("/get_server_info did not answer JSON") from None
         return parse_server_info(payload, worker.role)
 
-    async def probe(self, worker: Worker) -> None:
+    async def _fetch_peers_down(self, decode: Worker) -> dict[str, str]:
+        try:
+            resp = await self.client.get(f"{decode.url}/get_server_info", timeout=self.timeout_s)
+            return parse_peers_down(resp.json()) if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return {}  # a decode that does not answer holds no verdict worth waiting for
+
+    async def peers_down(self) -> dict[str, dict[str, str]]:
+        """Each healthy decode's ``peers_down``, by decode URL."""
+        decodes = self.pool.healthy(Role.decode)
+        found = await asyncio.gather(*(self._fetch_peers_down(d) for d in decodes))
+        return {d.url: down for d, down in zip(decodes, found, strict=True) if down}
+
+    async def probe(self, worker: Worker, peers_down: PeersDown | None = None) -> None:
+        """Probe one worker; a prefill is checked against `peers_down` (None: read it now)."""
         try:
             info = None if worker.has_info else await self._fetch_info(worker)
             resp = await self.client.get(f"{worker.url}/health", timeout=self.timeout_s)
@@ -58,6 +90,18 @@ class HealthChecker:
                 log.warning("worker %s (%s) left the pool: %s", worker.url, worker.role, reason)
                 self._notify(worker, False)
             return
+        if worker.role is Role.prefill:
+            if peers_down is None:
+                peers_down = await self.peers_down()
+            if info is not None:
+                self.pool.apply_info(worker, info)  # the bootstrap address decodes know it by
+                info = None
+            held = held_down_by(worker, peers_down)
+            if held is not None:
+                if self.pool.record_peer_down(worker, held):
+                    log.warning("worker %s (prefill) left the pool: %s", worker.url, held)
+                    self._notify(worker, False)
+                return
         if self.pool.record_probe_success(worker, info):
             log.info("worker %s (%s) joined the pool", worker.url, worker.role)
             self._notify(worker, True)
@@ -68,8 +112,11 @@ class HealthChecker:
 
     async def probe_all(self) -> None:
         workers = self.pool.all()
-        if workers:
-            await asyncio.gather(*(self.probe(w) for w in workers))
+        if not workers:
+            return
+        has_prefill = any(w.role is Role.prefill for w in workers)
+        down = await self.peers_down() if has_prefill else {}
+        await asyncio.gather(*(self.probe(w, down) for w in workers))
 
     async def run(self) -> None:
         while True:

@@ -55,6 +55,12 @@ class RouterMetrics:
             "Time from request to the end of the response (streams included)",
             "route",
         )
+        # The operator's autoscaler reads it (operator/autoscale/router_metrics.py).
+        self.time_to_first_token = m.histogram(
+            "time_to_first_token_seconds",
+            "PD requests: from the leg plan to the prefill leg's answer (the prefill computes "
+            "the first token), as the router sees it",
+        )
         self.leg_failures = m.counter(
             "leg_failures_total", "Worker legs that failed, by role and reason", "role", "reason"
         )

@@ -166,7 +166,8 @@ class Relay:
     def __init__(self, ctx: RelayContext, plan: LegPlan) -> None:
         self.ctx = ctx
         self.plan = plan
-        self.deadline = asyncio.get_running_loop().time() + ctx.config.request_timeout_s
+        self.planned_at = asyncio.get_running_loop().time()
+        self.deadline = self.planned_at + ctx.config.request_timeout_s
         self._prefill_task: asyncio.Task[None] | None = None
         self._main_resp: httpx.Response | None = None
         self._phase = RelayPhase.planned
@@ -275,6 +276,8 @@ class Relay:
             ) from err
         finally:
             self.ctx.pool.release(worker)
+        took = asyncio.get_running_loop().time() - self.planned_at
+        self.ctx.metrics.time_to_first_token.observe(took)
         stage_trace.mark(self.plan.room, "router.prefill_done")
 
     def _prefill_finished(self, task: asyncio.Task[None]) -> None:

@@ -10,6 +10,13 @@ Invariants:
   it back;
 - a worker held out (``hold_out``: its supervisor saw it die and restarts
   it) is not a candidate, whatever its probes say, until ``let_in``;
+- a prefill that a live decode reports in its ``peers_down`` for a loss the
+  operator reported (the decode refuses new rooms on it at once until its
+  heartbeat sees it answer) is not a candidate while the report stands
+  (``held_down_by``, ``record_peer_down``), whatever its own probes say: a
+  request routed to it would fail at the decode. The decode's own heartbeat
+  verdict (``prefill_unreachable``) does not keep it out: under it the
+  decode holds a new room for one probe and serves it if the prefill answers;
 - ``outstanding`` counts legs in flight and never goes negative; a worker
   removed by discovery while legs are in flight keeps its counter on the
   object those legs hold, so a late release cannot touch a newer worker
@@ -206,10 +213,7 @@ class WorkerPool:
     def record_probe_success(self, worker: Worker, info: ServerInfo | None) -> bool:
         """Apply a good probe; return True when the worker just became healthy."""
         if info is not None:
-            worker.bootstrap_port = info.bootstrap_port
-            worker.dp_size = info.dp_size
-            worker.has_info = True
-            worker.next_dp_rank %= info.dp_size
+            self.apply_info(worker, info)
         worker.consecutive_failures = 0
         if not worker.has_info or worker.held:
             return False
@@ -230,6 +234,23 @@ class WorkerPool:
         if not worker.healthy:
             worker.has_info = False
         return False
+
+    @staticmethod
+    def apply_info(worker: Worker, info: ServerInfo) -> None:
+        worker.bootstrap_port = info.bootstrap_port
+        worker.dp_size = info.dp_size
+        worker.has_info = True
+        worker.next_dp_rank %= info.dp_size
+
+    @staticmethod
+    def record_peer_down(worker: Worker, reason: str) -> bool:
+        """A good probe of a prefill that a decode refuses rooms on now: not a
+        candidate until a probe finds the report gone. Returns True when it was one."""
+        worker.consecutive_failures = 0
+        worker.last_error = reason
+        was_healthy = worker.healthy
+        worker.healthy = False
+        return was_healthy
 
     def mark_unreachable(self, worker: Worker, reason: str) -> bool:
         """A leg could not reach the worker: drop it now, probes bring it back."""
@@ -260,3 +281,46 @@ class WorkerPool:
         if worker.outstanding <= 0:
             raise RuntimeError(f"release without acquire on {worker.url}")
         worker.outstanding -= 1
+
+
+# The decode heartbeat's own verdict: a new room waits for one probe instead of failing.
+HEARTBEAT_VERDICT = "prefill_unreachable"
+
+
+def bootstrap_address(worker: Worker) -> str | None:
+    """How decodes name this prefill in ``peers_down``: ``host:bootstrap_port``."""
+    if worker.role is not Role.prefill or worker.bootstrap_port is None:
+        return None
+    host = worker.host
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{worker.bootstrap_port}"
+
+
+def parse_peers_down(info: Any) -> dict[str, str]:
+    """A decode's ``/get_server_info`` ``peers_down`` (peer -> reason); {} when absent or malformed.
+
+    A decode that reports nothing readable holds no verdict worth keeping a
+    prefill out for (local mode's supervisor reads it the same way).
+    """
+    down = info.get("peers_down") if isinstance(info, Mapping) else None
+    if not isinstance(down, Mapping):
+        return {}
+    return {str(p): str(r) for p, r in down.items() if isinstance(p, str)}
+
+
+def held_down_by(worker: Worker, peers_down: Mapping[str, Mapping[str, str]]) -> str | None:
+    """Why a decode refuses rooms on this prefill now, or None (see the invariants).
+
+    ``peers_down``: decode URL -> that decode's ``peers_down``. A report names
+    the prefill by its bootstrap address, or by its bare host (every
+    instance on that host).
+    """
+    address = bootstrap_address(worker)
+    if address is None:
+        return None
+    bare = address.rsplit(":", 1)[0]
+    for decode_url in sorted(peers_down):
+        for peer, reason in sorted(peers_down[decode_url].items()):
+            if peer in (address, bare) and reason != HEARTBEAT_VERDICT:
+                return f"decode {decode_url} holds it down ({reason})"
+    return None

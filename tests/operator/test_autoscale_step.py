@@ -4,6 +4,7 @@ replicas patches, Events and status.<role>.autoscaling out."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -41,7 +42,13 @@ class Trace:
     """A PDCluster whose instances are real WorkerMetrics; each step scrapes their text,
     runs the step, and applies its patches (a new instance is Ready at the next step)."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        patch_of: Callable[[AutoscaleStep], dict[str, Any]] | None = None,
+    ) -> None:
+        # How the loop turns a step into its status write.
+        self.patch_of = patch_of or AutoscaleStep.status_patch
         self.spec = copy.deepcopy(spec)
         self.history = AutoscaleHistory()
         self.status = PDClusterStatus()
@@ -79,7 +86,7 @@ class Trace:
         self.history = out.history
         # The status as the apiserver would store it after the merge patch.
         wire = stored.to_wire()
-        for role, body in out.status_patch()["status"].items():
+        for role, body in self.patch_of(out)["status"].items():
             wire[role]["autoscaling"] = body["autoscaling"]
         self.status = parse_status(wire)
         for role in (P, D):

@@ -58,6 +58,8 @@ class Behaviour:
     solo: bool = False
     # Delay before /get_server_info answers (a pod that just started).
     info_delay_s: float = 0.0
+    # A decode's `peers_down` in /get_server_info (prefills it refuses rooms on).
+    peers_down: dict[str, str] | None = None
 
     def set(self, **knobs: object) -> None:
         """Turn several knobs at once; a name that is no knob raises and turns none."""
@@ -333,6 +335,8 @@ class StandinWorker:
             }
             if self.role == "prefill":
                 info["bootstrap_port"] = self.bootstrap_port
+            if self.role == "decode":
+                info["peers_down"] = dict(self.behaviour.peers_down or {})
             return info
 
         @app.get("/get_model_info")

@@ -302,3 +302,54 @@ def test_the_admin_api_is_off_without_a_cluster_token(loop: LoopThread) -> None:
         resp = http.post("/admin/hold_worker", json={"url": url})
         assert resp.status_code == 403 and "no cluster token" in resp.text
         assert url in healthy_urls(cluster)
+
+
+def test_a_prefill_a_decode_holds_down_gets_no_request_until_the_decode_sees_it_again(
+    loop: LoopThread,
+) -> None:
+    """A prefill pod declared lost and Ready again before the decode saw it answer:
+    the decode would fail its rooms (`prefill_pod_lost`), so the router keeps it out."""
+    settings: dict[str, Any] = {"health_check_interval_s": 0.05}
+    with start_cluster(loop, prefill=2, **settings) as cluster, cluster.client() as http:
+        lost, other = cluster.prefill
+        decode = cluster.decode[0]
+        wait_until(lambda: {lost.url, other.url} <= healthy_urls(cluster))
+        decode.behaviour.peers_down = {f"127.0.0.1:{lost.bootstrap_port}": "prefill_pod_lost"}
+        wait_until(lambda: lost.url not in healthy_urls(cluster))
+        workers = {w["url"]: w for w in http.get("/health").json()["workers"]}
+        assert workers[lost.url]["last_error"] == (
+            f"decode {decode.url} holds it down (prefill_pod_lost)"
+        )
+        for _ in range(4):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.prefill) == [0, 4]
+        # The decode's heartbeat saw it answer: it serves again.
+        decode.behaviour.peers_down = {}
+        wait_until(lambda: lost.url in healthy_urls(cluster))
+        for _ in range(4):
+            assert http.post("/generate", json={"text": "a"}).status_code == 200
+        assert served_by(cluster.prefill)[0] > 0
+
+
+def test_the_probe_of_a_prefill_discovery_just_added_reads_the_decodes_peers_down(
+    loop: LoopThread,
+) -> None:
+    """The probe spawned for a new pod (outside a round) asks the decodes itself;
+    a report naming the bare host holds every prefill on it."""
+
+    def prepare(cluster: Cluster) -> None:
+        bootstrap = cluster.prefill[0].bootstrap_port
+        cluster.decode[0].behaviour.peers_down = {"127.0.0.1": f"prefill_pod_lost:{bootstrap}"}
+
+    with start_cluster(loop, prepare=prepare, health_check_interval_s=60.0) as cluster:
+        prefill, decode = cluster.prefill[0], cluster.decode[0]
+        state = cluster.state
+        assert state.checker is not None
+        # At startup no decode was healthy yet when the prefill was checked.
+        wait_until(lambda: decode.url in healthy_urls(cluster))
+        loop.run(state.checker.probe(state.pool.get(prefill.url)))  # type: ignore[arg-type]
+        assert prefill.url not in healthy_urls(cluster)
+        with cluster.client() as http:
+            resp = http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        assert resp.status_code == 503, resp.text
+        assert not prefill.received and not decode.received

@@ -133,3 +133,18 @@ def test_metrics_count_requests_latency_and_worker_state(cluster: Cluster) -> No
             f'pdcluster_router_worker_outstanding{{role="{role}",worker="{worker.url}"}} 0.0'
             in text
         )
+
+
+def test_the_time_to_first_token_histogram_covers_the_prefill_leg(cluster: Cluster) -> None:
+    """What the operator's autoscaler reads from the router: every PD request's time
+    from its leg plan to the prefill's answer, which includes the prefill's own time."""
+    cluster.prefill[0].behaviour.start_delay_s = 0.3
+    with cluster.client() as http:
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "a"}).is_success
+        body = {"model": "tiny", "prompt": "a", "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            resp.read()
+        text = http.get("/metrics").text
+    assert "pdcluster_router_time_to_first_token_seconds_count 2.0" in text
+    assert 'pdcluster_router_time_to_first_token_seconds_bucket{le="0.25"} 0.0' in text

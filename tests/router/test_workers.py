@@ -11,7 +11,10 @@ from pdcluster.runtime.router.workers import (
     Worker,
     WorkerPool,
     WorkerTarget,
+    bootstrap_address,
+    held_down_by,
     normalize_url,
+    parse_peers_down,
     parse_server_info,
 )
 from pdcluster.runtime.spec import Role
@@ -181,3 +184,75 @@ def test_dp_ranks_rotate_over_every_group(dp: int, draws: int) -> None:
 def test_worker_pool_rejects_a_zero_threshold() -> None:
     with pytest.raises(ValueError, match="failure_threshold"):
         WorkerPool(failure_threshold=0)
+
+
+PREFILL = Worker(url="http://10.0.0.5:8000", role=P, bootstrap_port=8998, has_info=True)
+
+
+@pytest.mark.parametrize(
+    ("peers_down", "expected"),
+    [
+        ({}, None),
+        ({"http://d:8000": {}}, None),
+        ({"http://d:8000": {"10.0.0.6:8998": "prefill_pod_lost"}}, None),  # another pod
+        ({"http://d:8000": {"10.0.0.5:9000": "prefill_pod_lost"}}, None),  # another instance
+        (
+            {"http://d:8000": {"10.0.0.5:8998": "prefill_pod_lost"}},
+            "decode http://d:8000 holds it down (prefill_pod_lost)",
+        ),
+        (
+            {"http://d:8000": {"10.0.0.5": "prefill_pod_removed"}},
+            "decode http://d:8000 holds it down (prefill_pod_removed)",
+        ),
+        # The decode's heartbeat verdict: it probes the prefill for a new room itself.
+        ({"http://d:8000": {"10.0.0.5:8998": "prefill_unreachable"}}, None),
+        (
+            {"http://b:8000": {"10.0.0.5:8998": "b"}, "http://a:8000": {"10.0.0.5:8998": "a"}},
+            "decode http://a:8000 holds it down (a)",
+        ),
+    ],
+)
+def test_a_prefill_is_held_down_by_a_decode_naming_its_address_or_host(
+    peers_down: dict[str, dict[str, str]], expected: str | None
+) -> None:
+    assert held_down_by(PREFILL, peers_down) == expected
+
+
+def test_only_a_prefill_with_a_bootstrap_port_has_an_address_decodes_know() -> None:
+    assert bootstrap_address(PREFILL) == "10.0.0.5:8998"
+    assert bootstrap_address(Worker(url="http://[::1]:8000", role=P, bootstrap_port=1)) == "[::1]:1"
+    assert bootstrap_address(Worker(url="http://10.0.0.5:8000", role=P)) is None
+    decode = Worker(url="http://10.0.0.5:8000", role=D, bootstrap_port=8998)
+    assert bootstrap_address(decode) is None
+    assert held_down_by(decode, {"http://d:8000": {"10.0.0.5:8998": "x"}}) is None
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"),
+    [
+        (
+            {"peers_down": {"10.0.0.5:8998": "prefill_pod_lost"}},
+            {"10.0.0.5:8998": "prefill_pod_lost"},
+        ),
+        ({}, {}),
+        ({"peers_down": None}, {}),
+        ({"peers_down": ["10.0.0.5:8998"]}, {}),
+        ([], {}),
+        ("peers", {}),
+    ],
+)
+def test_peers_down_reads_only_a_mapping(info: Any, expected: dict[str, str]) -> None:
+    assert parse_peers_down(info) == expected
+
+
+def test_a_held_down_prefill_leaves_the_pool_once_and_comes_back_on_a_good_probe() -> None:
+    pool = WorkerPool(failure_threshold=3)
+    pool.sync([WorkerTarget(url=PREFILL.url, role=P)])
+    worker = pool.get(PREFILL.url)
+    assert worker is not None
+    assert pool.record_probe_success(worker, ServerInfo(bootstrap_port=8998, dp_size=1))
+    assert pool.record_peer_down(worker, "held") is True
+    assert pool.record_peer_down(worker, "held") is False
+    assert not worker.healthy and worker.has_info and worker.last_error == "held"
+    assert pool.healthy(P) == []
+    assert pool.record_probe_success(worker, None) is True

@@ -127,9 +127,11 @@ class RouterState:
     def __init__(self, config: RouterConfig, rng: RandomSource) -> None:
         self.config = config
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
-        self.metrics = RouterMetrics(self.pool.all)
         # Page keys each worker has cached, for cache_aware (`prefix_index.py`).
         self.prefix_index = PrefixIndex()
+        self.metrics = RouterMetrics(
+            self.pool.all, self._indexed_pages if config.cache_aware_roles else None
+        )
         self.follower: PrefixFollower | None = None
         self.leg_planner = LegPlanner(
             pool=self.pool,
@@ -162,6 +164,10 @@ class RouterState:
             return prompt_tokens(request, tokenizer)
 
         return read
+
+    def _indexed_pages(self, url: str) -> int | None:
+        replica = self.prefix_index.replica(url)
+        return None if replica is None else len(replica.keys)
 
     def _follow_workers(self) -> None:
         if self.follower is not None:

@@ -114,7 +114,7 @@ def counters(client: httpx.Client, cluster: LocalCluster) -> dict[str, float]:
         text = client.get(f"{proc.url}/metrics").text
         out["hit"] += _sum_metric(text, "pdcluster_prefix_cache_hit_tokens_total")
         out["lookup"] += _sum_metric(text, "pdcluster_prefix_cache_lookup_tokens_total")
-        out["bytes"] += _sum_metric(text, "pdcluster_transfer_bytes_total", 'direction="sent"')
+        out["bytes"] += _sum_metric(text, "pdcluster_transfer_bytes_total", 'direction="out"')
     return out
 
 

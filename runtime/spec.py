@@ -130,6 +130,8 @@ class SelectionPolicy(enum.StrEnum):
     round_robin = "round_robin"
     least_outstanding = "least_outstanding"
     random = "random"
+    # Prefill (or colocated) only: the worker holding the longest cached prefix.
+    cache_aware = "cache_aware"
 
 
 class ModelSpec(_Model):
@@ -439,7 +441,18 @@ class RoleSpec(_Model):
 
 class RouterPolicySpec(_Model):
     prefill: SelectionPolicy = SelectionPolicy.round_robin
+    # Also the policy of a colocated cluster's workers.
     decode: SelectionPolicy = SelectionPolicy.round_robin
+    max_load_gap: int = Field(
+        default=4,
+        ge=0,
+        le=4096,
+        description=(
+            "cache_aware: the worker with the longest cached prefix is chosen only while its "
+            "legs in flight exceed the least-loaded candidate's by at most this many; "
+            "beyond it the request goes by least_outstanding"
+        ),
+    )
 
 
 class RouterServiceSpec(_Model):
@@ -505,6 +518,11 @@ class PDClusterSpec(_Model):
                     f"decode.topology.pp must be 1 or equal prefill.topology.pp ({p.pp}), "
                     f"got {d.pp}"
                 )
+        if disaggregated and self.router.policy.decode is SelectionPolicy.cache_aware:
+            raise ValueError(
+                "router.policy.decode: cache_aware routes prefill (or colocated) workers; "
+                "decode does not reuse cached prefixes yet"
+            )
         self._check_autoscaling()
         return self
 

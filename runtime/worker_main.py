@@ -229,6 +229,7 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
             settings, service, agent, metrics, dp_rank
         )
         servers.extend(extra_servers)
+    extra_routes = _with_prefix_feed(engine, cfg, tokenizer, settings, extra_routes)
     auth = settings.manifest.spec.auth  # workerApi: open lets a keyless PD router in
     app = create_worker_app(
         backend,
@@ -248,6 +249,39 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
         if agent is not None:
             agent.close()
         engine.shutdown()
+
+
+def _with_prefix_feed(
+    engine: Any, cfg: Any, tokenizer: Any, settings: WorkerSettings, routes: Any
+) -> Any:
+    """With the prefix cache on (and one dp group: routers reach only this
+    process), publish its page keys at /prefix_cache/* (`server/prefix_feed.py`)."""
+    from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
+
+    allocator = getattr(engine, "allocator", None)
+    if not isinstance(allocator, CachingPageAllocator) or settings.role_spec.topology.dp != 1:
+        return routes
+    import secrets
+
+    from pdcluster.runtime.prefix_events import KeyEventLog
+    from pdcluster.runtime.server.prefix_feed import PrefixFeed, add_prefix_feed_routes
+
+    feed = PrefixFeed(
+        KeyEventLog(
+            secrets.token_hex(8),
+            salt=cfg.prefix_cache_salt(engine.model_config),
+            page_size=cfg.page_size,
+            tokenizer=tokenizer.fingerprint,
+        )
+    )
+    allocator.subscribe(feed.record)
+
+    def add(app: Any) -> None:
+        if routes is not None:
+            routes(app)
+        add_prefix_feed_routes(app, feed)
+
+    return add
 
 
 async def _serve_all(servers: list[uvicorn.Server]) -> None:

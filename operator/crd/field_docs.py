@@ -115,8 +115,13 @@ FIELD_DOCS: dict[str, str] = {
     "router": "The OpenAI-compatible router in front of the workers.",
     "router.replicas": "Router pods.",
     "router.policy": "How the router picks a worker of each role.",
-    "router.policy.prefill": "Prefill selection policy.",
-    "router.policy.decode": "Decode selection policy.",
+    "router.policy.prefill": "Prefill selection policy; cache_aware sends a request to the "
+    "prefill holding the longest cached prefix of its prompt (needs engine.prefixCache).",
+    "router.policy.decode": "Decode selection policy (also a colocated cluster's; cache_aware "
+    "only there).",
+    "router.policy.maxLoadGap": "cache_aware: legs in flight by which the worker with the "
+    "longest cached prefix may exceed the least-loaded candidate; beyond it, "
+    "least_outstanding picks.",
     "router.service": "The Service that exposes the router.",
     "router.service.type": "Service type of the router.",
     "router.service.port": "Service port of the router (the pods listen on 8000).",

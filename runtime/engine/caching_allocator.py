@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 
 from pdcluster.runtime.engine.page_allocator import OutOfPages, PageAllocator, PageAllocatorError
 from pdcluster.runtime.engine.prefix_cache import (
+    KeysListener,
     PageKey,
     PrefixCache,
     PrefixCacheError,
@@ -180,6 +181,11 @@ class CachingPageAllocator(PageAllocator):
             self._allocated[page] = 0
             heapq.heappush(self._free_heap, page)
         return pages
+
+    def subscribe(self, listener: KeysListener) -> None:
+        """Hear every change of the cache's key set (nothing when disabled)."""
+        if self._cache is not None:
+            self._cache.subscribe(listener)
 
     def refcount(self, page: int) -> int:
         """References held on a cached page (0: evictable)."""

@@ -23,24 +23,31 @@ Invariants:
   changes nothing (same as the page allocator);
 - the LRU queue is in the order pages became unreferenced; one ``release``
   queues its pages last page first, so a chain's tail is evicted before its
-  head (a head evicted first would strand its tail, unreachable by ``match``).
+  head (a head evicted first would strand its tail, unreachable by ``match``);
+- a subscribed listener hears every change of the key set (keys adopted by
+  ``insert``, keys removed by ``evict``), once, after it is made and in the
+  order made, so a copy of the key set built from what it heard is exact.
+
+The key scheme itself lives in `pdcluster.runtime.prefix_keys`, shared with
+the router's index.
 
 Pure module: no I/O, no torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NewType
+from typing import NamedTuple
 
+from pdcluster.runtime import prefix_keys
 from pdcluster.runtime.engine.page_allocator import PageAllocatorError
+from pdcluster.runtime.prefix_keys import KEY_BYTES, PageKey, PageKeyError
 
 __all__ = [
     "KEY_BYTES",
+    "KeysListener",
     "PageKey",
     "PrefixCache",
     "PrefixCacheError",
@@ -50,12 +57,9 @@ __all__ = [
     "root_key",
 ]
 
-KEY_BYTES = 16  # 128 bits: a wrong match takes a hash collision
-_PERSON_ROOT = b"pdcluster.root"
-_PERSON_PAGE = b"pdcluster.page"
-_MAX_TOKEN_ID = 2**32 - 1  # token ids hash as 4-byte little-endian words
-
-PageKey = NewType("PageKey", bytes)
+# Told ``(stored, keys)`` after the index gained (True) or lost (False) keys;
+# a worker publishes these to the router (`prefix_events.py`).
+KeysListener = Callable[[bool, Sequence[PageKey]], None]
 
 
 class PrefixCacheError(PageAllocatorError):
@@ -64,45 +68,33 @@ class PrefixCacheError(PageAllocatorError):
 
 def root_key(salt: bytes) -> PageKey:
     """The parent key of a prompt's first page, for caches with this salt."""
-    if not isinstance(salt, bytes):
-        raise PrefixCacheError(f"salt must be bytes, got {type(salt).__name__}")
-    digest = hashlib.blake2b(salt, digest_size=KEY_BYTES, person=_PERSON_ROOT).digest()
-    return PageKey(digest)
+    try:
+        return prefix_keys.root_key(salt)
+    except PageKeyError as err:
+        raise PrefixCacheError(str(err)) from None
 
 
 def chain_page_keys(token_ids: Sequence[int], page_size: int, parent: PageKey) -> list[PageKey]:
-    """Keys of the full pages of ``token_ids``, chained from ``parent``.
-
-    ``parent`` is ``root_key(salt)`` for a prompt's first page, or the key of
-    the page before ``token_ids[0]`` to continue a chain. Trailing tokens that
-    do not fill a page get no key.
-    """
-    _check_page_size(page_size)
-    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
-        raise PrefixCacheError(f"parent must be a {KEY_BYTES}-byte key, got {parent!r}")
-    keys: list[PageKey] = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        parent = _page_key(parent, token_ids[start : start + page_size])
-        keys.append(parent)
-    return keys
+    """Keys of the full pages of ``token_ids``, chained from ``parent``
+    (`prefix_keys.chain_page_keys`, the scheme the router shares)."""
+    try:
+        return prefix_keys.chain_page_keys(token_ids, page_size, parent)
+    except PageKeyError as err:
+        raise PrefixCacheError(str(err)) from None
 
 
 def _page_key(parent: bytes, page_tokens: Sequence[int]) -> PageKey:
     try:
-        payload = struct.pack(f"<{len(page_tokens)}I", *page_tokens)
-    except struct.error as exc:
-        raise PrefixCacheError(
-            f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}"
-        ) from None
-    # The parent has a fixed width, so parent + payload is unambiguous.
-    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=_PERSON_PAGE)
-    h.update(payload)
-    return PageKey(h.digest())
+        return prefix_keys.page_key(parent, page_tokens)
+    except PageKeyError as err:
+        raise PrefixCacheError(str(err)) from None
 
 
 def _check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise PrefixCacheError(f"page_size must be a positive integer, got {page_size!r}")
+    try:
+        prefix_keys.check_page_size(page_size)
+    except PageKeyError as err:
+        raise PrefixCacheError(str(err)) from None
 
 
 class PrefixMatch(NamedTuple):
@@ -137,6 +129,7 @@ class PrefixCache:
         # Unreferenced cached pages, least recently released first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._hits = self._misses = self._inserted = self._evicted = 0
+        self._listeners: list[KeysListener] = []
 
     # ---- queries --------------------------------------------------------
 
@@ -202,6 +195,15 @@ class PrefixCache:
             evictable_pages=len(self._lru),
         )
 
+    def subscribe(self, listener: KeysListener) -> None:
+        """Call ``listener`` after every change of the key set (not of counts)."""
+        self._listeners.append(listener)
+
+    def _tell(self, stored: bool, keys: Sequence[PageKey]) -> None:
+        if keys:
+            for listener in self._listeners:
+                listener(stored, keys)
+
     # ---- changes --------------------------------------------------------
 
     def insert(self, keys: Sequence[PageKey], pages: Sequence[int]) -> tuple[int, ...]:
@@ -235,6 +237,7 @@ class PrefixCache:
             self._key_of[page] = key
             self._refs[page] = 1
         self._inserted += len(adopt)
+        self._tell(True, [key for key, _ in adopt])
         return tuple(page for _, page in adopt)
 
     def acquire(self, pages: Iterable[int]) -> None:
@@ -266,12 +269,16 @@ class PrefixCache:
                 f"asked to evict {n} pages but only {len(self._lru)} are unreferenced"
             )
         evicted = []
+        gone: list[PageKey] = []
         for _ in range(n):
             page, _ = self._lru.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)]
+            key = self._key_of.pop(page)
+            del self._page_of[key]
             del self._refs[page]
             evicted.append(page)
+            gone.append(key)
         self._evicted += n
+        self._tell(False, gone)
         return evicted
 
     def _checked_batch(self, pages: Iterable[int]) -> list[int]:

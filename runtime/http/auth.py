@@ -2,7 +2,8 @@
 
 The worker data plane (`/generate`, `/abort_request`, `/v1/*`) and the
 detailed server info (`/get_server_info`, `/server_info`: ZMQ endpoints,
-peer addresses, counters) need `Authorization: Bearer <cluster token>`;
+peer addresses, counters) and the prefix-cache feed (`/prefix_cache/*`, what
+the worker has cached) need `Authorization: Bearer <cluster token>`;
 `/health`, `/health_generate`, `/model_info`, `/get_model_info` and
 `/metrics` stay open and name no peer addresses. `/admin/*` checks the token
 in its own handlers. A manifest may open the data plane for a PD router that
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 DATA_PLANE_PATHS = ("/generate", "/abort_request")
 DATA_PLANE_PREFIXES = ("/v1/",)
 INFO_PATHS = ("/get_server_info", "/server_info")
+INFO_PREFIXES = ("/prefix_cache/",)
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ def is_data_plane(path: str) -> bool:
 
 def is_guarded(path: str, *, data_plane_open: bool) -> bool:
     """Whether `path` needs the cluster token on a worker."""
-    if path in INFO_PATHS:
+    if path in INFO_PATHS or path.startswith(INFO_PREFIXES):
         return True
     return is_data_plane(path) and not data_plane_open
 

@@ -52,6 +52,9 @@ from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.policies import make_policy
+from pdcluster.runtime.router.prefix_feed import PrefixFollower
+from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
+from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
 from pdcluster.runtime.router.streaming import (
@@ -124,15 +127,21 @@ class RouterState:
     def __init__(self, config: RouterConfig, rng: RandomSource) -> None:
         self.config = config
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
-        self.metrics = RouterMetrics(self.pool.all)
+        # Page keys each worker has cached, for cache_aware (`prefix_index.py`).
+        self.prefix_index = PrefixIndex()
+        self.metrics = RouterMetrics(
+            self.pool.all, self._indexed_pages if config.cache_aware_roles else None
+        )
+        self.follower: PrefixFollower | None = None
         self.leg_planner = LegPlanner(
             pool=self.pool,
             disaggregated=config.is_disaggregated,
-            prefill_policy=make_policy(config.prefill_policy, config.policy_seed),
-            decode_policy=make_policy(config.decode_policy, config.policy_seed),
-            colocated_policy=make_policy(config.colocated_policy, config.policy_seed),
+            prefill_policy=self._policy(config.prefill_policy),
+            decode_policy=self._policy(config.decode_policy),
+            colocated_policy=self._policy(config.colocated_policy),
             rids=RidMinter(rng),
             rooms_source=rng,
+            prompt_tokens=self._prompt_reader() if config.cache_aware_roles else None,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
         self.started_at = int(time.time())
@@ -141,6 +150,28 @@ class RouterState:
         self._discovery: KubernetesDiscovery | None = None
         # Set when a worker turns healthy or unhealthy: a waiting request re-plans.
         self._pool_changed = asyncio.Event()
+
+    def _policy(self, name: str) -> Any:
+        cfg = self.config
+        return make_policy(
+            name, cfg.policy_seed, index=self.prefix_index, max_load_gap=cfg.max_load_gap
+        )
+
+    def _prompt_reader(self) -> Any:
+        tokenizer = _load_tokenizer(self.config.tokenizer)
+
+        def read(request: ClientRequest) -> PromptTokens | None:
+            return prompt_tokens(request, tokenizer)
+
+        return read
+
+    def _indexed_pages(self, url: str) -> int | None:
+        replica = self.prefix_index.replica(url)
+        return None if replica is None else len(replica.keys)
+
+    def _follow_workers(self) -> None:
+        if self.follower is not None:
+            self.follower.sync()
 
     # ------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -175,11 +206,22 @@ class RouterState:
                 cfg.kubernetes, self.apply_targets, asyncio.get_running_loop()
             )
             self._discovery.start()
+        roles = cfg.cache_aware_roles
+        if roles:
+            self.follower = PrefixFollower(
+                self.prefix_index,
+                control,
+                lambda: [w for w in self.pool.all() if w.role in roles],
+                timeout_s=cfg.health_check_timeout_s,
+            )
+            self._follow_workers()
         health_loop = asyncio.create_task(self.checker.run())
         try:
             yield
         finally:
             health_loop.cancel()
+            if self.follower is not None:
+                await self.follower.close()
             if self._discovery is not None:
                 self._discovery.stop()
             pending = list(self.ctx.tasks)
@@ -198,6 +240,7 @@ class RouterState:
             return
         for worker in change.removed:
             log.info("worker %s (%s) removed by discovery", worker.url, worker.role)
+        self._follow_workers()
         if self.ctx is not None and self.checker is not None:
             for worker in change.added:
                 self.ctx.spawn(self.checker.probe(worker))
@@ -206,6 +249,7 @@ class RouterState:
         to = "healthy" if healthy else "unhealthy"
         self.metrics.health_transitions.labels(worker.role.value, to).inc()
         self._pool_changed.set()
+        self._follow_workers()
 
     async def _plan(self, client_request: ClientRequest) -> LegPlan:
         """Plan the legs; with no healthy worker but a new one still on its first
@@ -342,6 +386,20 @@ class RouterState:
             "workers": [w.describe() for w in self.pool.all()],
         }
         return not missing, body
+
+
+def _load_tokenizer(source: str | None) -> RouterTokenizer | None:
+    """The model's tokenizer, for cache_aware's text prompts (None: ids only)."""
+    if source is None:
+        return None
+    # The one engine module the router reads: plain Python, no torch.
+    from pdcluster.runtime.engine.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(source)
+    except Exception as err:  # a missing or unreadable tokenizer must not stop the router
+        log.warning("cache_aware: no tokenizer from %s (%s); text prompts go by load", source, err)
+        return None
 
 
 def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) -> FastAPI:

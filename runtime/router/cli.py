@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", choices=_POLICIES)
     p.add_argument("--colocated-policy", choices=_POLICIES)
     p.add_argument("--policy-seed", type=int)
+    p.add_argument(
+        "--max-load-gap",
+        type=int,
+        help="cache_aware: legs in flight the cached worker may exceed the least loaded by",
+    )
+    p.add_argument(
+        "--tokenizer", help="cache_aware: 'tiny' or a model directory, to hash text prompts"
+    )
     p.add_argument("--api-key-file", type=Path)
     p.add_argument("--request-timeout", type=float, dest="request_timeout_s")
     p.add_argument("--health-interval", type=float, dest="health_check_interval_s")
@@ -146,6 +154,8 @@ def invocation_from(
         "decode_policy",
         "colocated_policy",
         "policy_seed",
+        "max_load_gap",
+        "tokenizer",
         "request_timeout_s",
         "health_check_interval_s",
         "health_failure_threshold",

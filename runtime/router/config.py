@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, SelectionPolicy
+from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, Role, SelectionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -59,6 +59,12 @@ class RouterConfig:
     max_connections: int = 1024
     # The cluster's `spec.transfer.failurePolicy` (fail | recompute).
     failure_policy: str = FailurePolicy.fail.value
+    # cache_aware: legs in flight by which the cached worker may exceed the
+    # least-loaded candidate before the request goes by load instead.
+    max_load_gap: int = 4
+    # cache_aware: "tiny" or a model directory with tokenizer.json, to turn
+    # text prompts into token ids; None: only token-id prompts are matched.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -80,6 +86,17 @@ class RouterConfig:
             if value not in {p.value for p in SelectionPolicy}:
                 valid = ", ".join(p.value for p in SelectionPolicy)
                 raise ValueError(f"{name}={value!r} is not one of: {valid}")
+        if self.is_disaggregated and self.decode_policy == SelectionPolicy.cache_aware.value:
+            raise ValueError(
+                "decode_policy=cache_aware: cache_aware routes prefill (or colocated) workers; "
+                "decode does not reuse cached prefixes yet"
+            )
+        if (
+            not isinstance(self.max_load_gap, int)
+            or isinstance(self.max_load_gap, bool)
+            or self.max_load_gap < 0
+        ):
+            raise ValueError(f"max_load_gap must be an integer >= 0, got {self.max_load_gap!r}")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -145,4 +162,14 @@ class RouterConfig:
             request_timeout_s=spec.router.request_timeout_seconds,
             health_check_interval_s=spec.router.health_check_interval_seconds,
             failure_policy=spec.transfer.failure_policy.value,
+            max_load_gap=spec.router.policy.max_load_gap,
+            tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
         )
+
+    @property
+    def cache_aware_roles(self) -> tuple[Role, ...]:
+        """The roles whose workers are routed by cache_aware (and followed)."""
+        aware = SelectionPolicy.cache_aware.value
+        if self.is_disaggregated:
+            return (Role.prefill,) if self.prefill_policy == aware else ()
+        return (Role.colocated,) if self.colocated_policy == aware else ()

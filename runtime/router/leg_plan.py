@@ -9,7 +9,7 @@ Pure module: workers, policies and minters are plain objects.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ from pdcluster.runtime.router.bodies import Bootstrap, ClientRequest, build_leg_
 from pdcluster.runtime.router.errors import NoHealthyWorkerError, RouterError
 from pdcluster.runtime.router.leg_bytes import encode_leg_body, leg_body_bytes
 from pdcluster.runtime.router.policies import Policy
+from pdcluster.runtime.router.prefix_index import PromptTokens
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
 from pdcluster.runtime.router.workers import Worker, WorkerPool
 from pdcluster.runtime.spec import Role
@@ -68,15 +69,18 @@ class LegPlanner:
     colocated_policy: Policy
     rids: RidMinter
     rooms_source: RandomSource
+    # The prompt's token ids for cache_aware (None: no policy reads them).
+    prompt_tokens: Callable[[ClientRequest], PromptTokens | None] | None = None
 
     def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
         prefill: Worker | None = None
         bootstrap: Bootstrap | None = None
+        prompt = None if self.prompt_tokens is None else self.prompt_tokens(request)
         if self.disaggregated:
-            prefill, main, bootstrap = self._pick_pair(rooms_in_use)
+            prefill, main, bootstrap = self._pick_pair(rooms_in_use, prompt)
         else:
             main = self.colocated_policy.select(
-                self.pool.of_role(Role.colocated), Role.colocated.value
+                self.pool.of_role(Role.colocated), Role.colocated.value, prompt
             )
         rid = self.rids.mint()
         body = build_leg_body(request.body, rid, bootstrap)
@@ -91,7 +95,9 @@ class LegPlanner:
             body_bytes=leg_body_bytes(request.raw, request.body, body),
         )
 
-    def _pick_pair(self, rooms_in_use: Container[int]) -> tuple[Worker, Worker, Bootstrap]:
+    def _pick_pair(
+        self, rooms_in_use: Container[int], prompt: PromptTokens | None = None
+    ) -> tuple[Worker, Worker, Bootstrap]:
         """The prefill and decode workers, and the room the decode leg names."""
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
@@ -101,7 +107,7 @@ class LegPlanner:
         prefills, decodes = pairable(
             self.pool.healthy(Role.prefill), self.pool.healthy(Role.decode)
         )
-        prefill = self.prefill_policy.select(prefills, Role.prefill.value)
+        prefill = self.prefill_policy.select(prefills, Role.prefill.value, prompt)
         decode = self.decode_policy.select(
             [d for d in decodes if d.revision == prefill.revision], Role.decode.value
         )

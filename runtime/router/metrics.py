@@ -21,8 +21,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _PoolCollector(Collector):
-    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+    def __init__(
+        self,
+        workers: Callable[[], list[Worker]],
+        prefix_pages: Callable[[str], int | None] | None = None,
+    ) -> None:
         self._workers = workers
+        self._prefix_pages = prefix_pages
 
     def collect(self) -> Iterator[Metric]:
         outstanding = GaugeMetricFamily(
@@ -35,16 +40,31 @@ class _PoolCollector(Collector):
             "1 when the worker is a selection candidate",
             labels=["worker", "role"],
         )
+        indexed = GaugeMetricFamily(
+            "pdcluster_router_prefix_index_pages",
+            "cache_aware: cached pages the router's index holds for the worker "
+            "(absent while it is not followed)",
+            labels=["worker", "role"],
+        )
         for worker in self._workers():
             labels = [worker.url, worker.role.value]
             outstanding.add_metric(labels, worker.outstanding)
             healthy.add_metric(labels, 1.0 if worker.healthy else 0.0)
+            pages = None if self._prefix_pages is None else self._prefix_pages(worker.url)
+            if pages is not None:
+                indexed.add_metric(labels, pages)
         yield outstanding
         yield healthy
+        if self._prefix_pages is not None:
+            yield indexed
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], list[Worker]]) -> None:
+    def __init__(
+        self,
+        workers: Callable[[], list[Worker]],
+        prefix_pages: Callable[[str], int | None] | None = None,
+    ) -> None:
         r = self.registry = CollectorRegistry()
         m = MetricFactory(r, "pdcluster_router_", LATENCY_BUCKETS)
         self.requests = m.counter(
@@ -73,4 +93,4 @@ class RouterMetrics:
         self.health_transitions = m.counter(
             "worker_health_transitions_total", "Workers entering or leaving the pool", "role", "to"
         )
-        r.register(_PoolCollector(workers))
+        r.register(_PoolCollector(workers, prefix_pages))

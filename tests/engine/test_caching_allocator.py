@@ -322,3 +322,26 @@ CachingAllocatorMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
 TestCachingAllocatorMachine = CachingAllocatorMachine.TestCase
+
+
+def test_a_listener_hears_every_key_stored_and_evicted_in_order() -> None:
+    from pdcluster.runtime.prefix_events import KeyEventLog
+
+    alloc = pool(6)
+    log = KeyEventLog("e", salt=SALT, page_size=PAGE)
+    heard: list[tuple[bool, int]] = []
+    alloc.subscribe(log.record)
+    alloc.subscribe(lambda stored, keys: heard.append((stored, len(keys))))
+    cache_prompt(alloc, list(range(3 * PAGE)))
+    keys = alloc.keys_for(list(range(3 * PAGE)))
+    again = alloc.allocate(3)
+    assert alloc.insert(keys, again) == ()  # all cached already: no event
+    alloc.free(again)
+    alloc.allocate(5)  # evicts two of the three cached pages
+    assert heard == [(True, 3), (False, 2)]
+    assert log.snapshot().keys == set(alloc.keys_for(list(range(PAGE))))
+    # A disabled cache has no key set to report.
+    off = pool(4, enabled=False)
+    off.subscribe(lambda stored, keys: heard.append((stored, len(keys))))
+    off.allocate(2)
+    assert len(heard) == 2

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcluster.runtime.engine.rendezvous import RankGate, pass_gate
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
 from pdcluster.runtime.ports import free_port
 
@@ -109,11 +110,14 @@ def init_distributed(
     master_port: int,
     device: str = "cpu",
     timeout_s: float = 120.0,
+    gate: RankGate | None = None,
 ) -> DistContext:
     """Join the instance's process group and build this rank's groups.
 
     Every rank of the instance calls this with the same `parallel`,
     `master_addr` and `master_port`. Backend: nccl for CUDA, gloo otherwise.
+    With `gate`, every rank proves the cluster token through the store
+    first and rank 0 admits the world or refuses it (engine/rendezvous.py).
     """
     info = parallel.rank_info(rank)
     dev = _resolve_device(device, info)
@@ -124,12 +128,25 @@ def init_distributed(
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Rank 0 hosts the store (on every interface of its host: the pod's
+    # NetworkPolicy, not the bind address, keeps strangers out).
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        master_addr,
+        master_port,
+        parallel.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    if gate is not None:
+        pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=store,
         world_size=parallel.world_size,
         rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     tp_group = None
     for ranks in parallel.tp_groups():

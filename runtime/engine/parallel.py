@@ -19,6 +19,7 @@ import datetime
 import multiprocessing
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -51,6 +52,7 @@ class DistContext:
     device: torch.device
     tp_group: Any  # ProcessGroup of this rank's tp group (main backend), None when tp == 1
     control_group: Any  # gloo ProcessGroup of this rank's dp group
+    store_listener: Any = None  # rank 0: the socket its TCP store serves on
 
     @property
     def world_size(self) -> int:
@@ -129,8 +131,10 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=timeout_s)
-    # Rank 0 hosts the store (on every interface of its host: the pod's
-    # NetworkPolicy, not the bind address, keeps strangers out).
+    # Rank 0 hosts the store. Left to itself the store listens on every
+    # interface; it is handed a socket bound to `master_addr` only (loopback
+    # for a one-pod instance, the leader pod's IP for a multi-pod one).
+    listener = _bound_listener(master_addr, master_port) if rank == 0 else None
     store = dist.TCPStore(  # type: ignore[attr-defined]
         master_addr,
         master_port,
@@ -138,6 +142,7 @@ def init_distributed(
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
+        master_listen_fd=listener.fileno() if listener is not None else None,
     )
     if gate is not None:
         pass_gate(store, gate, rank, parallel.world_size, timeout_s)
@@ -158,7 +163,21 @@ def init_distributed(
         group = dist.new_group(ranks, backend="gloo")
         if rank in ranks:
             control_group = group
-    return DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
+    ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
+    ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
+    return ctx
+
+
+def _bound_listener(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot bind the torch store to {host}:{port}: {err}") from err
+    return sock
 
 
 def _rank_main(

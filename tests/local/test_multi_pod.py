@@ -30,6 +30,7 @@ from tests.faults.harness import make_prompts
 from tests.local.cluster import local_cluster, ps_rows, write_manifest
 from tests.local.test_supervise import MAX_TOKENS, generate, live_rooms, wait_for
 from tests.pd_integration.reference import colocated_outputs
+from tests.pd_integration.test_topologies import assert_no_page_leak
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "pd-prefill-tp2-2pods.yaml"
 HEARTBEAT = {"intervalSeconds": 1.0, "failureThreshold": 2}
@@ -133,6 +134,10 @@ def test_a_two_pod_instance_serves_like_colocated_and_restarts_as_a_gang(
         outputs = list(pool.map(lambda p: generate(cluster, p), after))
         assert [s for s, _, _ in outputs] == [200] * len(after), outputs
         assert [b["output_ids"] for _, b, _ in outputs] == expected_after
+
+        # No page leak on decode (whose pages the lost rooms had reserved) nor prefill.
+        cluster.state = json.loads((state_dir / "twopods" / "state.json").read_text())
+        assert_no_page_leak(cluster, timeout=60)
 
 
 def colocated_two_pods(tmp_path: Path) -> Path:

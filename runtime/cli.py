@@ -257,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="pod of a multi-pod instance (0 runs the leader ranks and the HTTP server)",
     )
     w.add_argument(
+        "--leader-address",
+        help="pods k > 0: the leader pod's IP (else $PDCLUSTER_LEADER_ADDRESS, else the file "
+        "$PDCLUSTER_LEADER_ADDRESS_FILE names, waited for until it holds one)",
+    )
+    w.add_argument(
         "--prefill-peers",
         help="decode: comma-separated host:port of the prefill bootstrap servers it may "
         "contact (without it, it waits for PUT /admin/prefill_peers)",

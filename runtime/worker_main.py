@@ -1,9 +1,15 @@
-"""`pdcluster worker`: one instance of a role — its ranks, engine and HTTP server.
+"""`pdcluster worker`: one pod of an instance of a role — its ranks, and on
+the leader pod the engine's HTTP server.
 
-Process layout of an instance with dp × cp × tp × pp ranks:
-- this process is global rank 0: the leader of dp group 0, the HTTP server
-  (and, for prefill, the bootstrap server);
-- every other rank of the instance is a child process started here;
+Process layout of an instance with dp × cp × tp × pp ranks over P pods
+(`gpusPerPod`, runtime/pod_layout.py: pod k hosts global ranks [k*G, (k+1)*G)):
+- on pod 0 (the leader, the only pod when gpusPerPod is left out) this
+  process is global rank 0: the leader of dp group 0, the HTTP server
+  (and, for prefill, the bootstrap server); the pod's other ranks are child
+  processes started here;
+- on pod k > 0 this process only starts and watches the pod's ranks; they
+  wait for the leader's address (runtime/leader_address.py) and join the
+  leader's torch store after proving the cluster token (pod_rendezvous.py);
 - each dp group is its own torch.distributed world (dp groups never run a
   collective together), so a group's ranks are `cp × tp × pp` processes.
 
@@ -22,6 +28,7 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +38,8 @@ from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.http import event_loop
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
+from pdcluster.runtime.pod_layout import PodLayout
+from pdcluster.runtime.pod_rendezvous import PodPlan, RankIdentity, RendezvousError, plan_pod
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
@@ -63,12 +72,25 @@ class WorkerSettings:
     prefill_peers: frozenset[BootstrapAddress] | None = None
     # The HTTP servers' event loop (PDCLUSTER_EVENT_LOOP, http/event_loop.py).
     event_loop: EventLoop = DEFAULT_EVENT_LOOP
+    # The pod of a multi-pod instance this process runs (0: the leader).
+    pod_index: int = 0
+    # The leader pod's address (pods k > 0); None: this pod is the leader.
+    leader_host: str | None = None
 
     @property
     def role_spec(self) -> RoleSpec:
         rs = self.manifest.spec.role_spec(self.role)
         assert rs is not None, f"manifest has no {self.role} role"
         return rs
+
+    @property
+    def layout(self) -> PodLayout:
+        return self.role_spec.pod_layout
+
+    @property
+    def leader_advertise_host(self) -> str:
+        """Where the instance's leader pod is reached (its bootstrap server, its store)."""
+        return self.leader_host or self.advertise_host
 
 
 def _torch_threads() -> int:
@@ -91,31 +113,50 @@ def engine_config(settings: WorkerSettings, dp_rank: int) -> Any:
     return replace(cfg, parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp))
 
 
-def _init_group(settings: WorkerSettings, dp_rank: int, group_rank: int) -> Any:
+def _init_group(
+    settings: WorkerSettings,
+    dp_rank: int,
+    group_rank: int,
+    on_waiting: Callable[[list[int]], None] | None = None,
+) -> Any:
     from pdcluster.runtime.engine.parallel import init_distributed
+    from pdcluster.runtime.engine.rendezvous import RankGate
 
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
+    gate = RankGate(
+        token=settings.token,
+        identity=RankIdentity(
+            settings.manifest.metadata.name, settings.role.value, settings.instance
+        ),
+        offset=dp_rank * cfg.parallel.world_size,
+        on_waiting=on_waiting,
+    )
     dist = init_distributed(
         cfg.parallel,
         group_rank,
-        store_host(settings.advertise_host),
+        store_host(settings.leader_advertise_host, settings.layout.is_multi_pod),
         settings.dist_port + dp_rank,
         cfg.device,
+        gate=gate,
     )
     return cfg, dist
 
 
-def store_host(advertise_host: str) -> str:
-    """Where the torch.distributed store of an instance listens.
+def store_host(leader_host: str, is_multi_pod: bool = False) -> str:
+    """Where the torch.distributed store of an instance is dialled.
 
-    The store is unauthenticated and its object exchange unpickles, so it
-    must never face the pod network: every rank of an instance runs in one
-    pod, hence loopback. A loopback advertise host (the test node agent's
-    127.0.x.y pods, which share one network) is kept so pods do not collide.
+    The store is unauthenticated and its object exchange unpickles, so a
+    one-pod instance keeps it off the pod network: loopback (a loopback
+    advertise host, the test node agent's 127.0.x.y pods sharing one
+    network, is kept so pods do not collide). A multi-pod instance has no
+    choice: its ranks meet at the leader pod's address, behind the token
+    gate (engine/rendezvous.py) and the NetworkPolicy.
     """
-    return advertise_host if advertise_host.startswith("127.") else "127.0.0.1"
+    if is_multi_pod or leader_host.startswith("127."):
+        return leader_host
+    return "127.0.0.1"
 
 
 def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
@@ -147,19 +188,27 @@ def _attach_rank_agent(
     return start_rank_agent(settings, runner, dp_rank, group_rank, leader)
 
 
-def _start_children(settings: WorkerSettings) -> list[multiprocessing.process.BaseProcess]:
+def _start_children(
+    settings: WorkerSettings, ranks: Iterable[int]
+) -> list[multiprocessing.process.BaseProcess]:
+    """One process per global rank in `ranks` (rank 0, this process on the leader, excluded)."""
     topo = settings.role_spec.topology
     group = topo.cp * topo.tp * topo.pp
     ctx = multiprocessing.get_context("spawn")
     children: list[multiprocessing.process.BaseProcess] = []
-    for dp_rank in range(topo.dp):
-        for group_rank in range(group):
-            if dp_rank == 0 and group_rank == 0:
-                continue  # this process
-            target = follower_main if group_rank else dp_leader_main
-            p = ctx.Process(target=target, args=(settings, dp_rank, group_rank), daemon=False)
-            p.start()
-            children.append(p)
+    for rank in ranks:
+        if rank == 0:
+            continue  # the leader process itself
+        dp_rank, group_rank = divmod(rank, group)
+        target = follower_main if group_rank else dp_leader_main
+        p = ctx.Process(
+            target=target,
+            args=(settings, dp_rank, group_rank),
+            daemon=False,
+            name=f"rank-{rank}",
+        )
+        p.start()
+        children.append(p)
     return children
 
 
@@ -172,18 +221,45 @@ def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> N
 def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -> None:
     import torch
 
-    from pdcluster.runtime.engine.engine import LLMEngine
     from pdcluster.runtime.engine.runner import ModelRunner
+
+    torch.set_num_threads(_torch_threads())
+    starting = None
+    if dp_rank == 0 and settings.layout.is_multi_pod:
+        # The worker API needs every rank; until they joined, say which are missing.
+        from pdcluster.runtime.starting_server import StartingServer
+
+        starting = StartingServer(host, port, settings.layout)
+        starting.start()
+    try:
+        cfg, dist = _init_group(
+            settings, dp_rank, 0, starting.set_missing if starting is not None else None
+        )
+        runner = ModelRunner.build(cfg, dist)
+        agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)
+    finally:
+        if starting is not None:
+            starting.close()
+    _serve_engine(settings, dp_rank, port, host, cfg, dist, runner, agent)
+
+
+def _serve_engine(
+    settings: WorkerSettings,
+    dp_rank: int,
+    port: int,
+    host: str,
+    cfg: Any,
+    dist: Any,
+    runner: Any,
+    agent: Any,
+) -> None:
+    from pdcluster.runtime.engine.engine import LLMEngine
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
     from pdcluster.runtime.http.limits import server_config
     from pdcluster.runtime.metrics import WorkerMetrics
     from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
     from pdcluster.runtime.serving.engine_service import EngineService
 
-    torch.set_num_threads(_torch_threads())
-    cfg, dist = _init_group(settings, dp_rank, 0)
-    runner = ModelRunner.build(cfg, dist)
-    agent = _attach_rank_agent(settings, runner, dp_rank, 0, leader=True)
     engine: Any = LLMEngine(cfg, runner=runner, dist=dist)
     tokenizer = load_tokenizer(settings.tokenizer or cfg.model, engine.model_config.eos_token_id)
     hang = os.environ.get(HANG_ENV)
@@ -214,6 +290,10 @@ def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -
             "dp_rank": dp_rank,
             "instance": settings.instance,
             "page_size": cfg.page_size,
+            # Every rank of every pod joined before this server started.
+            "num_pods": settings.layout.num_pods,
+            "ranks_per_pod": settings.layout.ranks_per_pod,
+            "missing_ranks": [],
         },
     )
     extra_routes = None
@@ -343,6 +423,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         tokenizer=getattr(args, "tokenizer", None),
         prefill_peers=_prefill_peers_arg(args),
         event_loop=_event_loop_arg(),
+        pod_index=getattr(args, "pod_index", 0),
     )
     if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
         # An empty token would turn every check off; the operator always sets one.
@@ -350,12 +431,18 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
             "pdcluster worker: PDCLUSTER_TOKEN is empty; on Kubernetes a worker needs the "
             "cluster token (the operator sets it from the cluster's Secret)"
         )
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and settings.role_spec.pods_per_instance > 1:
-        # All ranks of an instance run as processes of one pod for now.
-        raise SystemExit(
-            "pdcluster worker: an instance spread over several pods (gpusPerPod < dp*tp*cp*pp) "
-            "is not supported yet; set gpusPerPod to the instance's rank count"
-        )
+    try:
+        plan = plan_pod(settings.layout, settings.role_spec.topology.dp, settings.pod_index)
+    except RendezvousError as err:
+        raise SystemExit(f"pdcluster worker: --pod-index {settings.pod_index}: {err}") from None
+    if not plan.is_leader:
+        from pdcluster.runtime.leader_address import wait_leader_address
+
+        try:
+            leader = wait_leader_address(getattr(args, "leader_address", None), os.environ)
+        except RendezvousError as err:
+            raise SystemExit(f"pdcluster worker: {err}") from None
+        settings = replace(settings, leader_host=leader)
     if settings.role is Role.prefill and settings.bootstrap_port is None:
         raise SystemExit("pdcluster worker: --bootstrap-port is required for the prefill role")
     if manifest.spec.transfer.backend is TransferBackend.nixl:
@@ -377,7 +464,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         owned_shm = make_pool_dir(manifest.metadata.name)
         settings = replace(settings, shm_dir=owned_shm)
     try:
-        return _run_instance(settings)
+        return _run_instance(settings) if plan.is_leader else _run_pod(settings, plan)
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
@@ -408,13 +495,55 @@ def _run_instance(settings: WorkerSettings) -> int:
         from pdcluster.runtime.ports import free_ports
 
         settings = replace(settings, dp_ports=tuple(free_ports(dp - 1)))
-    children = _start_children(settings)
+    children = _start_children(settings, settings.layout.rank_range(0))
     if children:
         _watch_children(children)
     serve_leader(settings, 0, port=settings.port, host=settings.host)
     for child in children:
         child.terminate()
     return 0
+
+
+def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
+    """A pod k > 0: run its ranks until one ends (1) or SIGTERM/SIGINT (0).
+
+    This process runs no rank itself, so a signal is handled at once even
+    while the ranks block in a collective.
+    """
+    from multiprocessing.connection import wait
+
+    log.info(
+        "pod %d of %s-%d: ranks %s, leader at %s",
+        plan.pod_index,
+        settings.role.value,
+        settings.instance,
+        list(plan.ranks),
+        settings.leader_host,
+    )
+    children = _start_children(settings, plan.ranks)
+    stopping = threading.Event()
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.set()
+        for child in children:
+            child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    wait([c.sentinel for c in children])
+    if stopping.is_set():
+        code = 0
+    else:
+        dead = next(c for c in children if c.exitcode is not None)
+        log.error("%s exited (code %s); stopping the pod", dead.name, dead.exitcode)
+        code = 1
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    return code
 
 
 def _watch_children(children: list[multiprocessing.process.BaseProcess]) -> None:

@@ -19,6 +19,7 @@ import datetime
 import multiprocessing
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pdcluster.runtime.engine.rendezvous import RankGate, pass_gate
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
 from pdcluster.runtime.ports import free_port
 
@@ -50,6 +52,7 @@ class DistContext:
     device: torch.device
     tp_group: Any  # ProcessGroup of this rank's tp group (main backend), None when tp == 1
     control_group: Any  # gloo ProcessGroup of this rank's dp group
+    store_listener: Any = None  # rank 0: the socket its TCP store serves on
 
     @property
     def world_size(self) -> int:
@@ -109,11 +112,14 @@ def init_distributed(
     master_port: int,
     device: str = "cpu",
     timeout_s: float = 120.0,
+    gate: RankGate | None = None,
 ) -> DistContext:
     """Join the instance's process group and build this rank's groups.
 
     Every rank of the instance calls this with the same `parallel`,
     `master_addr` and `master_port`. Backend: nccl for CUDA, gloo otherwise.
+    With `gate`, every rank proves the cluster token through the store
+    first and rank 0 admits the world or refuses it (engine/rendezvous.py).
     """
     info = parallel.rank_info(rank)
     dev = _resolve_device(device, info)
@@ -124,12 +130,28 @@ def init_distributed(
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Rank 0 hosts the store. Left to itself the store listens on every
+    # interface; it is handed a socket bound to `master_addr` only (loopback
+    # for a one-pod instance, the leader pod's IP for a multi-pod one).
+    listener = _bound_listener(master_addr, master_port) if rank == 0 else None
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        master_addr,
+        master_port,
+        parallel.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno() if listener is not None else None,
+    )
+    if gate is not None:
+        pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=store,
         world_size=parallel.world_size,
         rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
     tp_group = None
     for ranks in parallel.tp_groups():
@@ -141,7 +163,21 @@ def init_distributed(
         group = dist.new_group(ranks, backend="gloo")
         if rank in ranks:
             control_group = group
-    return DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
+    ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
+    ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
+    return ctx
+
+
+def _bound_listener(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot bind the torch store to {host}:{port}: {err}") from err
+    return sock
 
 
 def _rank_main(

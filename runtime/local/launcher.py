@@ -177,7 +177,8 @@ class LocalCluster:
         seen: set[str] = set()  # processes whose exit was observed or caused
         started_at: dict[InstanceKey, float] = {}
         notifier = PeerNotifier(self.token, self.plan.endpoint)
-        decodes = [s for s in self.plan.workers if s.role is Role.decode]
+        # A multi-pod instance talks to the rest of the cluster through its leader pod.
+        decodes = [s for s in self.plan.leaders if s.role is Role.decode]
 
         def running_decodes() -> list[ProcessSpec]:
             return [d for d in decodes if self.phase.get(d.name, "running") == "running"]
@@ -202,7 +203,7 @@ class LocalCluster:
                 elif isinstance(act, ReportLost):
                     specs = instances[act.key]
                     told = 0
-                    for s in specs:
+                    for s in (s for s in specs if s.is_leader):
                         if s.role is Role.prefill:
                             told += notifier.fail_prefill(s, running_decodes())
                         notifier.hold(s, act.reason)
@@ -225,7 +226,8 @@ class LocalCluster:
                 elif isinstance(act, Admit):
                     for s in instances[act.key]:
                         self.phase[s.name] = "running"
-                        notifier.admit(s)
+                        if s.is_leader:
+                            notifier.admit(s)
                     said.append(f"{act.key} is back")
                 else:
                     assert isinstance(act, GiveUp)  # the loop ends on `sup.given_up`
@@ -351,6 +353,7 @@ def format_state(state: dict[str, Any]) -> str:
         (
             "NAME",
             "ROLE",
+            "POD",
             "RANKS",
             "PID",
             "ALIVE",
@@ -366,7 +369,8 @@ def format_state(state: dict[str, Any]) -> str:
             (
                 p["name"],
                 p["role"],
-                str(p["num_ranks"]),
+                _pod_text(p),
+                _ranks_text(p),
                 str(p["pid"]),
                 "yes" if p["alive"] else "no",
                 p.get("state", "running"),
@@ -380,6 +384,20 @@ def format_state(state: dict[str, Any]) -> str:
     lines = [f"cluster {state['cluster']}  endpoint {state['endpoint']}/v1"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
+
+
+def _pod_text(p: dict[str, Any]) -> str:
+    num_pods = p.get("num_pods", 1)
+    return f"{p.get('pod', 0)}/{num_pods}" if num_pods > 1 else "-"
+
+
+def _ranks_text(p: dict[str, Any]) -> str:
+    """A pod's ranks: their count, or `2-3` (global ranks) for a pod of a multi-pod instance."""
+    n: int = p["num_ranks"]
+    if p.get("num_pods", 1) == 1:
+        return str(n)
+    first: int = p.get("first_rank", 0)
+    return str(first) if n == 1 else f"{first}-{first + n - 1}"
 
 
 def print_err(msg: str) -> None:

@@ -2,8 +2,14 @@
 
 Pure: from a validated manifest and a list of free ports, build the process
 specs (argv, env, addresses). The launcher only executes the plan. Every
-instance of a role is one worker process on 127.0.0.1 that starts its own
-ranks; rank 0 of each prefill instance hosts the bootstrap server.
+instance of a role is one worker process on 127.0.0.1 per pod of the
+instance (`gpusPerPod`, runtime/pod_layout.py; one pod when it is left
+out) that starts that pod's ranks; rank 0 on pod 0 (the leader) hosts the
+HTTP server and, for prefill, the bootstrap server. The pods of a
+multi-pod instance are named `<role>-<i>-<k>` like the operator's, share
+the instance's ports (pods k > 0 listen on none of them: they dial the
+leader's) and are told the leader's address in
+`$PDCLUSTER_LEADER_ADDRESS`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdcluster.runtime.pod_rendezvous import LEADER_ADDRESS_ENV
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec
 
 HOST = "127.0.0.1"
@@ -25,8 +32,16 @@ class ProcessSpec:
     argv: tuple[str, ...]
     port: int  # HTTP port
     bootstrap_port: int | None = None
-    num_ranks: int = 1
+    num_ranks: int = 1  # ranks this process (pod) runs
     env: dict[str, str] = field(default_factory=dict)
+    pod: int = 0  # pod index within its instance (0: the leader)
+    num_pods: int = 1
+    first_rank: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this is its instance's leader pod (its URL is the instance's)."""
+        return self.pod == 0
 
     @property
     def url(self) -> str:
@@ -38,6 +53,11 @@ class LocalPlan:
     cluster: str
     workers: tuple[ProcessSpec, ...]
     router: ProcessSpec
+
+    @property
+    def leaders(self) -> tuple[ProcessSpec, ...]:
+        """One worker process per instance: the one serving its HTTP API."""
+        return tuple(w for w in self.workers if w.is_leader)
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -106,22 +126,62 @@ def build_local_plan(
                 argv += ["--bootstrap-port", str(bport)]
             elif role is Role.decode:
                 # The only bootstrap servers decode may contact (and send the token to).
-                peers = [f"{HOST}:{w.bootstrap_port}" for w in workers if w.role is Role.prefill]
+                peers = [
+                    f"{HOST}:{w.bootstrap_port}"
+                    for w in workers
+                    if w.role is Role.prefill and w.is_leader
+                ]
                 argv += ["--prefill-peers", ",".join(peers)]
-            workers.append(
-                ProcessSpec(
-                    name=f"{role}-{i}",
-                    role=role,
-                    instance=i,
-                    argv=tuple(argv),
-                    port=port,
-                    bootstrap_port=bport,
-                    num_ranks=rs.topology.num_ranks,
-                )
-            )
+            workers.extend(_pods(role, i, rs, tuple(argv), port, bport))
     rport = next(free) if router_port is None else router_port
     rargv = [*base, "router", "-f", manifest_path, "--host", HOST, "--port", str(rport)]
     for w in workers:
+        if not w.is_leader:
+            continue
         rargv += [f"--{w.role}", w.url]
     router = ProcessSpec(name="router", role="router", instance=0, argv=tuple(rargv), port=rport)
     return LocalPlan(manifest.metadata.name, tuple(workers), router)
+
+
+def _pods(
+    role: Role,
+    index: int,
+    rs: RoleSpec,
+    argv: tuple[str, ...],
+    port: int,
+    bootstrap_port: int | None,
+) -> list[ProcessSpec]:
+    """The processes of one instance: one per pod, the leader first."""
+    layout = rs.pod_layout
+    if not layout.is_multi_pod:
+        return [
+            ProcessSpec(
+                name=f"{role}-{index}",
+                role=role,
+                instance=index,
+                argv=argv,
+                port=port,
+                bootstrap_port=bootstrap_port,
+                num_ranks=layout.num_ranks,
+            )
+        ]
+    pods = []
+    for k in range(layout.num_pods):
+        env = {} if k == 0 else {LEADER_ADDRESS_ENV: HOST}
+        ranks = layout.rank_range(k)
+        pods.append(
+            ProcessSpec(
+                name=f"{role}-{index}-{k}",
+                role=role,
+                instance=index,
+                argv=(*argv, "--pod-index", str(k)),
+                port=port,
+                bootstrap_port=bootstrap_port,
+                num_ranks=len(ranks),
+                env=env,
+                pod=k,
+                num_pods=layout.num_pods,
+                first_rank=ranks.start,
+            )
+        )
+    return pods

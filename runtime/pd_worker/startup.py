@@ -68,7 +68,10 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         num_pages=cfg.num_pages,
         host=settings.host,
         advertise_host=settings.advertise_host,
-        bootstrap_address=BootstrapAddress(f"{settings.advertise_host}:{settings.bootstrap_port}"),
+        # Every pod's ranks register with the leader pod's bootstrap server.
+        bootstrap_address=BootstrapAddress(
+            f"{settings.leader_advertise_host}:{settings.bootstrap_port}"
+        ),
         curve=bool(spec.auth.zmq_curve),
     )
 

@@ -55,3 +55,61 @@ def test_decode_is_told_exactly_the_prefill_bootstrap_servers() -> None:
             assert argv[argv.index("--prefill-peers") + 1] == want
         else:
             assert "--prefill-peers" not in argv
+
+
+def test_a_multi_pod_instance_is_one_process_per_pod_sharing_the_instance_ports() -> None:
+    m = cluster(
+        {
+            "prefill": {"replicas": 2, "topology": {"tp": 2}, "gpusPerPod": 1},
+            "decode": {"topology": {"tp": 2}},
+        }
+    )
+    ports = list(range(40000, 40000 + count_ports(m)))
+    plan = build_local_plan(m, "/m.yaml", ports, python="py")
+    names = [w.name for w in plan.workers]
+    assert names == ["prefill-0-0", "prefill-0-1", "prefill-1-0", "prefill-1-1", "decode-0"]
+    p0, p1 = plan.workers[0], plan.workers[1]
+    assert (p0.pod, p0.first_rank, p0.num_ranks, p0.is_leader) == (0, 0, 1, True)
+    assert (p1.pod, p1.first_rank, p1.num_ranks, p1.is_leader) == (1, 1, 1, False)
+    # Pod 1 dials the leader's ports: same argv but its pod index, and the leader's address.
+    assert p1.argv == (*p0.argv[:-2], "--pod-index", "1")
+    assert p0.argv[-2:] == ("--pod-index", "0")
+    assert (p1.port, p1.bootstrap_port) == (p0.port, p0.bootstrap_port)
+    assert p1.env == {"PDCLUSTER_LEADER_ADDRESS": "127.0.0.1"} and p0.env == {}
+    # The router and decode see instances (their leaders), not pods.
+    assert [w.name for w in plan.leaders] == ["prefill-0-0", "prefill-1-0", "decode-0"]
+    assert plan.router.argv.count("--prefill") == 2
+    decode_argv = plan.workers[-1].argv
+    peers = decode_argv[decode_argv.index("--prefill-peers") + 1].split(",")
+    assert peers == [
+        f"127.0.0.1:{p0.bootstrap_port}",
+        f"127.0.0.1:{plan.workers[2].bootstrap_port}",
+    ]
+    assert plan.workers[-1].pod == 0 and plan.workers[-1].num_pods == 1
+
+
+def test_ps_shows_each_pod_and_its_ranks() -> None:
+    from pdcluster.runtime.local.launcher import format_state
+
+    m = cluster({"prefill": {"topology": {"tp": 4}, "gpusPerPod": 2}, "decode": {}})
+    plan = build_local_plan(m, "/m.yaml", list(range(40000, 40010)), python="py")
+    procs = [
+        {
+            "name": w.name,
+            "role": str(w.role),
+            "num_ranks": w.num_ranks,
+            "pod": w.pod,
+            "num_pods": w.num_pods,
+            "first_rank": w.first_rank,
+            "pid": 1,
+            "alive": True,
+            "url": w.url,
+            "bootstrap_port": w.bootstrap_port,
+        }
+        for w in plan.workers
+    ]
+    text = format_state({"cluster": "c", "endpoint": plan.endpoint, "processes": procs})
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:]}
+    assert rows["prefill-0-0"][2:4] == ["0/2", "0-1"]
+    assert rows["prefill-0-1"][2:4] == ["1/2", "2-3"]
+    assert rows["decode-0"][2:4] == ["-", "1"]

@@ -1,0 +1,148 @@
+"""How the pods of an instance meet (runtime/pod_rendezvous.py): the leader
+address, the rank proofs and the leader's verdict, and which ranks a pod runs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdcluster.runtime.pod_layout import compute_pod_layout
+from pdcluster.runtime.pod_rendezvous import (
+    VERDICT_OK,
+    RankIdentity,
+    RendezvousError,
+    compute_verdict,
+    describe_missing,
+    missing_ranks,
+    parse_leader_address,
+    plan_pod,
+    rank_proof,
+)
+
+WHO = RankIdentity("demo", "prefill", 0)
+TOKEN = "s3cret"
+
+
+def proofs_of(ranks: range, token: str = TOKEN, who: RankIdentity = WHO) -> dict[int, str]:
+    return {r: rank_proof(token, who, r) for r in ranks}
+
+
+@pytest.mark.parametrize(
+    ("text", "host"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        (" 10.1.2.3\n", "10.1.2.3"),  # a downward-API file ends with what the annotation holds
+        ("fd00::5", "fd00::5"),
+        ("[fd00::5]", "fd00::5"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("Leader-0.Pods.local", "leader-0.pods.local"),
+    ],
+)
+def test_a_leader_address_is_one_host(text: str, host: str) -> None:
+    assert parse_leader_address(text) == host
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "empty"),
+        ("  \n", "empty"),
+        ("http://10.1.2.3", "not a URL"),
+        ("10.1.2.3 10.1.2.4", "not a URL"),
+        ("10.1.2.3:29500", "without a port"),
+        ("user@10.1.2.3", "not a URL"),
+        ("-bad-.host", "neither an IP nor a host name"),
+        ("a" * 254, "neither an IP nor a host name"),
+    ],
+)
+def test_a_bad_leader_address_is_refused_with_the_reason(text: str, why: str) -> None:
+    with pytest.raises(RendezvousError, match=why):
+        parse_leader_address(text)
+
+
+def test_every_rank_proving_the_token_is_admitted() -> None:
+    assert compute_verdict(TOKEN, WHO, range(4), proofs_of(range(4))) == VERDICT_OK
+
+
+def test_a_missing_proof_refuses_the_gang_and_names_the_rank() -> None:
+    proofs = proofs_of(range(4))
+    del proofs[2]
+    assert compute_verdict(TOKEN, WHO, range(4), proofs) == "refused: no proof from rank 2"
+
+
+@pytest.mark.parametrize(
+    "stranger",
+    [
+        (TOKEN + "x", WHO),  # another token
+        (TOKEN, RankIdentity("other", "prefill", 0)),  # another cluster
+        (TOKEN, RankIdentity("demo", "decode", 0)),  # another role
+        (TOKEN, RankIdentity("demo", "prefill", 1)),  # another instance
+    ],
+)
+def test_a_rank_of_another_cluster_role_instance_or_token_is_refused(
+    stranger: tuple[str, RankIdentity],
+) -> None:
+    proofs = proofs_of(range(2))
+    proofs[1] = rank_proof(stranger[0], stranger[1], 1)
+    verdict = compute_verdict(TOKEN, WHO, range(2), proofs)
+    assert verdict.startswith("refused: rank 1 did not prove demo/prefill-0")
+
+
+def test_a_proof_copied_from_another_rank_is_refused() -> None:
+    proofs = proofs_of(range(3))
+    proofs[2] = proofs[1]
+    assert compute_verdict(TOKEN, WHO, range(3), proofs).startswith("refused: rank 2 ")
+
+
+def test_a_dp_group_is_proved_with_global_ranks() -> None:
+    # dp group 1 of tp 2 is the world of global ranks 2 and 3.
+    assert compute_verdict(TOKEN, WHO, range(2, 4), proofs_of(range(2, 4))) == VERDICT_OK
+    shifted = {r + 2: p for r, p in proofs_of(range(2)).items()}
+    assert compute_verdict(TOKEN, WHO, range(2, 4), shifted).startswith("refused: ranks 2, 3")
+
+
+@given(st.integers(1, 16), st.sets(st.integers(0, 20)))
+def test_the_verdict_is_ok_exactly_when_every_rank_proved(n: int, present: set[int]) -> None:
+    proofs = {r: rank_proof(TOKEN, WHO, r) for r in present}
+    verdict = compute_verdict(TOKEN, WHO, range(n), proofs)
+    assert (verdict == VERDICT_OK) == set(range(n)).issubset(present)
+    assert missing_ranks(n, present) == sorted(set(range(n)) - present)
+
+
+def test_the_leader_says_which_ranks_and_pods_it_waits_for() -> None:
+    layout = compute_pod_layout(4, 1)
+    assert describe_missing(layout, [2, 3]) == "ranks 2, 3 (pods 2, 3)"
+    assert describe_missing(compute_pod_layout(4, 2), [2, 3]) == "ranks 2, 3 (pod 1)"
+    assert describe_missing(layout, [1]) == "rank 1 (pod 1)"
+    assert describe_missing(layout, []) == "no rank"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "gpus", "pod", "expected", "leader"),
+    [
+        (2, None, 0, range(0, 2), True),  # gpusPerPod left out: one pod runs every rank
+        (2, 1, 0, range(0, 1), True),
+        (2, 1, 1, range(1, 2), False),
+        (8, 4, 1, range(4, 8), False),
+    ],
+)
+def test_a_pod_runs_its_rank_range(
+    ranks: int, gpus: int | None, pod: int, expected: range, leader: bool
+) -> None:
+    plan = plan_pod(compute_pod_layout(ranks, gpus), dp=1, pod_index=pod)
+    assert (plan.ranks, plan.is_leader) == (expected, leader)
+
+
+def test_a_pod_index_outside_the_instance_is_refused() -> None:
+    with pytest.raises(RendezvousError, match="pod index 2 is outside the instance's 2 pods"):
+        plan_pod(compute_pod_layout(2, 1), dp=1, pod_index=2)
+    with pytest.raises(RendezvousError, match="pod index -1"):
+        plan_pod(compute_pod_layout(2, 1), dp=1, pod_index=-1)
+
+
+def test_dp_groups_over_several_pods_are_refused_until_supported() -> None:
+    with pytest.raises(RendezvousError, match="dp=2 spread over 2 pods is not supported yet"):
+        plan_pod(compute_pod_layout(4, 2), dp=2, pod_index=0)
+    # One pod still runs any dp.
+    assert plan_pod(compute_pod_layout(4, None), dp=2, pod_index=0).ranks == range(4)

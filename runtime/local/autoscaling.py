@@ -1,0 +1,313 @@
+"""Local mode's autoscaling loop: the operator's planner under `pdcluster up`.
+
+Every `intervalSeconds` of a role's `spec.<role>.autoscaling`, in its own
+thread: scrape the ready instances' `/metrics`, decide (scaling.py, pure),
+and act:
+
+Start (a numbered recipe; the instance joins the router only once ready):
+  1. build its process from the manifest on fresh ports, start it;
+  2. wait for its `/health` (a process that exits or never answers is
+     stopped and forgotten, with a log line);
+  3. prefill: every decode learns the new bootstrap server
+     (`PUT /admin/prefill_peers`) before any request can name it;
+  4. `POST /admin/add_worker` at the router (it serves after its first good
+     probe), then the supervisor takes it over (restarts, `ps`).
+
+Drain (no request fails):
+  1. the supervisor lets go of it (its exit is no loss);
+  2. `POST /admin/hold_worker` at the router: no new leg goes to it;
+  3. wait until the router has no leg in flight on it and the worker's own
+     `pdcluster_requests_in_flight` is 0;
+  4. prefill: the decodes forget its bootstrap server; the router removes
+     it (`/admin/remove_worker`); its processes are stopped.
+
+Decisions go to `on_line` (stderr under `pdcluster up`) as the operator's
+Events would: "Normal ScaledUp: prefill 1 -> 2: ttftP90Seconds ...".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from pdcluster.runtime.autoscale.samples import IN_FLIGHT, parse_worker_metrics
+from pdcluster.runtime.http.auth import bearer_headers
+from pdcluster.runtime.local.launcher import LocalCluster
+from pdcluster.runtime.local.peers import PeerNotifier
+from pdcluster.runtime.local.plan import (
+    ProcessSpec,
+    build_worker_spec,
+    num_worker_ports,
+    prefill_peers,
+)
+from pdcluster.runtime.local.scaling import (
+    SCALED_ROLES,
+    DrainInstance,
+    RoleConfig,
+    RoleInstances,
+    ScaleAction,
+    ScalingConfig,
+    ScalingHistory,
+    Scrape,
+    compute_local_step,
+    roles_due,
+)
+from pdcluster.runtime.local.supervision import InstanceKey
+from pdcluster.runtime.ports import free_ports
+from pdcluster.runtime.spec import PDCluster, Role
+
+# The loop never sleeps longer than this (a stop is seen at once anyway).
+MAX_WAIT_S = 5.0
+POLL_S = 0.2
+
+
+def scaling_config(manifest: PDCluster) -> ScalingConfig:
+    """The autoscaling settings of a manifest's prefill and decode roles."""
+    spec = manifest.spec
+    roles = {}
+    for role in SCALED_ROLES:
+        rs = spec.role_spec(role)
+        if rs is not None:
+            roles[role] = RoleConfig(rs.autoscaling, rs.gpus_per_instance)
+    return ScalingConfig(roles, spec.autoscaling.max_total_gpus)
+
+
+class LocalAutoscaler:
+    """Runs `compute_local_step` each interval and performs its actions on `cluster`.
+
+    `ready_timeout_s`: the longest a new instance may take to answer /health;
+    `drain_timeout_s`: the longest a drain waits for in-flight requests (then
+    the instance is stopped anyway, with a Warning line).
+    """
+
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        manifest: PDCluster,
+        manifest_path: str,
+        python: str,
+        *,
+        on_line: Callable[[str], None],
+        ready_timeout_s: float = 300.0,
+        drain_timeout_s: float = 600.0,
+    ) -> None:
+        self.cluster = cluster
+        self.manifest = manifest
+        self.manifest_path = str(Path(manifest_path).resolve())
+        self.python = python
+        self.config = scaling_config(manifest)
+        self.on_line = on_line
+        self.ready_timeout_s = ready_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.history = ScalingHistory()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="autoscaler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run(self) -> None:
+        token = self.cluster.token
+        with (
+            httpx.Client(timeout=2.0, trust_env=False, headers=bearer_headers(token)) as http,
+        ):
+            notifier = PeerNotifier(token, self.cluster.plan.endpoint)
+            try:
+                while not self._stop.is_set():
+                    wait = self._interval(http, notifier)
+                    self._stop.wait(wait)
+            finally:
+                notifier.close()
+
+    # ------------------------------------------------------------ one interval
+    def _interval(self, http: httpx.Client, notifier: PeerNotifier) -> float:
+        now = time.monotonic()
+        due = roles_due(self.config, self.history, now)
+        if not due:
+            return self._wait_after(now)
+        instances = self._instances()
+        scrapes: dict[Role, dict[int, Scrape]] = {}
+        for role in due:
+            for spec in self._specs(role, instances[role].ready):
+                try:
+                    resp = http.get(spec.url + "/metrics")
+                except httpx.HTTPError:
+                    continue  # gone since: no sample from it
+                if resp.status_code == 200:
+                    scrapes.setdefault(role, {})[spec.instance] = Scrape(resp.text, now)
+        step = compute_local_step(self.config, instances, scrapes, self.history, now)
+        self.history = step.history
+        for line in step.lines:
+            self.on_line(line)
+        for action in step.actions:
+            if self._stop.is_set():
+                break
+            self._perform(action, http, notifier)
+        return self._wait_after(time.monotonic())
+
+    def _wait_after(self, now: float) -> float:
+        due = [
+            self.history.decided_at[role] + cfg.interval_seconds
+            for role, rc in self.config.roles.items()
+            if (cfg := rc.autoscaling) is not None and role in self.history.decided_at
+        ]
+        if not due:
+            return POLL_S
+        return min(MAX_WAIT_S, max(0.0, min(due) - now))
+
+    def _instances(self) -> dict[Role, RoleInstances]:
+        phases = self.cluster.instance_phases()
+        out = {}
+        for role in SCALED_ROLES:
+            mine = {k.index: p for k, p in phases.items() if k.role is role}
+            out[role] = RoleInstances(
+                ready=frozenset(i for i, p in mine.items() if p == "running"),
+                starting=frozenset(i for i, p in mine.items() if p in ("starting", "backoff")),
+                draining=frozenset(i for i, p in mine.items() if p == "draining"),
+            )
+        return out
+
+    def _specs(self, role: Role, numbers: frozenset[int] | set[int]) -> list[ProcessSpec]:
+        with self.cluster.lock:
+            return [
+                s for s in self.cluster.plan.workers if s.role is role and s.instance in numbers
+            ]
+
+    def _perform(self, action: ScaleAction, http: httpx.Client, notifier: PeerNotifier) -> None:
+        key = InstanceKey(action.role, action.instance)
+        try:
+            if isinstance(action, DrainInstance):
+                self._drain(key, http, notifier)
+            else:
+                self._start(key, http)
+        except httpx.HTTPError as err:
+            self.on_line(f"Warning ScalingFailed: {key}: {err}")
+
+    # ------------------------------------------------------------ start
+    def _start(self, key: InstanceKey, http: httpx.Client) -> None:
+        role = key.role
+        prefills = self._prefills()
+        spec = build_worker_spec(
+            self.manifest,
+            self.manifest_path,
+            role,
+            key.index,
+            free_ports(num_worker_ports(role)),
+            prefills,
+            self.python,
+        )
+        self.cluster.add_scaled([spec])
+        self.cluster.write_state()
+        if not self._wait_healthy(spec, http):
+            tail = self.cluster.log_tail(spec.name, 10)
+            self.on_line(f"Warning StartFailed: {key} did not become ready; stopped:\n{tail}")
+            self.cluster.remove_scaled([spec])
+            return
+        if role is Role.prefill:
+            self._publish_prefills(http, [*prefills, spec])
+        resp = http.post(
+            self.cluster.plan.endpoint + "/admin/add_worker",
+            json={"url": spec.url, "role": role.value},
+        )
+        if resp.status_code != 200:
+            self.on_line(f"Warning StartFailed: the router refused {key}: {resp.text[:200]}")
+            self._forget(spec, http)
+            return
+        if not self.cluster.adopt(key, [spec]):
+            self.on_line(f"Warning StartFailed: {key} could not be supervised; stopped")
+            self._forget(spec, http)
+            return
+        self.on_line(f"Normal InstanceStarted: {key} is ready and serving")
+
+    def _wait_healthy(self, spec: ProcessSpec, http: httpx.Client) -> bool:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self.cluster.lock:
+                proc = self.cluster.procs.get(spec.name)
+            if proc is None or proc.poll() is not None:
+                return False
+            try:
+                if http.get(spec.url + "/health").status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            self._stop.wait(POLL_S)
+        return False
+
+    def _prefills(self, without: str | None = None) -> list[ProcessSpec]:
+        with self.cluster.lock:
+            workers = list(self.cluster.plan.workers)
+        return [s for s in workers if s.role is Role.prefill and s.name != without]
+
+    def _publish_prefills(self, http: httpx.Client, prefills: list[ProcessSpec]) -> None:
+        """Every decode's known prefill set becomes `prefills`."""
+        with self.cluster.lock:
+            decodes = [s for s in self.cluster.plan.workers if s.role is Role.decode]
+        body = {"peers": prefill_peers(prefills)}
+        for decode in decodes:
+            try:
+                resp = http.put(decode.url + "/admin/prefill_peers", json=body)
+            except httpx.HTTPError as err:
+                self.on_line(f"Warning PeersNotUpdated: {decode.name}: {err}")
+                continue
+            if resp.status_code != 200:
+                self.on_line(f"Warning PeersNotUpdated: {decode.name}: {resp.text[:200]}")
+
+    def _forget(self, spec: ProcessSpec, http: httpx.Client) -> None:
+        """Undo a start that did not complete: the router and the decodes forget it."""
+        router = self.cluster.plan.endpoint
+        try:
+            http.post(router + "/admin/remove_worker", json={"url": spec.url})
+        except httpx.HTTPError:
+            pass
+        if spec.role is Role.prefill:
+            self._publish_prefills(http, self._prefills(without=spec.name))
+        self.cluster.remove_scaled([spec])
+
+    # ------------------------------------------------------------ drain
+    def _drain(self, key: InstanceKey, http: httpx.Client, notifier: PeerNotifier) -> None:
+        specs = self.cluster.release(key)
+        if specs is None:
+            self.on_line(f"Normal DrainSkipped: {key} is not running now; kept")
+            return
+        started = time.monotonic()
+        self.on_line(f"Normal Draining: {key}: held out at the router, waiting for its requests")
+        for spec in specs:
+            notifier.hold(spec, "scaling down (autoscaling)")
+        deadline = started + self.drain_timeout_s
+        while not all(self._is_idle(spec, http) for spec in specs):
+            if time.monotonic() > deadline:
+                self.on_line(f"Warning DrainTimedOut: {key} still busy; stopping it anyway")
+                break
+            time.sleep(POLL_S)
+        for spec in specs:
+            if spec.role is Role.prefill:
+                self._publish_prefills(http, self._prefills(without=spec.name))
+            http.post(self.cluster.plan.endpoint + "/admin/remove_worker", json={"url": spec.url})
+        self.cluster.remove_scaled(specs)
+        took = time.monotonic() - started
+        self.on_line(f"Normal InstanceStopped: {key} drained in {took:.1f}s and stopped")
+
+    def _is_idle(self, spec: ProcessSpec, http: httpx.Client) -> bool:
+        """No leg in flight at the router, no request in flight at the worker."""
+        health = http.get(self.cluster.plan.endpoint + "/health").json()
+        for worker in health.get("workers", []):
+            if worker.get("url") == spec.url and worker.get("outstanding", 0) > 0:
+                return False
+        try:
+            resp = http.get(spec.url + "/metrics")
+        except httpx.HTTPError:
+            return True  # nothing in flight on a worker that does not answer
+        in_flight = parse_worker_metrics(resp.text).gauge(IN_FLIGHT)
+        return not in_flight

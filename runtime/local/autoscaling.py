@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from pdcluster.runtime.autoscale.samples import IN_FLIGHT, parse_worker_metrics
+from pdcluster.runtime.autoscale.samples import IN_FLIGHT, MetricsParseError, parse_worker_metrics
 from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.local.launcher import LocalCluster
 from pdcluster.runtime.local.peers import PeerNotifier
@@ -290,7 +290,8 @@ class LocalAutoscaler:
             if time.monotonic() > deadline:
                 self.on_line(f"Warning DrainTimedOut: {key} still busy; stopping it anyway")
                 break
-            time.sleep(POLL_S)
+            if self._stop.wait(POLL_S):
+                return  # the cluster is stopping: it stops this instance too
         for spec in specs:
             if spec.role is Role.prefill:
                 self._publish_prefills(http, self._prefills(without=spec.name))
@@ -300,8 +301,12 @@ class LocalAutoscaler:
         self.on_line(f"Normal InstanceStopped: {key} drained in {took:.1f}s and stopped")
 
     def _is_idle(self, spec: ProcessSpec, http: httpx.Client) -> bool:
-        """No leg in flight at the router, no request in flight at the worker."""
-        health = http.get(self.cluster.plan.endpoint + "/health").json()
+        """No leg in flight at the router, no request in flight at the worker.
+        A router that does not answer is no proof of idleness: wait on."""
+        try:
+            health = http.get(self.cluster.plan.endpoint + "/health").json()
+        except (httpx.HTTPError, ValueError):
+            return False
         for worker in health.get("workers", []):
             if worker.get("url") == spec.url and worker.get("outstanding", 0) > 0:
                 return False
@@ -309,5 +314,8 @@ class LocalAutoscaler:
             resp = http.get(spec.url + "/metrics")
         except httpx.HTTPError:
             return True  # nothing in flight on a worker that does not answer
-        in_flight = parse_worker_metrics(resp.text).gauge(IN_FLIGHT)
+        try:
+            in_flight = parse_worker_metrics(resp.text).gauge(IN_FLIGHT)
+        except MetricsParseError:
+            return False
         return not in_flight

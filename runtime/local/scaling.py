@@ -11,6 +11,9 @@ in; the instances to start and to drain, the log lines (the operator's
 - samples come from `runtime/autoscale/samples.py`, exactly as the operator
   reads them; a p90 needs two scrapes of an instance, so the first interval
   of every instance holds without a `MetricMissing` warning;
+- a hold's Warning (`MetricMissing`, ...) is logged when the role enters
+  that hold, not again each interval it stays there (stderr is no Event
+  stream that aggregates);
 - a scale-up starts the lowest free instance numbers; a scale-down drains the
   highest-numbered ready instances (instance 0 is the last to go);
 - the planner's history is kept only with the step, so the caller applies
@@ -107,6 +110,7 @@ class ScalingHistory:
     # Each role's parsed scrapes at its last decision, by instance number.
     scrapes: Mapping[Role, Mapping[int, WorkerScrape]] = field(default_factory=dict)
     decided_at: Mapping[Role, float] = field(default_factory=dict)
+    reasons: Mapping[Role, DecisionReason] = field(default_factory=dict)  # the last decision's
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,10 @@ def compute_local_step(
     actions: list[ScaleAction] = []
     for role, decision in plan.decisions.items():
         quiet = decision.reason is DecisionReason.metric_missing and role in first_interval
+        repeated = history.reasons.get(role) is decision.reason
         for event in () if quiet else decision.events:
-            lines.append(f"{event.type} {event.reason}: {event.message}")
+            if not (repeated and event.type == "Warning"):
+                lines.append(f"{event.type} {event.reason}: {event.message}")
         have = instances.get(role, RoleInstances())
         if decision.desired > decision.current:
             taken = have.ready | have.starting | have.draining
@@ -203,6 +209,7 @@ def compute_local_step(
         planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
         scrapes={**history.scrapes, **current},
         decided_at=decided_at,
+        reasons={**history.reasons, **{r: d.reason for r, d in plan.decisions.items()}},
     )
     due_times = [
         decided_at[role] + cfg.interval_seconds

@@ -152,6 +152,17 @@ def test_a_missing_or_unreadable_metric_holds_with_a_warning() -> None:
     assert [line.split(":")[0] for line in silent.lines] == ["Warning MetricMissing"]
 
 
+def test_a_hold_warning_is_logged_when_the_hold_starts_not_every_interval() -> None:
+    cfg = config(autoscaling())
+    first = step(cfg, ready(0), {})
+    again = step(cfg, ready(0), {}, first.history, now=101.0)
+    assert len(first.lines) == 1 and again.lines == ()
+    busy = step(cfg, ready(0), {0: metrics_text(queued=100)}, again.history, now=102.0)
+    assert busy.lines == ()  # within tolerance
+    missing = step(cfg, ready(0), {}, busy.history, now=103.0)
+    assert [line.split(":")[0] for line in missing.lines] == ["Warning MetricMissing"]
+
+
 def test_replicas_outside_the_bounds_are_clamped_at_once() -> None:
     cfg = config(autoscaling(maxReplicas=2))
     texts = {i: metrics_text(queued=10_000) for i in range(3)}

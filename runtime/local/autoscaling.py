@@ -21,6 +21,11 @@ Drain (no request fails):
   4. prefill: the decodes forget its bootstrap server; the router removes
      it (`/admin/remove_worker`); its processes are stopped.
 
+Step 1 of each happens in the loop, so the next interval already counts the
+instance as starting (no scale-down meanwhile) or gone; the rest runs in a
+task (thread) of its own, so a slow start does not stall the other role's
+decisions.
+
 Decisions go to `on_line` (stderr under `pdcluster up`) as the operator's
 Events would: "Normal ScaledUp: prefill 1 -> 2: ttftP90Seconds ...".
 """
@@ -106,6 +111,10 @@ class LocalAutoscaler:
         self.history = ScalingHistory()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # One thread per start or drain in progress: the loop keeps deciding meanwhile.
+        self._tasks: list[threading.Thread] = []
+        # The decodes' prefill set is computed and sent by one task at a time.
+        self._peers_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -128,6 +137,8 @@ class LocalAutoscaler:
                     wait = self._interval(http, notifier)
                     self._stop.wait(wait)
             finally:
+                for task in self._tasks:  # they see the stop within a poll
+                    task.join(30)
                 notifier.close()
 
     # ------------------------------------------------------------ one interval
@@ -150,6 +161,7 @@ class LocalAutoscaler:
         self.history = step.history
         for line in step.lines:
             self.on_line(line)
+        self._tasks = [t for t in self._tasks if t.is_alive()]
         for action in step.actions:
             if self._stop.is_set():
                 break
@@ -185,37 +197,52 @@ class LocalAutoscaler:
             ]
 
     def _perform(self, action: ScaleAction, http: httpx.Client, notifier: PeerNotifier) -> None:
+        """Change the membership now (the next interval sees the instance starting or
+        draining), and wait for the rest in a task of its own."""
         key = InstanceKey(action.role, action.instance)
-        try:
-            if isinstance(action, DrainInstance):
-                self._drain(key, http, notifier)
-            else:
-                self._start(key, http)
-        except httpx.HTTPError as err:
-            self.on_line(f"Warning ScalingFailed: {key}: {err}")
+        if isinstance(action, DrainInstance):
+            specs = self.cluster.release(key)
+            if specs is None:
+                self.on_line(f"Normal DrainSkipped: {key} is not running now; kept")
+                return
+            self._spawn_task(key, lambda: self._drain(key, specs, http, notifier))
+        else:
+            spec = build_worker_spec(
+                self.manifest,
+                self.manifest_path,
+                key.role,
+                key.index,
+                free_ports(num_worker_ports(key.role)),
+                self._prefills(),
+                self.python,
+            )
+            self.cluster.add_scaled([spec])
+            self._spawn_task(key, lambda: self._join(key, spec, http))
+
+    def _spawn_task(self, key: InstanceKey, work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                work()
+            except httpx.HTTPError as err:
+                self.on_line(f"Warning ScalingFailed: {key}: {err}")
+
+        task = threading.Thread(target=run, name=f"autoscaler-{key}", daemon=True)
+        self._tasks.append(task)
+        task.start()
 
     # ------------------------------------------------------------ start
-    def _start(self, key: InstanceKey, http: httpx.Client) -> None:
+    def _join(self, key: InstanceKey, spec: ProcessSpec, http: httpx.Client) -> None:
+        """A started instance joins once ready: decodes, router, supervisor."""
         role = key.role
-        prefills = self._prefills()
-        spec = build_worker_spec(
-            self.manifest,
-            self.manifest_path,
-            role,
-            key.index,
-            free_ports(num_worker_ports(role)),
-            prefills,
-            self.python,
-        )
-        self.cluster.add_scaled([spec])
-        self.cluster.write_state()
         if not self._wait_healthy(spec, http):
+            if self._stop.is_set():
+                return  # the cluster is stopping: it stops this instance too
             tail = self.cluster.log_tail(spec.name, 10)
             self.on_line(f"Warning StartFailed: {key} did not become ready; stopped:\n{tail}")
             self.cluster.remove_scaled([spec])
             return
         if role is Role.prefill:
-            self._publish_prefills(http, [*prefills, spec])
+            self._publish_prefills(http)
         resp = http.post(
             self.cluster.plan.endpoint + "/admin/add_worker",
             json={"url": spec.url, "role": role.value},
@@ -250,11 +277,16 @@ class LocalAutoscaler:
             workers = list(self.cluster.plan.workers)
         return [s for s in workers if s.role is Role.prefill and s.name != without]
 
-    def _publish_prefills(self, http: httpx.Client, prefills: list[ProcessSpec]) -> None:
-        """Every decode's known prefill set becomes `prefills`."""
-        with self.cluster.lock:
-            decodes = [s for s in self.cluster.plan.workers if s.role is Role.decode]
-        body = {"peers": prefill_peers(prefills)}
+    def _publish_prefills(self, http: httpx.Client, without: str | None = None) -> None:
+        """Every decode's known prefill set becomes the cluster's prefills (less
+        `without`, one being removed); one starting is already in it."""
+        with self._peers_lock:
+            with self.cluster.lock:
+                decodes = [s for s in self.cluster.plan.workers if s.role is Role.decode]
+            self._send_peers(http, decodes, prefill_peers(self._prefills(without)))
+
+    def _send_peers(self, http: httpx.Client, decodes: list[ProcessSpec], peers: list[str]) -> None:
+        body = {"peers": peers}
         for decode in decodes:
             try:
                 resp = http.put(decode.url + "/admin/prefill_peers", json=body)
@@ -272,15 +304,18 @@ class LocalAutoscaler:
         except httpx.HTTPError:
             pass
         if spec.role is Role.prefill:
-            self._publish_prefills(http, self._prefills(without=spec.name))
+            self._publish_prefills(http, without=spec.name)
         self.cluster.remove_scaled([spec])
 
     # ------------------------------------------------------------ drain
-    def _drain(self, key: InstanceKey, http: httpx.Client, notifier: PeerNotifier) -> None:
-        specs = self.cluster.release(key)
-        if specs is None:
-            self.on_line(f"Normal DrainSkipped: {key} is not running now; kept")
-            return
+    def _drain(
+        self,
+        key: InstanceKey,
+        specs: list[ProcessSpec],
+        http: httpx.Client,
+        notifier: PeerNotifier,
+    ) -> None:
+        """A released instance: held out, waited on, forgotten, stopped."""
         started = time.monotonic()
         self.on_line(f"Normal Draining: {key}: held out at the router, waiting for its requests")
         for spec in specs:
@@ -294,7 +329,7 @@ class LocalAutoscaler:
                 return  # the cluster is stopping: it stops this instance too
         for spec in specs:
             if spec.role is Role.prefill:
-                self._publish_prefills(http, self._prefills(without=spec.name))
+                self._publish_prefills(http, without=spec.name)
             http.post(self.cluster.plan.endpoint + "/admin/remove_worker", json={"url": spec.url})
         self.cluster.remove_scaled(specs)
         took = time.monotonic() - started

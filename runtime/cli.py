@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from pdcluster.runtime.spec import (
     PDCluster,
@@ -25,6 +26,10 @@ from pdcluster.runtime.spec import (
     SpecError,
     load_manifest_text,
 )
+
+if TYPE_CHECKING:
+    from pdcluster.runtime.local.autoscaling import LocalAutoscaler
+    from pdcluster.runtime.local.launcher import LocalCluster
 
 DEFAULT_STATE_DIR = ".pdcluster"
 DEMO_PROMPT = "The capital of France is"
@@ -87,6 +92,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         router_port=router_port,
     )
     cluster = LocalCluster(plan, state_dir)
+    autoscaler = None
     stop_requested = False
 
     def on_signal(signum: int, _: FrameType | None) -> None:
@@ -108,6 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             _demo(plan.endpoint, manifest.spec.model.name)
         if args.demo_only:
             return 0
+        autoscaler = _start_autoscaler(cluster, manifest, args.file)
         print(f"\nserving on {plan.endpoint}/v1 — press Ctrl-C to stop", flush=True)
         # A lost instance is restarted (spec.<role>.restart); only a spent
         # budget or the router's exit ends here.
@@ -125,7 +132,23 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("\nstopping ...", flush=True)
         return 0
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         cluster.stop()
+
+
+def _start_autoscaler(
+    cluster: LocalCluster, manifest: PDCluster, path: str
+) -> LocalAutoscaler | None:
+    """The planner's loop when a role has `autoscaling`; its decisions go to stderr."""
+    from pdcluster.runtime.local.autoscaling import LocalAutoscaler, scaling_config
+    from pdcluster.runtime.local.launcher import print_err
+
+    if not scaling_config(manifest).is_enabled:
+        return None
+    autoscaler = LocalAutoscaler(cluster, manifest, path, sys.executable, on_line=print_err)
+    autoscaler.start()
+    return autoscaler
 
 
 def restart_policies(manifest: PDCluster) -> dict[Role, RestartPolicySpec]:

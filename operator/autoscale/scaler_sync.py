@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from pdcluster.operator.autoscale.planner import DecisionEvent
+from pdcluster.runtime.autoscale.planner import DecisionEvent
 from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
 

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdcluster.operator.api import PDClusterStatus, RoleAutoscalingStatus, format_time
-from pdcluster.operator.autoscale.planner import (
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.runtime.autoscale.planner import (
     Decision,
     DecisionEvent,
     DecisionReason,
@@ -55,13 +56,12 @@ from pdcluster.operator.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.operator.autoscale.samples import (
+from pdcluster.runtime.autoscale.samples import (
     MetricsParseError,
     WorkerScrape,
     compute_sample,
     parse_worker_metrics,
 )
-from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
 
 # A role whose interval ends this close after `now` is decided now.

@@ -10,7 +10,7 @@ Pure module.
 
 from __future__ import annotations
 
-from pdcluster.operator.autoscale.planner import STALE_AFTER_INTERVALS
+from pdcluster.runtime.autoscale.planner import STALE_AFTER_INTERVALS
 from pdcluster.runtime.spec import Role
 
 ROLE_PLACEHOLDER = "<role>"

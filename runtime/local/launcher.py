@@ -10,12 +10,19 @@ processes, feeds their exits to the pure `Supervisor` (supervision.py) and
 performs what it decides — tear a lost instance down as a gang, tell its
 peers (peers.py), start it again on the same ports, admit it at the router
 once ready — until the supervisor gives up.
+
+Autoscaling (autoscaling.py) changes the membership from its own thread:
+`add_scaled` starts an instance outside supervision, `adopt` hands it to the
+supervisor once it is ready, `release` takes a running one back before it is
+drained (so its exit is no loss), `remove_scaled` forgets it once stopped.
+The supervise loop applies adopt/release between two observations.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import signal
 import subprocess
@@ -23,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,7 @@ from pdcluster.runtime.local.supervision import (
     InstanceKey,
     ReportLost,
     Spawn,
+    SupervisionError,
     Supervisor,
     TearDown,
     describe_exit,
@@ -53,6 +61,17 @@ def state_dir_for(base: Path, cluster: str) -> Path:
     return base / cluster
 
 
+@dataclass
+class _Membership:
+    """A change autoscaling asks of the supervise loop; `done` is set once applied."""
+
+    adopt: bool  # True: supervise the instance; False: release it for a drain
+    key: InstanceKey
+    specs: list[ProcessSpec]
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
 class LocalCluster:
     def __init__(self, plan: LocalPlan, state_dir: Path, token: str | None = None) -> None:
         self.plan = plan
@@ -63,6 +82,9 @@ class LocalCluster:
         self.restarts: dict[str, int] = {}
         self.last_exit: dict[str, str] = {}
         self.phase: dict[str, str] = {}
+        # Guards plan, procs and phase against the autoscaling thread; state writes too.
+        self.lock = threading.RLock()
+        self._membership: queue.SimpleQueue[_Membership] = queue.SimpleQueue()
 
     def start(self) -> None:
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -96,6 +118,10 @@ class LocalCluster:
         return proc
 
     def write_state(self) -> None:
+        with self.lock:
+            self._write_state()
+
+    def _write_state(self) -> None:
         state = {
             "cluster": self.plan.cluster,
             "endpoint": self.plan.endpoint,
@@ -177,11 +203,46 @@ class LocalCluster:
         seen: set[str] = set()  # processes whose exit was observed or caused
         started_at: dict[InstanceKey, float] = {}
         notifier = PeerNotifier(self.token, self.plan.endpoint)
-        # A multi-pod instance talks to the rest of the cluster through its leader pod.
-        decodes = [s for s in self.plan.leaders if s.role is Role.decode]
 
         def running_decodes() -> list[ProcessSpec]:
+            # A multi-pod instance talks to the rest of the cluster through its leader pod.
+            decodes = [
+                s
+                for specs in instances.values()
+                for s in specs
+                if s.role is Role.decode and s.is_leader
+            ]
             return [d for d in decodes if self.phase.get(d.name, "running") == "running"]
+
+        def apply_membership() -> None:
+            while True:
+                try:
+                    change = self._membership.get_nowait()
+                except queue.Empty:
+                    return
+                names = [s.name for s in change.specs]
+                if change.adopt:
+                    sup.add_instance(change.key)
+                    instances[change.key] = change.specs
+                    for name in names:
+                        key_of[name], generation[name] = change.key, 0
+                    with self.lock:
+                        self.phase.update(dict.fromkeys(names, "running"))
+                    change.ok = True
+                elif sup.is_supervised(change.key):
+                    try:
+                        sup.remove_instance(change.key)
+                    except SupervisionError:
+                        change.done.set()  # being restarted: not drained now
+                        continue
+                    del instances[change.key]
+                    for name in names:
+                        key_of.pop(name, None)
+                    with self.lock:
+                        self.phase.update(dict.fromkeys(names, "draining"))
+                    change.ok = True
+                self.write_state()
+                change.done.set()
 
         def is_ready(key: InstanceKey) -> bool:
             specs = instances[key]
@@ -238,9 +299,12 @@ class LocalCluster:
 
         try:
             while sup.given_up is None:
+                apply_membership()
                 now = time.monotonic()
                 for name, proc in list(self.procs.items()):
-                    if name in seen or proc.poll() is None:
+                    # A process autoscaling owns (starting, draining) is not supervised.
+                    owned = name in key_of or name == self.plan.router.name
+                    if name in seen or not owned or proc.poll() is None:
                         continue
                     seen.add(name)
                     self.last_exit[name] = describe_exit(proc.returncode)
@@ -261,8 +325,69 @@ class LocalCluster:
                     return "supervision stopped"
         finally:
             notifier.close()
+            while not self._membership.empty():  # nobody applies them any more
+                self._membership.get_nowait().done.set()
         reason: str = sup.given_up
         return reason
+
+    # ------------------------------------------------------------ autoscaling hooks
+    def add_scaled(self, specs: list[ProcessSpec]) -> None:
+        """Start a new instance outside supervision (autoscaling waits for it)."""
+        with self.lock:
+            self.plan = replace(self.plan, workers=(*self.plan.workers, *specs))
+            for spec in specs:
+                self.spawn(spec)
+                self.phase[spec.name] = "starting"
+            self._write_state()
+
+    def adopt(self, key: InstanceKey, specs: list[ProcessSpec], timeout: float = 30.0) -> bool:
+        """Hand a ready instance to the supervise loop; False if it did not take it."""
+        return self._ask(_Membership(True, key, specs), timeout)
+
+    def release(self, key: InstanceKey, timeout: float = 30.0) -> list[ProcessSpec] | None:
+        """Take a running instance back from supervision before draining it (None: it is
+        not running now, e.g. being restarted; it is left alone)."""
+        with self.lock:
+            specs = [s for s in self.plan.workers if s.role == key.role and s.instance == key.index]
+        if not specs:
+            return None
+        return specs if self._ask(_Membership(False, key, specs), timeout) else None
+
+    def _ask(self, change: _Membership, timeout: float) -> bool:
+        self._membership.put(change)
+        return change.done.wait(timeout) and change.ok
+
+    def remove_scaled(self, specs: list[ProcessSpec]) -> None:
+        """Stop an unsupervised instance (a drained one, or one that failed to start)
+        and forget it."""
+        names = {s.name for s in specs}
+        with self.lock:
+            procs = [self.procs[n] for n in names if n in self.procs]
+        stop_pids([p.pid for p in procs], grace=10.0)
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        with self.lock:
+            for name in names:
+                self.procs.pop(name, None)
+                self.phase.pop(name, None)
+            workers = tuple(s for s in self.plan.workers if s.name not in names)
+            self.plan = replace(self.plan, workers=workers)
+            self._write_state()
+
+    def instance_phases(self) -> dict[InstanceKey, str]:
+        """Each worker instance and its phase as `ps` shows it (a gang: its worst)."""
+        order = ("running", "draining", "starting", "backoff")
+        out: dict[InstanceKey, str] = {}
+        with self.lock:
+            for spec in self.plan.workers:
+                key = InstanceKey(Role(spec.role), spec.instance)
+                phase = self.phase.get(spec.name, "running")
+                if key not in out or order.index(phase) > order.index(out[key]):
+                    out[key] = phase
+        return out
 
     def _tear_down(self, specs: list[ProcessSpec]) -> None:
         """Kill what is left of a lost instance (every process group of it) and reap it,

@@ -78,12 +78,78 @@ def _role_items(manifest: PDCluster) -> Iterator[tuple[Role, RoleSpec]]:
     yield Role.decode, spec.decode
 
 
+def num_worker_ports(role: Role) -> int:
+    """Ports one instance needs: HTTP + distributed store (+ bootstrap for prefill)."""
+    return 3 if role is Role.prefill else 2
+
+
 def count_ports(manifest: PDCluster) -> int:
-    """Ports the plan needs: per worker HTTP + distributed store (+ bootstrap), router."""
+    """Ports the plan needs: every worker's, and the router's."""
     n = 1
     for role, rs in _role_items(manifest):
-        n += rs.replicas * (3 if role is Role.prefill else 2)
+        n += rs.replicas * num_worker_ports(role)
     return n
+
+
+def role_spec_of(manifest: PDCluster, role: Role) -> RoleSpec:
+    for r, rs in _role_items(manifest):
+        if r is role:
+            return rs
+    raise ValueError(f"the manifest has no {role.value} role")
+
+
+def build_instance_specs(
+    manifest: PDCluster,
+    manifest_path: str,
+    role: Role,
+    instance: int,
+    ports: list[int],
+    prefills: list[ProcessSpec],
+    python: str,
+) -> list[ProcessSpec]:
+    """The processes (one per pod, the leader first) of one instance of `role`, also
+    of one started later by autoscaling: `ports` holds `num_worker_ports(role)` free
+    ports; a decode may contact only `prefills`."""
+    rs = role_spec_of(manifest, role)
+    if len(ports) != num_worker_ports(role):
+        raise ValueError(f"a {role.value} instance needs {num_worker_ports(role)} ports")
+    free = iter(ports)
+    port, dist_port = next(free), next(free)
+    argv = [
+        python,
+        "-m",
+        "pdcluster.runtime.cli",
+        "worker",
+        "-f",
+        manifest_path,
+        "--role",
+        role.value,
+        "--instance",
+        str(instance),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--dist-port",
+        str(dist_port),
+    ]
+    bport = None
+    if role is Role.prefill:
+        bport = next(free)
+        argv += ["--bootstrap-port", str(bport)]
+    elif role is Role.decode:
+        # The only bootstrap servers decode may contact (and send the token to).
+        argv += ["--prefill-peers", ",".join(prefill_peers(prefills))]
+    return _pods(role, instance, rs, tuple(argv), port, bport)
+
+
+def prefill_peers(prefills: list[ProcessSpec]) -> list[str]:
+    """host:port of the prefills' bootstrap servers (what a decode may contact)."""
+    return [
+        f"{HOST}:{p.bootstrap_port}"
+        for p in prefills
+        if p.bootstrap_port is not None and p.is_leader
+    ]
 
 
 def build_local_plan(
@@ -100,40 +166,17 @@ def build_local_plan(
         raise ValueError(f"plan needs {need} ports, got {len(ports)}")
     free = iter(ports)
     workers: list[ProcessSpec] = []
-    base = [python, "-m", "pdcluster.runtime.cli"]
     for role, rs in _role_items(manifest):
         for i in range(rs.replicas):
-            port, dist_port = next(free), next(free)
-            argv = [
-                *base,
-                "worker",
-                "-f",
-                manifest_path,
-                "--role",
-                role.value,
-                "--instance",
-                str(i),
-                "--host",
-                HOST,
-                "--port",
-                str(port),
-                "--dist-port",
-                str(dist_port),
-            ]
-            bport = None
-            if role is Role.prefill:
-                bport = next(free)
-                argv += ["--bootstrap-port", str(bport)]
-            elif role is Role.decode:
-                # The only bootstrap servers decode may contact (and send the token to).
-                peers = [
-                    f"{HOST}:{w.bootstrap_port}"
-                    for w in workers
-                    if w.role is Role.prefill and w.is_leader
-                ]
-                argv += ["--prefill-peers", ",".join(peers)]
-            workers.extend(_pods(role, i, rs, tuple(argv), port, bport))
+            n = num_worker_ports(role)
+            peers = [w for w in workers if w.role is Role.prefill]
+            workers.extend(
+                build_instance_specs(
+                    manifest, manifest_path, role, i, [next(free) for _ in range(n)], peers, python
+                )
+            )
     rport = next(free) if router_port is None else router_port
+    base = [python, "-m", "pdcluster.runtime.cli"]
     rargv = [*base, "router", "-f", manifest_path, "--host", HOST, "--port", str(rport)]
     for w in workers:
         if not w.is_leader:

@@ -239,6 +239,26 @@ class Supervisor:
         allowed: int = self._policies[role].budget
         return max(0, allowed - self._budgets[role].used(now))
 
+    # ------------------------------------------------------------ membership
+    def add_instance(self, key: InstanceKey) -> None:
+        """Supervise an instance autoscaling started, once it is ready (RUNNING)."""
+        if key in self._instances:
+            raise SupervisionError(f"instance {key} is already supervised")
+        if key.role not in self._policies:
+            raise SupervisionError(f"no restart policy for role {key.role.value}")
+        self._instances[key] = _Instance()
+
+    def remove_instance(self, key: InstanceKey) -> None:
+        """Stop supervising an instance autoscaling drains: its exit is no loss.
+        Only a RUNNING instance is drained (one being restarted is no capacity to give)."""
+        inst = self._get(key)
+        if inst.phase is not Phase.RUNNING:
+            raise SupervisionError(f"instance {key} is {inst.phase.value}, not running")
+        del self._instances[key]
+
+    def is_supervised(self, key: InstanceKey) -> bool:
+        return key in self._instances
+
     # ------------------------------------------------------------ events
     def on_exit(
         self, process: str, key: InstanceKey | None, generation: int, returncode: int, now: float

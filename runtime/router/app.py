@@ -5,7 +5,11 @@ Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (stream and not),
 and, guarded by the cluster token, ``POST /admin/hold_worker`` and
 ``POST /admin/admit_worker`` ``{"url": worker URL, "reason"?: str}``: a
 supervisor that saw a worker die keeps it out of the pool until it has
-restarted it (local mode; a probe cannot readmit a held worker).
+restarted it (local mode; a probe cannot readmit a held worker);
+``POST /admin/add_worker`` ``{"url", "role"}`` and ``POST
+/admin/remove_worker`` ``{"url"}``: local-mode autoscaling adds a started
+instance (it serves after its first good probe) and removes a drained one
+(409 while legs are still in flight on it).
 Handlers only read the body, validate, plan and hand the request to a
 `Relay`; every error leaves as OpenAI-style JSON (or an SSE error event once
 a stream has started).
@@ -78,6 +82,8 @@ ROUTES = frozenset(
         "/metrics",
         "/admin/hold_worker",
         "/admin/admit_worker",
+        "/admin/add_worker",
+        "/admin/remove_worker",
     }
 )
 
@@ -336,16 +342,65 @@ class RouterState:
             if not handed_off:
                 await relay.aclose()
 
-    async def hold(self, request: Request, *, held: bool) -> JSONResponse:
-        """`/admin/hold_worker` (held) and `/admin/admit_worker`."""
+    async def _admin_body(self, request: Request) -> dict[str, Any] | None:
+        """The JSON body of an admin call once its token is checked (None: client left)."""
         if not self.config.worker_token:
             raise RouterError(403, "the router has no cluster token: its admin API is off")
         denied = check_bearer(request.headers.get("authorization"), self.config.worker_token)
         if denied is not None:
             raise RouterError(denied.status, denied.message, reason="unauthorized")
         try:
-            body = parse_json_object(await _read_body(request, 4096))
+            return parse_json_object(await _read_body(request, 4096))
         except ClientDisconnect:
+            return None
+
+    async def add_worker(self, request: Request) -> JSONResponse:
+        """`/admin/add_worker {url, role}`: a new instance; probed at once."""
+        body = await self._admin_body(request)
+        if body is None:
+            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+        roles = (Role.prefill, Role.decode) if self.config.is_disaggregated else (Role.colocated,)
+        names = [r.value for r in roles]
+        url, role = body.get("url"), body.get("role")
+        if not isinstance(url, str) or role not in names:
+            raise RouterError(422, f"body must be {{url: str, role: one of {names}}}")
+        try:
+            worker = self.pool.add(url, Role(role))
+        except ValueError as err:
+            raise RouterError(409 if "in the pool as" in str(err) else 422, str(err)) from None
+        assert self.ctx is not None and self.checker is not None
+        log.info("worker %s (%s) added by its supervisor", worker.url, worker.role)
+        self.ctx.spawn(self.checker.probe(worker))
+        return JSONResponse(worker.describe())
+
+    async def remove_worker(self, request: Request) -> JSONResponse:
+        """`/admin/remove_worker {url}`: a drained instance leaves the pool."""
+        body = await self._admin_body(request)
+        if body is None:
+            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise RouterError(422, "body must be {url: str}")
+        try:
+            worker = self.pool.get(normalize_url(url))
+        except ValueError as err:
+            raise RouterError(422, str(err)) from None
+        if worker is None:
+            raise RouterError(404, f"no worker {url} in the pool")
+        try:
+            self.pool.remove(worker)
+        except ValueError as err:
+            raise RouterError(409, str(err)) from None
+        if worker.healthy:
+            worker.healthy = False
+            self._on_transition(worker, False)
+        log.info("worker %s (%s) removed by its supervisor", worker.url, worker.role)
+        return JSONResponse(worker.describe())
+
+    async def hold(self, request: Request, *, held: bool) -> JSONResponse:
+        """`/admin/hold_worker` (held) and `/admin/admit_worker`."""
+        body = await self._admin_body(request)
+        if body is None:
             return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
         url, reason = body.get("url"), body.get("reason", "held out by its supervisor")
         if not isinstance(url, str) or not isinstance(reason, str) or len(reason) > 256:
@@ -459,6 +514,14 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
     @app.post("/admin/admit_worker")
     async def admit_worker(request: Request) -> JSONResponse:
         return await state.hold(request, held=False)
+
+    @app.post("/admin/add_worker")
+    async def add_worker(request: Request) -> JSONResponse:
+        return await state.add_worker(request)
+
+    @app.post("/admin/remove_worker")
+    async def remove_worker(request: Request) -> JSONResponse:
+        return await state.remove_worker(request)
 
     @app.get("/metrics")
     async def metrics() -> Response:

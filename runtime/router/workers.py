@@ -20,7 +20,10 @@ Invariants:
 - ``outstanding`` counts legs in flight and never goes negative; a worker
   removed by discovery while legs are in flight keeps its counter on the
   object those legs hold, so a late release cannot touch a newer worker
-  that reuses the URL.
+  that reuses the URL;
+- ``add`` (a supervisor started an instance: local-mode autoscaling) puts a
+  worker in the pool unhealthy, like discovery; ``remove`` takes one out only
+  once no leg is in flight on it (the supervisor drained it first).
 
 Pure module: the probes themselves live in `health.py`.
 """
@@ -266,6 +269,30 @@ class WorkerPool:
         Returns True when it was a candidate."""
         worker.held = True
         return self.mark_unreachable(worker, reason)
+
+    def add(self, url: str, role: Role) -> Worker:
+        """Add a worker by hand (it starts unhealthy: its first good probe admits it).
+        Adding one that is there with the same role returns it; another role is an error."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is not None:
+            if worker.role is not role:
+                raise ValueError(f"worker {url} is in the pool as {worker.role.value}")
+            return worker
+        worker = Worker(url=url, role=role)
+        self._workers[url] = worker
+        return worker
+
+    def remove(self, worker: Worker) -> None:
+        """Take a drained worker out; one with legs in flight stays (ValueError)."""
+        if self._workers.get(worker.url) is not worker:
+            raise ValueError(f"worker {worker.url} is not in the pool")
+        if worker.outstanding:
+            raise ValueError(
+                f"worker {worker.url} still has {worker.outstanding} leg(s) in flight: "
+                "hold it out and wait for them to end first"
+            )
+        del self._workers[worker.url]
 
     @staticmethod
     def let_in(worker: Worker) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from pdcluster.runtime.local.launcher import STATE_FILE, LocalCluster
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
+from pdcluster.runtime.local.supervision import InstanceKey
 from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
@@ -165,3 +166,39 @@ def test_with_no_budget_the_first_loss_ends_supervision_with_the_reason(
     )
     assert not any("/admin/" in c for c in supervised.calls("router"))
     assert supervised.cluster.procs["prefill-0"].poll() is None, "giving up stops nothing itself"
+
+
+def test_an_adopted_instance_is_restarted_and_a_released_one_exits_without_a_restart(
+    supervised: Supervised,
+) -> None:
+    cluster = supervised.cluster
+    port, bport = free_ports(2)
+    new = standin("prefill-2", Role.prefill, 2, port, bport)
+    cluster.add_scaled([new])
+    assert supervised.state("prefill-2")["state"] == "starting"
+    # Not supervised yet: its exit is autoscaling's business, not a loss.
+    assert cluster.adopt(InstanceKey(Role.prefill, 2), [new])
+    assert supervised.state("prefill-2")["state"] == "running"
+    assert cluster.instance_phases()[InstanceKey(Role.prefill, 2)] == "running"
+
+    old_pid = cluster.procs["prefill-2"].pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: supervised.lines[-1:] == ["prefill-2 is back"], "prefill-2 restarted")
+    assert supervised.state("prefill-2")["restarts"] == 1
+
+    # Released for a drain: "draining", and its exit restarts nothing.
+    key = InstanceKey(Role.prefill, 1)
+    assert cluster.release(key) == [cluster.plan.workers[1]]
+    assert supervised.state("prefill-1")["state"] == "draining"
+    lines = len(supervised.lines)
+    cluster.remove_scaled(cluster.release(InstanceKey(Role.prefill, 2)) or [])
+    names = [s.name for s in cluster.plan.workers]
+    assert names == ["prefill-0", "prefill-1", "decode-0"]
+    os.kill(cluster.procs["prefill-1"].pid, signal.SIGKILL)
+    wait_for(lambda: cluster.procs["prefill-1"].poll() is not None, "prefill-1 gone")
+    cluster.remove_scaled([cluster.plan.workers[1]])
+    assert [s.name for s in cluster.plan.workers] == ["prefill-0", "decode-0"]
+    assert supervised.thread.is_alive() and supervised.lines[lines:] == []
+    # Releasing what is not there is refused and changes nothing.
+    assert cluster.release(key) is None
+    assert supervised.state("prefill-0")["restarts"] == 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pdcluster.operator.autoscale.planner import (
+from pdcluster.runtime.autoscale.planner import (
     Decision,
     PlannerHistory,
     RoleObservation,

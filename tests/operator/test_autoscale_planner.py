@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator.autoscale.planner import (
+from pdcluster.runtime.autoscale.planner import (
     STALE_AFTER_INTERVALS,
     DecisionReason,
     PlannerHistory,

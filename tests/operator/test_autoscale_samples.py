@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from pdcluster.operator.autoscale.planner import Sample
-from pdcluster.operator.autoscale.samples import (
+from pdcluster.runtime.autoscale.planner import Sample
+from pdcluster.runtime.autoscale.samples import (
     Histogram,
     MetricsParseError,
     WorkerScrape,

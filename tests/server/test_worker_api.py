@@ -6,7 +6,7 @@ import json
 import threading
 import time
 
-from pdcluster.operator.autoscale.samples import parse_worker_metrics
+from pdcluster.runtime.autoscale.samples import parse_worker_metrics
 from pdcluster.runtime.serving.engine_service import EngineService
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcluster.operator.autoscale.planner import Sample
+from pdcluster.runtime.autoscale.planner import Sample
 from pdcluster.runtime.spec import AutoscalingMetric
 
 TTFT = "pdcluster_time_to_first_token_seconds"

@@ -1,0 +1,224 @@
+"""Local mode's autoscaling step: the operator's planner over local instances.
+
+`compute_local_step(config, instances, scrapes, history, now)` is one
+interval of `pdcluster up`: the instances of each role (ready, starting,
+draining), the `/metrics` text of each ready one, and the previous history
+in; the instances to start and to drain, the log lines (the operator's
+`ScaledUp`/`ScaledDown`/... Events) and the next history out.
+
+- replicas of a role = its ready + starting instances; one being drained is
+  already gone (the planner decided it), and counts as no capacity;
+- samples come from `runtime/autoscale/samples.py`, exactly as the operator
+  reads them; a p90 needs two scrapes of an instance, so the first interval
+  of every instance holds without a `MetricMissing` warning;
+- a hold's Warning (`MetricMissing`, ...) is logged when the role enters
+  that hold, not again each interval it stays there (stderr is no Event
+  stream that aggregates);
+- a scale-up starts the lowest free instance numbers; a scale-down drains the
+  highest-numbered ready instances (instance 0 is the last to go);
+- the planner's history is kept only with the step, so the caller applies
+  the actions before the next call (a desired value not applied would read
+  as a manual change).
+
+Pure module: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdcluster.runtime.autoscale.planner import (
+    DecisionReason,
+    PlannerHistory,
+    RoleObservation,
+    compute_plan,
+)
+from pdcluster.runtime.autoscale.samples import (
+    MetricsParseError,
+    WorkerScrape,
+    compute_sample,
+    parse_worker_metrics,
+)
+from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
+
+_LATENCY = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
+SCALED_ROLES = (Role.prefill, Role.decode)
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    autoscaling: RoleAutoscalingSpec | None
+    gpus_per_instance: int  # ranks of one instance (one GPU each in production)
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    roles: Mapping[Role, RoleConfig]
+    max_total_gpus: int | None = None
+
+    @property
+    def is_enabled(self) -> bool:
+        return any(c.autoscaling is not None for c in self.roles.values())
+
+
+@dataclass(frozen=True)
+class RoleInstances:
+    """Instance numbers of one role by phase."""
+
+    ready: frozenset[int] = frozenset()
+    starting: frozenset[int] = frozenset()
+    draining: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if (
+            self.ready & self.starting
+            or self.ready & self.draining
+            or self.starting & self.draining
+        ):
+            raise ValueError(f"an instance is in two phases: {self}")
+
+    @property
+    def replicas(self) -> int:
+        return len(self.ready) + len(self.starting)
+
+
+@dataclass(frozen=True)
+class Scrape:
+    text: str  # an instance's /metrics body
+    at: float  # when it was fetched, on the clock of `now`
+
+
+@dataclass(frozen=True)
+class StartInstance:
+    role: Role
+    instance: int
+
+
+@dataclass(frozen=True)
+class DrainInstance:
+    role: Role
+    instance: int
+
+
+ScaleAction = StartInstance | DrainInstance
+
+
+@dataclass(frozen=True)
+class ScalingHistory:
+    planner: PlannerHistory = field(default_factory=PlannerHistory)
+    # Each role's parsed scrapes at its last decision, by instance number.
+    scrapes: Mapping[Role, Mapping[int, WorkerScrape]] = field(default_factory=dict)
+    decided_at: Mapping[Role, float] = field(default_factory=dict)
+    reasons: Mapping[Role, DecisionReason] = field(default_factory=dict)  # the last decision's
+
+
+@dataclass(frozen=True)
+class ScalingStep:
+    actions: tuple[ScaleAction, ...]
+    lines: tuple[str, ...]  # what to log: "<Type> <Reason>: <message>"
+    history: ScalingHistory
+    next_due_at: float | None  # None: no role autoscales
+
+
+def roles_due(config: ScalingConfig, history: ScalingHistory, now: float) -> tuple[Role, ...]:
+    """The autoscaled roles whose interval ended by `now` (the only ones to scrape)."""
+    out = []
+    for role in SCALED_ROLES:
+        cfg = config.roles[role].autoscaling if role in config.roles else None
+        last = history.decided_at.get(role)
+        if cfg is not None and (last is None or now >= last + cfg.interval_seconds):
+            out.append(role)
+    return tuple(out)
+
+
+def _parse(
+    role: Role, scrapes: Mapping[int, Scrape], lines: list[str]
+) -> tuple[dict[int, WorkerScrape], float | None]:
+    parsed: dict[int, WorkerScrape] = {}
+    times = []
+    for instance, scrape in sorted(scrapes.items()):
+        try:
+            parsed[instance] = parse_worker_metrics(scrape.text)
+        except MetricsParseError as err:
+            lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {err}")
+            continue
+        times.append(scrape.at)
+    return parsed, min(times) if times else None
+
+
+def _by_name(scrapes: Mapping[int, WorkerScrape]) -> dict[str, WorkerScrape]:
+    return {str(i): s for i, s in scrapes.items()}
+
+
+def compute_local_step(
+    config: ScalingConfig,
+    instances: Mapping[Role, RoleInstances],
+    scrapes: Mapping[Role, Mapping[int, Scrape]],
+    history: ScalingHistory,
+    now: float,
+) -> ScalingStep:
+    """This interval's starts, drains and log lines for every autoscaled role that is due."""
+    due = set(roles_due(config, history, now))
+    lines: list[str] = []
+    observations: dict[Role, RoleObservation] = {}
+    current: dict[Role, dict[int, WorkerScrape]] = {}
+    first_interval: set[Role] = set()
+    for role, rc in config.roles.items():
+        have = instances.get(role, RoleInstances())
+        cfg = rc.autoscaling if role in due else None
+        sample = None
+        if cfg is not None:
+            ready_scrapes = {i: s for i, s in scrapes.get(role, {}).items() if i in have.ready}
+            parsed, at = _parse(role, ready_scrapes, lines)
+            previous = history.scrapes.get(role, {})
+            current[role] = parsed
+            if at is not None:
+                sample = compute_sample(cfg.target.metric, _by_name(previous), _by_name(parsed), at)
+            if cfg.target.metric in _LATENCY and parsed and not previous.keys() & parsed.keys():
+                first_interval.add(role)
+        observations[role] = RoleObservation(
+            replicas=have.replicas,
+            ready=len(have.ready),
+            starting=len(have.starting),
+            gpus_per_instance=rc.gpus_per_instance,
+            autoscaling=cfg,
+            sample=sample,
+        )
+    plan = compute_plan(observations, config.max_total_gpus, now, history.planner)
+
+    actions: list[ScaleAction] = []
+    for role, decision in plan.decisions.items():
+        quiet = decision.reason is DecisionReason.metric_missing and role in first_interval
+        repeated = history.reasons.get(role) is decision.reason
+        for event in () if quiet else decision.events:
+            if not (repeated and event.type == "Warning"):
+                lines.append(f"{event.type} {event.reason}: {event.message}")
+        have = instances.get(role, RoleInstances())
+        if decision.desired > decision.current:
+            taken = have.ready | have.starting | have.draining
+            free = (i for i in range(len(taken) + decision.desired) if i not in taken)
+            for _ in range(decision.desired - decision.current):
+                actions.append(StartInstance(role, next(free)))
+        elif decision.desired < decision.current:
+            for instance in sorted(have.ready, reverse=True)[: decision.current - decision.desired]:
+                actions.append(DrainInstance(role, instance))
+
+    decided_at = {**history.decided_at, **{role: now for role in plan.decisions}}
+    kept = ScalingHistory(
+        planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
+        scrapes={**history.scrapes, **current},
+        decided_at=decided_at,
+        reasons={**history.reasons, **{r: d.reason for r, d in plan.decisions.items()}},
+    )
+    due_times = [
+        decided_at[role] + cfg.interval_seconds
+        for role, rc in config.roles.items()
+        if (cfg := rc.autoscaling) is not None and role in decided_at
+    ]
+    return ScalingStep(
+        actions=tuple(actions),
+        lines=tuple(lines),
+        history=kept,
+        next_due_at=min(due_times) if due_times else None,
+    )

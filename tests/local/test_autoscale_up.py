@@ -1,0 +1,130 @@
+"""`pdcluster up` runs the operator's planner: a load step scales prefill 1 -> 2,
+the load gone brings it back to 1 through a drain, and no request fails."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdcluster.runtime.autoscale.samples import parse_worker_metrics
+from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
+
+# Any finished request takes longer than this to its first token: load above target.
+TTFT_TARGET_S = 0.001
+SPEC: dict[str, Any] = {
+    "model": {"name": "tiny"},
+    "kvCache": {"pageSize": 16, "numPages": 512},
+    "prefill": {
+        "replicas": 1,
+        "autoscaling": {
+            "minReplicas": 1,
+            "maxReplicas": 2,
+            "intervalSeconds": 1,
+            "target": {"metric": "ttftP90Seconds", "value": TTFT_TARGET_S},
+            "scaleUp": {"stabilizationSeconds": 0},
+            "scaleDown": {"stabilizationSeconds": 3},
+        },
+    },
+    "decode": {"replicas": 1},
+    "router": {"healthCheckIntervalSeconds": 0.5},
+}
+
+
+class Load:
+    """Requests through the router from a few threads until stopped; none may fail."""
+
+    def __init__(self, cluster: RunningCluster, threads: int = 3) -> None:
+        self.url = cluster.endpoint + "/v1/completions"
+        self.stop = threading.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
+        with httpx.Client(trust_env=False, timeout=120) as http:
+            while not self.stop.is_set():
+                try:
+                    resp = http.post(self.url, json=body)
+                except httpx.HTTPError as err:
+                    self.failures.append(f"{type(err).__name__}: {err}")
+                    continue
+                if resp.status_code != 200:
+                    self.failures.append(f"{resp.status_code}: {resp.text[:300]}")
+                self.done += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=150)
+
+
+def wait_for(cond: Any, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def first_tokens(url: str) -> float:
+    """Requests a worker has seen to their first token (its own /metrics)."""
+    ttft = parse_worker_metrics(httpx.get(url + "/metrics", timeout=10).text).ttft
+    return 0 if ttft is None else ttft.count
+
+
+def prefill_rows(state_dir: Path) -> dict[str, str]:
+    return {n: r["STATE"] for n, r in ps_rows(state_dir).items() if n.startswith("prefill")}
+
+
+@pytest.mark.slow
+def test_a_load_step_scales_prefill_up_and_back_down_with_no_failed_request(
+    tmp_path: Path,
+) -> None:
+    path = write_manifest(tmp_path, "scaled", SPEC)
+    state_dir = tmp_path / "state"
+    with local_cluster(path, state_dir) as cluster:
+        log = state_dir.parent / "up-scaled.log"
+        assert prefill_rows(state_dir) == {"prefill-0": "running"}
+        with Load(cluster) as load:
+            wait_for(
+                lambda: prefill_rows(state_dir).get("prefill-1") == "running",
+                300,
+                "prefill-1 started and running",
+                log,
+            )
+            # It serves: the router sends it prompts, and the load keeps succeeding.
+            url = ps_rows(state_dir)["prefill-1"]["URL"]
+            wait_for(lambda: first_tokens(url) > 0, 120, "prefill-1 serving prompts", log)
+        assert load.done > 0 and not load.failures, load.failures
+        text = log.read_text()
+        assert "Normal ScaledUp: prefill 1 -> 2: ttftP90Seconds" in text, text[-3000:]
+        assert "prefill-1 is ready and serving" in text
+
+        # Idle: the p90 reads 0, the scale-down window passes, prefill-1 is drained.
+        wait_for(
+            lambda: prefill_rows(state_dir) == {"prefill-0": "running"},
+            300,
+            "prefill back at one instance",
+            log,
+        )
+        text = log.read_text()
+        assert "Normal ScaledDown: prefill 2 -> 1" in text, text[-3000:]
+        assert "prefill-1 drained in" in text
+        health = httpx.get(cluster.endpoint + "/health", timeout=10).json()
+        assert [w["url"] for w in health["workers"] if w["role"] == "prefill"] == [
+            cluster.worker("prefill-0")["url"]
+        ]
+        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8}
+        resp = httpx.post(cluster.endpoint + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8

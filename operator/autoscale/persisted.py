@@ -31,8 +31,8 @@ import datetime as dt
 from typing import Any
 
 from pdcluster.operator.api import MAX_AUTOSCALING_RECOMMENDATIONS, PDClusterStatus
-from pdcluster.operator.autoscale.planner import PlannerHistory, Recommendation, RoleHistory
 from pdcluster.operator.autoscale.step import AutoscaleHistory, AutoscaleStep
+from pdcluster.runtime.autoscale.planner import PlannerHistory, Recommendation, RoleHistory
 from pdcluster.runtime.spec import Role
 
 MAX_RECOMMENDATIONS = MAX_AUTOSCALING_RECOMMENDATIONS

@@ -43,12 +43,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster.operator import names
-from pdcluster.operator.autoscale.planner import DecisionReason
-from pdcluster.operator.autoscale.samples import IN_FLIGHT, TTFT
 from pdcluster.operator.autoscale.step import AutoscaleStep
 from pdcluster.operator.builders.meta import HTTP_PORT
 from pdcluster.operator.builders.router import ROUTER_ROLE
 from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.runtime.autoscale.planner import DecisionReason
+from pdcluster.runtime.autoscale.samples import IN_FLIGHT, TTFT
 from pdcluster.runtime.spec import AutoscalingMetric, Role
 
 ROUTER_TTFT = "pdcluster_router_time_to_first_token_seconds"

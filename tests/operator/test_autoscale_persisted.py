@@ -19,8 +19,8 @@ from pdcluster.operator.autoscale.persisted import (
     restore_history,
     status_patch_with_windows,
 )
-from pdcluster.operator.autoscale.planner import PlannerHistory, Recommendation, RoleHistory
 from pdcluster.operator.autoscale.step import AutoscaleHistory
+from pdcluster.runtime.autoscale.planner import PlannerHistory, Recommendation, RoleHistory
 from pdcluster.runtime.spec import Role
 
 from .test_autoscale_step import INTERVAL, Trace, autoscaling

@@ -15,7 +15,6 @@ from pdcluster.operator.autoscale.router_metrics import (
     router_scrape_targets,
     with_router_hold_notes,
 )
-from pdcluster.operator.autoscale.samples import parse_worker_metrics
 from pdcluster.operator.autoscale.step import (
     FIRST_INTERVAL,
     AutoscaleHistory,
@@ -24,6 +23,7 @@ from pdcluster.operator.autoscale.step import (
     compute_autoscale_step,
 )
 from pdcluster.operator.autoscale.wiring import status_patch
+from pdcluster.runtime.autoscale.samples import parse_worker_metrics
 from pdcluster.runtime.router.metrics import LATENCY_BUCKETS, RouterMetrics
 from pdcluster.runtime.router.workers import Worker
 from pdcluster.runtime.spec import Role

@@ -440,8 +440,12 @@ class DecodeAgent(RankAgent):
     ) -> None:
         r = self.rooms[room]
         r.reuse = reuse
-        # Start accepting frames before any source can know the pages.
-        self._receiving[room] = (r.generation, tuple(pages))
+        # Start accepting frames before any source can know the pages. The
+        # reused pages are other sequences' too: the receiver sees them as -1,
+        # so a frame aimed at them is refused (`bad_page_table`, the room
+        # fails) instead of written.
+        num_reused = 0 if reuse is None else reuse.num_pages
+        self._receiving[room] = (r.generation, (-1,) * num_reused + tuple(pages[num_reused:]))
         try:
             self.perform(self.table.assign_pages(room, pages, now, reuse))
         except RoomError as err:

@@ -111,6 +111,14 @@ class WorkerMetrics:
         self.free_pages = m.gauge("kv_free_pages", "Free KV pages (leader rank)")
         self.total_pages = m.gauge("kv_total_pages", "KV pages (leader rank)")
         self.transfer_bytes = m.counter("transfer_bytes_total", "KV bytes moved", "direction")
+        # Decode-side prefix reuse: prompt pages decode already held, so
+        # prefill did not send them (their bytes are not in transfer_bytes).
+        self.decode_reuse_pages = m.counter(
+            "decode_reuse_pages_total", "Prompt KV pages decode reused instead of receiving"
+        )
+        self.decode_reuse_bytes = m.counter(
+            "decode_reuse_bytes_total", "KV bytes decode reused instead of receiving"
+        )
         self.transfer_seconds = m.histogram(
             "transfer_seconds", "Time from metadata sent to transfer concluded"
         )

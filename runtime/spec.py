@@ -267,11 +267,11 @@ class EngineSpec(_Model):
         description="work pending and no engine step finished this long: engine_stalled",
     )
     prefix_cache: bool = Field(
-        default=False,
+        default=True,
         description=(
-            "keep computed full prompt pages in a prefix cache and skip recomputing a "
-            "cached prefix (colocated engines and the prefill side of PD); off by default "
-            "until decode-side reuse lands, then the target is on by default"
+            "keep full prompt pages in a prefix cache: an engine skips recomputing a "
+            "cached prefix (colocated, PD prefill), and a PD decode keeps the prompt pages "
+            "it received and has prefill send only what it does not hold yet"
         ),
     )
 

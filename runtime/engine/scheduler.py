@@ -59,7 +59,11 @@ on; otherwise none of this happens and the scheduler behaves as without it):
   freeing it: a cached page is never freed, and it is evicted only when the
   allocator needs pages and nobody references it;
 - several sequences may hold one cached page, so a victim of preemption
-  counts as freeing only the pages whose last reference it holds.
+  counts as freeing only the pages whose last reference it holds;
+- a ``prefilled`` sequence (decode: KV received from prefill) may open its
+  page table with cached pages the caller referenced for it (their
+  references pass to the sequence), and on ``add`` its full prompt pages are
+  inserted into the cache like computed ones.
 
 Pure module: no I/O, no torch.
 """
@@ -290,6 +294,9 @@ class Scheduler:
             self._waiting.append(seq)  # newest arrival: the end keeps the order
             return
         self._owned.update(seq.page_table)
+        # Its full prompt pages join the cache like computed ones (decode-side
+        # reuse: a later prompt with this prefix needs them sent no more).
+        self._insert_computed(seq)
         reason = seq.stop_reason()
         if reason is not None:
             self._end(seq, reason)
@@ -350,9 +357,18 @@ class Scheduler:
             )
         if len(set(seq.page_table)) != len(seq.page_table):
             raise RequestRejected(f"prefilled sequence {seq.rid!r} lists a page twice")
+        cache = self._cache
         for page in seq.page_table:
             if not isinstance(page, int) or not 0 <= page < self.allocator.num_total:
                 raise RequestRejected(f"prefilled sequence {seq.rid!r}: unknown page {page!r}")
+            if cache is not None and cache.is_cached(page):
+                # A reused prefix page: shared with other sequences, and the
+                # caller passes its reference with the sequence.
+                if cache.refcount(page) < 1:
+                    raise RequestRejected(
+                        f"prefilled sequence {seq.rid!r}: cached page {page} holds no reference"
+                    )
+                continue
             if not self.allocator.is_allocated(page):
                 raise RequestRejected(
                     f"prefilled sequence {seq.rid!r}: page {page} was not allocated"

@@ -23,6 +23,7 @@ COMPAT_FIELDS: tuple[str, ...] = (
     "allocation_policy",
     "model_fingerprint",
     "transfer_backend",
+    "protocol_version",
 )
 
 ShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -36,6 +37,11 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model_fingerprint: ShortText
     # tcp | shm | nixl: the prefill writes with the decode's backend, or not at all.
     transfer_backend: ShortText = "tcp"
+    # The control protocol's version (`messages.PROTOCOL_VERSION`). Absent in
+    # what a version-2 peer publishes, hence the default: a decode meeting
+    # such a prefill at GET /route fails the room at once, naming both
+    # versions, instead of waiting on frames the peer refuses.
+    protocol_version: Annotated[int, msgspec.Meta(ge=1, le=255)] = 2
 
 
 class Mismatch(msgspec.Struct, frozen=True):

@@ -63,6 +63,10 @@ class DecodeAdmission:
     def waiting_rooms(self) -> list[int]:
         return list(self._waiting)
 
+    def head(self) -> int | None:
+        """The room `admit` asks pages for next (None: nobody waits)."""
+        return next(iter(self._waiting), None)
+
     def holds_slot(self, room: int) -> bool:
         return room in self._holding
 
@@ -93,7 +97,10 @@ class DecodeAdmission:
         return self._waiting.pop(room, None) is not None
 
     def admit(self, allocate: Allocate) -> list[Admitted]:
-        """Admit from the head while slots and pages last; stop at the first that does not fit."""
+        """Admit from the head while slots and pages last; stop at the first that does not fit.
+
+        `allocate` is asked for the pages of `head()` (a caller that reuses
+        cached pages per room reads it there)."""
         out: list[Admitted] = []
         while self._waiting and len(self._holding) < self.num_slots:
             room, need = next(iter(self._waiting.items()))

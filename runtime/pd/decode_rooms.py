@@ -101,6 +101,7 @@ from pdcluster.runtime.pd.messages import (
     TransferMeta,
 )
 from pdcluster.runtime.pd.peer_liveness import Gate, PeerVerdicts
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.room_common import (
     Handler,
     RoomError,
@@ -286,8 +287,13 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
             self._step(r, _Ev.RESOLVED, now)
         return acts
 
-    def assign_pages(self, room: int, pages: Sequence[int], now: float) -> list[Action]:
+    def assign_pages(
+        self, room: int, pages: Sequence[int], now: float, reuse: ReusedPrefix | None = None
+    ) -> list[Action]:
         """Admission reserved `pages` for the room: send them to every source.
+
+        `reuse`: the first `reuse.num_pages` pages are cached pages decode
+        already holds for this prompt; the sources are told not to write them.
 
         Raises (and takes no ownership of the pages) if the room is not
         waiting for pages — the caller then frees them itself.
@@ -306,12 +312,24 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         for p in page_list:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.info.num_pages:
                 raise RoomError(f"room {room}: page {p!r} outside [0, {self.info.num_pages})")
+        if reuse is not None and not isinstance(reuse, ReusedPrefix):
+            raise RoomError(f"room {room}: reuse must be a ReusedPrefix, got {reuse!r}")
+        if reuse is not None and reuse.num_pages >= len(page_list):
+            raise RoomError(
+                f"room {room}: reusing {reuse.num_pages} of {len(page_list)} pages "
+                "leaves nothing to receive",
+                "bad_reuse",
+            )
         r.pages = tuple(page_list)
         acts: list[Action] = []
         assert r.sources is not None
         for state in r.sources.values():
             state.may_write = True
-            acts.append(self._claim(r, state, TransferMeta, dst_pages=page_list, prompt=r.prompt))
+            acts.append(
+                self._claim(
+                    r, state, TransferMeta, dst_pages=page_list, prompt=r.prompt, reuse=reuse
+                )
+            )
         self._step(r, _Ev.PAGES_SENT, now)
         return acts
 

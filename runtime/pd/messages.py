@@ -10,7 +10,9 @@ Decode rank → prefill rank:
 - `TransferMeta` per room: destination page indices, generation, how many
   decode ranks this prefill rank must hear from for the room, and the
   `PromptId` of decode's prompt (prefill fails the room before any write
-  when its own prompt differs: `prompt_digest`);
+  when its own prompt differs: `prompt_digest`); since version 3 also the
+  leading pages decode already holds (`reuse`, `prefix_reuse`), which
+  prefill must not write;
 - `Bootstrap` per room under the `prefill_complete` policy (endpoint first,
   pages later);
 - `Abort(room, generation, rid)` once per notified prefill rank.
@@ -57,12 +59,16 @@ import msgspec
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
 
 # 2: TransferMeta carries decode's PromptId, and the rid of TransferMeta,
 # Bootstrap and Abort is the caller's or None. A version-1 peer would read
 # both differently, so mixed versions are refused at the frame header.
-PROTOCOL_VERSION: Final = 2
+# 3: TransferMeta may carry `reuse` (decode holds the leading pages; prefill
+# must not write them). A version-2 prefill would ignore it and overwrite
+# pages other sequences read, so a version-2 frame is refused too.
+PROTOCOL_VERSION: Final = 3
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)
@@ -192,6 +198,17 @@ class TransferMeta(_DecodeRoomMsg, tag="meta", frozen=True):
     # Decode's prompt (length + digest of its token ids). Our decode always
     # sends it; a frame without it is compared with nothing.
     prompt: PromptId | None = None
+    # Version 3: decode already holds the first `reuse.num_pages` pages of
+    # `dst_pages` (its prefix cache); prefill writes only the tokens after
+    # them (`prefix_reuse`). None: write the whole prompt.
+    reuse: ReusedPrefix | None = None
+
+    def __post_init__(self) -> None:
+        if self.reuse is not None and self.reuse.num_pages >= len(self.dst_pages):
+            raise ValueError(
+                f"reuse of {self.reuse.num_pages} pages leaves none of the "
+                f"{len(self.dst_pages)} destination pages to write"
+            )
 
 
 class Bootstrap(_DecodeRoomMsg, tag="bootstrap", frozen=True):

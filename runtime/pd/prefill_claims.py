@@ -26,6 +26,7 @@ from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import Abort, KVLayoutRegister, Status
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_phases import PREFILL_STATE, PrefillPhase
 from pdcluster.runtime.spec import pages_for
@@ -50,6 +51,9 @@ class DestinationView:
     generation: int
     pages: tuple[int, ...]
     layout: KVLayoutRegister  # token stripped
+    # Leading pages decode already holds: nothing is written before
+    # `prefix_reuse.first_sent_token(reuse, page_size)`.
+    reuse: ReusedPrefix | None = None
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Dest:
     generation: int
     pages: tuple[int, ...] | None  # None until metadata (BOOTSTRAP came first)
     prompt: PromptId | None = None  # decode's prompt, from its metadata
+    reuse: ReusedPrefix | None = None  # leading pages decode holds, from its metadata
     ready_sent: bool = False
     aborted: bool = False
     dead: bool = False
@@ -76,6 +81,7 @@ class PrefillRoom:
     expected: int | None = None  # destinations announced by decode
     num_tokens: int | None = None
     prompt: PromptId | None = None  # the prefill leg's prompt, set at open
+    page_keys: tuple[bytes, ...] = ()  # reuse-chain keys of its full pages, set at open
     dests: dict[RankCoord, Dest] = field(default_factory=dict)
     first_token: int | None = None
     checksum: int | None = None

@@ -108,6 +108,7 @@ from pdcluster.runtime.pd.prefill_claims import (
     rid_conflict,
 )
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
+from pdcluster.runtime.pd.prefix_reuse import reuse_problem
 from pdcluster.runtime.pd.prompt_digest import prompt_problem
 from pdcluster.runtime.pd.room_common import (
     Handler,
@@ -163,7 +164,9 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             layout = self.peers.get(d.endpoint)
             if d.pages is not None and layout is not None:
                 out.append(
-                    DestinationView(d.decode_rank, d.endpoint, d.generation, d.pages, layout)
+                    DestinationView(
+                        d.decode_rank, d.endpoint, d.generation, d.pages, layout, d.reuse
+                    )
                 )
         return tuple(out)
 
@@ -219,6 +222,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         r.caller_rid = r.caller_rid or caller_rid
         r.num_tokens = num_tokens
         r.prompt = prompt
+        r.page_keys = leg.page_keys
         acts: list[Action] = []
         if self.policy is _PREFILL_COMPLETE:
             self._step(r, _Ev.OPEN_COMPUTE, now)
@@ -382,7 +386,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
                 return self._reject(msg.room, msg.generation, msg.decode_endpoint, problem)
             r = self._new_room(msg.room, msg.rid, msg.num_destinations, now)
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt, msg.reuse
             )
             return self._after_claim(r, now)
         d = r.dests.get(msg.decode_rank)
@@ -405,11 +409,12 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         r.caller_rid = r.caller_rid or msg.rid
         if d is None:
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt
+                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt, msg.reuse
             )
         else:
             d.pages = pages
             d.prompt = msg.prompt
+            d.reuse = msg.reuse
         return self._after_claim(r, now)
 
     def _on_bootstrap(self, msg: Bootstrap, now: float) -> list[Action]:
@@ -512,6 +517,8 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         problem = prompt_problem(r.prompt, (d.prompt for d in r.dests.values()))
         if problem is None:
             problem = page_count_problem(r, self.info.compat.page_size)
+        if problem is None:
+            problem = self._reuse_problem(r)
         if problem is not None:
             return self._fail(r, problem, now)
         if not (r.has_all_destinations and PREFILL.allows(r.phase, _Ev.ALL_DESTINATIONS)):
@@ -523,6 +530,17 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         if was is PrefillPhase.COMPUTED:
             return [SendHeldKV(r.room)]
         return []
+
+    def _reuse_problem(self, r: PrefillRoom) -> str | None:
+        """Why a destination's reused pages do not match the opened prompt, or None
+        (checked once the leg is opened: its page keys come with it)."""
+        if r.num_tokens is None:
+            return None
+        for d in r.dests.values():
+            problem = reuse_problem(r.page_keys, r.num_tokens, d.reuse, self.info.compat.page_size)
+            if problem is not None:
+                return problem
+        return None
 
     def _ready(self, r: PrefillRoom, d: Dest) -> list[Action]:
         if d.ready_sent or d.dead:

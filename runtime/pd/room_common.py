@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from pdcluster.runtime.engine.prefix_cache import KEY_BYTES
 from pdcluster.runtime.pd.actions import Action, Dropped
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import MAX_ROOM, Message
@@ -72,6 +73,8 @@ class RoomLeg:
     `rid_is_local`: the worker minted `rid` (the caller sent none), so it names
     the request on this instance only: the messages to the other side carry no
     rid, it binds nothing, and the room alone pairs the legs.
+    `page_keys` (prefill): the reuse-chain keys of the prompt's full pages,
+    which decode's `TransferMeta.reuse` must match (`prefix_reuse`).
 
     Raises RoomError on a bad room, rid or length.
     """
@@ -81,11 +84,15 @@ class RoomLeg:
     num_tokens: int = 0
     prompt: PromptId | None = None
     rid_is_local: bool = False
+    page_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         check_room(self.room)
         check_rid(self.rid)
         check_int("num_tokens", self.num_tokens, 0, 1 << 31)
+        for key in self.page_keys:
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise RoomError(f"a page key is {KEY_BYTES} bytes, got {key!r}", "bad_page_keys")
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdcluster.runtime import stage_trace
+from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
 from pdcluster.runtime.engine.engine import EngineRequest, RequestRejected, StepOutput
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.sequence import SequenceMode
@@ -41,6 +42,7 @@ from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmissio
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
+from pdcluster.runtime.pd.prefix_reuse import build_reuse, num_reusable_pages, reuse_keys
 from pdcluster.runtime.pd.prompt_digest import prompt_id
 from pdcluster.runtime.pd.room_queue import Offer, RoomQueue
 from pdcluster.runtime.pd_worker.agent import AgentContext
@@ -141,6 +143,9 @@ class _Room:
     aborted: bool = False
     opened_at: float = field(default_factory=time.monotonic)
     pages_at: float | None = None  # decode: when pages were reserved (transfer starts)
+    # decode: the first `num_reused` of `pages` are cached pages this room
+    # references (decode-side prefix reuse); the rest are owned.
+    num_reused: int = 0
 
 
 class _Coordinator:
@@ -359,6 +364,7 @@ class PrefillCoordinator(_Coordinator):
                 len(room.prompt),
                 prompt=prompt_id(room.prompt),
                 rid_is_local=room.rid_is_local,
+                page_keys=reuse_keys(room.prompt, self.agent.ctx.page_size),
             )
         )
 
@@ -479,21 +485,54 @@ class DecodeCoordinator(_Coordinator):
 
     def tick(self) -> None:
         super().tick()
-        allocator = self.engine.allocator
-
-        def allocate(n: int) -> list[int] | None:
-            return list(allocator.allocate(n)) if allocator.can_allocate(n) else None
-
-        for admitted in self.admission.admit(allocate):
+        for admitted in self.admission.admit(self._allocate_head):
             room = self.rooms.get(admitted.room)
             if room is None or room.failed is not None:
-                allocator.free(admitted.pages)
+                self._give_back(admitted.pages, 0 if room is None else room.num_reused)
+                if room is not None:
+                    room.num_reused = 0
                 self.admission.release_slot(admitted.room)
                 continue
             room.pages = admitted.pages
             room.pages_at = time.monotonic()
-            self.agent.broadcast(GroupPages(admitted.room, list(admitted.pages)))
+            reuse = build_reuse(room.prompt, room.num_reused, self.page_size)
+            self.agent.broadcast(GroupPages(admitted.room, list(admitted.pages), reuse))
         self.metrics.queue_size.labels(stage="decode_admission").set(self.admission.num_waiting)
+
+    def _allocate_head(self, n: int) -> list[int] | None:
+        """Pages for the admission head's `n`: with the prefix cache on, the
+        cached pages holding its prompt's leading full pages first (referenced
+        now, so nothing evicts or writes them while the room lives), then new
+        ones; None (nothing taken) when they do not fit."""
+        allocator = self.engine.allocator
+        head = self.admission.head()
+        room = None if head is None else self.rooms.get(head)
+        if (
+            room is None
+            or room.failed is not None
+            or not isinstance(allocator, CachingPageAllocator)
+            or not allocator.is_enabled
+        ):
+            return list(allocator.allocate(n)) if allocator.can_allocate(n) else None
+        match = allocator.match(room.prompt, record=False)
+        hits = match.pages[: num_reusable_pages(len(match.pages), len(room.prompt), self.page_size)]
+        # Referenced hit pages stop counting as free (they leave the LRU).
+        evictable = sum(1 for p in hits if allocator.refcount(p) == 0)
+        need = n - len(hits)
+        if need + evictable > allocator.num_free:
+            return None
+        allocator.acquire(hits)
+        room.num_reused = len(hits)
+        return [*hits, *allocator.allocate(need)]
+
+    def _give_back(self, pages: tuple[int, ...], num_reused: int) -> None:
+        """Return pages a room held: release its reference on the reused cached
+        ones, free the owned rest."""
+        allocator = self.engine.allocator
+        if num_reused:
+            assert isinstance(allocator, CachingPageAllocator)
+            allocator.release(pages[:num_reused])
+        allocator.free(pages[num_reused:])
 
     def on_report(self, room_id: int, room: _Room, rep: GroupReport) -> None:
         if rep.kind == "failed":
@@ -510,7 +549,13 @@ class DecodeCoordinator(_Coordinator):
             return
         self.admission.release_slot(room_id)
         room.handed_off = True
-        self.metrics.transfer_bytes.labels(direction="in").inc(self.kv_bytes(len(room.prompt)))
+        reused_tokens = room.num_reused * self.page_size
+        self.metrics.transfer_bytes.labels(direction="in").inc(
+            self.kv_bytes(len(room.prompt) - reused_tokens)
+        )
+        if room.num_reused:
+            self.metrics.decode_reuse_pages.inc(room.num_reused)
+            self.metrics.decode_reuse_bytes.inc(self.kv_bytes(reused_tokens))
         if room.pages_at is not None:
             self.metrics.transfer_seconds.observe(time.monotonic() - room.pages_at)
         if room.first_token is None:
@@ -548,8 +593,9 @@ class DecodeCoordinator(_Coordinator):
         if room.failed is None:
             return  # released without failing: a success hand-off is on its way
         if room.pages is not None:
-            self.engine.allocator.free(room.pages)
+            self._give_back(room.pages, room.num_reused)
             room.pages = None
+            room.num_reused = 0
         if self.admission.holds_slot(room_id):
             self.admission.release_slot(room_id)
         self._forget(room_id)

@@ -48,6 +48,7 @@ from pdcluster.runtime.pd.peer_liveness import (
     ResumeHeld,
     StartProbe,
 )
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix, first_sent_token, num_sent_tokens
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import (
     DpRankConflict,
@@ -92,6 +93,9 @@ class _Room:
     num_tokens: int
     resolved: bool = False
     pending_pages: list[int] | None = None
+    pending_reuse: ReusedPrefix | None = None
+    # Leading pages this rank already holds for the prompt (nothing is sent for them).
+    reuse: ReusedPrefix | None = None
     # What each prefill rank writes here (its KV slice), for the page checksums.
     slices: dict[RankCoord, KVSlice] = field(default_factory=dict)
 
@@ -183,7 +187,8 @@ class DecodeAgent(RankAgent):
         ctx = self.ctx
         itemsize = KVDtype(ctx.compat.kv_dtype).itemsize
         layers, heads = ctx.layers[1] - ctx.layers[0], ctx.heads[1] - ctx.heads[0]
-        expected = r.num_tokens * layers * 2 * heads * ctx.head_dim * itemsize
+        num_sent = num_sent_tokens(r.num_tokens, r.reuse, ctx.page_size)
+        expected = num_sent * layers * 2 * heads * ctx.head_dim * itemsize
         progress = self.receiver.progress(room, entry[0])
         got = 0 if progress is None else progress.nbytes
         if got == expected:
@@ -209,6 +214,10 @@ class DecodeAgent(RankAgent):
             if s is None:
                 continue  # a replicated-KV source sends nothing real to check
             start, end = s.token_range(r.num_tokens, ps)
+            # The source sends (and sums) only what follows the reused pages.
+            start = max(start, first_sent_token(r.reuse, ps))
+            if start >= end:
+                continue
             local = s.decode_local
             slots = token_slots(act.pages, start, end, ps)
             got = compute_kv_checksum(self.pool, range(*local.layers), slots, local.heads)
@@ -307,9 +316,10 @@ class DecodeAgent(RankAgent):
             self._sweep(msg.room)
             return
         if r.resolved:
-            self._assign(msg.room, list(msg.pages), now)
+            self._assign(msg.room, list(msg.pages), now, msg.reuse)
         else:
             r.pending_pages = list(msg.pages)
+            r.pending_reuse = msg.reuse
 
     def _on_fail(self, msg: GroupFail, now: float) -> None:
         self._fail(msg.room, msg.reason)
@@ -422,17 +432,26 @@ class DecodeAgent(RankAgent):
         r.resolved = True
         if r.pending_pages is not None and room in self.table:
             pages, r.pending_pages = r.pending_pages, None
-            self._assign(room, pages, now)
+            self._assign(room, pages, now, r.pending_reuse)
         self._sweep(room)
 
-    def _assign(self, room: int, pages: list[int], now: float) -> None:
+    def _assign(
+        self, room: int, pages: list[int], now: float, reuse: ReusedPrefix | None = None
+    ) -> None:
         r = self.rooms[room]
-        # Start accepting frames before any source can know the pages.
-        self._receiving[room] = (r.generation, tuple(pages))
+        r.reuse = reuse
+        # Start accepting frames before any source can know the pages. The
+        # reused pages are other sequences' too: the receiver sees them as -1,
+        # so a frame aimed at them is refused (`bad_page_table`, the room
+        # fails) instead of written.
+        num_reused = 0 if reuse is None else reuse.num_pages
+        self._receiving[room] = (r.generation, (-1,) * num_reused + tuple(pages[num_reused:]))
         try:
-            self.perform(self.table.assign_pages(room, pages, now))
-        except RoomError:
+            self.perform(self.table.assign_pages(room, pages, now, reuse))
+        except RoomError as err:
             self._receiving.pop(room, None)
+            self._fail(room, f"rejected: {err}")
+            return
         self._sweep(room)
 
     # ------------------------------------------------------------ liveness

@@ -20,6 +20,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import RoomLeg
 
@@ -43,17 +44,32 @@ class GroupOpen(msgspec.Struct, tag="open", frozen=True, forbid_unknown_fields=T
     prompt: PromptId | None = None
     # The worker minted `rid` (the caller sent none): it never leaves this instance.
     rid_is_local: bool = False
+    # Prefill only: the reuse-chain keys of the prompt's full pages, which
+    # every rank checks decode's `TransferMeta.reuse` against (`prefix_reuse`).
+    page_keys: list[bytes] | None = None
 
     def leg(self) -> RoomLeg:
         """The leg as the rank's room table takes it (raises RoomError if malformed)."""
-        return RoomLeg(self.room, self.rid, self.num_tokens, self.prompt, self.rid_is_local)
+        return RoomLeg(
+            self.room,
+            self.rid,
+            self.num_tokens,
+            self.prompt,
+            self.rid_is_local,
+            tuple(self.page_keys or ()),
+        )
 
 
 class GroupPages(msgspec.Struct, tag="pages", frozen=True, forbid_unknown_fields=True):
-    """Decode: the leader reserved these pages (same indices on every rank)."""
+    """Decode: the leader reserved these pages (same indices on every rank).
+
+    `reuse`: the first `reuse.num_pages` of them are cached pages the leader
+    referenced for the room; every rank tells its sources not to write them.
+    """
 
     room: Room
     pages: list[int]
+    reuse: ReusedPrefix | None = None
 
 
 class GroupFail(msgspec.Struct, tag="fail", frozen=True, forbid_unknown_fields=True):

@@ -34,6 +34,7 @@ from pdcluster.runtime.pd.instance_counts import failure_key
 from pdcluster.runtime.pd.messages import KVLayoutRegister, LayoutAck
 from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
+from pdcluster.runtime.pd.prefix_reuse import first_sent_token
 from pdcluster.runtime.pd.readiness import RegistrationBackoff
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import PoolSpans, cp_token_range, overlap
@@ -428,11 +429,16 @@ class PrefillAgent(RankAgent):
             return
         n = 0
         for dest in dests:
-            job = self._job(room, r, dest, t0, t1)
+            # Decode holds the pages of its reused prefix (other sequences read
+            # them): nothing before `first_sent_token` is ever written.
+            d0 = max(t0, first_sent_token(dest.reuse, self.ctx.page_size))
+            if d0 >= t1:
+                continue
+            job = self._job(room, r, dest, d0, t1)
             if job is not None and self.sender.submit(job):
                 n += 1
                 if self.checksum:
-                    self._add_checksum(r, dest.decode_rank, job, t0, t1)
+                    self._add_checksum(r, dest.decode_rank, job, d0, t1)
         if n:
             stage_trace.mark(room, "prefill.kv_submit")
             r.jobs += n

@@ -8,6 +8,7 @@ from typing import Any
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.messages import PROTOCOL_VERSION
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import shape_of
@@ -40,6 +41,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
             tokenizer.chat_template_fingerprint,
         ),
         transfer_backend=str(spec.transfer.backend),
+        protocol_version=PROTOCOL_VERSION,
     )
     return AgentContext(
         role=settings.role,

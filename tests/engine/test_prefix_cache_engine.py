@@ -239,11 +239,11 @@ def _cluster(prefill_engine: object) -> PDCluster:
     )
 
 
-def test_the_manifest_flag_reaches_the_engine_config_and_defaults_to_off() -> None:
-    spec = _cluster({"prefixCache": True}).spec
+def test_the_manifest_flag_reaches_the_engine_config_and_defaults_to_on() -> None:
+    spec = _cluster({"prefixCache": False}).spec
     assert spec.prefill is not None and spec.decode is not None
-    assert engine_config_from_spec(spec, spec.prefill).prefix_cache is True
-    assert engine_config_from_spec(spec, spec.decode).prefix_cache is False
+    assert engine_config_from_spec(spec, spec.prefill).prefix_cache is False
+    assert engine_config_from_spec(spec, spec.decode).prefix_cache is True
 
 
 def test_a_flag_that_is_not_a_boolean_is_refused_by_name() -> None:

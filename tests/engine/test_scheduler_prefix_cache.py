@@ -15,19 +15,24 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
 from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
-from pdcluster.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from pdcluster.runtime.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from pdcluster.runtime.engine.sequence import Sequence
+from pdcluster.runtime.pd.prefix_reuse import num_reusable_pages
+from pdcluster.runtime.spec import pages_for
 from tests.engine.test_scheduler import (
     CONFIGS,
     POOL_TOKENS,
     REQUESTS,
     FakeRunner,
     SchedulerMachine,
+    admissible,
+    next_token,
 )
 
 SHARING_REQUESTS = REQUESTS.map(
@@ -49,6 +54,39 @@ class CachingSchedulerMachine(SchedulerMachine):
     def add(self, specs: list[Sequence]) -> None:
         for spec in specs:
             self._add_one(spec)
+
+    @rule(spec=SHARING_REQUESTS)
+    def add_reusing(self, spec: Sequence) -> None:
+        """Decode-side reuse: a prefilled sequence whose leading full pages are
+        cached pages referenced for it; only the rest is written ("sent")."""
+        if not spec.prompt_token_ids or self.batch is not None:
+            return
+        seq = replace(spec, rid=f"r{self.count}", mode="prefilled")
+        self.count += 1
+        size, alloc = self.cfg.page_size, self.alloc
+        n = seq.num_prompt_tokens
+        hits = alloc.match(seq.prompt_token_ids, record=False).pages
+        hits = hits[: num_reusable_pages(len(hits), n, size)]
+        need = pages_for(n, size) - len(hits)
+        evictable = sum(1 for p in hits if alloc.refcount(p) == 0)
+        if need + evictable > alloc.num_free or not admissible(self.cfg, self.total, seq):
+            return
+        alloc.acquire(hits)
+        pages = [*hits, *alloc.allocate(need)]
+        start = len(hits) * size
+        self.runner.write(pages, start, seq.prompt_token_ids[start:])
+        seq = replace(
+            seq,
+            page_table=pages,
+            num_computed_tokens=n,
+            output_token_ids=[next_token(seq.prompt_token_ids)],
+        )
+        if hits:
+            event("decode reused cached pages")
+        self.live[seq.rid] = seq
+        self.sched.add(seq)
+        if seq.status.name == "FINISHED":
+            del self.live[seq.rid]
 
     @invariant()
     def pages_have_one_owner(self) -> None:
@@ -80,3 +118,65 @@ CachingSchedulerMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
 TestCachingSchedulerMachine = CachingSchedulerMachine.TestCase
+
+
+def _caching(num_pages: int = 16) -> tuple[Scheduler, CachingPageAllocator, FakeRunner]:
+    cfg = CONFIGS_EXAMPLE
+    alloc = CachingPageAllocator(num_pages, page_size=cfg.page_size, salt=b"t", enabled=True)
+    return Scheduler(cfg, alloc), alloc, FakeRunner(cfg.page_size)
+
+
+CONFIGS_EXAMPLE = SchedulerConfig(
+    page_size=4,
+    max_running_requests=4,
+    max_batch_tokens=64,
+    chunk_size=16,
+    max_prompt_tokens=64,
+    max_model_len=96,
+)
+
+
+def _prefilled(rid: str, prompt: list[int], pages: list[int]) -> Sequence:
+    return Sequence(
+        rid=rid,
+        prompt_token_ids=prompt,
+        max_tokens=4,
+        mode="prefilled",  # type: ignore[arg-type]
+        page_table=pages,
+        num_computed_tokens=len(prompt),
+        output_token_ids=[next_token(prompt)],
+        ignore_eos=True,
+    )
+
+
+def test_a_received_prompt_is_cached_and_a_later_one_reuses_its_pages() -> None:
+    sched, alloc, _ = _caching()
+    prompt = list(range(1, 11))  # 2 full pages of 4 + 2 tokens
+    first = alloc.allocate(3)
+    sched.add(_prefilled("a", prompt, first))
+    assert [alloc.is_cached(p) for p in first] == [True, True, False]
+    # What decode's admission does for the next room with this prompt.
+    hits = alloc.match(prompt, record=False).pages
+    assert hits == tuple(first[:2])
+    alloc.acquire(hits)
+    second = [*hits, *alloc.allocate(1)]
+    sched.add(_prefilled("b", [*prompt[:8], 77, 78], second))
+    assert [alloc.refcount(p) for p in hits] == [2, 2]
+    sched.abort("a")
+    sched.abort("b")
+    assert alloc.num_owned == 0 and alloc.num_free == alloc.num_total
+
+
+def test_a_cached_page_nobody_referenced_for_the_sequence_is_refused() -> None:
+    sched, alloc, _ = _caching()
+    prompt = list(range(1, 11))
+    first = alloc.allocate(3)
+    sched.add(_prefilled("a", prompt, first))
+    sched.abort("a")  # its cached pages are now evictable, referenced by nobody
+    assert alloc.num_evictable == 2
+    tail = alloc.allocate(1)
+    with pytest.raises(RequestRejected, match="holds no reference"):
+        sched.add(_prefilled("b", prompt, [*first[:2], *tail]))
+    assert sched.get("b") is None and alloc.num_evictable == 2
+    alloc.free(tail)
+    assert alloc.num_free == alloc.num_total

@@ -61,7 +61,8 @@ def wait_until(
 
 
 def base_spec(**transfer: Any) -> dict[str, Any]:
-    """A small 1p1d manifest spec with short timeouts and a fast heartbeat."""
+    """A small 1p1d manifest spec with short timeouts, a fast heartbeat and the
+    prefix cache on."""
     return {
         "model": {"name": "tiny"},
         "kvCache": {"pageSize": PAGE, "dtype": "float32", "layout": "NHD", "numPages": 1024},
@@ -74,8 +75,18 @@ def base_spec(**transfer: Any) -> dict[str, Any]:
             "heartbeat": {"intervalSeconds": 0.5, "failureThreshold": 2},
             **transfer,
         },
-        "prefill": {"replicas": 1, "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1}},
-        "decode": {"replicas": 1, "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1}},
+        # The fault suite runs with the prefix cache on in both roles: decode
+        # then references cached pages for rooms whose prompts share them.
+        "prefill": {
+            "replicas": 1,
+            "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1},
+            "engine": {"prefixCache": True},
+        },
+        "decode": {
+            "replicas": 1,
+            "topology": {"dp": 1, "tp": 1, "cp": 1, "pp": 1},
+            "engine": {"prefixCache": True},
+        },
         "router": {"healthCheckIntervalSeconds": 0.5, "requestTimeoutSeconds": 30.0},
     }
 

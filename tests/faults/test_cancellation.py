@@ -44,6 +44,7 @@ from tests.faults.harness import (
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
+from tests.pd_integration.reference import colocated_outputs
 
 DECODE_STATES = ["Bootstrapping", "WaitingForInput", "Transferring", "Success"]
 
@@ -340,3 +341,73 @@ def test_client_disconnect_aborts_both_legs(pd: FaultCluster, stream: bool) -> N
     assert sum(aborts.values()) > aborts_before
     assert aborts.get("client_disconnect", 0) >= 1
     pd.assert_clean()
+
+
+# ------------------------------------------------------------------ decode-side reuse
+
+REUSED = 6  # full pages of the shared prefix below
+
+
+def _reused_pages(pd: FaultCluster, name: str) -> float:
+    text = httpx.get(pd.url(name) + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("pdcluster_decode_reuse_pages_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("fault", ["abort", "write_into_reused_pages"])
+def test_a_failed_room_that_reused_pages_frees_none_another_sequence_reads(
+    pd: FaultCluster, client: PDClient, compat: CompatInfo, fault: str
+) -> None:
+    """A room whose first pages are decode's cached pages (decode-side reuse)
+    fails mid-transfer — aborted, or its prefill writes into a reused page —
+    while another sequence decodes from the same pages. The survivor's output
+    and a later request reusing the pages equal colocated output (nothing was
+    freed under them or written into them), and decode-0 gets every page back."""
+    system = make_prompts(
+        1, seed=71 if fault == "abort" else 72, lo=REUSED * PAGE, hi=REUSED * PAGE
+    )[0]
+    warm, survivor, victim, later = (
+        system + tail for tail in make_prompts(4, seed=73, lo=5, hi=30)
+    )
+    expected = colocated_outputs(pd.manifest, [survivor, later], 200)
+    assert client.pair(pd, "prefill-0", "decode-0", warm, 4).decode.ok
+    reused_before = _reused_pages(pd, "decode-0")
+    survivor_leg = Background(client.pair, pd, "prefill-0", "decode-0", survivor, 200, timeout=60)
+    wait_until(
+        lambda: _reused_pages(pd, "decode-0") >= reused_before + REUSED,
+        30,
+        what="the survivor decoding from the cached pages",
+    )
+    with RoguePrefill(pd.token, compat) as rogue:
+        leg = Background(
+            client.generate, None, pd.url("decode-0"), rogue.bootstrap, victim, 300, timeout=30
+        )
+        _, meta = rogue.expect(pdmsg.TransferMeta)
+        assert meta.reuse is not None and meta.reuse.num_pages == REUSED
+        assert len(meta.dst_pages) == math.ceil(len(victim) / PAGE)
+        rogue.status(meta, KVPoll.Transferring)
+        wait_until(lambda: pd.room_state("decode-0", meta.room) == "Transferring", 5)
+        if fault == "abort":
+            abort_decode_leg(pd, meta.rid, leg, "Transferring")
+        else:
+            # Tokens [0, PAGE) lie in the first reused page: refused, not written.
+            refused_before = pd.info("decode-0")["kv_receive_stats"].get("bad_page_table", 0)
+            rogue.send_kv(meta, PAGE, fill=0x7F)
+            result = leg.result(10)
+            assert result.decode.status == 502 and "bad_page_table" in result.decode.error
+            assert (
+                pd.info("decode-0")["kv_receive_stats"].get("bad_page_table", 0)
+                == refused_before + 1
+            )
+        _, abort = rogue.expect(pdmsg.Abort, meta.room, timeout=5)
+        rogue.ack(meta.decode_endpoint, meta.room, abort.generation)
+    res = survivor_leg.result(60)
+    assert res.decode.ok, res.decode.error
+    assert res.decode.output_ids == expected[0], "the survivor read a freed or written page"
+    again = client.pair(pd, "prefill-0", "decode-0", later, 200)
+    assert again.decode.ok, again.decode.error
+    assert again.decode.output_ids == expected[1], "a cached page lost its bytes"
+    assert _reused_pages(pd, "decode-0") >= reused_before + 2 * REUSED
+    pd.assert_clean(["prefill-0", "decode-0"])

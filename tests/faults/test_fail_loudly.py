@@ -138,7 +138,7 @@ def hung_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fa
     # The prefill engine's first step blocks 30 s (a hung step or collective).
     monkeypatch.setenv(HANG_ENV, "prefill:1:30")
     spec = base_spec(waitingTimeoutSeconds=20.0, bootstrapTimeoutSeconds=20.0)
-    spec["prefill"]["engine"] = {"stallTimeoutSeconds": 1.0}
+    spec["prefill"]["engine"] = {**spec["prefill"]["engine"], "stallTimeoutSeconds": 1.0}
     with FaultCluster(tmp_path, "loud-hung", spec) as cluster:
         yield cluster
 

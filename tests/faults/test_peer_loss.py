@@ -17,6 +17,7 @@ import pytest
 
 from tests.faults.conftest import make_ready
 from tests.faults.harness import (
+    PAGE,
     FaultCluster,
     PDClient,
     PDResult,
@@ -164,9 +165,15 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     /route fetch and retries against the dead server (`bootstrap_unreachable`,
     seconds later).
     """
-    victims = make_prompts(8, seed=41, lo=2500, hi=4000)
-    survivors = make_prompts(6, seed=42, lo=1, hi=600)
+    # Victims and two survivors share a prefix decode-0 holds (decode-side
+    # reuse): the victims' failed rooms must free none of the pages the
+    # survivors read.
+    shared = make_prompts(1, seed=40, lo=6 * PAGE, hi=6 * PAGE)[0]
+    victims = [shared + p for p in make_prompts(8, seed=41, lo=2500, hi=4000)]
+    plain = make_prompts(6, seed=42, lo=1, hi=600)
+    survivors = [shared + p for p in plain[:2]] + plain[2:]
     expected = colocated_outputs(pd.manifest, survivors, MAX_TOKENS)
+    assert client.pair(pd, "prefill-0", "decode-0", shared + [1, 2, 3], MAX_TOKENS).decode.ok
     before = pd.failures("decode-0")
     failed_before = sum(before.get(r, 0) for r in UNREACHABLE)
     dead_before = pd.stats("decode-0").get("peer_dead", 0)
@@ -192,7 +199,7 @@ def test_kill9_prefill_mid_transfer(pd: FaultCluster, client: PDClient) -> None:
     late = client.many(
         [
             lambda p=p: client.pair(pd, "prefill-1", "decode-0", p, MAX_TOKENS, propagate=False)
-            for p in survivors[:3]
+            for p in plain[:3]
         ]
     )
     for res in late:

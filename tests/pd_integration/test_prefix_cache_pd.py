@@ -23,6 +23,7 @@ from tests.pd_integration.test_topologies import (
     generate,
     generate_all,
 )
+from tests.transfer.nixl_helpers import need_nixl
 
 
 def _metric(text: str, name: str) -> float:
@@ -74,4 +75,86 @@ def test_prefill_with_the_prefix_cache_equals_colocated(prefill: dict, tmp_path:
         assert hit >= 96 + 96 + 32 + 96, text
         assert lookup == sum(len(p) for p in serial + burst)
         assert _metric(text, "pdcluster_prefix_cache_pages") > 0
+        assert_no_page_leak(cluster)
+
+
+def _counter(text: str, name: str) -> float:
+    """A counter's value, 0 when it was never incremented (a labelled one not exported yet)."""
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return 0.0 if match is None else float(match.group(1))
+
+
+_IN_BYTES = 'pdcluster_transfer_bytes_total{direction="in"}'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "decode", "prefill_cache"),
+    [
+        ("tcp", {}, False),  # the prefill's cache off: decode reuse alone
+        ("shm", {"topology": {"tp": 2}}, True),  # every decode rank keeps the same pages
+        ("nixl", {}, True),  # one-sided writes into decode pages past the reused ones
+    ],
+    ids=["tcp-decode-tp1", "shm-decode-tp2", "nixl-decode-tp1"],
+)
+def test_decode_reuses_the_pages_it_holds_and_output_equals_colocated(
+    backend: str, decode: dict, prefill_cache: bool, tmp_path: Path
+) -> None:
+    if backend == "nixl":
+        need_nixl()
+    page_size = 16
+    spec = {
+        "model": {"name": "tiny", "computeDtype": "float64"},
+        # A small pool: decode's cached pages are evicted to admit later prompts.
+        "kvCache": {"pageSize": page_size, "numPages": 28, "dtype": "float64"},
+        "transfer": {"backend": backend},
+        "prefill": {"engine": {"prefixCache": prefill_cache}},
+        "decode": {**decode, "engine": {"prefixCache": True}},
+    }
+    manifest = write_manifest(tmp_path, "dreuse", spec)
+    rng = random.Random(33)
+    system = [rng.randrange(1, 256) for _ in range(100)]  # 6 full pages + 4 tokens
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    # (prompt, pages decode may reuse): a miss, every full page of the shared
+    # 100 tokens, the shared prompt itself, some pages, an unrelated prompt,
+    # an exact repeat, a page-aligned prefix (its last page travels).
+    cases = [
+        (system + tail(9), 0),
+        (system + tail(30), 6),
+        (list(system), 6),
+        (system[:40] + tail(5), 2),
+        (tail(50), 0),
+    ]
+    cases.append((list(cases[0][0]), 6))
+    cases.append((system[:96], 5))
+    # Unrelated prompts that need most of the pool evict what decode cached;
+    # the shared prompt then comes back to a cold decode.
+    evicting = [tail(300) for _ in range(2)]
+    after = [system + tail(3)]
+    prompts = [p for p, _ in cases] + evicting + after
+    expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
+    with local_cluster(manifest, tmp_path / "state") as cluster:
+        url = cluster.worker("decode-0")["url"] + "/metrics"
+        got, moved, reused = [], [], []
+        for prompt in prompts:
+            before = httpx.get(url, timeout=10).text
+            got.append(generate(cluster.endpoint, prompt))
+            now = httpx.get(url, timeout=10).text
+            moved.append(_counter(now, _IN_BYTES) - _counter(before, _IN_BYTES))
+            name = "pdcluster_decode_reuse_pages_total"
+            reused.append(_counter(now, name) - _counter(before, name))
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert g == e, f"prompt {i}: PD with decode reuse {g} != colocated {e}"
+        per_token = moved[0] / len(prompts[0])  # the first prompt moved all of its KV
+        for i, (prompt, pages) in enumerate(cases):
+            assert reused[i] == pages, f"prompt {i}: reused {reused[i]} pages, not {pages}"
+            sent = len(prompt) - pages * page_size
+            assert moved[i] == pytest.approx(sent * per_token), f"prompt {i}"
+        # The repeat moved a fraction of what the first prompt did.
+        assert moved[5] < 0.2 * moved[0]
+        # Evicted: the shared prompt travels whole again and still decodes right.
+        assert reused[-1] == 0 and moved[-1] == pytest.approx(len(after[0]) * per_token)
         assert_no_page_leak(cluster)

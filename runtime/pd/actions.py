@@ -26,7 +26,7 @@ Prefill only:
 - `ReleaseSource(room, rid)` — the room is over and its writes drained: the
   engine may free the request's prefill pages (`engine.release(rid)`).
   Emitted exactly once, and only if `StartCompute` was.
-- `RoomSucceeded(room, rid)` — every destination got its KV and Success.
+- `RoomSucceeded(room, rid, sent_tokens)` — every destination got its KV and Success.
 
 Decode only:
 - `PrefillReady(room)` — `prefill_complete`: every source reported Ready;
@@ -105,7 +105,12 @@ class ReleaseSource(RequestAction):
 
 @dataclass(frozen=True, slots=True)
 class RoomSucceeded(RequestAction):
-    """Prefill: every destination got its KV and Success."""
+    """Prefill: every destination got its KV and Success.
+
+    `sent_tokens`: prompt tokens whose KV travelled (the rest decode reused;
+    None: the prompt's length was never known)."""
+
+    sent_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

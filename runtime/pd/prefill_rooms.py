@@ -108,7 +108,7 @@ from pdcluster.runtime.pd.prefill_claims import (
     rid_conflict,
 )
 from pdcluster.runtime.pd.prefill_peers import PeerLayouts
-from pdcluster.runtime.pd.prefix_reuse import reuse_problem
+from pdcluster.runtime.pd.prefix_reuse import num_sent_tokens, reuse_problem
 from pdcluster.runtime.pd.prompt_digest import prompt_problem
 from pdcluster.runtime.pd.room_common import (
     Handler,
@@ -566,9 +566,16 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             return []
         holds_source = r.phase in PREFILL_HOLDS_SOURCE
         self._step(r, _Ev.DRAINED, now)
-        acts: list[Action] = [self._status(r, d, KVPoll.Success) for d in r.reachable()]
+        reached = r.reachable()
+        acts: list[Action] = [self._status(r, d, KVPoll.Success) for d in reached]
         rid = r.rid or ""
-        acts.append(RoomSucceeded(r.room, rid))
+        # Every destination names the same reused pages (one decode decision).
+        page_size = self.info.compat.page_size
+        sent = None
+        if r.num_tokens is not None:
+            n = r.num_tokens
+            sent = max((num_sent_tokens(n, d.reuse, page_size) for d in reached), default=0)
+        acts.append(RoomSucceeded(r.room, rid, sent))
         if holds_source:
             acts.append(ReleaseSource(r.room, rid))
         self._tombs.add(r.room, now, "succeeded")

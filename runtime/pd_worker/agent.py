@@ -375,8 +375,9 @@ class RankAgent:
         kind: ReportKind,
         reason: str | None = None,
         first_token: int | None = None,
+        sent_tokens: int | None = None,
     ) -> None:
-        rep = GroupReport(room, self.ctx.group_rank, kind, reason, first_token)
+        rep = GroupReport(room, self.ctx.group_rank, kind, reason, first_token, sent_tokens)
         if self.report_sink is not None:
             self.report_sink(rep)
         elif self.leader_address is not None:

@@ -134,6 +134,8 @@ class _Room:
     failed: str | None = None
     engine_added: bool = False
     first_token: int | None = None
+    # prefill: prompt tokens whose KV travelled (ranks' `succeeded` reports)
+    sent_tokens: int | None = None
     # decode only
     num_pages: int = 0
     pages: tuple[int, ...] | None = None
@@ -200,6 +202,8 @@ class _Coordinator:
             room.reports[rep.kind].add(rep.rank)
             if rep.first_token is not None and room.first_token is None:
                 room.first_token = rep.first_token
+            if rep.sent_tokens is not None:
+                room.sent_tokens = max(room.sent_tokens or 0, rep.sent_tokens)
             try:
                 self.on_report(rep.room, room, rep)
             except Exception as err:  # noqa: BLE001 - one bad room must not stop the engine
@@ -396,7 +400,8 @@ class PrefillCoordinator(_Coordinator):
             stage_trace.mark(room_id, "prefill.engine_add")
         elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
             room.leg_done = True
-            self.metrics.transfer_bytes.labels(direction="out").inc(self.kv_bytes(len(room.prompt)))
+            sent = len(room.prompt) if room.sent_tokens is None else room.sent_tokens
+            self.metrics.transfer_bytes.labels(direction="out").inc(self.kv_bytes(sent))
             self.metrics.transfer_seconds.observe(time.monotonic() - room.opened_at)
             first = [] if room.first_token is None else [room.first_token]
             self.service.emit(room.rid, TokenEvent(first, "", True, "stop"))

@@ -103,7 +103,8 @@ class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fiel
     complete: (decode) every source of this rank sent Success.
     failed: the room failed on this rank (first reason).
     released: the room's pages on this rank may be reused.
-    succeeded: (prefill) every destination of this rank got its KV.
+    succeeded: (prefill) every destination of this rank got its KV; `sent_tokens`
+      prompt tokens of it travelled (decode held the others: prefix reuse).
     """
 
     room: Room
@@ -111,6 +112,7 @@ class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fiel
     kind: ReportKind
     reason: str | None = None
     first_token: int | None = None
+    sent_tokens: int | None = None
 
 
 MAX_COUNTERS: Final = 1024

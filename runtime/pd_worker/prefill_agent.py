@@ -528,7 +528,9 @@ _PERFORMERS: dict[type, Callable[[PrefillAgent, Any], None]] = {
     A.CancelWrites: lambda agent, act: agent.sender.cancel(act.room),
     A.ReleaseSource: lambda agent, act: agent.report(act.room, "released"),
     A.RoomFailed: PrefillAgent._room_failed,
-    A.RoomSucceeded: lambda agent, act: agent.report(act.room, "succeeded"),
+    A.RoomSucceeded: lambda agent, act: agent.report(
+        act.room, "succeeded", sent_tokens=act.sent_tokens
+    ),
     A.Dropped: PrefillAgent._count_dropped,
 }
 

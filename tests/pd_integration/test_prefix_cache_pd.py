@@ -85,6 +85,7 @@ def _counter(text: str, name: str) -> float:
 
 
 _IN_BYTES = 'pdcluster_transfer_bytes_total{direction="in"}'
+_OUT_BYTES = 'pdcluster_transfer_bytes_total{direction="out"}'
 
 
 @pytest.mark.slow
@@ -138,16 +139,22 @@ def test_decode_reuses_the_pages_it_holds_and_output_equals_colocated(
     expected = colocated_outputs(load_manifest(str(manifest)), prompts, MAX_TOKENS)
     with local_cluster(manifest, tmp_path / "state") as cluster:
         url = cluster.worker("decode-0")["url"] + "/metrics"
-        got, moved, reused = [], [], []
+        prefill_url = cluster.worker("prefill-0")["url"] + "/metrics"
+        got, moved, reused, sent_out = [], [], [], []
         for prompt in prompts:
             before = httpx.get(url, timeout=10).text
+            out_before = _counter(httpx.get(prefill_url, timeout=10).text, _OUT_BYTES)
             got.append(generate(cluster.endpoint, prompt))
             now = httpx.get(url, timeout=10).text
             moved.append(_counter(now, _IN_BYTES) - _counter(before, _IN_BYTES))
+            out_now = _counter(httpx.get(prefill_url, timeout=10).text, _OUT_BYTES)
+            sent_out.append(out_now - out_before)
             name = "pdcluster_decode_reuse_pages_total"
             reused.append(_counter(now, name) - _counter(before, name))
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"prompt {i}: PD with decode reuse {g} != colocated {e}"
+        # Prefill counts what it sent, not the whole prompt: both ends agree.
+        assert sent_out == moved
         per_token = moved[0] / len(prompts[0])  # the first prompt moved all of its KV
         for i, (prompt, pages) in enumerate(cases):
             assert reused[i] == pages, f"prompt {i}: reused {reused[i]} pages, not {pages}"

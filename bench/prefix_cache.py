@@ -66,7 +66,9 @@ def start(name: str, cache: bool, policy: str, pages: int, state: Path) -> Local
             "model": {"name": "tiny"},
             "kvCache": {"pageSize": 16, "numPages": pages},
             "prefill": {"replicas": 2, "engine": {"prefixCache": cache}},
-            "decode": {},
+            # Decode keeps the prompt pages it received (decode-side reuse) iff the
+            # variant caches: `off` is no cache anywhere.
+            "decode": {"engine": {"prefixCache": cache}},
             "router": {"policy": {"prefill": policy}},
         },
     }

@@ -24,8 +24,8 @@ Columns: TTFT p50 and p90; its ratio to `off`; prefix hit rate = hit tokens
 / (requests x system tokens), what a perfect router approaches (every
 request but each prompt's first); token hit rate = hit tokens / prompt
 tokens looked up (the engine's counters); KV bytes sent by the prefills per
-request (`pdcluster_transfer_bytes_total`), the slot decode-side reuse will
-shrink (not built yet: prefill still sends the whole prompt's KV).
+request (`pdcluster_transfer_bytes_total{direction="out"}`: only the tokens
+sent, so decode-side reuse shows here; `off` has the cache off on both roles).
 """
 
 from __future__ import annotations

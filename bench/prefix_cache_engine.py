@@ -11,7 +11,7 @@ each. One engine with the cache on and one with it off take turns request
 by request, so machine noise hits both alike. Prints TTFT p50 for each, the
 ratio on/off, and the hit rate (hit tokens / lookup tokens).
 
-Decode-side reuse and cache-aware routing are not part of this (not built).
+Decode-side reuse and cache-aware routing are not part of this: see bench/prefix_cache.py.
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         cluster.start()
         cluster.wait_ready(args.ready_timeout)
+        cluster.wait_admitted(args.ready_timeout)
         state = read_state(state_dir)
         assert state is not None
         print(format_state(state), flush=True)

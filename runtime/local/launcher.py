@@ -164,6 +164,31 @@ class LocalCluster:
                 if pending:
                     time.sleep(0.2)
 
+    def wait_admitted(self, timeout: float = 180.0) -> None:
+        """Wait until the router counts every worker it lists as healthy.
+
+        The router's /health answers 200 once one worker per role is in, so a
+        request sent right after `wait_ready` may find an instance not yet
+        admitted and go to the others; `up` says "serving on" only after this.
+        """
+        deadline = time.monotonic() + timeout
+        url = self.plan.router.url + "/health"
+        waiting: list[str] = ["the router"]
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                try:
+                    workers = client.get(url).json().get("workers", [])
+                    waiting = [w["url"] for w in workers if not w.get("healthy")]
+                    if workers and not waiting:
+                        return
+                except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the router has not admitted {', '.join(waiting)} after {timeout:.0f}s"
+                    )
+                time.sleep(0.1)
+
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.state_dir / "logs" / f"{name}.log"
         if not path.exists():

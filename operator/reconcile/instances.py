@@ -11,7 +11,9 @@ first match wins:
   leader); a pod k > 0 was started for another leader address than the
   leader's; or a member is missing from a formed gang (the leader passed its
   startup probe or is Ready: its ranks cannot go on without the missing
-  ones) — the whole instance is then restarted;
+  ones) — the whole instance is then restarted, but not while a member is
+  still pending its first start (scheduling, image pull: `starting` then),
+  so a slow pull never turns into a restart loop;
 - `incomplete`: pods k > 0 are missing from a gang still forming (the
   leader's address was not known yet, or a create call failed half-way),
   so they are simply created;
@@ -73,8 +75,19 @@ class ObservedInstance:
 
 
 def judge(key: InstanceKey, size: int, pods: Mapping[int, ObservedPod]) -> ObservedInstance:
-    def result(health: Health, reason: str) -> ObservedInstance:
-        return ObservedInstance(key=key, size=size, pods=pods, health=health, reason=reason)
+    health, reason = _health(size, pods)
+    if health is Health.broken:
+        pending = [p.name for _, p in sorted(pods.items()) if p.phase == "Pending"]
+        if pending:
+            # A restart now would only recreate pods that pull their image again.
+            health = Health.starting
+            reason = f"{reason}, but pod {pending[0]} is still pending its first start"
+    return ObservedInstance(key=key, size=size, pods=pods, health=health, reason=reason)
+
+
+def _health(size: int, pods: Mapping[int, ObservedPod]) -> tuple[Health, str]:
+    def result(health: Health, reason: str) -> tuple[Health, str]:
+        return health, reason
 
     members = [pods[k] for k in sorted(pods)]
     if any(p.obj.terminating for p in members):

@@ -2,6 +2,7 @@
 PDCluster comes up, and how fast a killed prefill pod's rooms fail at decode.
 
     .venv/bin/python bench/operator.py [--apply-trials 3] [--kill-trials 5] [--cluster DIR]
+        [--prefill-pods 1,2]
 
 Starts a control plane (or uses the one `python -m e2e.cluster up --state-dir
 DIR` left running) and one operator process, then:
@@ -18,7 +19,13 @@ DIR` left running) and one operator process, then:
   `pdcluster_operator_failover_seconds` histogram. Heartbeats are set to
   30 s, so nothing but the fast path fails the room that fast.
 
-Prints one table per phase (median, min, max over trials) and a JSON line.
+`--prefill-pods 1,2` runs both phases once per prefill layout: 1 is one
+pod per instance, N > 1 a prefill instance of tp=N over N pods
+(`gpusPerPod: 1`, a gang: the kill trial kills its leader and waits for
+the whole instance to come back with new pods).
+
+Prints one table per phase and layout (median, min, max over trials) and a
+JSON line.
 """
 
 from __future__ import annotations
@@ -65,7 +72,10 @@ CHILDREN = [
 ]
 
 
-def manifest() -> dict[str, Any]:
+def manifest(prefill_pods: int = 1) -> dict[str, Any]:
+    prefill: dict[str, Any] = {"replicas": 1, "restart": {"backoffSeconds": 1}}
+    if prefill_pods > 1:
+        prefill.update(topology={"tp": prefill_pods}, gpusPerPod=1)
     return {
         "apiVersion": "pdcluster.io/v1alpha1",
         "kind": "PDCluster",
@@ -78,7 +88,7 @@ def manifest() -> dict[str, Any]:
                 "bootstrapTimeoutSeconds": 120,
                 "waitingTimeoutSeconds": 120,
             },
-            "prefill": {"replicas": 1, "restart": {"backoffSeconds": 1}},
+            "prefill": prefill,
             "decode": {"replicas": 1},
         },
     }
@@ -108,8 +118,9 @@ def histogram(metrics_url: str, name: str, role: str) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, info: ClusterInfo, metrics_url: str) -> None:
+    def __init__(self, info: ClusterInfo, metrics_url: str, prefill_pods: int = 1) -> None:
         self.info = info
+        self.prefill_pods = prefill_pods
         self.kube = KubeApi(info.server, info.admin_token, info.ca_cert)
         self.agent = info.node_agent()
         self.metrics_url = metrics_url
@@ -138,7 +149,10 @@ class Bench:
         selector = f"pdcluster.io/cluster={NAME},pdcluster.io/role={role}"
         listed = self.kube.get(f"/api/v1/namespaces/{ns}/pods", {"labelSelector": selector})
         items = (listed or {}).get("items", [])
-        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+        alive = [p for p in items if not p["metadata"].get("deletionTimestamp")]
+        return sorted(
+            alive, key=lambda p: int(p["metadata"]["labels"].get("pdcluster.io/pod-index", 0))
+        )
 
     def phase(self, ns: str) -> str:
         obj = self.kube.get(f"{PDC.format(ns=ns)}/{NAME}") or {}
@@ -164,7 +178,7 @@ class Bench:
         ns = self.namespace()
         try:
             t0 = time.monotonic()
-            self.kube.create(PDC.format(ns=ns), manifest())
+            self.kube.create(PDC.format(ns=ns), manifest(self.prefill_pods))
 
             def children() -> bool:
                 if any(self.kube.get(p.format(ns=ns)) is None for p in CHILDREN):
@@ -185,6 +199,7 @@ class Bench:
     def kill_trial(self, ns: str, token: str) -> dict[str, float]:
         self.until(lambda: self.phase(ns) == "Ready", "Ready before the kill")
         prefill, decode = self.pods(ns, "prefill")[0], self.pods(ns, "decode")[0]
+        old_uids = {p["metadata"]["uid"] for p in self.pods(ns, "prefill")}
         name, prefill_ip = prefill["metadata"]["name"], prefill["status"]["podIP"]
         decode_url = f"http://{decode['status']['podIP']}:8000"
         admin = {"Authorization": f"Bearer {token}"}
@@ -202,10 +217,12 @@ class Bench:
         if answered.get("status") != 502 or "prefill_pod_lost" not in answered.get("text", ""):
             raise RuntimeError(f"decode did not fail the room by the fast path: {answered}")
         after = histogram(self.metrics_url, "pdcluster_operator_failover_seconds", "prefill")
-        new_pod = lambda: any(  # noqa: E731
-            p["metadata"]["uid"] != prefill["metadata"]["uid"] for p in self.pods(ns, "prefill")
-        )
-        t_ready = self.until(lambda: new_pod() and self.phase(ns) == "Ready", "Ready again")
+
+        def replaced() -> bool:  # every pod of the gang is new
+            uids = {p["metadata"]["uid"] for p in self.pods(ns, "prefill")}
+            return len(uids) == self.prefill_pods and not uids & old_uids
+
+        t_ready = self.until(lambda: replaced() and self.phase(ns) == "Ready", "Ready again")
         operator_s = (after[0] - before[0]) / max(1.0, after[1] - before[1])
         return {
             "pod Failed in the API": (failed_at[0] if failed_at else float("nan")) - killed,
@@ -239,31 +256,53 @@ def summarize(title: str, trials: list[dict[str, float]]) -> None:
         print(f"| {key} | {cells} |")
 
 
+def run_layout(
+    bench: Bench, apply_trials: int, kill_trials: int
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The apply trials, then the kill trials on one cluster, for one prefill layout."""
+    applies = [bench.apply_trial() for _ in range(apply_trials)]
+    ns = bench.namespace()
+    try:
+        bench.kube.create(PDC.format(ns=ns), manifest(bench.prefill_pods))
+        bench.until(lambda: bench.phase(ns) == "Ready", "the kill cluster Ready")
+        secret = bench.kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token") or {}
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        kills = [bench.kill_trial(ns, token) for _ in range(kill_trials)]
+    finally:
+        bench.drop(ns)
+    return applies, kills
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--apply-trials", type=int, default=3)
     parser.add_argument("--kill-trials", type=int, default=5)
     parser.add_argument("--cluster", default=os.environ.get("PDCLUSTER_E2E_CLUSTER"))
+    parser.add_argument(
+        "--prefill-pods", default="1", help="comma-separated pods per prefill instance, e.g. 1,2"
+    )
     args = parser.parse_args()
+    try:
+        layouts = [int(n) for n in args.prefill_pods.split(",")]
+    except ValueError:
+        parser.error(f"--prefill-pods: {args.prefill_pods!r} is not a list of numbers, e.g. 1,2")
+    if any(n < 1 for n in layouts):
+        parser.error("--prefill-pods: every layout needs at least one pod")
+    results: dict[str, Any] = {}
     with (
         tempfile.TemporaryDirectory(prefix="pdc-bench-op-") as tmp,
         control_plane(args.cluster) as info,
         operator_process(info.kubeconfig, Path(tmp) / "operator.log") as (_, metrics_url),
     ):
-        bench = Bench(info, metrics_url)
-        applies = [bench.apply_trial() for _ in range(args.apply_trials)]
-        ns = bench.namespace()
-        try:
-            bench.kube.create(PDC.format(ns=ns), manifest())
-            bench.until(lambda: bench.phase(ns) == "Ready", "the kill cluster Ready")
-            secret = bench.kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token") or {}
-            token = base64.b64decode(secret["data"]["token"]).decode()
-            kills = [bench.kill_trial(ns, token) for _ in range(args.kill_trials)]
-        finally:
-            bench.drop(ns)
-        summarize("apply → ...", applies)
-        summarize("prefill SIGKILL → ...", kills)
-        print(json.dumps({"apply": applies, "kill": kills}))
+        for pods in layouts:
+            applies, kills = run_layout(
+                Bench(info, metrics_url, pods), args.apply_trials, args.kill_trials
+            )
+            label = f"{pods} pod{'s' if pods > 1 else ''} per prefill instance"
+            summarize(f"apply → ..., {label}", applies)
+            summarize(f"prefill leader SIGKILL → ..., {label}", kills)
+            results[str(pods)] = {"apply": applies, "kill": kills}
+        print(json.dumps(results if len(layouts) > 1 else results[str(layouts[0])]))
 
 
 if __name__ == "__main__":

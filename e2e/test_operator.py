@@ -9,7 +9,8 @@ killed prefill makes decode fail its rooms in well under a second
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
 of the decode role's scaler); a real HPA reads the decode scaler's /scale
 (the harness has no metrics API, so it cannot act); deleting the PDCluster
-removes everything. An invalid manifest (or one above the rank cap, or
+removes everything. A prefill instance of two pods serves, and deleting
+its non-leader pod replaces both. An invalid manifest (or one above the rank cap, or
 autoscaling beyond its GPU budget) is refused by the API; the operator refuses a foreign Secret
 reference, reports a quota that refuses its pods as ApplyFailed, and never
 applies over an object that replaced one of its own.
@@ -673,6 +674,103 @@ def test_deleting_the_cluster_removes_everything(
     assert len(left()) >= 10
     assert kube.delete(f"{PDC_PATH.format(ns=ns)}/{NAME}")
     wait_until(lambda: pdc(kube, ns) is None and not left(), 90, "garbage collection")
+
+
+# ------------------------------------------------------ a multi-pod instance (own namespace)
+MULTI = "multipod"
+
+
+def cluster_pods(kube: KubeApi, ns: str, role: str, name: str = MULTI) -> list[dict[str, Any]]:
+    selector = f"pdcluster.io/cluster={name},pdcluster.io/role={role}"
+    listed = kube.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector})
+    items = [
+        p for p in (listed or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")
+    ]
+    return sorted(
+        items, key=lambda p: int(p["metadata"]["labels"].get("pdcluster.io/pod-index", 0))
+    )
+
+
+def wait_cluster_ready(op: Operator, kube: KubeApi, ns: str, name: str, check) -> dict[str, Any]:
+    """Wait until the PDCluster is Ready and `check(obj)` holds; the operator log on timeout."""
+    found: dict[str, Any] = {}
+
+    def ready() -> bool:
+        obj = pdc(kube, ns, name)
+        if obj is not None and (obj.get("status") or {}).get("phase") == "Ready" and check(obj):
+            found.update(obj)
+            return True
+        return False
+
+    try:
+        wait_until(ready, 2 * START_TIMEOUT_S, f"PDCluster {name} Ready", interval_s=0.5)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\nstatus: {pdc(kube, ns, name)}\n{op.log_tail()}") from err
+    return found
+
+
+def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes(
+    operator: Operator,
+    kube: KubeApi,
+    kubectl: KubectlRunner,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    """prefill tp2 with gpusPerPod 1: one instance of two pods (leader + one) that
+    meet over pod IPs; deleting the non-leader pod replaces both."""
+    prefill = {
+        "replicas": 1,
+        "topology": {"tp": 2},
+        "gpusPerPod": 1,
+        "restart": {"backoffSeconds": 1},
+    }
+    apply(kubectl, tmp_path, namespace, manifest(MULTI, prefill=prefill))
+
+    def two_ready_pods(obj: dict[str, Any]) -> bool:
+        instances = obj["status"].get("prefill", {}).get("instances", [])
+        return (
+            len(instances) == 1
+            and instances[0]["ready"]
+            and [p["index"] for p in instances[0]["pods"]] == [0, 1]
+            and all(p["phase"] == "Running" for p in instances[0]["pods"])
+        )
+
+    status = wait_cluster_ready(operator, kube, namespace, MULTI, two_ready_pods)["status"]
+    leader, follower = cluster_pods(kube, namespace, "prefill")
+    assert [p["name"] for p in status["prefill"]["instances"][0]["pods"]] == [
+        leader["metadata"]["name"],
+        follower["metadata"]["name"],
+    ]
+    assert is_ready(leader) and leader["metadata"]["labels"]["pdcluster.io/leader"] == "true"
+    assert follower["metadata"]["labels"]["pdcluster.io/leader"] == "false"
+    # The non-leader pod was given its leader's pod IP (there is no cluster DNS).
+    annotations = follower["metadata"]["annotations"]
+    assert annotations["pdcluster.io/leader-address"] == leader["status"]["podIP"]
+    (router,) = cluster_pods(kube, namespace, "router")
+    first = complete(router["status"]["podIP"])
+    assert first["usage"]["completion_tokens"] == 8
+
+    old_uids = {leader["metadata"]["uid"], follower["metadata"]["uid"]}
+    assert kube.delete(f"/api/v1/namespaces/{namespace}/pods/{follower['metadata']['name']}")
+
+    def replaced(obj: dict[str, Any]) -> bool:
+        now = cluster_pods(kube, namespace, "prefill")
+        uids = {p["metadata"]["uid"] for p in now}
+        return len(now) == 2 and not uids & old_uids and two_ready_pods(obj)
+
+    wait_cluster_ready(operator, kube, namespace, MULTI, replaced)
+    new_leader, new_follower = cluster_pods(kube, namespace, "prefill")
+    # Same stable names, new pods; the new follower knows the new leader.
+    assert new_leader["metadata"]["name"] == leader["metadata"]["name"]
+    assert new_follower["metadata"]["name"] == follower["metadata"]["name"]
+    assert (
+        new_follower["metadata"]["annotations"]["pdcluster.io/leader-address"]
+        == new_leader["status"]["podIP"]
+    )
+    restarted = kube.get(f"/api/v1/namespaces/{namespace}/events") or {}
+    reasons = {e["reason"] for e in restarted.get("items", [])}
+    assert "InstanceRestarted" in reasons, reasons
+    assert complete(router["status"]["podIP"])["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_invalid_manifest_is_refused_with_the_cel_message(

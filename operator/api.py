@@ -167,6 +167,32 @@ class RoleAutoscalingStatus(_StatusModel):
     )
 
 
+# status.<role>.instances lists at most this many instances (the lowest slots first).
+MAX_STATUS_INSTANCES = 256
+
+
+class InstancePodStatus(_StatusModel):
+    """One pod of an instance, as the operator last observed it."""
+
+    name: str
+    index: int = Field(ge=0, description="pod index in the instance (0: the leader)")
+    phase: str = Field(description="the pod's phase (Pending, Running, Failed, ...)")
+    ready: bool = Field(default=False, description="the pod's Ready condition")
+
+
+class InstanceStatus(_StatusModel):
+    """One instance of a role: its pods and whether it serves."""
+
+    index: int = Field(ge=0, description="the instance slot")
+    template_hash: str = Field(description="the role template the instance was built from")
+    ready: bool = Field(
+        default=False, description="every pod is Ready (the leader only once every rank joined)"
+    )
+    health: str = Field(description="ready, starting, incomplete, broken or terminating")
+    message: str = Field(default="", max_length=1024)
+    pods: list[InstancePodStatus] = Field(default_factory=list)
+
+
 class RoleStatus(_StatusModel):
     desired: int = Field(default=0, ge=0, description="instances asked for")
     ready: int = Field(default=0, ge=0, description="instance slots served by a Ready instance")
@@ -179,6 +205,11 @@ class RoleStatus(_StatusModel):
     backoff: list[InstanceBackoff] = Field(default_factory=list)
     kv_transport: KVTransportStatus | None = None
     autoscaling: RoleAutoscalingStatus | None = None
+    instances: list[InstanceStatus] = Field(
+        default_factory=list,
+        max_length=MAX_STATUS_INSTANCES,
+        description="the role's instances (every template) and their pods, by slot",
+    )
 
 
 class RouterStatus(_StatusModel):

@@ -39,6 +39,8 @@ LABEL_CLUSTER = "pdcluster.io/cluster"
 LABEL_ROLE = "pdcluster.io/role"
 LABEL_INSTANCE_INDEX = "pdcluster.io/instance"
 LABEL_POD_INDEX = "pdcluster.io/pod-index"
+# "true" on pod 0 of an instance (bootstrap server, HTTP API), "false" on the others.
+LABEL_LEADER = "pdcluster.io/leader"
 # Compatibility revision: prefill and decode pods pair only when equal.
 LABEL_REVISION = "pdcluster.io/revision"
 # Hash of one role's pod template: a change rolls that role's instances.
@@ -49,6 +51,8 @@ LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 ANNOTATION_HTTP_PORT = "pdcluster.io/http-port"
 ANNOTATION_BOOTSTRAP_PORT = "pdcluster.io/bootstrap-port"
 ANNOTATION_DIST_PORT = "pdcluster.io/dist-port"
+# On a pod k > 0: the leader pod's IP it was started with ($PDCLUSTER_LEADER_ADDRESS).
+ANNOTATION_LEADER_ADDRESS = "pdcluster.io/leader-address"
 # Pods in the instance the pod belongs to, so a gang is judged complete or
 # not even after the spec (and with it the instance size) changed.
 ANNOTATION_INSTANCE_SIZE = "pdcluster.io/pods-per-instance"

@@ -8,7 +8,10 @@ What differs from a live cluster, on purpose:
 - the token Secret the operator creates is shown without its data: the
   operator fills `token` with a fresh random value when it creates it;
 - every instance of every role is shown (the operator creates them one
-  rollout step at a time, but ends with exactly these).
+  rollout step at a time, but ends with exactly these);
+- pods k > 0 of a multi-pod instance name their leader `leader-pod-ip`
+  (`PLACEHOLDER_LEADER_ADDRESS`): the operator creates them once the leader
+  pod has an IP and gives them that IP.
 
 Pure module.
 """
@@ -28,6 +31,7 @@ from pdcluster.runtime.spec import SpecError
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 DEFAULT_NAMESPACE = "default"
+PLACEHOLDER_LEADER_ADDRESS = "leader-pod-ip"
 # build_token_secret refuses an empty token; the data is dropped afterwards.
 _UNUSED_TOKEN = "x"
 
@@ -69,7 +73,7 @@ def render_objects(cluster: Cluster) -> list[Manifest]:
         objects.insert(len(objects) - 2, secret)  # with the config, before any pod
     for role in desired.roles:
         for index in range(role.replicas):
-            instance = desired.instance(role.role, index)
+            instance = desired.instance(role.role, index, PLACEHOLDER_LEADER_ADDRESS)
             if instance.bootstrap_service is not None:
                 objects.append(instance.bootstrap_service)
             objects.extend(instance.pods)

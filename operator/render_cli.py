@@ -16,7 +16,7 @@ import yaml
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from pdcluster.operator.builders.workers import BuildError
+    from pdcluster.operator.builders.meta import BuildError
     from pdcluster.operator.render import RenderError, render_yaml
 
     try:

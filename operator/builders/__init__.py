@@ -12,7 +12,7 @@ from pdcluster.operator.builders.config import (
     render_manifest_yaml,
 )
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState, build_desired
-from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+from pdcluster.operator.builders.meta import BuildError, Manifest, ObjectKey, object_key
 from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.scaler import (
@@ -21,10 +21,8 @@ from pdcluster.operator.builders.scaler import (
     build_role_scalers,
 )
 from pdcluster.operator.builders.workers import (
-    BuildError,
     InstanceKey,
     InstanceManifests,
-    Placement,
     build_bootstrap_service,
     build_instance,
     build_worker_pod,
@@ -41,7 +39,6 @@ __all__ = [
     "InstanceManifests",
     "Manifest",
     "ObjectKey",
-    "Placement",
     "PodLayout",
     "build_bootstrap_service",
     "build_config_map",

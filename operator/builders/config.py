@@ -19,14 +19,14 @@ from pdcluster.operator import names
 from pdcluster.operator.api import API_VERSION_FULL, KIND
 from pdcluster.operator.builders import meta
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement, placed_spec
+from pdcluster.operator.builders.workers import placed_spec
 from pdcluster.operator.reconcile.cluster import Cluster
 
 
-def render_manifest_yaml(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) -> str:
+def render_manifest_yaml(cluster: Cluster) -> str:
     """The PDCluster as the pods read it (`-f env:PDCLUSTER_MANIFEST`).
 
-    Defaults are filled in and roles are placed (`placed_spec`), so every pod
+    Defaults are filled in (`placed_spec`), so every pod
     reads exactly what the operator validated and runs; status is left out so
     status writes never touch the ConfigMap.
     """
@@ -34,21 +34,19 @@ def render_manifest_yaml(cluster: Cluster, placement: Placement = DEFAULT_PLACEM
         "apiVersion": API_VERSION_FULL,
         "kind": KIND,
         "metadata": {"name": cluster.name, "namespace": cluster.namespace},
-        "spec": placed_spec(cluster.spec, placement).model_dump(
-            mode="json", by_alias=True, exclude_none=True
-        ),
+        "spec": placed_spec(cluster.spec).model_dump(mode="json", by_alias=True, exclude_none=True),
     }
     return yaml.safe_dump(doc, sort_keys=True)
 
 
-def build_config_map(cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT) -> Manifest:
+def build_config_map(cluster: Cluster) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta.object_meta(
             cluster.ref, names.config_map_name(cluster.name), component="config"
         ),
-        "data": {meta.MANIFEST_KEY: render_manifest_yaml(cluster, placement)},
+        "data": {meta.MANIFEST_KEY: render_manifest_yaml(cluster)},
     }
 
 

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 
 from pdcluster.operator import names
 from pdcluster.operator.builders.config import build_config_map, build_runtime_rbac
-from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.builders.meta import BuildError, Manifest
 from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
-    DEFAULT_PLACEMENT,
     InstanceManifests,
-    Placement,
     build_instance,
     build_resources,
     pod_layout,
@@ -27,7 +25,7 @@ from pdcluster.operator.builders.workers import (
 )
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_template_hash
-from pdcluster.runtime.spec import RestartPolicySpec, Role
+from pdcluster.runtime.spec import GangScheduling, RestartPolicySpec, Role
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,16 @@ class DesiredState:
     # False when the user names their own Secret: the operator then only checks it exists.
     owns_token_secret: bool
     roles: tuple[DesiredRole, ...]
-    placement: Placement = DEFAULT_PLACEMENT
 
     def role(self, role: Role) -> DesiredRole | None:
         return next((r for r in self.roles if r.role == role), None)
 
-    def instance(self, role: Role, index: int) -> InstanceManifests:
-        return build_instance(self.cluster, role, index, self.placement)
+    def instance(
+        self, role: Role, index: int, leader_address: str | None = None
+    ) -> InstanceManifests:
+        """Instance `index`: its leader pod, and its other pods once `leader_address`
+        (the leader pod's IP) is known."""
+        return build_instance(self.cluster, role, index, leader_address)
 
 
 def roles_of(cluster: Cluster) -> tuple[Role, ...]:
@@ -64,9 +65,7 @@ def roles_of(cluster: Cluster) -> tuple[Role, ...]:
     return (Role.colocated,)
 
 
-def build_desired(
-    cluster: Cluster, placement: Placement = DEFAULT_PLACEMENT, operator_namespace: str = ""
-) -> DesiredState:
+def build_desired(cluster: Cluster, operator_namespace: str = "") -> DesiredState:
     """Raises BuildError when the spec cannot produce valid objects.
 
     `operator_namespace`: where the operator's pods run, for the NetworkPolicies.
@@ -75,20 +74,25 @@ def build_desired(
     for role in roles_of(cluster):
         spec = cluster.spec.role_spec(role)
         assert spec is not None  # roles_of only names roles the spec has
-        build_resources(spec, role, placement)  # surface resource errors before anything is applied
+        build_resources(spec, role)  # surface resource errors before anything is applied
+        if spec.scheduling.gang is GangScheduling.pod_group:
+            raise BuildError(
+                f"{role.value}.scheduling.gang: podGroup is not supported by this operator yet "
+                "(it would label pods for a PodGroup it does not create); use gang: none"
+            )
         roles.append(
             DesiredRole(
                 role=role,
                 replicas=spec.replicas,
                 template_hash=compute_template_hash(cluster.spec, role),
-                pods_per_instance=pod_layout(spec, placement).num_pods,
+                pods_per_instance=pod_layout(spec).num_pods,
                 restart=spec.restart,
             )
         )
     objects: list[Manifest] = [
         *build_runtime_rbac(cluster),
         *build_network_policies(cluster, operator_namespace),
-        build_config_map(cluster, placement),
+        build_config_map(cluster),
         build_router_deployment(cluster),
         build_router_service(cluster),
     ]
@@ -100,5 +104,4 @@ def build_desired(
         token_secret=secret,
         owns_token_secret=secret == names.token_secret_name(cluster.name),
         roles=tuple(roles),
-        placement=placement,
     )

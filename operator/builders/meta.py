@@ -30,6 +30,10 @@ TOKEN_KEY = "token"
 ROUTER_API_KEYS_KEY = "keys"
 
 
+class BuildError(ValueError):
+    """The spec cannot be turned into valid Kubernetes objects; the message says why."""
+
+
 class ObjectKey(NamedTuple):
     """Identity of a namespaced child: kind plus name (the namespace is the cluster's)."""
 

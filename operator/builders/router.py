@@ -11,8 +11,8 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
-from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.workers import BuildError, token_secret_for
+from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.workers import token_secret_for
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_router_hash
 

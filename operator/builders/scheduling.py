@@ -19,8 +19,10 @@ Both are opt-in per role and rendered from the spec alone:
 
 The user's own `affinity` is kept; these terms are appended to it.
 
-Not wired into the desired state yet (docs/kubernetes.md, Multi-pod
-instances): nothing here changes the objects the operator creates today.
+Every worker pod gets `build_pod_scheduling` (builders/workers.py). The
+PodGroup object itself is not created yet: the operator refuses
+`gang: podGroup` (builders/desired.py) rather than label pods for a group
+that does not exist (docs/kubernetes.md, Multi-pod instances).
 
 Pure module.
 """
@@ -33,13 +35,7 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta
-from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.workers import (
-    DEFAULT_PLACEMENT,
-    BuildError,
-    Placement,
-    pod_layout,
-)
+from pdcluster.operator.builders.meta import BuildError, Manifest
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_template_hash
 from pdcluster.runtime.spec import GangScheduling, Role, RoleSpec
@@ -81,9 +77,7 @@ def _instance_name(cluster: Cluster, role: Role, index: int) -> str:
     return names.instance_name(cluster.name, role, index, compute_template_hash(cluster.spec, role))
 
 
-def build_pod_group(
-    cluster: Cluster, role: Role, index: int, placement: Placement = DEFAULT_PLACEMENT
-) -> Manifest | None:
+def build_pod_group(cluster: Cluster, role: Role, index: int) -> Manifest | None:
     """The PodGroup of instance `index` of `role`; None unless `scheduling.gang: podGroup`."""
     spec = _role(cluster, role)
     if spec.scheduling.gang is not GangScheduling.pod_group:
@@ -102,7 +96,7 @@ def build_pod_group(
                 names.LABEL_TEMPLATE: template,
             },
         ),
-        "spec": {"minMember": pod_layout(spec, placement).num_pods},
+        "spec": {"minMember": spec.pod_layout.num_pods},
     }
 
 

@@ -1,17 +1,22 @@
 """Worker pods of one role instance, and the bootstrap Service of a prefill instance.
 
-Placement (`pod_layout`):
-- `Placement.instance_per_pod` (what the operator runs): the runtime runs
-  every rank of an instance as a process of one pod (it refuses an instance
-  spread over several pods), so an instance is one pod holding all
-  `dp*tp*cp*pp` ranks, and on `device: cuda` that pod asks for one GPU per
-  rank. `gpusPerPod` is raised to the rank count in the manifest the pods
-  read, so they agree with the layout;
-- `Placement.gpus_per_pod`: `ranks / gpusPerPod` pods (one when it is left
-  out), pod k running ranks [k * gpusPerPod, (k + 1) * gpusPerPod)
-  (runtime/pod_layout.py) — for a runtime that spreads an
-  instance over pods. The planner already treats an instance as a gang of
-  `pods_per_instance` pods (tests exercise it with this placement).
+Layout (`pod_layout`, runtime/pod_layout.py): an instance of R = dp*tp*cp*pp
+ranks with `gpusPerPod: G` runs as R / G pods (one pod when `gpusPerPod` is
+left out), pod k running ranks [k * G, (k + 1) * G); on `device: cuda` a pod
+asks for one GPU per rank it runs. Pod 0 is the leader: bootstrap server,
+HTTP API, the store the other pods join; it alone is labelled
+`pdcluster.io/leader: "true"`, carries HTTP probes and is what the bootstrap
+Service and the router select.
+
+Leader address (no cluster DNS): a pod k > 0 is built only once the leader
+pod has an IP, and gets it as `$PDCLUSTER_LEADER_ADDRESS` (and the
+`pdcluster.io/leader-address` annotation, which the planner and the fast
+path read). A new leader is a new gang anyway (reconcile/instances.py), so
+the address never changes under a running pod; a plain variable needs no
+downward-API volume, which the e2e node agent does not mount.
+
+Pods k > 0 serve no HTTP, so they carry no probes: they are Ready while
+their rank processes run, and exit (the pod turns Failed) when one dies.
 
 The pods are managed directly (no StatefulSet), with `restartPolicy: Never`,
 so a crashed rank turns its pod Failed and the planner restarts the whole
@@ -26,18 +31,23 @@ Pure module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
-from pdcluster.operator.builders.meta import Manifest
+from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.scheduling import build_pod_scheduling
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_template_hash,
 )
-from pdcluster.runtime.pod_layout import PodLayout, compute_pod_layout
+from pdcluster.runtime.pod_layout import LEADER_POD, PodLayout
+from pdcluster.runtime.pod_rendezvous import (
+    LEADER_ADDRESS_ENV,
+    RendezvousError,
+    parse_leader_address,
+)
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -50,42 +60,15 @@ READINESS_PERIOD_S = 2
 READINESS_FAILURES = 3
 
 
-class BuildError(ValueError):
-    """The spec cannot be turned into valid Kubernetes objects; the message says why."""
+def pod_layout(spec: RoleSpec) -> PodLayout:
+    """How the ranks of one instance map onto pods (`gpusPerPod`)."""
+    layout: PodLayout = spec.pod_layout
+    return layout
 
 
-class Placement(StrEnum):
-    """How the ranks of an instance are spread over pods (module docstring)."""
-
-    instance_per_pod = "instance_per_pod"
-    gpus_per_pod = "gpus_per_pod"
-
-
-DEFAULT_PLACEMENT = Placement.instance_per_pod
-
-
-def pod_layout(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> PodLayout:
-    """How the ranks of one instance map onto pods under `placement`."""
-    if placement == Placement.instance_per_pod:
-        return compute_pod_layout(spec.topology.num_ranks, None)
-    return spec.pod_layout
-
-
-def placed_role(spec: RoleSpec, placement: Placement = DEFAULT_PLACEMENT) -> RoleSpec:
-    """The role as its pods run it: `gpusPerPod` equal to the ranks one pod holds."""
-    layout = pod_layout(spec, placement)
-    if spec.pod_layout.ranks_per_pod == layout.ranks_per_pod:  # left out: one pod already
-        return spec
-    return spec.model_copy(update={"gpus_per_pod": layout.ranks_per_pod})
-
-
-def placed_spec(spec: PDClusterSpec, placement: Placement = DEFAULT_PLACEMENT) -> PDClusterSpec:
-    """The spec with every role placed (`placed_role`): what the pods read."""
-    update: dict[str, Any] = {
-        role.value: placed_role(rs, placement)
-        for role in Role
-        if (rs := spec.role_spec(role)) is not None
-    }
+def placed_spec(spec: PDClusterSpec) -> PDClusterSpec:
+    """The spec as the pods read it: defaults the operator decides filled in."""
+    update: dict[str, Any] = {}
     if spec.auth.zmq_curve is None:
         # On Kubernetes ranks talk over the pod network: encrypted unless the
         # spec says `zmqCurve: false` (see docs/security.md).
@@ -108,8 +91,10 @@ class InstanceKey:
 @dataclass(frozen=True)
 class InstanceManifests:
     key: InstanceKey
-    pods: tuple[Manifest, ...]  # ordered by pod index
+    # Ordered by pod index: the leader, then (when its address was given) the others.
+    pods: tuple[Manifest, ...]
     bootstrap_service: Manifest | None
+    num_pods: int = 1  # pods of the whole instance (`pods` may hold only the leader)
 
     @property
     def pod_names(self) -> tuple[str, ...]:
@@ -129,9 +114,7 @@ def token_secret_for(cluster: Cluster) -> str:
     return name
 
 
-def build_resources(
-    spec: RoleSpec, role: Role, placement: Placement = DEFAULT_PLACEMENT
-) -> dict[str, Any]:
+def build_resources(spec: RoleSpec, role: Role) -> dict[str, Any]:
     """The role's resources, plus one `nvidia.com/gpu` per rank of a pod when on cuda."""
     unknown = set(spec.resources) - {"limits", "requests", "claims"}
     if unknown:
@@ -145,7 +128,7 @@ def build_resources(
             raise BuildError(f"{role.value}.resources.{key} must be a mapping")
         resources[key] = dict(value) if isinstance(value, dict) else value
     if spec.device == "cuda":
-        gpus = pod_layout(spec, placement).ranks_per_pod
+        gpus = pod_layout(spec).ranks_per_pod
         for key in ("limits", "requests"):
             given = resources.get(key, {}).get(GPU_RESOURCE)
             if given is not None and str(given) != str(gpus):
@@ -227,7 +210,26 @@ def _instance_key(cluster: Cluster, role: Role, index: int) -> InstanceKey:
 
 def worker_labels(key: InstanceKey, pod_index: int, revision: str) -> dict[str, str]:
     identity = names.PodIdentity(key.role, key.index, key.template_hash, pod_index)
-    return {**names.pod_identity_labels(identity), names.LABEL_REVISION: revision}
+    return {
+        **names.pod_identity_labels(identity),
+        names.LABEL_LEADER: str(pod_index == LEADER_POD).lower(),
+        names.LABEL_REVISION: revision,
+    }
+
+
+def _leader_address(role: Role, pod_index: int, leader_address: str | None) -> str | None:
+    """The leader's address a pod k > 0 gets, checked; None for the leader itself."""
+    if pod_index == LEADER_POD:
+        return None
+    if leader_address is None:
+        raise BuildError(
+            f"{role.value} pod index {pod_index} needs its leader pod's address "
+            "(pods k > 0 are built once the leader pod has an IP)"
+        )
+    try:
+        return parse_leader_address(leader_address)
+    except RendezvousError as err:
+        raise BuildError(f"{role.value} pod index {pod_index}: {err}") from None
 
 
 def build_worker_pod(
@@ -235,20 +237,22 @@ def build_worker_pod(
     role: Role,
     index: int,
     pod_index: int,
-    placement: Placement = DEFAULT_PLACEMENT,
+    leader_address: str | None = None,
 ) -> Manifest:
-    """Pod `pod_index` of instance `index` of `role`."""
+    """Pod `pod_index` of instance `index` of `role`; a pod k > 0 needs `leader_address`,
+    the leader pod's IP."""
     spec = _role(cluster, role)
-    layout = pod_layout(spec, placement)
+    layout = pod_layout(spec)
     num_pods = layout.num_pods
     if not 0 <= pod_index < num_pods:
         raise BuildError(
             f"{role.value} has {num_pods} pods per instance; pod index {pod_index} is out of range"
         )
+    leader_host = _leader_address(role, pod_index, leader_address)
     key = _instance_key(cluster, role, index)
     revision = compute_cluster_revision(cluster.spec)
     name = names.pod_name(cluster.name, role, index, key.template_hash, pod_index)
-    leader = names.pod_name(cluster.name, role, index, key.template_hash, 0)
+    leader = names.pod_name(cluster.name, role, index, key.template_hash, LEADER_POD)
     annotations = {
         names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
         names.ANNOTATION_DIST_PORT: str(meta.DIST_PORT),
@@ -258,27 +262,33 @@ def build_worker_pod(
         {"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"},
         {"name": "dist", "containerPort": meta.DIST_PORT, "protocol": "TCP"},
     ]
-    if role == Role.prefill:
+    if role == Role.prefill and leader_host is None:
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(meta.BOOTSTRAP_PORT)
         ports.append({"name": "bootstrap", "containerPort": meta.BOOTSTRAP_PORT, "protocol": "TCP"})
+    env = _worker_env(cluster, layout, spec, key, pod_index, leader, revision)
+    if leader_host is not None:
+        annotations[names.ANNOTATION_LEADER_ADDRESS] = leader_host
+        env.append(meta.env_value(LEADER_ADDRESS_ENV, leader_host))
     container: dict[str, Any] = {
         "name": "worker",
         "image": cluster.spec.image,
         "command": ["pdcluster"],
         "args": _worker_args(role, index, pod_index),
-        "env": _worker_env(cluster, layout, spec, key, pod_index, leader, revision),
+        "env": env,
         "ports": ports,
-        "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
-        "readinessProbe": meta.http_probe(READINESS_PERIOD_S, READINESS_FAILURES),
+        "resources": podsecurity.with_default_requests(build_resources(spec, role), "worker"),
+        "securityContext": podsecurity.container_security_context(),
+    }
+    if leader_host is None:
+        # Only the leader serves HTTP; it answers 503 until every rank of every
+        # pod joined, so its readiness is the instance's. A pod k > 0 has no
+        # probes: it ends (Failed) when one of its ranks dies.
+        container["startupProbe"] = meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES)
+        container["readinessProbe"] = meta.http_probe(READINESS_PERIOD_S, READINESS_FAILURES)
         # /health/live fails only for an engine that is gone or hung
         # (engine_stalled): the kubelet restarts it; a worker still waiting
         # for its peers stays alive (readiness keeps it out of the pool).
-        "livenessProbe": meta.http_probe(10, 3, timeout_s=5, path="/health/live"),
-        "resources": podsecurity.with_default_requests(
-            build_resources(spec, role, placement), "worker"
-        ),
-        "securityContext": podsecurity.container_security_context(),
-    }
+        container["livenessProbe"] = meta.http_probe(10, 3, timeout_s=5, path="/health/live")
     volumes, mounts = podsecurity.writable_volumes()
     token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
     volumes.append(token_volume)
@@ -302,7 +312,7 @@ def build_worker_pod(
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": meta.object_meta(
@@ -314,6 +324,7 @@ def build_worker_pod(
         ),
         "spec": pod_spec,
     }
+    return build_pod_scheduling(cluster, role, index).apply_to(pod)
 
 
 def build_bootstrap_service(cluster: Cluster, index: int) -> Manifest:
@@ -360,12 +371,14 @@ def build_bootstrap_service(cluster: Cluster, index: int) -> Manifest:
 
 
 def build_instance(
-    cluster: Cluster, role: Role, index: int, placement: Placement = DEFAULT_PLACEMENT
+    cluster: Cluster, role: Role, index: int, leader_address: str | None = None
 ) -> InstanceManifests:
-    """Every object of one instance: its pods and, for prefill, its bootstrap Service."""
+    """The objects of one instance: its leader pod, its other pods when the leader's
+    address is known (`leader_address`), and, for prefill, its bootstrap Service."""
     spec = _role(cluster, role)
     key = _instance_key(cluster, role, index)
-    num_pods = pod_layout(spec, placement).num_pods
-    pods = tuple(build_worker_pod(cluster, role, index, k, placement) for k in range(num_pods))
+    num_pods = pod_layout(spec).num_pods
+    built = range(num_pods) if leader_address is not None else range(LEADER_POD + 1)
+    pods = tuple(build_worker_pod(cluster, role, index, k, leader_address) for k in built)
     service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
-    return InstanceManifests(key=key, pods=pods, bootstrap_service=service)
+    return InstanceManifests(key=key, pods=pods, bootstrap_service=service, num_pods=num_pods)

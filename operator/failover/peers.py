@@ -50,20 +50,29 @@ class PodIndex:
         self._by_cluster.pop(key, None)
 
     def peers_of(self, lost: PodFacts) -> list[PodFacts]:
-        """The workers that may hold rooms tied to `lost`, in name order."""
+        """The workers that may hold rooms tied to `lost`, in name order: the peer
+        role's leader pods (only a leader serves the admin API)."""
         role = PEER_ROLE.get(lost.role)
         if role is None:
             return []
         return [
             p
             for p in self.pods(lost.key)
-            if p.role == role and p.cluster_uid == lost.cluster_uid and p.pod_ip and not p.has_ended
+            if p.role == role
+            and p.is_leader
+            and p.cluster_uid == lost.cluster_uid
+            and p.pod_ip
+            and not p.has_ended
         ]
 
     def reachable(self, key: tuple[str, str]) -> list[PodFacts]:
-        """PD workers of a cluster whose admin API can answer (failure counts)."""
+        """PD workers of a cluster whose admin API can answer (failure counts): leaders."""
         return [
             p
             for p in self.pods(key)
-            if p.role in PEER_ROLE and p.pod_ip and p.phase == "Running" and not p.has_ended
+            if p.role in PEER_ROLE
+            and p.is_leader
+            and p.pod_ip
+            and p.phase == "Running"
+            and not p.has_ended
         ]

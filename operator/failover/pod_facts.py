@@ -24,6 +24,7 @@ from pdcluster.operator.api import KIND
 from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
 from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
+from pdcluster.runtime.pod_rendezvous import RendezvousError, parse_leader_address
 from pdcluster.runtime.spec import Role
 
 # Pods built before the token came as a file read it from this variable.
@@ -56,6 +57,10 @@ class PodFacts:
     # Secret holding the cluster token (the pod's token volume, or its PDCLUSTER_TOKEN env).
     token_secret: str | None
     created_at: float | None
+    # The pod of its multi-pod instance (0: the leader) and, for a pod k > 0,
+    # the leader's IP it was started with: peers know an instance by its leader.
+    pod_index: int = 0
+    leader_address: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -67,23 +72,36 @@ class PodFacts:
         return self.terminated or self.phase in ("Failed", "Succeeded")
 
     @property
+    def is_leader(self) -> bool:
+        return self.pod_index == 0
+
+    @property
+    def instance_ip(self) -> str | None:
+        """The address peers know this pod's instance by: the leader pod's IP."""
+        return self.pod_ip if self.is_leader else self.leader_address
+
+    @property
     def http_url(self) -> str | None:
         return f"http://{self.pod_ip}:{self.http_port}" if self.pod_ip else None
 
     @property
     def bootstrap_address(self) -> BootstrapAddress | None:
-        """A prefill pod's bootstrap server, `podIP:bootstrapPort`: how decode names it."""
-        if not self.pod_ip or self.role != Role.prefill:
+        """A prefill pod's instance's bootstrap server, `leaderIP:bootstrapPort`: how
+        decode names it (a pod k > 0 is known by its leader's)."""
+        ip = self.instance_ip
+        if not ip or self.role != Role.prefill:
             return None
-        return BootstrapAddress(f"{self.pod_ip}:{self.bootstrap_port or BOOTSTRAP_PORT}")
+        return BootstrapAddress(f"{ip}:{self.bootstrap_port or BOOTSTRAP_PORT}")
 
     @property
     def peer(self) -> PeerRef | None:
-        """How `fail_peer` names this pod: a prefill by its bootstrap address, a
-        decode by its bare address (prefill matches endpoints by host)."""
-        if not self.pod_ip:
+        """How `fail_peer` names this pod's instance: a prefill by its bootstrap
+        address, a decode by its leader's bare address (prefill matches endpoints
+        by host). Losing any pod of an instance fails all of the instance's rooms."""
+        ip = self.instance_ip
+        if not ip:
             return None
-        return self.bootstrap_address or self.pod_ip
+        return self.bootstrap_address or ip
 
 
 def parse_time(value: Any) -> float | None:
@@ -165,6 +183,16 @@ def _deletion_requested_at(meta: Mapping[str, Any]) -> float | None:
     return at - grace if isinstance(grace, int) and grace >= 0 else at
 
 
+def _leader_address(annotations: Mapping[str, Any]) -> str | None:
+    value = annotations.get(names.ANNOTATION_LEADER_ADDRESS)
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return parse_leader_address(value)
+    except RendezvousError:
+        return None
+
+
 def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
     """Facts of a PDCluster worker pod; None for any other pod (router, foreign, malformed)."""
     meta, spec, status = (_mapping(raw.get(k)) for k in ("metadata", "spec", "status"))
@@ -181,6 +209,7 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
         return None
     if not all(isinstance(v, str) and v for v in (name, namespace, uid)):
         return None
+    pod_index = str(labels.get(names.LABEL_POD_INDEX, "0"))
     ready, ready_changed_at = _ready(status)
     terminated, terminated_at = _terminated(status)
     pod_ip, phase = status.get("podIP"), status.get("phase")
@@ -208,4 +237,6 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
         terminated_at=terminated_at,
         token_secret=_token_secret(spec),
         created_at=parse_time(meta.get("creationTimestamp")),
+        pod_index=int(pod_index) if pod_index.isdigit() else 0,
+        leader_address=_leader_address(annotations),
     )

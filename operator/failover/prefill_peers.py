@@ -28,11 +28,12 @@ log = logging.getLogger("pdcluster.operator.failover.prefill_peers")
 
 
 def compute_prefill_peers(pods: list[PodFacts], cluster_uid: str) -> frozenset[BootstrapAddress]:
-    """Bootstrap addresses of the cluster's prefill pods that have an IP and run."""
+    """Bootstrap addresses of the cluster's prefill leader pods that have an IP and run."""
     return frozenset(
         address
         for p in pods
         if p.role == Role.prefill
+        and p.is_leader
         and p.cluster_uid == cluster_uid
         and (address := p.bootstrap_address) is not None
         and not p.has_ended
@@ -40,11 +41,12 @@ def compute_prefill_peers(pods: list[PodFacts], cluster_uid: str) -> frozenset[B
 
 
 def decode_targets(pods: list[PodFacts], cluster_uid: str) -> list[PodFacts]:
-    """Decode pods that can answer an admin call."""
+    """Decode pods that can answer an admin call (leaders: the others serve no HTTP)."""
     return [
         p
         for p in pods
         if p.role == Role.decode
+        and p.is_leader
         and p.cluster_uid == cluster_uid
         and p.pod_ip
         and p.phase == "Running"

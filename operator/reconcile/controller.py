@@ -30,8 +30,7 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.api import KVTransportStatus, PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
-from pdcluster.operator.builders.meta import ObjectKey, object_key
-from pdcluster.operator.builders.workers import BuildError
+from pdcluster.operator.builders.meta import BuildError, ObjectKey, object_key
 from pdcluster.operator.kube.client import ApiError, KubeApi
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics

@@ -28,6 +28,12 @@ A pod still starting (running, startup probe not passed) is no fault: its
 startup probe ends it (restartPolicy Never: the pod turns Failed) if it
 never starts.
 
+The planner does not call `decide_gang`: it judges instances with
+reconcile/instances.py (the same fault, pending-first-start and
+never-formed rules, plus the leader-address ones) and leaves back-off and
+budget to rollout.py and the restart ledger. What only this module has is
+restarting on NotReady past `notReadyGraceSeconds`.
+
 Times are epoch seconds. Pure module.
 """
 

@@ -1,14 +1,26 @@
 """Group worker pods into instances and judge each instance as a gang.
 
-Health of one instance (role, index, template hash), first match wins:
+An instance is a gang of `size` pods; pod 0 is the leader, and pods k > 0
+are created only once the leader has an IP, which they are given
+(builders/workers.py). Health of one instance (role, index, template hash),
+first match wins:
 - `terminating`: a member is being deleted — wait until all are gone before
   the same names can be created again;
-- `broken`: a member ended (Failed/Succeeded), or a member is missing while
-  another is Ready (the gang had formed, so the survivors cannot go on);
-- `incomplete`: members are missing but none is Ready yet — the gang is
-  still forming (e.g. a create call failed half-way), so the missing pods
-  are simply created;
-- `ready`: every member exists, is Running and Ready;
+- `broken`: a member ended (Failed/Succeeded) or is lost (phase Unknown);
+  the leader is missing while other pods exist (they cannot join a new
+  leader); a pod k > 0 was started for another leader address than the
+  leader's; or a member is missing from a formed gang (the leader passed its
+  startup probe or is Ready: its ranks cannot go on without the missing
+  ones) — the whole instance is then restarted, but not while a member is
+  still pending its first start (scheduling, image pull: `starting` then),
+  so a slow pull never turns into a restart loop;
+- `incomplete`: pods k > 0 are missing from a gang still forming (the
+  leader's address was not known yet, or a create call failed half-way),
+  so they are simply created;
+- `ready`: every member exists and is Ready. The leader is Ready only once
+  every rank of every pod joined it (it answers 503 `ranks_missing` until
+  then), and the pods k > 0 carry no probe (Ready while they run), so this
+  is the leader's readiness;
 - `starting`: otherwise.
 
 Pure module.
@@ -23,6 +35,7 @@ from enum import StrEnum
 
 from pdcluster.operator.builders.workers import InstanceKey
 from pdcluster.operator.reconcile.observed import ObservedPod
+from pdcluster.runtime.pod_layout import LEADER_POD
 
 
 class Health(StrEnum):
@@ -46,6 +59,12 @@ class ObservedInstance:
         return tuple(k for k in range(self.size) if k not in self.pods)
 
     @property
+    def leader_address(self) -> str | None:
+        """The leader pod's IP, once it has one: what pods k > 0 are built with."""
+        leader = self.pods.get(LEADER_POD)
+        return leader.pod_ip if leader is not None else None
+
+    @property
     def is_serving(self) -> bool:
         return self.health == Health.ready
 
@@ -56,18 +75,46 @@ class ObservedInstance:
 
 
 def judge(key: InstanceKey, size: int, pods: Mapping[int, ObservedPod]) -> ObservedInstance:
-    def result(health: Health, reason: str) -> ObservedInstance:
-        return ObservedInstance(key=key, size=size, pods=pods, health=health, reason=reason)
+    health, reason = _health(size, pods)
+    if health is Health.broken:
+        pending = [p.name for _, p in sorted(pods.items()) if p.phase == "Pending"]
+        if pending:
+            # A restart now would only recreate pods that pull their image again.
+            health = Health.starting
+            reason = f"{reason}, but pod {pending[0]} is still pending its first start"
+    return ObservedInstance(key=key, size=size, pods=pods, health=health, reason=reason)
+
+
+def _health(size: int, pods: Mapping[int, ObservedPod]) -> tuple[Health, str]:
+    def result(health: Health, reason: str) -> tuple[Health, str]:
+        return health, reason
 
     members = [pods[k] for k in sorted(pods)]
     if any(p.obj.terminating for p in members):
         return result(Health.terminating, "pods are being deleted")
-    ended = [p for p in members if p.has_ended]
+    ended = [p for p in members if p.has_ended or p.phase == "Unknown"]
     if ended:
         first = ended[0]
         return result(Health.broken, f"pod {first.name} is {first.phase}")
+    leader = pods.get(LEADER_POD)
+    if leader is None:
+        return result(
+            Health.broken,
+            f"the leader pod (index {LEADER_POD}) is gone; pod {members[0].name} cannot join "
+            "a new one",
+        )
+    if leader.pod_ip is not None:
+        stale = [
+            p for p in members if p.leader_address is not None and p.leader_address != leader.pod_ip
+        ]
+        if stale:
+            return result(
+                Health.broken,
+                f"pod {stale[0].name} was started for leader {stale[0].leader_address}, "
+                f"but the leader is at {leader.pod_ip}",
+            )
     missing = [k for k in range(size) if k not in pods]
-    if missing and any(p.ready for p in members):
+    if missing and (leader.started or leader.ready):
         return result(Health.broken, f"pod index {missing[0]} of a running gang is gone")
     if missing:
         return result(Health.incomplete, f"{len(missing)} of {size} pods not created yet")

@@ -43,6 +43,11 @@ class ObservedPod:
     instance_size: int | None
     phase: str
     ready: bool
+    pod_ip: str | None = None
+    # Passed its startup probe (every container `started`): for a leader, the gang formed.
+    started: bool = False
+    # A pod k > 0: the leader IP it was started with (None: not recorded, or the leader).
+    leader_address: str | None = None
 
     @property
     def name(self) -> str:
@@ -118,6 +123,13 @@ def _is_ready(status: Mapping[str, Any]) -> bool:
     )
 
 
+def _has_started(status: Mapping[str, Any]) -> bool:
+    containers = status.get("containerStatuses")
+    if not isinstance(containers, list) or not containers:
+        return False
+    return all(isinstance(c, Mapping) and c.get("started") is True for c in containers)
+
+
 def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None:
     """A worker pod view; None when its identity labels are missing or malformed."""
     labels = obj.labels
@@ -143,6 +155,9 @@ def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None
         instance_size=int(size_text) if size_text.isdigit() and int(size_text) > 0 else None,
         phase=phase if isinstance(phase, str) else "Pending",
         ready=phase == "Running" and _is_ready(status),
+        pod_ip=pod_ip if isinstance(pod_ip := status.get("podIP"), str) and pod_ip else None,
+        started=phase == "Running" and _has_started(status),
+        leader_address=obj.annotations.get(names.ANNOTATION_LEADER_ADDRESS) or None,
     )
 
 

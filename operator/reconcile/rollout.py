@@ -5,7 +5,8 @@ template hash and `old` those at earlier hashes:
 - no `cur`, no live `old`: create `cur` (after the slot's restart back-off);
 - `cur` broken: tear it down as a gang (budget permitting) and record the
   restart; it is recreated on a later pass once the back-off has passed;
-- `cur` incomplete: create its missing pods; `cur` terminating: wait;
+- `cur` incomplete: create its missing pods (pods k > 0 once its leader
+  has an IP, instances.py); `cur` terminating: wait;
 - `cur` Ready: retire every `old` of the slot (a rollout step completes);
 - `old` broken or incomplete: delete it (an outdated gang is never
   restarted); its slot is then recreated at the current template at once.
@@ -65,6 +66,7 @@ class RoleReport:
     budget_exhausted: bool
     rolling: bool  # outdated instances remain
     ledger: RestartLedger
+    instances: tuple[ObservedInstance, ...] = ()  # as observed, before this plan's actions
 
 
 @dataclass
@@ -94,13 +96,20 @@ def _create_members(
     observed: Observed,
     role: DesiredRole,
     index: int,
-    pod_indexes: tuple[int, ...] | None,
+    current: ObservedInstance | None,
 ) -> int:
-    """Create the given pods (None: all) of slot `index`, and its bootstrap Service
-    if missing; returns how many pods were planned."""
-    manifests = desired.instance(role.role, index)
-    wanted = range(len(manifests.pods)) if pod_indexes is None else pod_indexes
-    members = [manifests.pods[k] for k in wanted]
+    """Create the missing pods of slot `index` (`current`: its instance at the
+    current template, None: none yet), and its bootstrap Service if missing;
+    returns how many pods were planned.
+
+    Pods k > 0 need the leader's IP: with no instance yet only the leader is
+    created, and the others on a later pass (the leader's status update
+    brings one), once `current.leader_address` is known.
+    """
+    leader_address = current.leader_address if current is not None else None
+    manifests = desired.instance(role.role, index, leader_address)
+    present = current.pods if current is not None else {}
+    members = [m for k, m in enumerate(manifests.pods) if k not in present]
     if manifests.bootstrap_service is not None:
         members.append(manifests.bootstrap_service)
     num_pods = 0
@@ -297,6 +306,7 @@ def plan_role(
         budget_exhausted=SlotStep.budget_spent in steps,
         rolling=bool(surge_candidates) or in_flight > 0 or retired > 0 or held > 0,
         ledger=ledger,
+        instances=tuple(plan.instances),
     )
     return plan, report
 
@@ -334,7 +344,7 @@ def _act_on_slot(
             )
     elif step == SlotStep.fill:
         assert cur is not None
-        _create_members(plan, desired, observed, role, index, cur.missing_pod_indexes)
+        _create_members(plan, desired, observed, role, index, cur)
     elif step == SlotStep.budget_spent:
         assert cur is not None
         reopen = ledger.budget_reopens_at(now)

@@ -31,8 +31,11 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.api import (
+    MAX_STATUS_INSTANCES,
     Condition,
     ConditionType,
+    InstancePodStatus,
+    InstanceStatus,
     KVTransportStatus,
     PDClusterStatus,
     Phase,
@@ -42,6 +45,7 @@ from pdcluster.operator.api import (
 )
 from pdcluster.operator.reconcile.actions import Reason
 from pdcluster.operator.reconcile.cluster import Cluster, ClusterRef
+from pdcluster.operator.reconcile.instances import ObservedInstance
 from pdcluster.operator.reconcile.plan import Plan
 from pdcluster.operator.reconcile.restarts import ledger_status_fields
 from pdcluster.operator.reconcile.rollout import RoleReport
@@ -128,6 +132,20 @@ def _progressing(plan: Plan) -> tuple[bool, str, str]:
     return False, "Stable", "every instance runs the current spec"
 
 
+def _instance_status(inst: ObservedInstance) -> InstanceStatus:
+    return InstanceStatus(
+        index=inst.key.index,
+        template_hash=inst.key.template_hash,
+        ready=inst.is_serving,
+        health=inst.health.value,
+        message=inst.reason[:1024],
+        pods=[
+            InstancePodStatus(name=p.name, index=k, phase=p.phase, ready=p.ready)
+            for k, p in sorted(inst.pods.items())
+        ],
+    )
+
+
 def _role_status(
     report: RoleReport,
     template_hash: str,
@@ -143,6 +161,7 @@ def _role_status(
         updated=report.updated,
         summary=f"{report.ready}/{report.desired}",
         template_hash=template_hash,
+        instances=[_instance_status(i) for i in report.instances[:MAX_STATUS_INSTANCES]],
         **ledger,
     )
 

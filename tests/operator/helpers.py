@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 
 from pdcluster.operator.builders.config import build_token_secret
 from pdcluster.operator.builders.desired import DesiredState, build_desired
-from pdcluster.operator.builders.workers import DEFAULT_PLACEMENT, Placement
 from pdcluster.operator.kube.client import ApiError
 from pdcluster.operator.names import router_name
 from pdcluster.operator.reconcile.actions import (
@@ -96,6 +95,8 @@ class Store:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self._uids = itertools.count(1)
+        self._ips = itertools.count(0)
+        self._gang_waiting: set[str] = set()
         self.writes: list[tuple[str, str, str]] = []  # (op, kind, name)
         self.status_writes: list[dict[str, Any]] = []
 
@@ -151,18 +152,52 @@ class Store:
         return self.list_objs("Pod", sel)
 
     def set_pod(self, name: str, phase: str, ready: bool) -> None:
+        """The status a kubelet writes: a pod that ran got an IP (kept across updates);
+        a Ready one passed its startup probe."""
         pod = self.objects[("Pod", name)]
-        pod["status"] = {
+        status: dict[str, Any] = {
             "phase": phase,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         }
+        before = pod.get("status", {})
+        ip = before.get("podIP")
+        if phase != "Pending" or ip:
+            n = next(self._ips)
+            status["podIP"] = ip or f"10.0.{n // 250}.{n % 250 + 1}"
+        if phase == "Running":
+            was_started = any(c.get("started") for c in before.get("containerStatuses", []))
+            status["containerStatuses"] = [{"name": "worker", "started": ready or was_started}]
+        pod["status"] = status
 
     def make_all_ready(self) -> None:
+        """Pending pods start; a pod turns Ready once every pod of its instance
+        exists (a leader answers 503 until all its ranks joined, and pods k > 0
+        are created only after the leader got its IP)."""
         for (kind, name), obj in self.objects.items():
             if kind == "Pod" and obj.get("status", {}).get("phase") == "Pending":
-                self.set_pod(name, "Running", True)
+                self.set_pod(name, "Running", False)
+                self._gang_waiting.add(name)
             if kind == "Deployment":
                 obj["status"] = {"readyReplicas": obj["spec"]["replicas"]}
+        for name in sorted(self._gang_waiting):
+            pod = self.objects.get(("Pod", name))
+            if pod is None:
+                self._gang_waiting.discard(name)
+            elif self._gang_complete(pod):
+                self.set_pod(name, "Running", True)
+                self._gang_waiting.discard(name)
+
+    def _gang_complete(self, pod: Mapping[str, Any]) -> bool:
+        labels = pod["metadata"].get("labels", {})
+        size = int(pod["metadata"].get("annotations", {}).get("pdcluster.io/pods-per-instance", 1))
+        keys = ("pdcluster.io/role", "pdcluster.io/instance", "pdcluster.io/template-hash")
+        members = [
+            o
+            for (k, _), o in self.objects.items()
+            if k == "Pod"
+            and all(o["metadata"].get("labels", {}).get(key) == labels.get(key) for key in keys)
+        ]
+        return len(members) >= size
 
     def foreign(self, kind: str, name: str, labels: Mapping[str, str] | None = None) -> None:
         self.objects[(kind, name)] = {
@@ -217,17 +252,15 @@ class Sim:
         self,
         spec: Mapping[str, Any],
         store: Store | None = None,
-        placement: Placement = DEFAULT_PLACEMENT,
     ) -> None:
         self.store = store or Store()
         self.now = 1_000_000.0
         self.ledgers: dict[Any, RestartLedger] = {}
-        self.placement = placement
         self.set_spec(spec)
 
     def set_spec(self, spec: Mapping[str, Any]) -> None:
         self.cluster = make_cluster(spec)
-        self.desired: DesiredState = build_desired(self.cluster, self.placement)
+        self.desired: DesiredState = build_desired(self.cluster)
 
     def plan(self) -> Plan:
         observed = observe_store(self.store, self.cluster)

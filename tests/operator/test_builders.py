@@ -12,7 +12,6 @@ import yaml
 from pdcluster.operator import names
 from pdcluster.operator.builders import (
     BuildError,
-    Placement,
     build_bootstrap_service,
     build_config_map,
     build_desired,
@@ -69,13 +68,14 @@ def arg_after(args: list[str], flag: str) -> str | None:
 
 @pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "dp{}tp{}cp{}pp{}g{}".format(*t))
-def test_an_instance_is_one_pod_running_every_rank(role: Role, topo) -> None:
-    # The runtime refuses an instance spread over pods, so whatever gpusPerPod
-    # says, one pod holds all ranks, and the manifest it reads agrees.
+def test_gpus_per_pod_is_obeyed_and_the_leader_comes_first(role: Role, topo) -> None:
+    # Without the leader's address only pod 0 is built; the manifest the pods
+    # read keeps gpusPerPod as written (never raised to the rank count).
     cluster = role_cluster(role, topo)
     spec = getattr(cluster.spec, role.value)
     inst = build_instance(cluster, role, 3)
-    ranks = spec.topology.num_ranks
+    ranks, gpus = spec.topology.num_ranks, spec.gpus_per_pod or spec.topology.num_ranks
+    assert inst.num_pods == ranks // gpus
     (pod,) = inst.pods
     args = pod["spec"]["containers"][0]["args"]
     env = env_of(pod)
@@ -84,18 +84,20 @@ def test_an_instance_is_one_pod_running_every_rank(role: Role, topo) -> None:
     assert arg_after(args, "--pod-index") == "0"
     assert env["PDCLUSTER_LEADER_POD"] == pod["metadata"]["name"]
     assert env["PDCLUSTER_NUM_RANKS"] == str(ranks)
-    assert env["PDCLUSTER_RANKS_PER_POD"] == str(ranks)
+    assert env["PDCLUSTER_RANKS_PER_POD"] == str(gpus)
     assert env["PDCLUSTER_FIRST_RANK"] == "0"
+    assert "PDCLUSTER_LEADER_ADDRESS" not in env
     labels = pod["metadata"]["labels"]
     assert labels[names.LABEL_POD_INDEX] == "0"
+    assert labels[names.LABEL_LEADER] == "true"
     assert labels[names.LABEL_INSTANCE_INDEX] == "3"
     assert labels[names.LABEL_ROLE] == role.value
-    assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == "1"
+    assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == str(ranks // gpus)
     placed = load_manifest_text(build_config_map(cluster)["data"]["manifest.yaml"])
     placed_role = getattr(placed.spec, role.value)
-    assert placed_role.pods_per_instance == 1
+    assert placed_role.pods_per_instance == ranks // gpus
     assert placed_role.topology == spec.topology
-    assert build_desired(cluster).role(role).pods_per_instance == 1
+    assert build_desired(cluster).role(role).pods_per_instance == ranks // gpus
 
 
 @pytest.mark.parametrize("role", list(Role), ids=lambda r: r.value)
@@ -103,7 +105,7 @@ def test_an_instance_is_one_pod_running_every_rank(role: Role, topo) -> None:
 def test_spread_placement_covers_every_rank_once(role: Role, topo) -> None:
     cluster = role_cluster(role, topo)
     spec = getattr(cluster.spec, role.value)
-    inst = build_instance(cluster, role, 3, Placement.gpus_per_pod)
+    inst = build_instance(cluster, role, 3, "10.1.2.3")
     ranks, gpus = spec.topology.num_ranks, spec.gpus_per_pod
     assert len(inst.pods) == ranks // gpus
     leader = inst.pods[0]["metadata"]["name"]
@@ -115,6 +117,12 @@ def test_spread_placement_covers_every_rank_once(role: Role, topo) -> None:
         assert env["PDCLUSTER_RANKS_PER_POD"] == str(gpus)
         assert pod["metadata"]["labels"][names.LABEL_POD_INDEX] == str(k)
         assert pod["metadata"]["annotations"][names.ANNOTATION_INSTANCE_SIZE] == str(len(inst.pods))
+        assert pod["metadata"]["labels"][names.LABEL_LEADER] == str(k == 0).lower()
+        if k:
+            # Pods k > 0 join the leader at the address they are given, serve no HTTP.
+            assert env["PDCLUSTER_LEADER_ADDRESS"] == "10.1.2.3"
+            assert pod["metadata"]["annotations"][names.ANNOTATION_LEADER_ADDRESS] == "10.1.2.3"
+            assert "readinessProbe" not in pod["spec"]["containers"][0]
         first_ranks.append(int(env["PDCLUSTER_FIRST_RANK"]))
     # Pods own disjoint, contiguous rank ranges that together cover the instance.
     assert first_ranks == list(range(0, ranks, gpus))
@@ -255,8 +263,8 @@ def test_cuda_pods_request_gpus_and_scheduling_fields_pass_through() -> None:
     pod = build_worker_pod(cluster, Role.prefill, 0, 0)
     spec = pod["spec"]
     resources = spec["containers"][0]["resources"]
-    # One pod runs the instance's 4 ranks, one GPU each.
-    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 4}
+    # gpusPerPod 2: each of the instance's two pods runs 2 ranks, one GPU each.
+    assert resources["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 2}
     assert resources["requests"] == {"cpu": "2"}
     assert spec["nodeSelector"] == SCHEDULING["nodeSelector"]
     assert spec["tolerations"] == SCHEDULING["tolerations"]
@@ -289,8 +297,13 @@ def test_contradictory_resources_are_rejected_with_a_reason(role_extra, words) -
 
 def test_out_of_range_pod_index_is_an_error() -> None:
     cluster = make_cluster({"prefill": {"topology": {"tp": 2}, "gpusPerPod": 1}, "decode": {}})
-    with pytest.raises(BuildError, match="pod index 1 is out of range"):
+    with pytest.raises(BuildError, match="pod index 2 is out of range"):
+        build_worker_pod(cluster, Role.prefill, 0, 2, "10.0.0.1")
+    with pytest.raises(BuildError, match="needs its leader pod's address"):
         build_worker_pod(cluster, Role.prefill, 0, 1)
+    for bad in ("", "10.0.0.1:8000", "http://10.0.0.1", "a b"):
+        with pytest.raises(BuildError, match="pod index 1"):
+            build_worker_pod(cluster, Role.prefill, 0, 1, bad)
     with pytest.raises(BuildError, match="no colocated role"):
         build_instance(cluster, Role.colocated, 0)
 

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdcluster.operator.builders.workers import Placement
 from pdcluster.operator.reconcile.actions import Apply, Create, CreateTokenSecret, Delete, Emit
 from pdcluster.operator.reconcile.instances import Health, group_instances
 from pdcluster.operator.reconcile.plan import manifest_hash, stamp
@@ -22,16 +21,14 @@ GANG = {
     "prefill": {"replicas": 2, "topology": {"tp": 2}, "gpusPerPod": 1},
     "decode": {"replicas": 1},
 }
-# Gangs of several pods: instances spread over `ranks / gpusPerPod` pods.
-SPREAD = Placement.gpus_per_pod
 
 
 def converge(sim: Sim, passes: int = 10) -> None:
     """Run passes, making pods Ready in between, until a pass writes nothing."""
     for _ in range(passes):
-        plan, _ = sim.step()
-        sim.store.make_all_ready()
-        if not plan.writes:
+        sim.step()
+        sim.store.make_all_ready()  # may let a pass create more (pods after a leader's IP)
+        if not sim.plan().writes:
             return
     raise AssertionError("did not converge")
 
@@ -41,7 +38,7 @@ def reasons(events: list[Emit]) -> list[str]:
 
 
 def test_first_pass_creates_every_child_then_nothing_more() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     plan, events = sim.step()
     store = sim.store
     assert isinstance(plan.actions[0], CreateTokenSecret)
@@ -49,15 +46,47 @@ def test_first_pass_creates_every_child_then_nothing_more() -> None:
     assert store.names("ConfigMap") == ["demo-config"]
     assert store.names("Deployment") == ["demo-router"]
     assert {"demo-router"} <= set(store.names("Service"))
-    assert len(store.pods(role="prefill")) == 4 and len(store.pods(role="decode")) == 1
+    # A multi-pod instance starts with its leader: the others need its IP.
+    prefill = store.pods(role="prefill")
+    assert [p["metadata"]["labels"]["pdcluster.io/pod-index"] for p in prefill] == ["0", "0"]
+    assert len(store.pods(role="decode")) == 1
     assert reasons(events).count("InstanceCreated") == 3
     # Nothing changed in between: the next pass plans no write and no event.
     again = sim.plan()
     assert again.actions == ()
 
 
+def test_pods_after_the_leader_are_created_with_its_ip_once_it_has_one() -> None:
+    sim = Sim(GANG)
+    sim.step()
+    (leader,) = sim.store.pods(role="prefill", instance="0")
+    sim.store.set_pod(leader["metadata"]["name"], "Pending", False)  # scheduled, no IP yet
+    assert [a for a in sim.plan().writes if a.key.kind == "Pod"] == []
+    sim.store.set_pod(leader["metadata"]["name"], "Running", False)
+    ip = sim.store.get_obj("Pod", leader["metadata"]["name"])["status"]["podIP"]
+    plan, events = sim.step()
+    (follower,) = [a.manifest for a in plan.writes if isinstance(a, Create)]
+    assert follower["metadata"]["labels"]["pdcluster.io/pod-index"] == "1"
+    assert follower["metadata"]["annotations"]["pdcluster.io/leader-address"] == ip
+    env = {e["name"]: e.get("value") for e in follower["spec"]["containers"][0]["env"]}
+    assert env["PDCLUSTER_LEADER_ADDRESS"] == ip
+    assert events == []
+
+
+def test_a_new_leader_ip_restarts_the_pods_started_for_the_old_one() -> None:
+    sim = Sim(GANG)
+    converge(sim)
+    leader, follower = sim.store.pods(role="prefill", instance="0")
+    leader["status"]["podIP"] = "10.9.9.9"  # e.g. its sandbox was recreated
+    sim.store.objects[("Pod", leader["metadata"]["name"])] = leader
+    plan, events = sim.step()
+    deleted = sorted(a.key.name for a in plan.writes if isinstance(a, Delete))
+    assert deleted == sorted([leader["metadata"]["name"], follower["metadata"]["name"]])
+    assert reasons(events) == ["InstanceRestarted"]
+
+
 def test_ready_cluster_plans_nothing_and_reports_every_slot_ready() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     converge(sim)
     plan = sim.plan()
     assert plan.actions == ()
@@ -111,7 +140,7 @@ def test_deleted_single_pod_instance_is_recreated_at_once_without_counting_a_res
 
 
 def test_failed_rank_restarts_the_whole_gang_after_backoff() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     converge(sim)
     victim = sim.store.pods(role="prefill", instance="1")[1]["metadata"]["name"]
     sim.store.set_pod(victim, "Failed", False)
@@ -129,12 +158,18 @@ def test_failed_rank_restarts_the_whole_gang_after_backoff() -> None:
     assert plan.writes == () and plan.report(Role.prefill).waiting_backoff == 1
     sim.now += 1.0
     plan, events = sim.step()
-    assert len([a for a in plan.writes if isinstance(a, Create) and a.key.kind == "Pod"]) == 2
+    # The new gang: its leader first, the other pod once the leader has an IP.
+    assert len([a for a in plan.writes if isinstance(a, Create) and a.key.kind == "Pod"]) == 1
     assert reasons(events) == ["InstanceCreated"]
+    sim.store.make_all_ready()
+    plan, _ = sim.step()
+    assert len([a for a in plan.writes if isinstance(a, Create) and a.key.kind == "Pod"]) == 1
+    sim.store.make_all_ready()
+    assert sim.plan().report(Role.prefill).ready == 2
 
 
 def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     converge(sim)
     first, second = (p["metadata"]["name"] for p in sim.store.pods(role="prefill", instance="0"))
     sim.store.remove("Pod", second)
@@ -144,13 +179,29 @@ def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
 
 
 def test_half_created_gang_is_completed_not_restarted() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
+    sim.step()
+    sim.store.make_all_ready()  # the leaders run (not Ready: their ranks are missing)
     sim.step()
     first, second = (p["metadata"]["name"] for p in sim.store.pods(role="prefill", instance="0"))
     sim.store.remove("Pod", second)  # as if the second create had failed
     plan, events = sim.step()
     assert [a.key.name for a in plan.writes] == [second]
     assert events == []
+
+
+def test_pods_without_their_leader_are_restarted_not_completed() -> None:
+    # The leader of a forming gang vanished: the others point at its old IP.
+    sim = Sim(GANG)
+    converge(sim)
+    leader, follower = sim.store.pods(role="prefill", instance="1")
+    sim.store.remove("Pod", leader["metadata"]["name"])
+    plan, events = sim.step()
+    assert [a.key.name for a in plan.writes if isinstance(a, Delete)] == [
+        follower["metadata"]["name"]
+    ]
+    assert not [a for a in plan.writes if isinstance(a, Create)]
+    assert reasons(events) == ["InstanceRestarted"]
 
 
 def test_consecutive_failures_back_off_exponentially_and_readiness_resets() -> None:
@@ -259,7 +310,7 @@ def test_missing_user_token_secret_blocks_pods_until_it_exists() -> None:
 
 
 def test_stale_owned_objects_are_deleted_and_foreign_ones_kept() -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     converge(sim)
     leftover = dict(sim.store.objects[("ConfigMap", "demo-config")])
     leftover["metadata"] = {**leftover["metadata"], "name": "demo-old", "uid": "u-old"}
@@ -398,7 +449,7 @@ def test_applied_manifests_carry_their_own_hash() -> None:
     )
 )
 def test_random_disruptions_never_touch_foreign_objects_or_duplicate_slots(ops) -> None:
-    sim = Sim(GANG, placement=SPREAD)
+    sim = Sim(GANG)
     sim.store.foreign(
         "Pod", "intruder", labels={"pdcluster.io/cluster": "demo", "pdcluster.io/role": "prefill"}
     )

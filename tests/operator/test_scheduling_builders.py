@@ -14,12 +14,12 @@ from pdcluster.operator.builders.scheduling import (
     build_pod_group,
     build_pod_scheduling,
 )
-from pdcluster.operator.builders.workers import BuildError, Placement, build_instance
+from pdcluster.operator.builders.workers import BuildError, build_instance
 from pdcluster.runtime.spec import Role, SpecError, parse_spec
 
 from .helpers import PD, UID, make_cluster
 
-SPREAD = Placement.gpus_per_pod
+LEADER_IP = "10.0.0.1"
 RACK = "topology.example.com/rack"
 
 
@@ -42,12 +42,12 @@ def test_a_pod_group_per_instance_asks_for_all_its_pods(
 ) -> None:
     spec = {**role_spec, "scheduling": {"gang": "podGroup"}}
     cluster = make_cluster({"prefill": spec, "decode": {}})
-    group = build_pod_group(cluster, Role.prefill, 1, SPREAD)
+    group = build_pod_group(cluster, Role.prefill, 1)
     assert group is not None
     assert group["apiVersion"] == POD_GROUP_API_VERSION and group["kind"] == "PodGroup"
     assert group["spec"] == {"minMember": pods}
     assert group["metadata"]["ownerReferences"][0]["uid"] == UID
-    instance = build_instance(cluster, Role.prefill, 1, SPREAD)
+    instance = build_instance(cluster, Role.prefill, 1, LEADER_IP)
     assert len(instance.pods) == pods
     # Every pod of the instance names this PodGroup; its name is the instance's.
     label = build_pod_scheduling(cluster, Role.prefill, 1).labels
@@ -105,9 +105,9 @@ def test_topology_key_requires_the_instance_pods_in_one_domain() -> None:
     (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == RACK
     selector = term["labelSelector"]["matchLabels"]
-    own = build_instance(cluster, Role.prefill, 0, SPREAD).pods
-    other = build_instance(cluster, Role.prefill, 1, SPREAD).pods
-    decode = build_instance(cluster, Role.decode, 0, SPREAD).pods
+    own = build_instance(cluster, Role.prefill, 0, LEADER_IP).pods
+    other = build_instance(cluster, Role.prefill, 1, LEADER_IP).pods
+    decode = build_instance(cluster, Role.decode, 0, LEADER_IP).pods
     assert len(own) == 2 and all(selects(selector, p) for p in own)
     assert not any(selects(selector, p) for p in (*other, *decode))
     # Prefill prefers no other role's domain.

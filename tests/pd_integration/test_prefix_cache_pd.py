@@ -21,7 +21,7 @@ from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import engine_config_from_spec
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.topology import ParallelConfig
-from tests.local.cluster import local_cluster, write_manifest
+from tests.local.cluster import RunningCluster, local_cluster, write_manifest
 from tests.pd_integration.reference import colocated_outputs
 from tests.pd_integration.test_topologies import (
     MAX_TOKENS,
@@ -176,10 +176,8 @@ def test_decode_reuses_the_pages_it_holds_and_output_equals_colocated(
 # ---- every example topology: caching on == caching off, in float64 -----------
 
 _ROOT = Path(__file__).resolve().parents[2]
-# Shown above, or by the examples' own tests: prefill tp2 and cp2 (prefill
-# cache, every rank agreeing on hits), decode tp1/tp2 over tcp, shm and nixl
-# (decode reuse, evictions by a small pool).
-_SHOWN_ABOVE = {"pd-1p1d.yaml", "pd-1p1d-nixl.yaml", "pd-prefill-cp2.yaml"}
+# Shown above as written (both roles cached, a small pool): nixl-decode-tp1.
+_SHOWN_ABOVE = {"pd-1p1d-nixl.yaml"}
 _TOPOLOGY_EXAMPLES = sorted(
     p.name for p in (_ROOT / "examples").glob("*.yaml") if p.name not in _SHOWN_ABOVE
 )
@@ -224,7 +222,7 @@ def _uncached_outputs(manifest: Path, prompts: list[list[int]]) -> list[list[int
     return [out[f"ref-{i}"] for i in range(len(prompts))]
 
 
-def _sum_over_workers(cluster, name: str) -> float:
+def _sum_over_workers(cluster: RunningCluster, name: str) -> float:
     """A counter summed over every worker process (each dp group and pod leader)."""
     total = 0.0
     for proc in cluster.state["processes"]:
@@ -265,11 +263,11 @@ def test_caching_on_equals_caching_off_on_every_example_topology(
         got += [generate(cluster.endpoint, p) for p in evicting + after]
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"prompt {i}: caching on {g} != caching off {e}"
-        # Caching was on and used: prompts hit (prefill/colocated cache or
-        # decode reuse), and the long prompts evicted cached pages.
-        hits = _sum_over_workers(cluster, "pdcluster_prefix_cache_hit_tokens_total")
-        reused = _sum_over_workers(cluster, "pdcluster_decode_reuse_pages_total")
-        assert hits + reused > 0
+        # Caching was on and used: prefill (or colocated) hit its cache,
+        # decode reused pages it held, and the long prompts evicted cached pages.
+        assert _sum_over_workers(cluster, "pdcluster_prefix_cache_hit_tokens_total") > 0
+        if any(proc["role"] == "decode" for proc in cluster.state["processes"]):
+            assert _sum_over_workers(cluster, "pdcluster_decode_reuse_pages_total") > 0
         evictions = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
         assert evictions > evictions_before
         assert_no_page_leak(cluster)

@@ -130,7 +130,7 @@ class SelectionPolicy(enum.StrEnum):
     round_robin = "round_robin"
     least_outstanding = "least_outstanding"
     random = "random"
-    # Prefill (or colocated) only: the worker holding the longest cached prefix.
+    # The worker holding the longest cached prefix (prefill, decode or colocated).
     cache_aware = "cache_aware"
 
 
@@ -518,13 +518,27 @@ class PDClusterSpec(_Model):
                     f"decode.topology.pp must be 1 or equal prefill.topology.pp ({p.pp}), "
                     f"got {d.pp}"
                 )
-        if disaggregated and self.router.policy.decode is SelectionPolicy.cache_aware:
-            raise ValueError(
-                "router.policy.decode: cache_aware routes prefill (or colocated) workers; "
-                "decode does not reuse cached prefixes yet"
-            )
+        self._check_cache_aware()
         self._check_autoscaling()
         return self
+
+    def _check_cache_aware(self) -> None:
+        """cache_aware routes by the keys a role's workers publish, which only
+        a worker with the prefix cache on has."""
+        policy = self.router.policy
+        routed = (
+            (("prefill", self.prefill, policy.prefill), ("decode", self.decode, policy.decode))
+            if self.colocated is None
+            else (("colocated", self.colocated, policy.decode),)
+        )
+        for role, spec, chosen in routed:
+            if chosen is SelectionPolicy.cache_aware and spec is not None:
+                if not spec.engine.prefix_cache:
+                    key = "prefill" if role == "prefill" else "decode"
+                    raise ValueError(
+                        f"router.policy.{key}: cache_aware needs {role}.engine.prefixCache: "
+                        "true (with the cache off a worker publishes no cached pages)"
+                    )
 
     def _check_autoscaling(self) -> None:
         if self.colocated is not None and self.colocated.autoscaling is not None:

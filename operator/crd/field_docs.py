@@ -117,8 +117,9 @@ FIELD_DOCS: dict[str, str] = {
     "router.policy": "How the router picks a worker of each role.",
     "router.policy.prefill": "Prefill selection policy; cache_aware sends a request to the "
     "prefill holding the longest cached prefix of its prompt (needs engine.prefixCache).",
-    "router.policy.decode": "Decode selection policy (also a colocated cluster's; cache_aware "
-    "only there).",
+    "router.policy.decode": "Decode selection policy (also a colocated cluster's); cache_aware "
+    "sends a request to the decode holding the longest prefix of its prompt from earlier "
+    "transfers, which prefill then does not send (needs engine.prefixCache).",
     "router.policy.maxLoadGap": "cache_aware: legs in flight by which the worker with the "
     "longest cached prefix may exceed the least-loaded candidate; beyond it, "
     "least_outstanding picks.",

@@ -86,11 +86,6 @@ class RouterConfig:
             if value not in {p.value for p in SelectionPolicy}:
                 valid = ", ".join(p.value for p in SelectionPolicy)
                 raise ValueError(f"{name}={value!r} is not one of: {valid}")
-        if self.is_disaggregated and self.decode_policy == SelectionPolicy.cache_aware.value:
-            raise ValueError(
-                "decode_policy=cache_aware: cache_aware routes prefill (or colocated) workers; "
-                "decode does not reuse cached prefixes yet"
-            )
         if (
             not isinstance(self.max_load_gap, int)
             or isinstance(self.max_load_gap, bool)
@@ -171,5 +166,6 @@ class RouterConfig:
         """The roles whose workers are routed by cache_aware (and followed)."""
         aware = SelectionPolicy.cache_aware.value
         if self.is_disaggregated:
-            return (Role.prefill,) if self.prefill_policy == aware else ()
+            chosen = ((Role.prefill, self.prefill_policy), (Role.decode, self.decode_policy))
+            return tuple(role for role, policy in chosen if policy == aware)
         return (Role.colocated,) if self.colocated_policy == aware else ()

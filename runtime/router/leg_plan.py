@@ -109,7 +109,7 @@ class LegPlanner:
         )
         prefill = self.prefill_policy.select(prefills, Role.prefill.value, prompt)
         decode = self.decode_policy.select(
-            [d for d in decodes if d.revision == prefill.revision], Role.decode.value
+            [d for d in decodes if d.revision == prefill.revision], Role.decode.value, prompt
         )
         if prefill.bootstrap_port is None:
             # The pool only marks a prefill worker healthy once it reported a

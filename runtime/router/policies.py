@@ -7,12 +7,12 @@ Invariants:
 - least_outstanding picks a worker with the fewest legs in flight and
   rotates among ties, so equal load spreads evenly;
 - random is uniform over the healthy workers and reproducible from a seed;
-- cache_aware (`choose_by_cache`) sends a request to the candidate holding
-  the most leading pages of its prompt (`prefix_index.py`), the least loaded
-  of those on a tie, unless that worker's legs in flight exceed the least
-  loaded candidate's by more than ``max_load_gap``; with no page cached
-  anywhere, no prompt tokens, or over the gap, it picks as
-  least_outstanding does.
+- cache_aware (`choose_by_cache`), for any role (prefill, decode, colocated),
+  sends a request to the candidate holding the most leading pages of its
+  prompt (`prefix_index.py`), the least loaded of those on a tie, unless
+  that worker's legs in flight exceed the least loaded candidate's by more
+  than ``max_load_gap``; with no page cached anywhere, no prompt tokens, or
+  over the gap, it picks as least_outstanding does.
 
 Pure module: a policy only reads workers, the prefix index and its own
 counter (round_robin and least_outstanding take turns the same way, through

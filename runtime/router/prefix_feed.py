@@ -1,7 +1,11 @@
 """Following the workers' prefix-cache feeds: the I/O half of `prefix_index.py`.
 
-For every healthy worker of a role routed by `cache_aware` (and one dp group:
-only its first engine's keys are published), one task:
+For every healthy worker of a role routed by `cache_aware` (prefill, decode
+or colocated) with one dp group, one task. A worker with several dp groups
+is not followed (routed by load): each group is an engine with its own
+cache, the router talks to the first group's server only, and it hands the
+groups requests in turn (`Worker.take_dp_rank`, the room names the group),
+so no one key set is true for the worker; it publishes none.
 
 1. ``GET /prefix_cache/snapshot`` → `PrefixIndex.reset`;
 2. ``GET /prefix_cache/events?epoch&after=<seq>&wait`` in a loop (a long

@@ -11,8 +11,9 @@ with the scheme the engine uses (`prefix_keys.chain_page_keys`). A prompt the
 router tokenized from text is matched only against workers whose tokenizer
 fingerprint equals the router's: another tokenizer would give other ids.
 
-Per worker URL, not per role: decode workers can be indexed the same way once
-decode keeps prompts in its cache.
+Per worker URL, not per role: prefill, colocated and decode workers (a
+decode keeps the prompt pages it received, `pd/prefix_reuse.py`) are
+indexed the same way, each with its own salt.
 
 Pure module: no I/O.
 """

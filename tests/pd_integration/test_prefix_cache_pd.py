@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from pdcluster.runtime.cli import load_manifest
-from tests.local.cluster import local_cluster, write_manifest
+from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
+from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+from pdcluster.runtime.engine.sampling import SamplingParams
+from pdcluster.runtime.engine.topology import ParallelConfig
+from tests.local.cluster import RunningCluster, local_cluster, write_manifest
 from tests.pd_integration.reference import colocated_outputs
 from tests.pd_integration.test_topologies import (
     MAX_TOKENS,
@@ -164,4 +170,104 @@ def test_decode_reuses_the_pages_it_holds_and_output_equals_colocated(
         assert moved[5] < 0.2 * moved[0]
         # Evicted: the shared prompt travels whole again and still decodes right.
         assert reused[-1] == 0 and moved[-1] == pytest.approx(len(after[0]) * per_token)
+        assert_no_page_leak(cluster)
+
+
+# ---- every example topology: caching on == caching off, in float64 -----------
+
+_ROOT = Path(__file__).resolve().parents[2]
+# Shown above as written (both roles cached, a small pool): nixl-decode-tp1.
+_SHOWN_ABOVE = {"pd-1p1d-nixl.yaml"}
+_TOPOLOGY_EXAMPLES = sorted(
+    p.name for p in (_ROOT / "examples").glob("*.yaml") if p.name not in _SHOWN_ABOVE
+)
+_SMALL_POOL = 40  # pages of 16 tokens: the two 600-token prompts evict what came before
+
+
+def _float64_copy(example: str, tmp_path: Path) -> Path:
+    """The example in float64 with the prefix cache on for every role and a small pool."""
+    doc = yaml.safe_load((_ROOT / "examples" / example).read_text())
+    spec = doc["spec"]
+    spec["model"] = {**spec.get("model", {}), "computeDtype": "float64"}
+    spec["kvCache"] = {**spec.get("kvCache", {}), "dtype": "float64", "numPages": _SMALL_POOL}
+    for role in ("prefill", "decode", "colocated"):
+        if role in spec:
+            role_spec = spec[role] or {}
+            role_spec["engine"] = {**role_spec.get("engine", {}), "prefixCache": True}
+            spec[role] = role_spec
+    if "nixl" in yaml.safe_dump(spec):
+        need_nixl()
+    copy = tmp_path / f"float64-{example}"
+    copy.write_text(yaml.safe_dump(doc))
+    return copy
+
+
+def _uncached_outputs(manifest: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy outputs of one in-process colocated engine with no prefix cache."""
+    spec = load_manifest(str(manifest)).spec
+    role = spec.decode or spec.colocated
+    assert role is not None
+    cfg = engine_config_from_spec(spec, role)
+    need = sum(-(-(len(p) + MAX_TOKENS) // cfg.page_size) for p in prompts)
+    cfg = replace(cfg, parallel=ParallelConfig(), num_pages=need + 8, prefix_cache=False)
+    engine = LLMEngine(cfg)
+    assert not engine.prefix_cache_stats().cached_pages
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"ref-{i}", list(p), params))
+    out: dict[str, list[int]] = {f"ref-{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.rid].extend(o.new_token_ids)
+    return [out[f"ref-{i}"] for i in range(len(prompts))]
+
+
+def _sum_over_workers(cluster: RunningCluster, name: str) -> float:
+    """A counter summed over every worker process (each dp group and pod leader)."""
+    total = 0.0
+    for proc in cluster.state["processes"]:
+        if proc["role"] != "router" and proc.get("url"):
+            total += _counter(httpx.get(proc["url"] + "/metrics", timeout=10).text, name)
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", _TOPOLOGY_EXAMPLES)
+def test_caching_on_equals_caching_off_on_every_example_topology(
+    example: str, tmp_path: Path
+) -> None:
+    manifest = _float64_copy(example, tmp_path)
+    rng = random.Random(55)
+    system = [rng.randrange(1, 256) for _ in range(100)]  # 6 full pages + 4 tokens
+
+    def tail(n: int) -> list[int]:
+        return [rng.randrange(1, 256) for _ in range(n)]
+
+    # One at a time: a miss, every full page of the shared 100 tokens, the
+    # shared prompt itself, some pages, an unrelated prompt, an exact repeat,
+    # a page-aligned prefix. Then a burst sharing the prompt, then two long
+    # unrelated prompts that evict what every role cached, then the shared
+    # prompt again on cold caches, and a repeat of one of those.
+    serial = [system + tail(9), system + tail(30), list(system), system[:40] + tail(5), tail(50)]
+    serial += [list(serial[0]), system[:96]]
+    burst = [system + tail(rng.randrange(0, 30)) for _ in range(6)]
+    evicting = [tail(600) for _ in range(2)]
+    after = [system + tail(3), system[:64] + tail(20)]
+    after.append(list(after[0]))
+    prompts = serial + burst + evicting + after
+    expected = _uncached_outputs(manifest, prompts)
+    with local_cluster(manifest, tmp_path / "state") as cluster:
+        got = [generate(cluster.endpoint, p) for p in prompts[: len(serial)]]
+        got += generate_all(cluster, burst, 3)
+        evictions_before = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
+        got += [generate(cluster.endpoint, p) for p in evicting + after]
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert g == e, f"prompt {i}: caching on {g} != caching off {e}"
+        # Caching was on and used: prefill (or colocated) hit its cache,
+        # decode reused pages it held, and the long prompts evicted cached pages.
+        assert _sum_over_workers(cluster, "pdcluster_prefix_cache_hit_tokens_total") > 0
+        if any(proc["role"] == "decode" for proc in cluster.state["processes"]):
+            assert _sum_over_workers(cluster, "pdcluster_decode_reuse_pages_total") > 0
+        evictions = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
+        assert evictions > evictions_before
         assert_no_page_leak(cluster)

@@ -22,11 +22,18 @@ progress thread checking the handles is what moves UCX forward on this
 side. A decode agent keeps it: over TCP, UCX emulates a remote write with
 messages the target's worker must process.
 
-One-sided safety is `shm`'s, with one difference: a WRITE finishes later,
+One-sided safety is `shm`'s, with one difference: a WRITE may finish later,
 not inside the call. A frame's `on_done` fires only when NIXL reports its
 handle DONE (or ERR, with NIXL's status text), so the sender keeps the
 room `in_flight` until then: the control plane acks an abort, and sends
-Success, only after every handle of the room finished. A handle still in
+Success, only after every handle of the room finished. A WRITE that NIXL
+reports DONE from the posting call itself (UCX over TCP and shared memory
+finish small and medium WRITEs there) is completed on the posting thread
+at once; only WRITEs still in progress go to the progress thread, whose
+hand-off (a thread wake-up per frame) costs a loaded host more than the
+WRITE. A notification (`notify`) to a peer waits for every WRITE posted
+to that peer before it, as it does behind the frames of `tcp`, and is
+dropped if one of them failed (the room's failure is reported instead). A handle still in
 progress after `handle_timeout_s` is cancelled (NIXL releases an in-flight
 request only once the backend confirmed the abort); until that release
 succeeds it stays in flight, and the room's pages on the decode side stay
@@ -62,6 +69,7 @@ from pdcluster.runtime.transfer.nixl_plan import (
     plan_descriptors,
     split_runs,
     unit_bytes,
+    whole_pages,
 )
 from pdcluster.runtime.transfer.peer_table import PeerTable
 from pdcluster.runtime.transfer.sender import FrameDone
@@ -181,12 +189,23 @@ class _Peer:
     units: Any  # the prepared descriptor list of the peer's page units
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one posted WRITE each
 class _Write:
     room: int
+    peer: str
     handle: Any
     on_done: FrameDone
     started: float
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _Note:
+    """A notification held back until the WRITEs posted before it to its peer finished."""
+
+    peer: str
+    data: bytes
+    waits_for: list[_Write]
 
 
 class NixlTransport:
@@ -212,6 +231,10 @@ class NixlTransport:
         # a refused post calls back into the sender on this thread.)
         self._posting = threading.RLock()
         self._writes: list[_Write] = []
+        self._notes: list[_Note] = []  # in the order they were sent
+        # The job whose destination slots were last converted (the sender thread
+        # posts one job's frames in a row): converted once per job, not per frame.
+        self._dst_job: tuple[TransferJob | None, np.ndarray] = (None, np.zeros(0, np.int64))
         self._closed = False
         self.stats: dict[str, int] = {
             "writes": 0,
@@ -219,6 +242,7 @@ class NixlTransport:
             "descriptors": 0,
             "bytes": 0,
             "errors": 0,
+            "done_at_post": 0,
         }
         self._units = self._prep_units(
             "NIXL_INIT_AGENT", self.local, agent.base_address, agent.device_id, agent.mem_type
@@ -320,10 +344,9 @@ class NixlTransport:
         on_done: FrameDone,
     ) -> None:
         """Post the frame's WRITEs; `on_done` fires once NIXL reports all of them finished."""
-        assert job.dst_slots is not None  # check() guarantees it
         start = header.token_start - job.token_start
-        dst_slots = np.asarray(job.dst_slots[start : start + header.num_tokens], dtype=np.int64)
         with self._posting:
+            dst_slots = self._dst_slots_of(job)[start : start + header.num_tokens]
             peer = self._peers.find(job.peer)
             if peer is None:
                 on_done("peer_unregistered")
@@ -336,19 +359,32 @@ class NixlTransport:
             if not handles:  # a frame of no tokens: nothing to write
                 on_done(None)
                 return
-            self._post(job.room, handles, _joined(on_done, len(handles)))
+            self._post(job.room, job.peer, handles, _joined(on_done, len(handles)))
+
+    def _dst_slots_of(self, job: TransferJob) -> np.ndarray:
+        """The job's destination slots as an array, converted once per job."""
+        assert job.dst_slots is not None  # check() guarantees it
+        known, slots = self._dst_job
+        if known is not job:
+            slots = np.asarray(job.dst_slots, dtype=np.int64)
+            self._dst_job = (job, slots)
+        return slots
 
     def _make_writes(
         self, job: TransferJob, peer: _Peer, src_slots: np.ndarray, dst_slots: np.ndarray
     ) -> list[Any]:
         """The frame's WRITE requests, not yet posted: page units, then the rest."""
         geo = peer.geometry
-        runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
         layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
-        if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
-            pages, runs = split_runs(runs, self.local.page_size)
-        else:
+        runs: list[tuple[int, int, int]]
+        if not can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
             pages = np.zeros((0, 2), dtype=np.int64)
+            runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
+        elif (whole := whole_pages(src_slots, dst_slots, self.local.page_size)) is not None:
+            pages, runs = whole, []  # the usual frame: whole pages only, no run list
+        else:
+            runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
+            pages, runs = split_runs(runs, self.local.page_size)
         nx = self.agent.agent
         handles: list[Any] = []
         nbytes = descriptors = 0
@@ -407,7 +443,7 @@ class NixlTransport:
             peer.remote,
         )
 
-    def _post(self, room: int, handles: list[Any], on_done: FrameDone) -> None:
+    def _post(self, room: int, peer: str, handles: list[Any], on_done: FrameDone) -> None:
         nx = self.agent.agent
         for handle in handles:
             try:
@@ -422,15 +458,58 @@ class NixlTransport:
                     self.stats["errors"] += 1
                 on_done(f"nixl_write_failed: {why}")
                 continue
+            if state == "DONE":
+                # Finished inside the call: nothing of it can land any more, so the
+                # frame is done here, without waking the progress thread.
+                self._release(handle)
+                with self._lock:
+                    self.stats["done_at_post"] += 1
+                on_done(None)
+                continue
             with self._lock:
-                self._writes.append(_Write(room, handle, on_done, time.monotonic()))
+                self._writes.append(_Write(room, peer, handle, on_done, time.monotonic()))
                 self._lock.notify_all()
 
     def discard(self, room: int) -> None:
         """Nothing to withdraw: posted WRITEs finish (or time out) on their own."""
 
     def notify(self, peer: str, data: bytes) -> None:
+        """Send `data` to `peer` once every WRITE posted to it so far finished."""
+        with self._lock:
+            earlier = [w for w in self._writes if w.peer == peer]
+            if earlier or any(n.peer == peer for n in self._notes):
+                self._notes.append(_Note(peer, data, earlier))
+                self._lock.notify_all()
+                return
         self.endpoint.send_control(peer, data)
+
+    def _due_notes(self) -> list[_Note]:
+        """Take the notes whose WRITEs all finished (under `_lock`), in order per peer."""
+        due: list[_Note] = []
+        kept: list[_Note] = []
+        held: set[str] = set()  # peers with an earlier note still waiting
+        for note in self._notes:
+            note.waits_for = [w for w in note.waits_for if w in self._writes or w.failed]
+            waiting = any(not w.failed for w in note.waits_for)
+            if waiting or note.peer in held:
+                kept.append(note)
+                held.add(note.peer)
+            else:
+                due.append(note)
+        self._notes = kept
+        return due
+
+    def _send_notes(self, notes: list[_Note]) -> None:
+        for note in notes:
+            if any(w.failed for w in note.waits_for):
+                # A WRITE before it failed: the peer must not read its pages as
+                # complete; the room's failure goes to the control plane instead.
+                log.warning("nixl: notification to %s dropped: a WRITE before it failed", note.peer)
+                continue
+            try:
+                self.endpoint.send_control(note.peer, note.data)
+            except Exception as err:
+                log.warning("nixl: notification to %s failed: %s", note.peer, err)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -448,7 +527,7 @@ class NixlTransport:
         nx = self.agent.agent
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._writes or self._closed)
+                self._lock.wait_for(lambda: self._writes or self._notes or self._closed)
                 if self._closed:
                     return
                 writes = list(self._writes)
@@ -467,8 +546,11 @@ class NixlTransport:
             with self._lock:
                 done = {id(w) for w, _ in finished}
                 self._writes = [w for w in self._writes if id(w) not in done]
+                for w, err in finished:
+                    w.failed = err is not None
                 if any(err for _, err in finished):
                     self.stats["errors"] += sum(1 for _, err in finished if err)
+                notes = self._due_notes()
             for w, err in finished:
                 if w.handle is not None:
                     self._release(w.handle)
@@ -476,7 +558,8 @@ class NixlTransport:
                     w.on_done(err)
                 except Exception:
                     log.exception("nixl: frame callback of room %d failed", w.room)
-            if not finished:
+            self._send_notes(notes)
+            if not finished and not notes:
                 time.sleep(POLL_S)
 
     def _release(self, handle: Any) -> bool:

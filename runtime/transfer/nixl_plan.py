@@ -251,6 +251,22 @@ def split_runs(
     return pages, rest
 
 
+def whole_pages(src_slots: np.ndarray, dst_slots: np.ndarray, page_size: int) -> np.ndarray | None:
+    """[k, 2] int64 (src_page, dst_page) if the frame's tokens are whole pages on both
+    sides (each page's tokens in order), else None: what `split_runs` of the frame's
+    `copy_runs` gives for such a frame, without building the run list."""
+    s = np.asarray(src_slots, dtype=np.int64)
+    d = np.asarray(dst_slots, dtype=np.int64)
+    if len(s) == 0 or len(s) % page_size or d.shape != s.shape:
+        return None
+    s, d = s.reshape(-1, page_size), d.reshape(-1, page_size)
+    step = np.arange(page_size, dtype=np.int64)
+    for rows in (s, d):
+        if (rows[:, 0] % page_size).any() or (rows != rows[:, :1] + step).any():
+            return None
+    return np.stack([s[:, 0] // page_size, d[:, 0] // page_size], axis=1)
+
+
 def page_unit_indices(
     src: RegionGeometry,
     dst: RegionGeometry,

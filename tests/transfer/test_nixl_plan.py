@@ -17,6 +17,7 @@ from pdcluster.runtime.transfer.nixl_plan import (
     plan_descriptors,
     split_runs,
     unit_bytes,
+    whole_pages,
 )
 
 
@@ -268,3 +269,40 @@ def test_page_units_outside_either_pool_are_refused() -> None:
         page_unit_indices(g, g, np.array([[0, 8]]), [(0, 0)], (0, 4), (0, 4))
     with pytest.raises(PlanError, match="our layers outside"):
         page_unit_indices(g, g, np.array([[0, 0]]), [(2, 0)], (0, 4), (0, 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    src_pages=st.permutations(range(6)),
+    dst_pages=st.permutations(range(6)),
+    num_pages=st.integers(1, 6),
+    cut=st.sampled_from(["none", "head", "tail", "swap"]),
+)
+def test_whole_pages_is_split_runs_of_the_frames_runs(
+    ps, src_pages, dst_pages, num_pages, cut
+) -> None:
+    """The whole-page fast path names the same page pairs as split_runs, or declines."""
+    step = np.arange(ps)
+    src = (np.asarray(src_pages[:num_pages])[:, None] * ps + step).ravel()
+    dst = (np.asarray(dst_pages[:num_pages])[:, None] * ps + step).ravel()
+    if cut == "head":  # a partial first page
+        src, dst = src[1:], dst[1:]
+    elif cut == "tail":  # a partial last page
+        src, dst = src[:-1], dst[:-1]
+    elif cut == "swap" and len(src) > 1:  # tokens of a page out of order
+        src = src.copy()
+        src[[0, 1]] = src[[1, 0]]
+    pages, rest = split_runs(runs_of(src.tolist(), dst.tolist(), ps, ps), ps)
+    got = whole_pages(src, dst, ps)
+    if rest or len(src) == 0:
+        assert got is None
+    else:
+        assert got is not None and got.tolist() == pages.tolist()
+
+
+def test_whole_pages_declines_mismatched_or_empty_frames() -> None:
+    assert whole_pages(np.arange(4), np.arange(4), 4).tolist() == [[0, 0]]
+    assert whole_pages(np.arange(4), np.arange(8), 4) is None
+    assert whole_pages(np.zeros(0, np.int64), np.zeros(0, np.int64), 4) is None
+    assert whole_pages(np.arange(2, 6), np.arange(4), 4) is None  # not page-aligned

@@ -64,6 +64,8 @@ from pdcluster.runtime.transfer.nixl_plan import (
     RegionGeometry,
     can_use_page_units,
     check_geometries,
+    frame_page_units,
+    page_unit_grid,
     page_unit_indices,
     page_units,
     plan_descriptors,
@@ -200,6 +202,21 @@ class _Write:
 
 
 @dataclass(eq=False)
+class _JobPlan:
+    """What every frame of one job to one peer shares, worked out at its first frame."""
+
+    job: TransferJob
+    peer: _Peer
+    src_slots: np.ndarray  # [tokens] int64
+    dst_slots: np.ndarray  # [tokens] int64
+    layer_pairs: list[tuple[int, int]]
+    # The job's page-unit indices (ours, the peer's) by page, when its tokens up to
+    # its last whole page are whole pages on both sides (`page_unit_grid`); frames
+    # inside them take their units from it, the others plan their own.
+    grid: tuple[np.ndarray, np.ndarray] | None
+
+
+@dataclass(eq=False)
 class _Note:
     """A notification held back until the WRITEs posted before it to its peer finished."""
 
@@ -232,9 +249,9 @@ class NixlTransport:
         self._posting = threading.RLock()
         self._writes: list[_Write] = []
         self._notes: list[_Note] = []  # in the order they were sent
-        # The job whose destination slots were last converted (the sender thread
-        # posts one job's frames in a row): converted once per job, not per frame.
-        self._dst_job: tuple[TransferJob | None, np.ndarray] = (None, np.zeros(0, np.int64))
+        # The plan of the job whose frames are being posted (the sender thread posts
+        # one job's frames in a row): made at its first frame, not per frame.
+        self._job_plan: _JobPlan | None = None
         self._closed = False
         self.stats: dict[str, int] = {
             "writes": 0,
@@ -346,13 +363,13 @@ class NixlTransport:
         """Post the frame's WRITEs; `on_done` fires once NIXL reports all of them finished."""
         start = header.token_start - job.token_start
         with self._posting:
-            dst_slots = self._dst_slots_of(job)[start : start + header.num_tokens]
             peer = self._peers.find(job.peer)
             if peer is None:
                 on_done("peer_unregistered")
                 return
             try:
-                handles = self._make_writes(job, peer, slots.cpu().numpy(), dst_slots)
+                plan = self._plan_of(job, peer)
+                handles = self._make_writes(plan, start, header.num_tokens, slots)
             except Exception as err:  # nothing was posted: the frame fails here
                 on_done(f"nixl_write_failed: {err}")
                 return
@@ -361,38 +378,61 @@ class NixlTransport:
                 return
             self._post(job.room, job.peer, handles, _joined(on_done, len(handles)))
 
-    def _dst_slots_of(self, job: TransferJob) -> np.ndarray:
-        """The job's destination slots as an array, converted once per job."""
+    def _plan_of(self, job: TransferJob, peer: _Peer) -> _JobPlan:
+        """The job's plan: the last one if it is this job's to this peer, else a new one."""
+        plan = self._job_plan
+        if plan is not None and plan.job is job and plan.peer is peer:
+            return plan
         assert job.dst_slots is not None  # check() guarantees it
-        known, slots = self._dst_job
-        if known is not job:
-            slots = np.asarray(job.dst_slots, dtype=np.int64)
-            self._dst_job = (job, slots)
-        return slots
+        src = np.asarray(job.src_slots, dtype=np.int64)
+        dst = np.asarray(job.dst_slots, dtype=np.int64)
+        layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
+        grid = None
+        geo, ps = peer.geometry, self.local.page_size
+        if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
+            whole = len(src) // ps * ps  # a partial last page is planned by its frame
+            pages = whole_pages(src[:whole], dst[:whole], ps)
+            if pages is not None:
+                grid = page_unit_grid(
+                    self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
+                )
+        plan = _JobPlan(job, peer, src, dst, layer_pairs, grid)
+        self._job_plan = plan
+        return plan
 
     def _make_writes(
-        self, job: TransferJob, peer: _Peer, src_slots: np.ndarray, dst_slots: np.ndarray
+        self, plan: _JobPlan, start: int, num_tokens: int, slots: torch.Tensor
     ) -> list[Any]:
-        """The frame's WRITE requests, not yet posted: page units, then the rest."""
-        geo = peer.geometry
-        layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
-        runs: list[tuple[int, int, int]]
-        if not can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
-            pages = np.zeros((0, 2), dtype=np.int64)
-            runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
-        elif (whole := whole_pages(src_slots, dst_slots, self.local.page_size)) is not None:
-            pages, runs = whole, []  # the usual frame: whole pages only, no run list
+        """The WRITE requests of the job's tokens `[start, start + num_tokens)` (from
+        `slots`), not yet posted: page units, then the rest."""
+        job, peer, geo = plan.job, plan.peer, plan.peer.geometry
+        ps, end = self.local.page_size, start + num_tokens
+        src_slots = slots.cpu().numpy()
+        local = remote = np.zeros(0, dtype=np.int32)
+        runs: list[tuple[int, int, int]] = []
+        grid_tokens = 0 if plan.grid is None else plan.grid[0].shape[2] * ps
+        if plan.grid is not None and start % ps == 0 and end % ps == 0 and end <= grid_tokens:
+            # The usual frame: whole pages of a whole-page job, cut from its grid.
+            if len(src_slots) != num_tokens or (
+                num_tokens and src_slots[0] != plan.src_slots[start]
+            ):
+                raise ValueError("the frame's slots are not the job's")
+            local = frame_page_units(plan.grid[0], start // ps, end // ps)
+            remote = frame_page_units(plan.grid[1], start // ps, end // ps)
         else:
-            runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
-            pages, runs = split_runs(runs, self.local.page_size)
+            dst_slots = plan.dst_slots[start:end]
+            runs = copy_runs(src_slots, dst_slots, ps, geo.page_size)
+            if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
+                pages, runs = split_runs(runs, ps)
+                if len(pages):
+                    local, remote = page_unit_indices(
+                        self.local, geo, pages, plan.layer_pairs, job.src_heads, job.dst_heads
+                    )
         nx = self.agent.agent
         handles: list[Any] = []
         nbytes = descriptors = 0
         try:
-            if len(pages):
-                local, remote = page_unit_indices(
-                    self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
-                )
+            if len(local):
                 handles.append(
                     nx.make_prepped_xfer("WRITE", self._units, local, peer.units, remote)
                 )
@@ -400,7 +440,7 @@ class NixlTransport:
                 nbytes += len(local) * unit_bytes(self.local)
             if runs:
                 table = plan_descriptors(
-                    self.local, geo, runs, layer_pairs, job.src_heads, job.dst_heads
+                    self.local, geo, runs, plan.layer_pairs, job.src_heads, job.dst_heads
                 )
                 handles.append(self._initialize_write(table, peer))
                 descriptors += len(table)
@@ -411,7 +451,7 @@ class NixlTransport:
             raise
         with self._lock:
             self.stats["writes"] += len(handles)
-            self.stats["prepped_writes"] += 1 if len(pages) else 0
+            self.stats["prepped_writes"] += 1 if len(local) else 0
             self.stats["descriptors"] += descriptors
             self.stats["bytes"] += nbytes
         return handles

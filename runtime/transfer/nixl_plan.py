@@ -308,3 +308,27 @@ def page_unit_indices(
     local = units(src, lp[:, 0], p[:, 0], src_heads[0])
     remote = units(dst, lp[:, 1], p[:, 1], dst_heads[0])
     return local.astype(np.int32), remote.astype(np.int32)
+
+
+def page_unit_grid(
+    src: RegionGeometry,
+    dst: RegionGeometry,
+    pages: np.ndarray,
+    layer_pairs: Sequence[tuple[int, int]],
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """`page_unit_indices` of a whole job's pages, shaped [layer pairs, 2, pages, heads]
+    (heads 1 in NHD): computed once per job, a frame of pages `[p0, p1)` of the job
+    then takes `frame_page_units(grid, p0, p1)` instead of planning its own."""
+    local, remote = page_unit_indices(src, dst, pages, layer_pairs, src_heads, dst_heads)
+    shape = (len(layer_pairs), 2, len(pages), -1)
+    return local.reshape(shape), remote.reshape(shape)
+
+
+def frame_page_units(grid: np.ndarray, p0: int, p1: int) -> np.ndarray:
+    """The int32 unit indices of pages `[p0, p1)` of a job's `page_unit_grid`, in the
+    order `page_unit_indices` gives for those pages alone."""
+    if not 0 <= p0 <= p1 <= grid.shape[2]:
+        raise PlanError(f"pages {p0}..{p1} outside the job's 0..{grid.shape[2]}")
+    return np.ascontiguousarray(grid[:, :, p0:p1]).ravel()

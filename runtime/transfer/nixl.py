@@ -301,7 +301,10 @@ class NixlTransport:
         if old is not None and old.region == region:
             return
         nx = self.agent.agent
-        remote = nx.add_remote_agent(region.agent_metadata)
+        try:
+            remote = nx.add_remote_agent(region.agent_metadata)
+        except Exception as err:
+            raise ValueError(f"NIXL refused the peer's agent metadata: {err}") from None
         if isinstance(remote, bytes):
             remote = remote.decode()
         if remote != region.agent_name:

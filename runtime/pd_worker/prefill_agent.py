@@ -326,11 +326,15 @@ class PrefillAgent(RankAgent):
         return None
 
     def _nixl_problem(self, lay: KVLayoutRegister) -> str | None:
-        """Why decode's NIXL region cannot take our frames, or None (nothing connects yet)."""
+        """Why decode's NIXL region cannot take our frames, or None once its agent is
+        added and its page units prepared: at registration, not at its first room."""
         if lay.nixl is None:
             return f"prefill nixl, decode offers no NIXL region ({lay.compat.transfer_backend})"
         try:
-            self.transport.check_region(lay.nixl, self._peer_shape(lay))
+            shape = self._peer_shape(lay)
+            self.transport.check_region(lay.nixl, shape)
+            if not self.transport.has_peer(lay.decode_endpoint, lay.nixl):
+                self.transport.register_peer(lay.decode_endpoint, lay.nixl, shape)
         except ValueError as err:
             return f"prefill nixl: {err}"
         return None

@@ -22,11 +22,18 @@ progress thread checking the handles is what moves UCX forward on this
 side. A decode agent keeps it: over TCP, UCX emulates a remote write with
 messages the target's worker must process.
 
-One-sided safety is `shm`'s, with one difference: a WRITE finishes later,
+One-sided safety is `shm`'s, with one difference: a WRITE may finish later,
 not inside the call. A frame's `on_done` fires only when NIXL reports its
 handle DONE (or ERR, with NIXL's status text), so the sender keeps the
 room `in_flight` until then: the control plane acks an abort, and sends
-Success, only after every handle of the room finished. A handle still in
+Success, only after every handle of the room finished. A WRITE that NIXL
+reports DONE from the posting call itself (UCX over TCP and shared memory
+finish small and medium WRITEs there) is completed on the posting thread
+at once; only WRITEs still in progress go to the progress thread, whose
+hand-off (a thread wake-up per frame) costs a loaded host more than the
+WRITE. A notification (`notify`) to a peer waits for every WRITE posted
+to that peer before it, as it does behind the frames of `tcp`, and is
+dropped if one of them failed (the room's failure is reported instead). A handle still in
 progress after `handle_timeout_s` is cancelled (NIXL releases an in-flight
 request only once the backend confirmed the abort); until that release
 succeeds it stays in flight, and the room's pages on the decode side stay
@@ -57,11 +64,14 @@ from pdcluster.runtime.transfer.nixl_plan import (
     RegionGeometry,
     can_use_page_units,
     check_geometries,
+    frame_page_units,
+    page_unit_grid,
     page_unit_indices,
     page_units,
     plan_descriptors,
     split_runs,
     unit_bytes,
+    whole_pages,
 )
 from pdcluster.runtime.transfer.peer_table import PeerTable
 from pdcluster.runtime.transfer.sender import FrameDone
@@ -181,12 +191,38 @@ class _Peer:
     units: Any  # the prepared descriptor list of the peer's page units
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one posted WRITE each
 class _Write:
     room: int
+    peer: str
     handle: Any
     on_done: FrameDone
     started: float
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _JobPlan:
+    """What every frame of one job to one peer shares, worked out at its first frame."""
+
+    job: TransferJob
+    peer: _Peer
+    src_slots: np.ndarray  # [tokens] int64
+    dst_slots: np.ndarray  # [tokens] int64
+    layer_pairs: list[tuple[int, int]]
+    # The job's page-unit indices (ours, the peer's) by page, when its tokens up to
+    # its last whole page are whole pages on both sides (`page_unit_grid`); frames
+    # inside them take their units from it, the others plan their own.
+    grid: tuple[np.ndarray, np.ndarray] | None
+
+
+@dataclass(eq=False)
+class _Note:
+    """A notification held back until the WRITEs posted before it to its peer finished."""
+
+    peer: str
+    data: bytes
+    waits_for: list[_Write]
 
 
 class NixlTransport:
@@ -212,6 +248,10 @@ class NixlTransport:
         # a refused post calls back into the sender on this thread.)
         self._posting = threading.RLock()
         self._writes: list[_Write] = []
+        self._notes: list[_Note] = []  # in the order they were sent
+        # The plan of the job whose frames are being posted (the sender thread posts
+        # one job's frames in a row): made at its first frame, not per frame.
+        self._job_plan: _JobPlan | None = None
         self._closed = False
         self.stats: dict[str, int] = {
             "writes": 0,
@@ -219,6 +259,7 @@ class NixlTransport:
             "descriptors": 0,
             "bytes": 0,
             "errors": 0,
+            "done_at_post": 0,
         }
         self._units = self._prep_units(
             "NIXL_INIT_AGENT", self.local, agent.base_address, agent.device_id, agent.mem_type
@@ -260,7 +301,10 @@ class NixlTransport:
         if old is not None and old.region == region:
             return
         nx = self.agent.agent
-        remote = nx.add_remote_agent(region.agent_metadata)
+        try:
+            remote = nx.add_remote_agent(region.agent_metadata)
+        except Exception as err:
+            raise ValueError(f"NIXL refused the peer's agent metadata: {err}") from None
         if isinstance(remote, bytes):
             remote = remote.decode()
         if remote != region.agent_name:
@@ -320,43 +364,78 @@ class NixlTransport:
         on_done: FrameDone,
     ) -> None:
         """Post the frame's WRITEs; `on_done` fires once NIXL reports all of them finished."""
-        assert job.dst_slots is not None  # check() guarantees it
         start = header.token_start - job.token_start
-        dst_slots = np.asarray(job.dst_slots[start : start + header.num_tokens], dtype=np.int64)
         with self._posting:
             peer = self._peers.find(job.peer)
             if peer is None:
                 on_done("peer_unregistered")
                 return
             try:
-                handles = self._make_writes(job, peer, slots.cpu().numpy(), dst_slots)
+                plan = self._plan_of(job, peer)
+                handles = self._make_writes(plan, start, header.num_tokens, slots)
             except Exception as err:  # nothing was posted: the frame fails here
                 on_done(f"nixl_write_failed: {err}")
                 return
             if not handles:  # a frame of no tokens: nothing to write
                 on_done(None)
                 return
-            self._post(job.room, handles, _joined(on_done, len(handles)))
+            self._post(job.room, job.peer, handles, _joined(on_done, len(handles)))
+
+    def _plan_of(self, job: TransferJob, peer: _Peer) -> _JobPlan:
+        """The job's plan: the last one if it is this job's to this peer, else a new one."""
+        plan = self._job_plan
+        if plan is not None and plan.job is job and plan.peer is peer:
+            return plan
+        assert job.dst_slots is not None  # check() guarantees it
+        src = np.asarray(job.src_slots, dtype=np.int64)
+        dst = np.asarray(job.dst_slots, dtype=np.int64)
+        layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
+        grid = None
+        geo, ps = peer.geometry, self.local.page_size
+        if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
+            whole = len(src) // ps * ps  # a partial last page is planned by its frame
+            pages = whole_pages(src[:whole], dst[:whole], ps)
+            if pages is not None:
+                grid = page_unit_grid(
+                    self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
+                )
+        plan = _JobPlan(job, peer, src, dst, layer_pairs, grid)
+        self._job_plan = plan
+        return plan
 
     def _make_writes(
-        self, job: TransferJob, peer: _Peer, src_slots: np.ndarray, dst_slots: np.ndarray
+        self, plan: _JobPlan, start: int, num_tokens: int, slots: torch.Tensor
     ) -> list[Any]:
-        """The frame's WRITE requests, not yet posted: page units, then the rest."""
-        geo = peer.geometry
-        runs = copy_runs(src_slots, dst_slots, self.local.page_size, geo.page_size)
-        layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
-        if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
-            pages, runs = split_runs(runs, self.local.page_size)
+        """The WRITE requests of the job's tokens `[start, start + num_tokens)` (from
+        `slots`), not yet posted: page units, then the rest."""
+        job, peer, geo = plan.job, plan.peer, plan.peer.geometry
+        ps, end = self.local.page_size, start + num_tokens
+        src_slots = slots.cpu().numpy()
+        local = remote = np.zeros(0, dtype=np.int32)
+        runs: list[tuple[int, int, int]] = []
+        grid_tokens = 0 if plan.grid is None else plan.grid[0].shape[2] * ps
+        if plan.grid is not None and start % ps == 0 and end % ps == 0 and end <= grid_tokens:
+            # The usual frame: whole pages of a whole-page job, cut from its grid.
+            if len(src_slots) != num_tokens or (
+                num_tokens and src_slots[0] != plan.src_slots[start]
+            ):
+                raise ValueError("the frame's slots are not the job's")
+            local = frame_page_units(plan.grid[0], start // ps, end // ps)
+            remote = frame_page_units(plan.grid[1], start // ps, end // ps)
         else:
-            pages = np.zeros((0, 2), dtype=np.int64)
+            dst_slots = plan.dst_slots[start:end]
+            runs = copy_runs(src_slots, dst_slots, ps, geo.page_size)
+            if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
+                pages, runs = split_runs(runs, ps)
+                if len(pages):
+                    local, remote = page_unit_indices(
+                        self.local, geo, pages, plan.layer_pairs, job.src_heads, job.dst_heads
+                    )
         nx = self.agent.agent
         handles: list[Any] = []
         nbytes = descriptors = 0
         try:
-            if len(pages):
-                local, remote = page_unit_indices(
-                    self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
-                )
+            if len(local):
                 handles.append(
                     nx.make_prepped_xfer("WRITE", self._units, local, peer.units, remote)
                 )
@@ -364,7 +443,7 @@ class NixlTransport:
                 nbytes += len(local) * unit_bytes(self.local)
             if runs:
                 table = plan_descriptors(
-                    self.local, geo, runs, layer_pairs, job.src_heads, job.dst_heads
+                    self.local, geo, runs, plan.layer_pairs, job.src_heads, job.dst_heads
                 )
                 handles.append(self._initialize_write(table, peer))
                 descriptors += len(table)
@@ -375,7 +454,7 @@ class NixlTransport:
             raise
         with self._lock:
             self.stats["writes"] += len(handles)
-            self.stats["prepped_writes"] += 1 if len(pages) else 0
+            self.stats["prepped_writes"] += 1 if len(local) else 0
             self.stats["descriptors"] += descriptors
             self.stats["bytes"] += nbytes
         return handles
@@ -407,7 +486,7 @@ class NixlTransport:
             peer.remote,
         )
 
-    def _post(self, room: int, handles: list[Any], on_done: FrameDone) -> None:
+    def _post(self, room: int, peer: str, handles: list[Any], on_done: FrameDone) -> None:
         nx = self.agent.agent
         for handle in handles:
             try:
@@ -422,15 +501,58 @@ class NixlTransport:
                     self.stats["errors"] += 1
                 on_done(f"nixl_write_failed: {why}")
                 continue
+            if state == "DONE":
+                # Finished inside the call: nothing of it can land any more, so the
+                # frame is done here, without waking the progress thread.
+                self._release(handle)
+                with self._lock:
+                    self.stats["done_at_post"] += 1
+                on_done(None)
+                continue
             with self._lock:
-                self._writes.append(_Write(room, handle, on_done, time.monotonic()))
+                self._writes.append(_Write(room, peer, handle, on_done, time.monotonic()))
                 self._lock.notify_all()
 
     def discard(self, room: int) -> None:
         """Nothing to withdraw: posted WRITEs finish (or time out) on their own."""
 
     def notify(self, peer: str, data: bytes) -> None:
+        """Send `data` to `peer` once every WRITE posted to it so far finished."""
+        with self._lock:
+            earlier = [w for w in self._writes if w.peer == peer]
+            if earlier or any(n.peer == peer for n in self._notes):
+                self._notes.append(_Note(peer, data, earlier))
+                self._lock.notify_all()
+                return
         self.endpoint.send_control(peer, data)
+
+    def _due_notes(self) -> list[_Note]:
+        """Take the notes whose WRITEs all finished (under `_lock`), in order per peer."""
+        due: list[_Note] = []
+        kept: list[_Note] = []
+        held: set[str] = set()  # peers with an earlier note still waiting
+        for note in self._notes:
+            note.waits_for = [w for w in note.waits_for if w in self._writes or w.failed]
+            waiting = any(not w.failed for w in note.waits_for)
+            if waiting or note.peer in held:
+                kept.append(note)
+                held.add(note.peer)
+            else:
+                due.append(note)
+        self._notes = kept
+        return due
+
+    def _send_notes(self, notes: list[_Note]) -> None:
+        for note in notes:
+            if any(w.failed for w in note.waits_for):
+                # A WRITE before it failed: the peer must not read its pages as
+                # complete; the room's failure goes to the control plane instead.
+                log.warning("nixl: notification to %s dropped: a WRITE before it failed", note.peer)
+                continue
+            try:
+                self.endpoint.send_control(note.peer, note.data)
+            except Exception as err:
+                log.warning("nixl: notification to %s failed: %s", note.peer, err)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -448,7 +570,7 @@ class NixlTransport:
         nx = self.agent.agent
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._writes or self._closed)
+                self._lock.wait_for(lambda: self._writes or self._notes or self._closed)
                 if self._closed:
                     return
                 writes = list(self._writes)
@@ -467,8 +589,11 @@ class NixlTransport:
             with self._lock:
                 done = {id(w) for w, _ in finished}
                 self._writes = [w for w in self._writes if id(w) not in done]
+                for w, err in finished:
+                    w.failed = err is not None
                 if any(err for _, err in finished):
                     self.stats["errors"] += sum(1 for _, err in finished if err)
+                notes = self._due_notes()
             for w, err in finished:
                 if w.handle is not None:
                     self._release(w.handle)
@@ -476,7 +601,8 @@ class NixlTransport:
                     w.on_done(err)
                 except Exception:
                     log.exception("nixl: frame callback of room %d failed", w.room)
-            if not finished:
+            self._send_notes(notes)
+            if not finished and not notes:
                 time.sleep(POLL_S)
 
     def _release(self, handle: Any) -> bool:

@@ -251,6 +251,22 @@ def split_runs(
     return pages, rest
 
 
+def whole_pages(src_slots: np.ndarray, dst_slots: np.ndarray, page_size: int) -> np.ndarray | None:
+    """[k, 2] int64 (src_page, dst_page) if the frame's tokens are whole pages on both
+    sides (each page's tokens in order), else None: what `split_runs` of the frame's
+    `copy_runs` gives for such a frame, without building the run list."""
+    s = np.asarray(src_slots, dtype=np.int64)
+    d = np.asarray(dst_slots, dtype=np.int64)
+    if len(s) == 0 or len(s) % page_size or d.shape != s.shape:
+        return None
+    s, d = s.reshape(-1, page_size), d.reshape(-1, page_size)
+    step = np.arange(page_size, dtype=np.int64)
+    for rows in (s, d):
+        if (rows[:, 0] % page_size).any() or (rows != rows[:, :1] + step).any():
+            return None
+    return np.stack([s[:, 0] // page_size, d[:, 0] // page_size], axis=1)
+
+
 def page_unit_indices(
     src: RegionGeometry,
     dst: RegionGeometry,
@@ -292,3 +308,27 @@ def page_unit_indices(
     local = units(src, lp[:, 0], p[:, 0], src_heads[0])
     remote = units(dst, lp[:, 1], p[:, 1], dst_heads[0])
     return local.astype(np.int32), remote.astype(np.int32)
+
+
+def page_unit_grid(
+    src: RegionGeometry,
+    dst: RegionGeometry,
+    pages: np.ndarray,
+    layer_pairs: Sequence[tuple[int, int]],
+    src_heads: tuple[int, int],
+    dst_heads: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """`page_unit_indices` of a whole job's pages, shaped [layer pairs, 2, pages, heads]
+    (heads 1 in NHD): computed once per job, a frame of pages `[p0, p1)` of the job
+    then takes `frame_page_units(grid, p0, p1)` instead of planning its own."""
+    local, remote = page_unit_indices(src, dst, pages, layer_pairs, src_heads, dst_heads)
+    shape = (len(layer_pairs), 2, len(pages), -1)
+    return local.reshape(shape), remote.reshape(shape)
+
+
+def frame_page_units(grid: np.ndarray, p0: int, p1: int) -> np.ndarray:
+    """The int32 unit indices of pages `[p0, p1)` of a job's `page_unit_grid`, in the
+    order `page_unit_indices` gives for those pages alone."""
+    if not 0 <= p0 <= p1 <= grid.shape[2]:
+        raise PlanError(f"pages {p0}..{p1} outside the job's 0..{grid.shape[2]}")
+    return np.ascontiguousarray(grid[:, :, p0:p1]).ravel()

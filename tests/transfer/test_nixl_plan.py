@@ -11,12 +11,15 @@ from pdcluster.runtime.transfer.nixl_plan import (
     RegionGeometry,
     can_use_page_units,
     check_geometries,
+    frame_page_units,
     merge_descriptors,
+    page_unit_grid,
     page_unit_indices,
     page_units,
     plan_descriptors,
     split_runs,
     unit_bytes,
+    whole_pages,
 )
 
 
@@ -268,3 +271,71 @@ def test_page_units_outside_either_pool_are_refused() -> None:
         page_unit_indices(g, g, np.array([[0, 8]]), [(0, 0)], (0, 4), (0, 4))
     with pytest.raises(PlanError, match="our layers outside"):
         page_unit_indices(g, g, np.array([[0, 0]]), [(2, 0)], (0, 4), (0, 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    src_pages=st.permutations(range(6)),
+    dst_pages=st.permutations(range(6)),
+    num_pages=st.integers(1, 6),
+    cut=st.sampled_from(["none", "head", "tail", "swap"]),
+)
+def test_whole_pages_is_split_runs_of_the_frames_runs(
+    ps, src_pages, dst_pages, num_pages, cut
+) -> None:
+    """The whole-page fast path names the same page pairs as split_runs, or declines."""
+    step = np.arange(ps)
+    src = (np.asarray(src_pages[:num_pages])[:, None] * ps + step).ravel()
+    dst = (np.asarray(dst_pages[:num_pages])[:, None] * ps + step).ravel()
+    if cut == "head":  # a partial first page
+        src, dst = src[1:], dst[1:]
+    elif cut == "tail":  # a partial last page
+        src, dst = src[:-1], dst[:-1]
+    elif cut == "swap" and len(src) > 1:  # tokens of a page out of order
+        src = src.copy()
+        src[[0, 1]] = src[[1, 0]]
+    pages, rest = split_runs(runs_of(src.tolist(), dst.tolist(), ps, ps), ps)
+    got = whole_pages(src, dst, ps)
+    if rest or len(src) == 0:
+        assert got is None
+    else:
+        assert got is not None and got.tolist() == pages.tolist()
+
+
+def test_whole_pages_declines_mismatched_or_empty_frames() -> None:
+    assert whole_pages(np.arange(4), np.arange(4), 4).tolist() == [[0, 0]]
+    assert whole_pages(np.arange(4), np.arange(8), 4) is None
+    assert whole_pages(np.zeros(0, np.int64), np.zeros(0, np.int64), 4) is None
+    assert whole_pages(np.arange(2, 6), np.arange(4), 4) is None  # not page-aligned
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    layout=st.sampled_from([KVLayout.NHD, KVLayout.HND]),
+    pages=st.permutations(range(8)),
+    num_pages=st.integers(1, 8),
+    cut=st.tuples(st.integers(0, 8), st.integers(0, 8)),
+    heads=st.sampled_from([(0, 4), (1, 3)]),
+)
+def test_a_frame_cut_from_the_jobs_grid_names_the_units_it_would_plan(
+    layout, pages, num_pages, cut, heads
+) -> None:
+    src, dst = geo(layout=layout), geo(layout=layout, layers=3)
+    if not can_use_page_units(src, dst, heads, heads):
+        return  # NHD head slices never move as page units
+    job_pages = np.stack([np.asarray(pages[:num_pages]), np.arange(num_pages)[::-1]], axis=1)
+    pairs = [(0, 2), (1, 0)]
+    grid = page_unit_grid(src, dst, job_pages, pairs, heads, heads)
+    p0, p1 = sorted(min(c, num_pages) for c in cut)
+    local, remote = page_unit_indices(src, dst, job_pages[p0:p1], pairs, heads, heads)
+    assert frame_page_units(grid[0], p0, p1).tolist() == local.tolist()
+    assert frame_page_units(grid[1], p0, p1).tolist() == remote.tolist()
+    assert frame_page_units(grid[0], p0, p1).dtype == np.int32
+
+
+def test_a_frame_outside_the_jobs_grid_is_refused() -> None:
+    g = geo()
+    grid = page_unit_grid(g, g, np.array([[0, 1], [2, 3]]), [(0, 0)], (0, 4), (0, 4))
+    with pytest.raises(PlanError, match="outside the job"):
+        frame_page_units(grid[0], 1, 3)

@@ -23,6 +23,7 @@ from tests.transfer.transfer_helpers import (
     random_pool,
     random_table,
     send_one_job,
+    wait_until,
     whole_job,
 )
 
@@ -57,6 +58,19 @@ def transport(link: Link, src: KVPool, dst: KVPool, **kw):
 
 def nixl_job(src_table, dst_table, link, **kw) -> TransferJob:
     return whole_job(src_table, dst_table, link.decode.address, "nixl", **kw)
+
+
+def done_later(t) -> None:
+    """Posted WRITEs report PROC (as over RDMA, where completion comes later), so they
+    finish through the progress thread's `check_xfer_state`, never inside the post."""
+    nx = t.agent.agent
+    real = nx.transfer
+
+    def posted(handle):
+        state = real(handle)
+        return "PROC" if state == "DONE" else state
+
+    nx.transfer = posted
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -152,6 +166,7 @@ def test_a_room_stays_in_flight_until_its_handles_report_done(link):
     shape = make_shape()
     src, dst = random_pool(shape, 8), random_pool(shape, 9)
     t = transport(link, src, dst)
+    done_later(t)
     gate = threading.Event()
     original_check = t.agent.agent.check_xfer_state
 
@@ -178,6 +193,7 @@ def test_a_failed_handle_fails_the_room_with_the_backends_error(link):
     shape = make_shape()
     src, dst = random_pool(shape, 12), random_pool(shape, 13)
     t = transport(link, src, dst)
+    done_later(t)
     t.agent.agent.check_xfer_state = lambda handle: "ERR"
     failures: list[tuple] = []
     sender = KVSender(src, t, SMALL_FRAMES, on_failure=lambda *a: failures.append(a))
@@ -223,6 +239,7 @@ def test_pages_reused_after_an_abort_never_receive_late_bytes(link):
     shape = make_shape(num_pages=64)
     src, dst = random_pool(shape, 22), random_pool(shape, 23)
     t = transport(link, src, dst)
+    done_later(t)
     gate, entered = threading.Event(), threading.Event()
     original_check = t.agent.agent.check_xfer_state
 
@@ -258,3 +275,104 @@ def test_pages_reused_after_an_abort_never_receive_late_bytes(link):
     t.close()
     assert torch.equal(bits(dst.buffer), bits(poisoned))
     assert t.in_flight() == 0
+
+
+def test_writes_done_at_post_need_no_progress_thread(link):
+    """A WRITE NIXL reports DONE from `transfer` completes its frame on the posting
+    thread: the room drains (and Success could go) while the progress thread is stuck."""
+    shape = make_shape(num_pages=64)
+    src, dst = random_pool(shape, 40), random_pool(shape, 41)
+    t = transport(link, src, dst)
+    nx = t.agent.agent
+    real_transfer, real_check = nx.transfer, nx.check_xfer_state
+    gate = threading.Event()
+
+    def finished_transfer(handle):
+        state = real_transfer(handle)
+        while state == "PROC":  # report DONE only once it is (loopback may lag)
+            state = real_check(handle)
+        return state
+
+    def stuck_check(handle):
+        gate.wait(10)
+        return real_check(handle)
+
+    nx.transfer, nx.check_xfer_state = finished_transfer, stuck_check
+    job = nixl_job(random_table(16, 64, 42), random_table(16, 64, 43), link, tokens=(0, 60))
+    want = expected_pool(
+        src, dst, job.src_slots, job.dst_slots, (0, 1, 2), (0, 1, 2), (0, 4), (0, 4)
+    )
+    completed: list[TransferJob] = []
+    sender = KVSender(src, t, SMALL_FRAMES, on_complete=completed.append)
+    sender.start()
+    assert sender.submit(job)
+    link.inbox.wait_for(job.notify)
+    assert sender.drain(21, timeout=10)
+    assert completed == [job] and t.in_flight() == 0
+    assert t.stats["done_at_post"] == t.stats["writes"] > 1
+    assert torch.equal(bits(dst.buffer), bits(want))
+    gate.set()
+    sender.close()
+    t.close()
+
+
+def test_a_notification_waits_for_the_writes_posted_before_it(link):
+    shape = make_shape(num_pages=64)
+    src, dst = random_pool(shape, 44), random_pool(shape, 45)
+    t = transport(link, src, dst)
+    done_later(t)
+    gate = threading.Event()
+    real_check = t.agent.agent.check_xfer_state
+    t.agent.agent.check_xfer_state = lambda handle: gate.wait(10) and real_check(handle)
+    job = nixl_job(random_table(16, 64, 46), random_table(16, 64, 47), link, tokens=(0, 60))
+    want = expected_pool(
+        src, dst, job.src_slots, job.dst_slots, (0, 1, 2), (0, 1, 2), (0, 4), (0, 4)
+    )
+    arrived: list[torch.Tensor] = []
+    on_control = link.decode.on_control
+
+    def snapshot(sender: str, data: bytes) -> None:
+        if data == job.notify:  # what decode would read when told the pages are there
+            arrived.append(dst.buffer.clone())
+        on_control(sender, data)
+
+    link.decode.on_control = snapshot
+    sender = KVSender(src, t, SMALL_FRAMES)
+    sender.start()
+    try:
+        assert sender.submit(job)
+        wait_until(lambda: len(t._notes) == 1, what="the notification held back")
+        assert job.notify not in [d for _, d in link.inbox.messages]
+        gate.set()
+        link.inbox.wait_for(job.notify)
+        assert sender.drain(21, timeout=10)
+    finally:
+        gate.set()
+        link.decode.on_control = on_control
+        sender.close()
+        t.close()
+    assert len(arrived) == 1 and torch.equal(bits(arrived[0]), bits(want))
+
+
+def test_a_notification_behind_a_failed_write_is_dropped(link):
+    shape = make_shape()
+    src, dst = random_pool(shape, 48), random_pool(shape, 49)
+    t = transport(link, src, dst)
+    done_later(t)
+    gate = threading.Event()
+    t.agent.agent.check_xfer_state = lambda handle: gate.wait(10) and "ERR"
+    failures: list[tuple] = []
+    sender = KVSender(src, t, SMALL_FRAMES, on_failure=lambda *a: failures.append(a))
+    sender.start()
+    job = nixl_job(random_table(8, 32, 50), random_table(8, 32, 51), link)
+    assert sender.submit(job)
+    wait_until(lambda: len(t._notes) == 1, what="the notification held back")
+    gate.set()
+    assert sender.drain(21, timeout=10)
+    wait_until(lambda: not t._notes, what="the held notification handled")
+    t.notify(link.decode.address, b"after-the-failed-room")  # same connection: a barrier
+    link.inbox.wait_for(b"after-the-failed-room")
+    sender.close()
+    t.close()
+    assert job.notify not in [d for _, d in link.inbox.messages]
+    assert len(failures) == 1 and failures[0][2].startswith("nixl_write_failed")

@@ -373,6 +373,16 @@ class RouterState:
         self.ctx.spawn(self.checker.probe(worker))
         return JSONResponse(worker.describe())
 
+    def _pool_worker(self, url: str) -> Worker:
+        """The pool's worker at an admin body's `url`: 422 if it is not a URL, 404 if unknown."""
+        try:
+            worker = self.pool.get(normalize_url(url))
+        except ValueError as err:
+            raise RouterError(422, str(err)) from None
+        if worker is None:
+            raise RouterError(404, f"no worker {url} in the pool")
+        return worker
+
     async def remove_worker(self, request: Request) -> JSONResponse:
         """`/admin/remove_worker {url}`: a drained instance leaves the pool."""
         body = await self._admin_body(request)
@@ -381,12 +391,7 @@ class RouterState:
         url = body.get("url")
         if not isinstance(url, str):
             raise RouterError(422, "body must be {url: str}")
-        try:
-            worker = self.pool.get(normalize_url(url))
-        except ValueError as err:
-            raise RouterError(422, str(err)) from None
-        if worker is None:
-            raise RouterError(404, f"no worker {url} in the pool")
+        worker = self._pool_worker(url)
         try:
             self.pool.remove(worker)
         except ValueError as err:
@@ -405,12 +410,7 @@ class RouterState:
         url, reason = body.get("url"), body.get("reason", "held out by its supervisor")
         if not isinstance(url, str) or not isinstance(reason, str) or len(reason) > 256:
             raise RouterError(422, "body must be {url: str, reason?: str}")
-        try:
-            worker = self.pool.get(normalize_url(url))
-        except ValueError as err:
-            raise RouterError(422, str(err)) from None
-        if worker is None:
-            raise RouterError(404, f"no worker {url} in the pool")
+        worker = self._pool_worker(url)
         assert self.ctx is not None and self.checker is not None
         if held:
             if self.pool.hold_out(worker, reason):

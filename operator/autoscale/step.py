@@ -56,13 +56,8 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import (
-    MetricsParseError,
-    WorkerScrape,
-    compute_sample,
-    parse_worker_metrics,
-)
-from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
+from pdcluster.runtime.autoscale.samples import MetricsText, WorkerScrape, read_role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
 # A role whose interval ends this close after `now` is decided now.
 DUE_EARLY_S = 0.5
@@ -70,17 +65,14 @@ DUE_EARLY_S = 0.5
 # Not a planner reason: the step's own, for a p90 that has no interval yet.
 FIRST_INTERVAL = "FirstInterval"
 
-_LATENCY = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
 # Planner events whose message already says metric, target and decision.
 _COMPLETE_EVENTS = frozenset({"ScaledUp", "ScaledDown", DecisionReason.capped_by_budget.value})
 _SCALED_ROLES = (Role.prefill, Role.decode)
 _MISSING = DecisionReason.metric_missing.value
 
 
-@dataclass(frozen=True)
-class PodScrape:
-    text: str  # the pod's /metrics body
-    at: float  # when it was fetched, on the clock of `now`
+# A pod's /metrics body and when it was fetched.
+PodScrape = MetricsText
 
 
 @dataclass(frozen=True)
@@ -135,22 +127,6 @@ def roles_due(cluster: Cluster, history: AutoscaleHistory, now: float) -> tuple[
     return tuple(out)
 
 
-def _parse(
-    scrapes: Mapping[str, PodScrape], unreadable: list[str]
-) -> tuple[dict[str, WorkerScrape], float | None]:
-    parsed: dict[str, WorkerScrape] = {}
-    times: list[float] = []
-    for pod, scrape in sorted(scrapes.items()):
-        try:
-            parsed[pod] = parse_worker_metrics(scrape.text)
-        except MetricsParseError as err:
-            unreadable.append(f"{pod}: {err}")
-            continue
-        times.append(scrape.at)
-    # A sample is as fresh as its oldest scrape.
-    return parsed, min(times) if times else None
-
-
 def compute_autoscale_step(
     cluster: Cluster,
     status: PDClusterStatus,
@@ -176,12 +152,13 @@ def compute_autoscale_step(
         due = cfg is not None and _is_due(role, cfg.interval_seconds, history, now)
         sample = None
         if cfg is not None and due:
-            parsed, at = _parse(scrapes.get(role, {}), unreadable.setdefault(role, []))
-            previous = history.scrapes.get(role, {})
-            current[role] = parsed
-            if at is not None:
-                sample = compute_sample(cfg.target.metric, previous, parsed, at)
-            if cfg.target.metric in _LATENCY and parsed and not previous.keys() & parsed.keys():
+            reading = read_role(
+                cfg.target.metric, history.scrapes.get(role, {}), scrapes.get(role, {})
+            )
+            unreadable[role] = [f"{pod}: {why}" for pod, why in reading.unreadable]
+            current[role] = reading.scrapes
+            sample = reading.sample
+            if reading.is_first_interval:
                 first_interval.add(role)
         observations[role] = RoleObservation(
             replicas=role_spec.replicas,

@@ -34,15 +34,9 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import (
-    MetricsParseError,
-    WorkerScrape,
-    compute_sample,
-    parse_worker_metrics,
-)
-from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
+from pdcluster.runtime.autoscale.samples import MetricsText, WorkerScrape, read_role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
-_LATENCY = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
 SCALED_ROLES = (Role.prefill, Role.decode)
 
 
@@ -83,10 +77,8 @@ class RoleInstances:
         return len(self.ready) + len(self.starting)
 
 
-@dataclass(frozen=True)
-class Scrape:
-    text: str  # an instance's /metrics body
-    at: float  # when it was fetched, on the clock of `now`
+# An instance's /metrics body and when it was fetched.
+Scrape = MetricsText
 
 
 @dataclass(frozen=True)
@@ -132,25 +124,6 @@ def roles_due(config: ScalingConfig, history: ScalingHistory, now: float) -> tup
     return tuple(out)
 
 
-def _parse(
-    role: Role, scrapes: Mapping[int, Scrape], lines: list[str]
-) -> tuple[dict[int, WorkerScrape], float | None]:
-    parsed: dict[int, WorkerScrape] = {}
-    times = []
-    for instance, scrape in sorted(scrapes.items()):
-        try:
-            parsed[instance] = parse_worker_metrics(scrape.text)
-        except MetricsParseError as err:
-            lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {err}")
-            continue
-        times.append(scrape.at)
-    return parsed, min(times) if times else None
-
-
-def _by_name(scrapes: Mapping[int, WorkerScrape]) -> dict[str, WorkerScrape]:
-    return {str(i): s for i, s in scrapes.items()}
-
-
 def compute_local_step(
     config: ScalingConfig,
     instances: Mapping[Role, RoleInstances],
@@ -170,12 +143,12 @@ def compute_local_step(
         sample = None
         if cfg is not None:
             ready_scrapes = {i: s for i, s in scrapes.get(role, {}).items() if i in have.ready}
-            parsed, at = _parse(role, ready_scrapes, lines)
-            previous = history.scrapes.get(role, {})
-            current[role] = parsed
-            if at is not None:
-                sample = compute_sample(cfg.target.metric, _by_name(previous), _by_name(parsed), at)
-            if cfg.target.metric in _LATENCY and parsed and not previous.keys() & parsed.keys():
+            reading = read_role(cfg.target.metric, history.scrapes.get(role, {}), ready_scrapes)
+            for instance, why in reading.unreadable:
+                lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {why}")
+            current[role] = reading.scrapes
+            sample = reading.sample
+            if reading.is_first_interval:
                 first_interval.add(role)
         observations[role] = RoleObservation(
             replicas=have.replicas,

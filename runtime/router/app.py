@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.http.middleware import HttpMiddleware
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
     Endpoint,
@@ -88,15 +89,12 @@ ROUTES = frozenset(
 )
 
 
-class _MetricsMiddleware:
+class _MetricsMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = scope["path"] if scope["path"] in ROUTES else "other"
         status = 500
         start = time.perf_counter()

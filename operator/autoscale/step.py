@@ -56,7 +56,7 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import MetricsText, WorkerScrape, read_role
+from pdcluster.runtime.autoscale.samples import MetricsText, RoleReading, WorkerScrape, read_role
 from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
 # A role whose interval ends this close after `now` is decided now.
@@ -137,9 +137,8 @@ def compute_autoscale_step(
     """This interval's patches, Events and status for every autoscaled role that is due."""
     spec = cluster.spec
     observations: dict[Role, RoleObservation] = {}
-    current: dict[Role, dict[str, WorkerScrape]] = {}
+    readings: dict[Role, RoleReading[str]] = {}
     unreadable: dict[Role, list[str]] = {}
-    first_interval: set[Role] = set()
     cleared: dict[Role, RoleAutoscalingStatus | None] = {}
     for role in _SCALED_ROLES if spec.is_disaggregated else ():
         role_spec = spec.role_spec(role)
@@ -150,23 +149,20 @@ def compute_autoscale_step(
         if cfg is None and stored is not None and stored.autoscaling is not None:
             cleared[role] = None
         due = cfg is not None and _is_due(role, cfg.interval_seconds, history, now)
-        sample = None
+        reading = None
         if cfg is not None and due:
             reading = read_role(
                 cfg.target.metric, history.scrapes.get(role, {}), scrapes.get(role, {})
             )
+            readings[role] = reading
             unreadable[role] = [f"{pod}: {why}" for pod, why in reading.unreadable]
-            current[role] = reading.scrapes
-            sample = reading.sample
-            if reading.is_first_interval:
-                first_interval.add(role)
         observations[role] = RoleObservation(
             replicas=role_spec.replicas,
             ready=ready,
             starting=role_spec.replicas - ready,
             gpus_per_instance=role_spec.gpus_per_instance,
             autoscaling=cfg if due else None,
-            sample=sample,
+            sample=None if reading is None else reading.sample,
         )
     plan = compute_plan(observations, spec.autoscaling.max_total_gpus, now, history.planner)
 
@@ -178,7 +174,7 @@ def compute_autoscale_step(
         message = decision.message
         role_events = [_event_with_numbers(decision, e) for e in decision.events]
         if decision.reason is DecisionReason.metric_missing:
-            if role in first_interval:
+            if role in readings and readings[role].is_first_interval:
                 reason = FIRST_INTERVAL
                 message = f"first scrape of every instance: the {decision.metric.value} "
                 message += "needs a previous one; deciding from the next interval"
@@ -194,7 +190,7 @@ def compute_autoscale_step(
 
     kept = AutoscaleHistory(
         planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
-        scrapes={**history.scrapes, **current},
+        scrapes={**history.scrapes, **{r: rd.scrapes for r, rd in readings.items()}},
         decided_at={**history.decided_at, **{role: now for role in plan.decisions}},
     )
     due_times = [

@@ -34,7 +34,7 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import MetricsText, WorkerScrape, read_role
+from pdcluster.runtime.autoscale.samples import MetricsText, RoleReading, WorkerScrape, read_role
 from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
 SCALED_ROLES = (Role.prefill, Role.decode)
@@ -135,34 +135,31 @@ def compute_local_step(
     due = set(roles_due(config, history, now))
     lines: list[str] = []
     observations: dict[Role, RoleObservation] = {}
-    current: dict[Role, dict[int, WorkerScrape]] = {}
-    first_interval: set[Role] = set()
+    readings: dict[Role, RoleReading[int]] = {}
     for role, rc in config.roles.items():
         have = instances.get(role, RoleInstances())
         cfg = rc.autoscaling if role in due else None
-        sample = None
+        reading = None
         if cfg is not None:
             ready_scrapes = {i: s for i, s in scrapes.get(role, {}).items() if i in have.ready}
             reading = read_role(cfg.target.metric, history.scrapes.get(role, {}), ready_scrapes)
+            readings[role] = reading
             for instance, why in reading.unreadable:
                 lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {why}")
-            current[role] = reading.scrapes
-            sample = reading.sample
-            if reading.is_first_interval:
-                first_interval.add(role)
         observations[role] = RoleObservation(
             replicas=have.replicas,
             ready=len(have.ready),
             starting=len(have.starting),
             gpus_per_instance=rc.gpus_per_instance,
             autoscaling=cfg,
-            sample=sample,
+            sample=None if reading is None else reading.sample,
         )
     plan = compute_plan(observations, config.max_total_gpus, now, history.planner)
 
     actions: list[ScaleAction] = []
     for role, decision in plan.decisions.items():
-        quiet = decision.reason is DecisionReason.metric_missing and role in first_interval
+        first = role in readings and readings[role].is_first_interval
+        quiet = decision.reason is DecisionReason.metric_missing and first
         repeated = history.reasons.get(role) is decision.reason
         for event in () if quiet else decision.events:
             if not (repeated and event.type == "Warning"):
@@ -180,7 +177,7 @@ def compute_local_step(
     decided_at = {**history.decided_at, **{role: now for role in plan.decisions}}
     kept = ScalingHistory(
         planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
-        scrapes={**history.scrapes, **current},
+        scrapes={**history.scrapes, **{r: rd.scrapes for r, rd in readings.items()}},
         decided_at=decided_at,
         reasons={**history.reasons, **{r: d.reason for r, d in plan.decisions.items()}},
     )

@@ -82,15 +82,19 @@ Scrape = MetricsText
 
 
 @dataclass(frozen=True)
-class StartInstance:
+class _InstanceAction:
+    """What to do to one instance, named by role and number."""
+
     role: Role
     instance: int
 
 
-@dataclass(frozen=True)
-class DrainInstance:
-    role: Role
-    instance: int
+class StartInstance(_InstanceAction):
+    """Start the instance (a free number: the lowest not in use)."""
+
+
+class DrainInstance(_InstanceAction):
+    """Drain the instance and stop it (a ready one: the highest-numbered)."""
 
 
 ScaleAction = StartInstance | DrainInstance

@@ -27,6 +27,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pdcluster.runtime.bounds import require_positive
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -61,16 +63,15 @@ class OperatorSettings:
             raise ValueError(f"metrics port must be 0..65535, got {self.metrics_port}")
         if self.not_ready_grace_s < 0:
             raise ValueError(f"not_ready_grace_s must be >= 0, got {self.not_ready_grace_s}")
-        for name in (
+        require_positive(
+            self,
             "resync_interval_s",
             "event_min_interval_s",
             "retry_delay_s",
             "failure_poll_interval_s",
             "admin_timeout_s",
             "registration_warn_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.max_retry_delay_s < self.retry_delay_s:
             raise ValueError("max_retry_delay_s must be >= retry_delay_s")
         if not 1 <= self.num_workers <= 64:

@@ -16,16 +16,14 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pdcluster.runtime.bounds import require_at_least
+
 
 def exponential_delay(base_s: float, max_s: float, attempt: int, factor: float = 2.0) -> float:
     """Seconds to wait before retry `attempt` (1, 2, ...): base_s·factor^(attempt-1), ≤ max_s."""
     if attempt < 1:
         raise ValueError(f"attempt must be >= 1, got {attempt}")
-    if base_s < 0 or max_s < 0 or factor < 1:
-        raise ValueError(
-            f"back-off needs base_s >= 0, max_s >= 0 and factor >= 1, "
-            f"got {base_s}, {max_s}, {factor}"
-        )
+    require_at_least("back-off", base_s=(base_s, 0), max_s=(max_s, 0), factor=(factor, 1))
     try:
         delay = base_s * factor ** (attempt - 1)
     except OverflowError:  # far past any cap

@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
 
 API_GROUP = "pdcluster.io"
@@ -164,10 +165,7 @@ class KVCacheSpec(_Model):
 
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages holding the KV of `num_tokens` tokens: ceil(num_tokens / page_size)."""
-    if num_tokens < 0 or page_size < 1:
-        raise ValueError(
-            f"pages_for needs num_tokens >= 0 and page_size >= 1, got {num_tokens}, {page_size}"
-        )
+    require_at_least("pages_for", num_tokens=(num_tokens, 0), page_size=(page_size, 1))
     return -(-num_tokens // page_size)
 
 

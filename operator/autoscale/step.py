@@ -56,13 +56,8 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import (
-    MetricsParseError,
-    WorkerScrape,
-    compute_sample,
-    parse_worker_metrics,
-)
-from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
+from pdcluster.runtime.autoscale.samples import MetricsText, RoleReading, WorkerScrape, read_role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
 # A role whose interval ends this close after `now` is decided now.
 DUE_EARLY_S = 0.5
@@ -70,17 +65,14 @@ DUE_EARLY_S = 0.5
 # Not a planner reason: the step's own, for a p90 that has no interval yet.
 FIRST_INTERVAL = "FirstInterval"
 
-_LATENCY = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
 # Planner events whose message already says metric, target and decision.
 _COMPLETE_EVENTS = frozenset({"ScaledUp", "ScaledDown", DecisionReason.capped_by_budget.value})
 _SCALED_ROLES = (Role.prefill, Role.decode)
 _MISSING = DecisionReason.metric_missing.value
 
 
-@dataclass(frozen=True)
-class PodScrape:
-    text: str  # the pod's /metrics body
-    at: float  # when it was fetched, on the clock of `now`
+# A pod's /metrics body and when it was fetched.
+PodScrape = MetricsText
 
 
 @dataclass(frozen=True)
@@ -135,22 +127,6 @@ def roles_due(cluster: Cluster, history: AutoscaleHistory, now: float) -> tuple[
     return tuple(out)
 
 
-def _parse(
-    scrapes: Mapping[str, PodScrape], unreadable: list[str]
-) -> tuple[dict[str, WorkerScrape], float | None]:
-    parsed: dict[str, WorkerScrape] = {}
-    times: list[float] = []
-    for pod, scrape in sorted(scrapes.items()):
-        try:
-            parsed[pod] = parse_worker_metrics(scrape.text)
-        except MetricsParseError as err:
-            unreadable.append(f"{pod}: {err}")
-            continue
-        times.append(scrape.at)
-    # A sample is as fresh as its oldest scrape.
-    return parsed, min(times) if times else None
-
-
 def compute_autoscale_step(
     cluster: Cluster,
     status: PDClusterStatus,
@@ -161,9 +137,8 @@ def compute_autoscale_step(
     """This interval's patches, Events and status for every autoscaled role that is due."""
     spec = cluster.spec
     observations: dict[Role, RoleObservation] = {}
-    current: dict[Role, dict[str, WorkerScrape]] = {}
+    readings: dict[Role, RoleReading[str]] = {}
     unreadable: dict[Role, list[str]] = {}
-    first_interval: set[Role] = set()
     cleared: dict[Role, RoleAutoscalingStatus | None] = {}
     for role in _SCALED_ROLES if spec.is_disaggregated else ():
         role_spec = spec.role_spec(role)
@@ -174,22 +149,20 @@ def compute_autoscale_step(
         if cfg is None and stored is not None and stored.autoscaling is not None:
             cleared[role] = None
         due = cfg is not None and _is_due(role, cfg.interval_seconds, history, now)
-        sample = None
+        reading = None
         if cfg is not None and due:
-            parsed, at = _parse(scrapes.get(role, {}), unreadable.setdefault(role, []))
-            previous = history.scrapes.get(role, {})
-            current[role] = parsed
-            if at is not None:
-                sample = compute_sample(cfg.target.metric, previous, parsed, at)
-            if cfg.target.metric in _LATENCY and parsed and not previous.keys() & parsed.keys():
-                first_interval.add(role)
+            reading = read_role(
+                cfg.target.metric, history.scrapes.get(role, {}), scrapes.get(role, {})
+            )
+            readings[role] = reading
+            unreadable[role] = [f"{pod}: {why}" for pod, why in reading.unreadable]
         observations[role] = RoleObservation(
             replicas=role_spec.replicas,
             ready=ready,
             starting=role_spec.replicas - ready,
             gpus_per_instance=role_spec.gpus_per_instance,
             autoscaling=cfg if due else None,
-            sample=sample,
+            sample=None if reading is None else reading.sample,
         )
     plan = compute_plan(observations, spec.autoscaling.max_total_gpus, now, history.planner)
 
@@ -201,7 +174,7 @@ def compute_autoscale_step(
         message = decision.message
         role_events = [_event_with_numbers(decision, e) for e in decision.events]
         if decision.reason is DecisionReason.metric_missing:
-            if role in first_interval:
+            if role in readings and readings[role].is_first_interval:
                 reason = FIRST_INTERVAL
                 message = f"first scrape of every instance: the {decision.metric.value} "
                 message += "needs a previous one; deciding from the next interval"
@@ -217,7 +190,7 @@ def compute_autoscale_step(
 
     kept = AutoscaleHistory(
         planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
-        scrapes={**history.scrapes, **current},
+        scrapes={**history.scrapes, **{r: rd.scrapes for r, rd in readings.items()}},
         decided_at={**history.decided_at, **{role: now for role in plan.decisions}},
     )
     due_times = [

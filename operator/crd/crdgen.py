@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -137,28 +138,43 @@ def build_status_schema() -> Schema:
 
 
 def build_crd() -> dict[str, Any]:
-    schema: Schema = {
+    schema = _root_schema(
+        "A prefill/decode-disaggregated LLM serving cluster.",
+        build_spec_schema(),
+        build_status_schema(),
+    )
+    schema["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.ROOT_RULES)
+    names = _names(KIND, PLURAL, SINGULAR, SHORT_NAMES, ["all", "pdcluster"])
+    return _crd_document(CRD_NAME, names, schema, SCALE, PRINTER_COLUMNS)
+
+
+def _root_schema(description: str, spec: Schema, status: Schema) -> Schema:
+    """The schema of a whole object of a kind: its spec and status under the usual header."""
+    return {
         "type": "object",
-        "description": "A prefill/decode-disaggregated LLM serving cluster.",
+        "description": description,
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": build_spec_schema(),
-            "status": build_status_schema(),
+            "spec": spec,
+            "status": status,
         },
-        "x-kubernetes-validations": cel_rules.rules_schema(cel_rules.ROOT_RULES),
     }
-    names = {
-        "kind": KIND,
-        "listKind": f"{KIND}List",
-        "plural": PLURAL,
-        "singular": SINGULAR,
-        "shortNames": list(SHORT_NAMES),
-        "categories": ["all", "pdcluster"],
+
+
+def _names(
+    kind: str, plural: str, singular: str, short_names: Iterable[str], categories: list[str]
+) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "listKind": f"{kind}List",
+        "plural": plural,
+        "singular": singular,
+        "shortNames": list(short_names),
+        "categories": categories,
     }
-    return _crd_document(CRD_NAME, names, schema, SCALE, PRINTER_COLUMNS)
 
 
 def _crd_document(
@@ -228,26 +244,10 @@ def build_scaler_crd() -> dict[str, Any]:
     status["description"] = _description(RoleScalerStatus)
     for _, node in walk(status):
         node.pop("default", None)
-    schema: Schema = {
-        "type": "object",
-        "description": "The scale target of one role of a PDCluster (kubectl scale, HPA, KEDA).",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec,
-            "status": status,
-        },
-    }
-    names = {
-        "kind": SCALER_KIND,
-        "listKind": f"{SCALER_KIND}List",
-        "plural": SCALER_PLURAL,
-        "singular": SCALER_SINGULAR,
-        "shortNames": list(SCALER_SHORT_NAMES),
-        "categories": ["pdcluster"],
-    }
+    schema = _root_schema(
+        "The scale target of one role of a PDCluster (kubectl scale, HPA, KEDA).", spec, status
+    )
+    names = _names(SCALER_KIND, SCALER_PLURAL, SCALER_SINGULAR, SCALER_SHORT_NAMES, ["pdcluster"])
     return _crd_document(SCALER_CRD_NAME, names, schema, SCALER_SCALE, SCALER_PRINTER_COLUMNS)
 
 

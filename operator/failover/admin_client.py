@@ -116,30 +116,27 @@ class AdminClient:
     async def failures(self, base_url: str, token: str | None) -> dict[str, int] | None:
         """Reason -> count, or None when the worker did not answer sensibly
         (an error, not JSON, or larger than the response limit)."""
-        try:
-            async with self._http.stream(
-                "GET", f"{base_url}/admin/failures", headers=self._headers(token)
-            ) as resp:
-                if resp.status_code != 200:
-                    return None
-                data = await read_capped(resp, self._max_bytes)
-            return parse_failures(json.loads(data))
-        except (httpx.HTTPError, ValueError, ResponseTooLarge):
-            return None
+        answered, body = await self._get_json(base_url, "/admin/failures", token)
+        return parse_failures(body) if answered else None
 
     async def server_info(self, base_url: str, token: str | None) -> dict[str, Any] | None:
         """The worker's `/get_server_info`, or None when it did not answer sensibly."""
+        answered, info = await self._get_json(base_url, "/get_server_info", token)
+        return info if answered and isinstance(info, dict) else None
+
+    async def _get_json(self, base_url: str, path: str, token: str | None) -> tuple[bool, Any]:
+        """(True, the decoded body) of a 200 to GET `path`; (False, None) on an error, another
+        status, a body that is not JSON or one larger than the response limit."""
         try:
             async with self._http.stream(
-                "GET", f"{base_url}/get_server_info", headers=self._headers(token)
+                "GET", f"{base_url}{path}", headers=self._headers(token)
             ) as resp:
                 if resp.status_code != 200:
-                    return None
+                    return False, None
                 data = await read_capped(resp, self._max_bytes)
-            info = json.loads(data)
+            return True, json.loads(data)
         except (httpx.HTTPError, ValueError, ResponseTooLarge):
-            return None
-        return info if isinstance(info, dict) else None
+            return False, None
 
     async def health(self, base_url: str) -> tuple[bool, str | None]:
         """(answered, reason): reason None when healthy, the worker's 503 reason otherwise."""

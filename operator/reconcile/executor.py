@@ -17,16 +17,8 @@ from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.kube.client import ApiError, KubeApi
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
-from pdcluster.operator.reconcile.actions import (
-    Action,
-    Apply,
-    Create,
-    CreateTokenSecret,
-    Delete,
-    Emit,
-    EventType,
-    Reason,
-)
+from pdcluster.operator.reconcile import actions as A
+from pdcluster.operator.reconcile.actions import Action
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.observed import parse_object
 from pdcluster.operator.reconcile.plan import describe
@@ -68,11 +60,11 @@ class Executor:
     async def run(self, cluster: Cluster, actions: Sequence[Action]) -> ExecutionResult:
         result = ExecutionResult()
         for action in actions:
-            if isinstance(action, Emit):
+            if isinstance(action, A.Emit):
                 await self._recorder.record(
                     cluster.ref, action.type.value, action.reason.value, action.message
                 )
-                if action.reason == Reason.InstanceRestarted and action.role:
+                if action.reason == A.Reason.InstanceRestarted and action.role:
                     self._metrics.restarts.labels(role=action.role, cause="instance_broken").inc()
                 continue
             summary = describe(action)
@@ -90,27 +82,25 @@ class Executor:
 
     async def _perform(self, cluster: Cluster, action: Action) -> None:
         ns = cluster.namespace
-        if isinstance(action, Apply):
+        if isinstance(action, A.Apply):
             await self._api.apply(_with_uid(action.manifest, action.uid))
-        elif isinstance(action, Create):
-            try:
-                await self._api.create(action.manifest)
-            except ApiError as err:
-                if not err.is_conflict:
-                    raise
-                await self._check_owner(cluster, action.key.kind, action.key.name)
-        elif isinstance(action, CreateTokenSecret):
+        elif isinstance(action, A.Create):
+            await self._create(cluster, action.manifest, action.key.kind, action.key.name)
+        elif isinstance(action, A.CreateTokenSecret):
             manifest = build_token_secret(cluster, secrets.token_urlsafe(TOKEN_BYTES))
-            try:
-                await self._api.create(manifest)
-            except ApiError as err:
-                if not err.is_conflict:
-                    raise
-                await self._check_owner(cluster, "Secret", action.name)
-        elif isinstance(action, Delete):
+            await self._create(cluster, manifest, "Secret", action.name)
+        elif isinstance(action, A.Delete):
             if action.key.kind == "Pod" and self._on_pod_delete is not None:
                 self._on_pod_delete(action.uid)
             await self._api.delete(action.key.kind, ns, action.key.name, action.uid)
+
+    async def _create(self, cluster: Cluster, manifest: Manifest, kind: str, name: str) -> None:
+        try:
+            await self._api.create(manifest)
+        except ApiError as err:
+            if not err.is_conflict:
+                raise
+            await self._check_owner(cluster, kind, name)
 
     async def _check_owner(self, cluster: Cluster, kind: str, name: str) -> None:
         """A create hit an existing name: fine if ours (a race), reported if not."""
@@ -119,8 +109,8 @@ class Executor:
         if obj is not None and not obj.is_owned_by(cluster.ref.uid):
             await self._recorder.record(
                 cluster.ref,
-                EventType.Warning.value,
-                Reason.ForeignObject.value,
+                A.EventType.Warning.value,
+                A.Reason.ForeignObject.value,
                 f"{kind}/{name} already exists and is not owned by PDCluster {cluster.name}; "
                 "it is left alone (delete or rename it to let the operator create its own)",
             )

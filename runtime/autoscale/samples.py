@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,6 +135,57 @@ def histogram_quantile(q: float, hist: Histogram) -> float | None:
     return lower_bound
 
 
+LATENCY_METRICS = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
+
+# An instance's key: a pod name (the operator) or an instance number (local mode).
+K = TypeVar("K", str, int)
+
+
+@dataclass(frozen=True)
+class MetricsText:
+    text: str  # an instance's /metrics body
+    at: float  # when it was fetched, on the clock of `now`
+
+
+@dataclass(frozen=True)
+class RoleReading(Generic[K]):
+    """What one interval's scrapes of a role say (`read_role`)."""
+
+    scrapes: dict[K, WorkerScrape]  # the bodies that parsed: the next interval's `previous`
+    unreadable: tuple[tuple[K, str], ...]  # (instance, why) of bodies not metrics text
+    sample: Sample | None
+    # A p90 metric and no scraped instance has a previous scrape (the first
+    # interval, or every instance replaced): no sample is expected.
+    is_first_interval: bool
+
+
+def read_role(
+    metric: AutoscalingMetric,
+    previous: Mapping[K, WorkerScrape],
+    bodies: Mapping[K, MetricsText],
+) -> RoleReading[K]:
+    """Parse a role's scraped bodies and compute its sample against `previous`."""
+    parsed: dict[K, WorkerScrape] = {}
+    unreadable: list[tuple[K, str]] = []
+    times: list[float] = []
+    for key, body in sorted(bodies.items()):
+        try:
+            parsed[key] = parse_worker_metrics(body.text)
+        except MetricsParseError as err:
+            unreadable.append((key, str(err)))
+            continue
+        times.append(body.at)
+    sample = None
+    if times:
+        # A sample is as fresh as its oldest scrape.
+        by_name = {str(k): v for k, v in parsed.items()}
+        sample = compute_sample(
+            metric, {str(k): v for k, v in previous.items()}, by_name, min(times)
+        )
+    is_first = metric in LATENCY_METRICS and bool(parsed) and not previous.keys() & parsed.keys()
+    return RoleReading(parsed, tuple(unreadable), sample, is_first)
+
+
 def compute_sample(
     metric: AutoscalingMetric,
     previous: Mapping[str, WorkerScrape],
@@ -141,7 +193,7 @@ def compute_sample(
     at: float,
 ) -> Sample | None:
     """One role's sample from its Ready instances' scrapes (keyed by instance name)."""
-    if metric in (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds):
+    if metric in LATENCY_METRICS:
         return _latency_sample(metric, previous, current, at)
     values: list[float] = []
     for scrape in current.values():

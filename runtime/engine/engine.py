@@ -130,13 +130,11 @@ class LLMEngine:
 
     @property
     def num_free_pages(self) -> int:
-        free: int = self.allocator.num_free
-        return free
+        return self.allocator.num_free
 
     @property
     def num_total_pages(self) -> int:
-        total: int = self.allocator.num_total
-        return total
+        return self.allocator.num_total
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """What the prefix cache reused and holds (all zero when it is off)."""

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdcluster.runtime.http.auth import check_bearer, is_guarded
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.http.middleware import HttpMiddleware
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,15 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class RequestGuard:
+class RequestGuard(HttpMiddleware):
     def __init__(
         self, app: ASGIApp, settings: GuardSettings, on_reject: Callable[[str], None]
     ) -> None:
-        self.app = app
+        super().__init__(app)
         self.settings = settings
         self.on_reject = on_reject
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         cfg = self.settings
         if cfg.token and is_guarded(scope["path"], data_plane_open=cfg.data_plane_open):
             denied = check_bearer(_header(scope, b"authorization"), cfg.token)

@@ -34,15 +34,9 @@ from pdcluster.runtime.autoscale.planner import (
     RoleObservation,
     compute_plan,
 )
-from pdcluster.runtime.autoscale.samples import (
-    MetricsParseError,
-    WorkerScrape,
-    compute_sample,
-    parse_worker_metrics,
-)
-from pdcluster.runtime.spec import AutoscalingMetric, Role, RoleAutoscalingSpec
+from pdcluster.runtime.autoscale.samples import MetricsText, RoleReading, WorkerScrape, read_role
+from pdcluster.runtime.spec import Role, RoleAutoscalingSpec
 
-_LATENCY = (AutoscalingMetric.ttft_p90_seconds, AutoscalingMetric.tpot_p90_seconds)
 SCALED_ROLES = (Role.prefill, Role.decode)
 
 
@@ -83,22 +77,24 @@ class RoleInstances:
         return len(self.ready) + len(self.starting)
 
 
-@dataclass(frozen=True)
-class Scrape:
-    text: str  # an instance's /metrics body
-    at: float  # when it was fetched, on the clock of `now`
+# An instance's /metrics body and when it was fetched.
+Scrape = MetricsText
 
 
 @dataclass(frozen=True)
-class StartInstance:
+class _InstanceAction:
+    """What to do to one instance, named by role and number."""
+
     role: Role
     instance: int
 
 
-@dataclass(frozen=True)
-class DrainInstance:
-    role: Role
-    instance: int
+class StartInstance(_InstanceAction):
+    """Start the instance (a free number: the lowest not in use)."""
+
+
+class DrainInstance(_InstanceAction):
+    """Drain the instance and stop it (a ready one: the highest-numbered)."""
 
 
 ScaleAction = StartInstance | DrainInstance
@@ -132,25 +128,6 @@ def roles_due(config: ScalingConfig, history: ScalingHistory, now: float) -> tup
     return tuple(out)
 
 
-def _parse(
-    role: Role, scrapes: Mapping[int, Scrape], lines: list[str]
-) -> tuple[dict[int, WorkerScrape], float | None]:
-    parsed: dict[int, WorkerScrape] = {}
-    times = []
-    for instance, scrape in sorted(scrapes.items()):
-        try:
-            parsed[instance] = parse_worker_metrics(scrape.text)
-        except MetricsParseError as err:
-            lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {err}")
-            continue
-        times.append(scrape.at)
-    return parsed, min(times) if times else None
-
-
-def _by_name(scrapes: Mapping[int, WorkerScrape]) -> dict[str, WorkerScrape]:
-    return {str(i): s for i, s in scrapes.items()}
-
-
 def compute_local_step(
     config: ScalingConfig,
     instances: Mapping[Role, RoleInstances],
@@ -162,34 +139,31 @@ def compute_local_step(
     due = set(roles_due(config, history, now))
     lines: list[str] = []
     observations: dict[Role, RoleObservation] = {}
-    current: dict[Role, dict[int, WorkerScrape]] = {}
-    first_interval: set[Role] = set()
+    readings: dict[Role, RoleReading[int]] = {}
     for role, rc in config.roles.items():
         have = instances.get(role, RoleInstances())
         cfg = rc.autoscaling if role in due else None
-        sample = None
+        reading = None
         if cfg is not None:
             ready_scrapes = {i: s for i, s in scrapes.get(role, {}).items() if i in have.ready}
-            parsed, at = _parse(role, ready_scrapes, lines)
-            previous = history.scrapes.get(role, {})
-            current[role] = parsed
-            if at is not None:
-                sample = compute_sample(cfg.target.metric, _by_name(previous), _by_name(parsed), at)
-            if cfg.target.metric in _LATENCY and parsed and not previous.keys() & parsed.keys():
-                first_interval.add(role)
+            reading = read_role(cfg.target.metric, history.scrapes.get(role, {}), ready_scrapes)
+            readings[role] = reading
+            for instance, why in reading.unreadable:
+                lines.append(f"Warning UnreadableMetrics: {role.value}-{instance}: {why}")
         observations[role] = RoleObservation(
             replicas=have.replicas,
             ready=len(have.ready),
             starting=len(have.starting),
             gpus_per_instance=rc.gpus_per_instance,
             autoscaling=cfg,
-            sample=sample,
+            sample=None if reading is None else reading.sample,
         )
     plan = compute_plan(observations, config.max_total_gpus, now, history.planner)
 
     actions: list[ScaleAction] = []
     for role, decision in plan.decisions.items():
-        quiet = decision.reason is DecisionReason.metric_missing and role in first_interval
+        first = role in readings and readings[role].is_first_interval
+        quiet = decision.reason is DecisionReason.metric_missing and first
         repeated = history.reasons.get(role) is decision.reason
         for event in () if quiet else decision.events:
             if not (repeated and event.type == "Warning"):
@@ -207,7 +181,7 @@ def compute_local_step(
     decided_at = {**history.decided_at, **{role: now for role in plan.decisions}}
     kept = ScalingHistory(
         planner=PlannerHistory({**history.planner.roles, **plan.history.roles}),
-        scrapes={**history.scrapes, **current},
+        scrapes={**history.scrapes, **{r: rd.scrapes for r, rd in readings.items()}},
         decided_at=decided_at,
         reasons={**history.reasons, **{r: d.reason for r, d in plan.decisions.items()}},
     )

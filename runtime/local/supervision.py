@@ -115,11 +115,15 @@ def backoff_delay(policy: RestartPolicySpec, consecutive: int) -> float:
 
 
 @dataclass(frozen=True)
-class TearDown:
-    """Stop what is left of this start of the instance (its whole gang)."""
+class _GangStart:
+    """An action on one start of an instance: `generation` counts its starts."""
 
     key: InstanceKey
     generation: int
+
+
+class TearDown(_GangStart):
+    """Stop what is left of this start of the instance (its whole gang)."""
 
 
 @dataclass(frozen=True)
@@ -131,12 +135,8 @@ class ReportLost:
     reason: str
 
 
-@dataclass(frozen=True)
-class Spawn:
+class Spawn(_GangStart):
     """Start every process of the instance again (same argv and ports)."""
-
-    key: InstanceKey
-    generation: int
 
 
 @dataclass(frozen=True)

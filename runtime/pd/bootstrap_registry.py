@@ -94,8 +94,7 @@ class BootstrapRegistry:
 
     @property
     def num_expected(self) -> int:
-        count: int = self.expected.num_ranks
-        return count
+        return self.expected.num_ranks
 
     @property
     def is_ready(self) -> bool:

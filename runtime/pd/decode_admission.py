@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdcluster.runtime.bounds import require_at_least
+
 Allocate = Callable[[int], Sequence[int] | None]
 
 
@@ -42,11 +44,7 @@ class Admitted:
 
 class DecodeAdmission:
     def __init__(self, num_slots: int, capacity_pages: int) -> None:
-        if num_slots < 1 or capacity_pages < 1:
-            raise ValueError(
-                f"admission needs num_slots >= 1 and capacity_pages >= 1, "
-                f"got {num_slots}, {capacity_pages}"
-            )
+        require_at_least("admission", num_slots=(num_slots, 1), capacity_pages=(capacity_pages, 1))
         self.num_slots = num_slots
         self.capacity_pages = capacity_pages
         self._waiting: OrderedDict[int, int] = OrderedDict()  # room → pages needed, FIFO

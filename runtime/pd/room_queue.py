@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from enum import StrEnum
 
+from pdcluster.runtime.bounds import require_at_least
+
 
 class Offer(StrEnum):
     start = "start"  # run it now
@@ -40,11 +42,7 @@ class QueueFull(Exception):
 
 class RoomQueue:
     def __init__(self, max_active: int, max_queued: int) -> None:
-        if max_active < 1 or max_queued < 0:
-            raise ValueError(
-                f"RoomQueue needs max_active >= 1 and max_queued >= 0, got {max_active}, "
-                f"{max_queued}"
-            )
+        require_at_least("RoomQueue", max_active=(max_active, 1), max_queued=(max_queued, 0))
         self.max_active = max_active
         self.max_queued = max_queued
         self._active: set[int] = set()

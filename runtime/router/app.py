@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.http.middleware import HttpMiddleware
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
     Endpoint,
@@ -88,15 +89,12 @@ ROUTES = frozenset(
 )
 
 
-class _MetricsMiddleware:
+class _MetricsMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = scope["path"] if scope["path"] in ROUTES else "other"
         status = 500
         start = time.perf_counter()
@@ -373,6 +371,16 @@ class RouterState:
         self.ctx.spawn(self.checker.probe(worker))
         return JSONResponse(worker.describe())
 
+    def _pool_worker(self, url: str) -> Worker:
+        """The pool's worker at an admin body's `url`: 422 if it is not a URL, 404 if unknown."""
+        try:
+            worker = self.pool.get(normalize_url(url))
+        except ValueError as err:
+            raise RouterError(422, str(err)) from None
+        if worker is None:
+            raise RouterError(404, f"no worker {url} in the pool")
+        return worker
+
     async def remove_worker(self, request: Request) -> JSONResponse:
         """`/admin/remove_worker {url}`: a drained instance leaves the pool."""
         body = await self._admin_body(request)
@@ -381,12 +389,7 @@ class RouterState:
         url = body.get("url")
         if not isinstance(url, str):
             raise RouterError(422, "body must be {url: str}")
-        try:
-            worker = self.pool.get(normalize_url(url))
-        except ValueError as err:
-            raise RouterError(422, str(err)) from None
-        if worker is None:
-            raise RouterError(404, f"no worker {url} in the pool")
+        worker = self._pool_worker(url)
         try:
             self.pool.remove(worker)
         except ValueError as err:
@@ -405,12 +408,7 @@ class RouterState:
         url, reason = body.get("url"), body.get("reason", "held out by its supervisor")
         if not isinstance(url, str) or not isinstance(reason, str) or len(reason) > 256:
             raise RouterError(422, "body must be {url: str, reason?: str}")
-        try:
-            worker = self.pool.get(normalize_url(url))
-        except ValueError as err:
-            raise RouterError(422, str(err)) from None
-        if worker is None:
-            raise RouterError(404, f"no worker {url} in the pool")
+        worker = self._pool_worker(url)
         assert self.ctx is not None and self.checker is not None
         if held:
             if self.pool.hold_out(worker, reason):

@@ -15,15 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
 from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, Role, SelectionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -99,14 +95,14 @@ class RouterConfig:
             raise ValueError("api_keys must not contain empty keys")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in (
+        require_positive(
+            self,
             "request_timeout_s",
             "connect_timeout_s",
             "health_check_interval_s",
             "health_check_timeout_s",
             "abort_timeout_s",
-        ):
-            _check_positive(name, getattr(self, name))
+        )
         if self.health_failure_threshold < 1:
             raise ValueError(
                 f"health_failure_threshold must be >= 1, got {self.health_failure_threshold}"

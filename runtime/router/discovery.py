@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.workers import WorkerTarget, normalize_url
 from pdcluster.runtime.spec import Role
 
@@ -85,8 +86,7 @@ class KubernetesDiscoverySettings:
             raise ValueError(f"default_port must be in 1..65535, got {self.default_port}")
         if self.scheme not in ("http", "https"):
             raise ValueError(f"scheme must be http or https, got {self.scheme!r}")
-        if self.relist_interval_s <= 0:
-            raise ValueError(f"relist_interval_s must be > 0, got {self.relist_interval_s}")
+        require_positive(self, "relist_interval_s")
 
 
 # Pods of one compatibility revision pair with each other only (rollouts).

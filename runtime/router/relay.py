@@ -174,8 +174,7 @@ class Relay:
 
     @property
     def rid(self) -> str:
-        rid: str = self.plan.rid
-        return rid
+        return self.plan.rid
 
     @property
     def phase(self) -> RelayPhase:

@@ -77,17 +77,10 @@ def _choice_object(
 
 
 def completion_body(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
+    rid: str, model: str, text: str, finish_reason: str | None, usage: dict[str, int]
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion: the final chunk's shape plus `usage`."""
-    body = completion_chunk(rid, model, text, finish_reason)
-    body["usage"] = usage(prompt_tokens, completion_tokens)
-    return body
+    """A whole (non-streamed) completion: the final chunk's shape plus `usage` (`usage()`)."""
+    return {**completion_chunk(rid, model, text, finish_reason), "usage": usage}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -95,17 +88,12 @@ def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None)
 
 
 def chat_body(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
+    rid: str, model: str, text: str, finish_reason: str | None, usage: dict[str, int]
 ) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion, with `usage` (`usage()`)."""
     message = {"message": {"role": "assistant", "content": text}}
     body = _choice_object("chat.completion", f"chatcmpl-{rid}", model, message, finish_reason)
-    body["usage"] = usage(prompt_tokens, completion_tokens)
-    return body
+    return {**body, "usage": usage}
 
 
 def chat_chunk(

@@ -314,7 +314,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await state.answer(
         req,
         lambda text, ids, fin: R.completion_body(
-            req.rid, model, text, fin, len(req.prompt_ids), len(ids)
+            req.rid, model, text, fin, R.usage(len(req.prompt_ids), len(ids))
         ),
     )
 
@@ -348,7 +348,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     return await state.answer(
         req,
         lambda text, ids, fin: R.chat_body(
-            req.rid, model, text, fin, len(req.prompt_ids), len(ids)
+            req.rid, model, text, fin, R.usage(len(req.prompt_ids), len(ids))
         ),
     )
 

@@ -195,6 +195,22 @@ def waiting_prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int
     return leg
 
 
+def streaming_room(
+    pd: FaultCluster, compat: CompatInfo, seed: int, num_tokens: int
+) -> tuple[RogueDecode, str, str, int, Background]:
+    """A scripted room (see `scripted_room`) whose prefill leg waited for decode, then got
+    page indices for its whole prompt: prefill computes it and streams KV to the rogue.
+    Returns the rogue (closed here if a step fails), its prefill endpoint, rid, room, leg."""
+    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, seed, num_tokens)
+    try:
+        leg = waiting_prefill_leg(pd, prompt, rid, room)
+        rogue.meta(prefill, room, rid, list(range(math.ceil(len(prompt) / PAGE))))
+    except BaseException:
+        rogue.close()
+        raise
+    return rogue, prefill, rid, room, leg
+
+
 def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
@@ -238,11 +254,8 @@ def test_decode_abort_before_the_prefill_leg_refuses_it(
 def test_prefill_acks_an_abort_only_after_its_writes_drained(
     pd: FaultCluster, compat: CompatInfo, state: str
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 73, 4000)
-    pages = list(range(math.ceil(len(prompt) / PAGE)))
+    rogue, prefill, rid, room, leg = streaming_room(pd, compat, 73, 4000)
     try:
-        leg = waiting_prefill_leg(pd, prompt, rid, room)
-        rogue.meta(prefill, room, rid, pages)
         if state == "WaitingForInput":
             # Same connection, next message: handled before any chunk is computed.
             rogue.abort(prefill, room, rid)
@@ -278,11 +291,8 @@ def test_prefill_acks_an_abort_only_after_its_writes_drained(
 def test_prefill_abort_with_undeliverable_writes_frees_after_release_timeout(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 74, 4000)
-    pages = list(range(math.ceil(len(prompt) / PAGE)))
+    rogue, _, rid, room, leg = streaming_room(pd, compat, 74, 4000)
     try:
-        leg = waiting_prefill_leg(pd, prompt, rid, room)
-        rogue.meta(prefill, room, rid, pages)
         wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
     finally:
         rogue.close()  # the decode rank is gone: the writes queued for it cannot leave

@@ -38,6 +38,7 @@ from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.operator_process import operator_process
 from e2e.processes import ProcessRecord, wait_until
+from tests.autoscaling_spec import PREFILL_AUTOSCALING, TTFT_TARGET_S
 
 pytestmark = pytest.mark.k8s
 
@@ -258,16 +259,6 @@ def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str
     wait_until(recreated, 30, "the deleted ConfigMap and Service to be recreated")
 
 
-# Any finished request takes longer than this to its first token: load above target.
-TTFT_TARGET_S = 0.001
-AUTOSCALING = {
-    "minReplicas": 1,
-    "maxReplicas": 2,
-    "intervalSeconds": 1,
-    "target": {"metric": "ttftP90Seconds", "value": TTFT_TARGET_S},
-    "scaleUp": {"stabilizationSeconds": 0},
-    "scaleDown": {"stabilizationSeconds": 3},
-}
 SCALERS_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusterrolescalers"
 
 
@@ -322,7 +313,9 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
     assert scaler["metadata"]["ownerReferences"][0]["uid"] == demo["metadata"]["uid"]
     assert scaler["spec"] == {"cluster": NAME, "role": "prefill", "replicas": 1}
     path = f"{PDC_PATH.format(ns=ns)}/{NAME}"
-    kube.patch(path, {"spec": {"prefill": {"autoscaling": AUTOSCALING}}}, patch_type="merge")
+    kube.patch(
+        path, {"spec": {"prefill": {"autoscaling": PREFILL_AUTOSCALING}}}, patch_type="merge"
+    )
     router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
     try:
         with Load(router_ip) as load:

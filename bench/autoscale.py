@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import tiny_cluster, write_manifest  # noqa: E402
 
 SAMPLE_S = 0.25
 
@@ -88,12 +91,9 @@ def manifest(name: str, replicas: int, autoscale: dict[str, Any] | None) -> dict
 
     ttft = autoscale["ttft_target"] if autoscale else 1.0
     tpot = autoscale["tpot_target"] if autoscale else 1.0
-    return {
-        "apiVersion": "pdcluster.io/v1alpha1",
-        "kind": "PDCluster",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "tiny"},
+    return tiny_cluster(
+        name,
+        {
             "kvCache": {"pageSize": 16, "numPages": 2048},
             "prefill": role("ttftP90Seconds", ttft),
             "decode": role("tpotP90Seconds", tpot),
@@ -102,7 +102,7 @@ def manifest(name: str, replicas: int, autoscale: dict[str, Any] | None) -> dict
                 "policy": {"prefill": "least_outstanding", "decode": "least_outstanding"},
             },
         },
-    }
+    )
 
 
 @dataclass
@@ -127,8 +127,7 @@ class Cluster:
 
     def __init__(self, tmp: Path, doc: dict[str, Any]) -> None:
         self.name = doc["metadata"]["name"]
-        self.path = tmp / f"{self.name}.yaml"
-        self.path.write_text(yaml.safe_dump(doc))
+        self.path = write_manifest(doc, tmp)
         self.state_dir = tmp / "state"
         self.log_path = tmp / f"up-{self.name}.log"
         self.state_file = self.state_dir / self.name / "state.json"

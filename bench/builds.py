@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pd_overhead import ROOT, start  # noqa: E402
+from harness import ROOT, start_example  # noqa: E402
 from router import body_of, stream_request, throughput  # noqa: E402
 
 from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
@@ -83,7 +83,7 @@ def start_build(build: Build, path_entry: Path, state: Path) -> dict[str, LocalC
         for kind, example in (("colocated", "colocated.yaml"), ("pd", "pd-1p1d.yaml")):
             folder = state / f"{build.name}-{kind}"
             folder.mkdir()
-            clusters[kind] = start(example, folder)
+            clusters[kind] = start_example(example, folder)
         return clusters
     finally:
         os.environ.clear()

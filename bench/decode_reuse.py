@@ -17,24 +17,28 @@ pages decode reused, and TTFT p50 of each (the streamed first token).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster
-from pdcluster.runtime.local.plan import build_local_plan, count_ports
-from pdcluster.runtime.ports import free_ports
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import (  # noqa: E402
+    ROOT,
+    add_prefix_workload_args,
+    round_robin_prompts,
+    start_doc,
+    ttft,
+)
+
+from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
+
 IN_BYTES = 'pdcluster_transfer_bytes_total{direction="in"}'
 REUSED = "pdcluster_decode_reuse_pages_total"
 
@@ -47,16 +51,7 @@ def start(state: Path, name: str, backend: str, decode_cache: bool) -> LocalClus
     spec["prefill"]["replicas"] = 2
     spec["decode"]["replicas"] = 1
     spec["decode"].setdefault("engine", {})["prefixCache"] = decode_cache
-    path = state / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    manifest = load_manifest(str(path))
-    plan = build_local_plan(
-        manifest, str(path), free_ports(count_ports(manifest)), python=sys.executable
-    )
-    cluster = LocalCluster(plan, state / name)
-    cluster.start()
-    cluster.wait_ready(300)
-    return cluster
+    return start_doc(doc, state)
 
 
 def counter(text: str, name: str) -> float:
@@ -69,42 +64,13 @@ def decode_url(cluster: LocalCluster) -> str:
     return proc.url
 
 
-def ttft(client: httpx.Client, endpoint: str, prompt: list[int], new_tokens: int) -> float:
-    body = {
-        "input_ids": prompt,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-    }
-    first = None
-    t0 = time.perf_counter()
-    with client.stream("POST", f"{endpoint}/generate", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:]).get("output_ids"):
-                    first = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError("stream ended without a token")
-    return first
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--systems", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=1536)
-    ap.add_argument("--suffix-tokens", type=int, default=64)
+    add_prefix_workload_args(ap, requests=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--backend", default="tcp", choices=["tcp", "shm", "nixl"])
     args = ap.parse_args()
-    rng = random.Random(0)
-    systems = [
-        [rng.randrange(1, 256) for _ in range(args.system_tokens)] for _ in range(args.systems)
-    ]
-    prompts = [
-        systems[i % args.systems] + [rng.randrange(1, 256) for _ in range(args.suffix_tokens)]
-        for i in range(args.requests)
-    ]
+    prompts = round_robin_prompts(random.Random(0), args)
     moved: dict[str, list[float]] = {"on": [], "off": []}
     times: dict[str, list[float]] = {"on": [], "off": []}
     reused: dict[str, float] = {}

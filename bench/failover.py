@@ -36,23 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
-from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster
-from pdcluster.runtime.local.plan import build_local_plan, count_ports
-from pdcluster.runtime.ports import free_ports
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import READY_S, local_plan, tiny_cluster, write_manifest  # noqa: E402
+
+from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
 
 POLL_S = 0.005
 
 
 def manifest(interval: float, threshold: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdcluster.io/v1alpha1",
-        "kind": "PDCluster",
-        "metadata": {"name": "bench-failover"},
-        "spec": {
-            "model": {"name": "tiny"},
+    return tiny_cluster(
+        "bench-failover",
+        {
             "kvCache": {"pageSize": 16, "numPages": 1024},
             "transfer": {
                 "backend": "tcp",
@@ -65,17 +62,12 @@ def manifest(interval: float, threshold: int) -> dict[str, Any]:
             "decode": {"replicas": 1},
             "router": {"healthCheckIntervalSeconds": 0.5},
         },
-    }
+    )
 
 
 class Bench:
     def __init__(self, tmp: Path, interval: float, threshold: int) -> None:
-        path = tmp / "bench-failover.yaml"
-        path.write_text(yaml.safe_dump(manifest(interval, threshold)))
-        m = load_manifest(str(path))
-        self.plan = build_local_plan(
-            m, str(path), free_ports(count_ports(m)), python=sys.executable
-        )
+        self.plan = local_plan(write_manifest(manifest(interval, threshold), tmp))
         self.token = secrets.token_hex(16)
         self.cluster = LocalCluster(self.plan, tmp / "state", token=self.token)
         self.http = httpx.Client(timeout=10)
@@ -85,7 +77,7 @@ class Bench:
 
     def start(self) -> None:
         self.cluster.start()
-        self.cluster.wait_ready(300)
+        self.cluster.wait_ready(READY_S)
 
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

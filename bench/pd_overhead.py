@@ -14,56 +14,19 @@ Prints median/p90 TTFT per prompt length and the PD / colocated ratio (per backe
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster
-from pdcluster.runtime.local.plan import build_local_plan, count_ports
-from pdcluster.runtime.ports import free_ports
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import start_example, ttft  # noqa: E402
 
-
-def start(example: str, state: Path) -> LocalCluster:
-    path = ROOT / "examples" / example
-    manifest = load_manifest(str(path))
-    plan = build_local_plan(
-        manifest, str(path), free_ports(count_ports(manifest)), python=sys.executable
-    )
-    cluster = LocalCluster(plan, state / manifest.metadata.name)
-    cluster.start()
-    cluster.wait_ready(300)
-    return cluster
-
-
-def ttft(client: httpx.Client, endpoint: str, prompt: list[int]) -> float:
-    body = {
-        "input_ids": prompt,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
-    }
-    t0 = time.perf_counter()
-    with client.stream("POST", f"{endpoint}/generate", json=body) as resp:
-        resp.raise_for_status()
-        lines = resp.iter_lines()
-        for line in lines:
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:]).get("output_ids"):
-                    first = time.perf_counter() - t0
-                    break
-        else:
-            raise RuntimeError("stream ended without a token")
-        for _ in lines:  # drain the rest of the stream
-            pass
-    return first
+NEW_TOKENS = 4
 
 
 def main() -> None:
@@ -74,11 +37,11 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        clusters = {"colocated": start("colocated.yaml", Path(tmp))}
+        clusters = {"colocated": start_example("colocated.yaml", Path(tmp))}
         try:
-            clusters["pd"] = start("pd-1p1d.yaml", Path(tmp))
+            clusters["pd"] = start_example("pd-1p1d.yaml", Path(tmp))
             if args.nixl:
-                clusters["pd-nixl"] = start("pd-1p1d-nixl.yaml", Path(tmp))
+                clusters["pd-nixl"] = start_example("pd-1p1d-nixl.yaml", Path(tmp))
             with httpx.Client(timeout=120) as client:
                 rows = []
                 for n in args.lengths:
@@ -86,7 +49,7 @@ def main() -> None:
                     for trial in range(args.trials + 1):  # trial 0 warms up
                         prompt = [rng.randrange(1, 256) for _ in range(n)]
                         for name, cl in clusters.items():
-                            t = ttft(client, cl.plan.endpoint, prompt)
+                            t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS)
                             if trial:
                                 times[name].append(t)
                     rows.append((n, times))

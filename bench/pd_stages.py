@@ -32,7 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pd_overhead import start  # noqa: E402
+from harness import start_example  # noqa: E402
 
 from pdcluster.runtime import stage_trace  # noqa: E402
 
@@ -68,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp) / "trace"
         os.environ[stage_trace.ENV] = str(trace_dir)  # inherited by every process
-        cluster = start(args.example, Path(tmp))
+        cluster = start_example(args.example, Path(tmp))
         stamps: list[tuple[int, int]] = []
         try:
             with httpx.Client(timeout=120) as client:

@@ -42,13 +42,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
-from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.local.launcher import LocalCluster
-from pdcluster.runtime.local.plan import build_local_plan, count_ports
-from pdcluster.runtime.ports import free_ports
-from pdcluster.runtime.spec import Role
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (  # noqa: E402
+    add_prefix_workload_args,
+    prefix_systems,
+    start_doc,
+    tiny_cluster,
+    ttft,
+)
+
+from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
+from pdcluster.runtime.spec import Role  # noqa: E402
 
 VARIANTS = {
     "off": (False, "round_robin"),
@@ -58,12 +64,9 @@ VARIANTS = {
 
 
 def start(name: str, cache: bool, policy: str, pages: int, state: Path) -> LocalCluster:
-    doc = {
-        "apiVersion": "pdcluster.io/v1alpha1",
-        "kind": "PDCluster",
-        "metadata": {"name": name.replace("_", "-")},
-        "spec": {
-            "model": {"name": "tiny"},
+    doc = tiny_cluster(
+        name.replace("_", "-"),
+        {
             "kvCache": {"pageSize": 16, "numPages": pages},
             "prefill": {"replicas": 2, "engine": {"prefixCache": cache}},
             # Decode keeps the prompt pages it received (decode-side reuse) iff the
@@ -71,36 +74,8 @@ def start(name: str, cache: bool, policy: str, pages: int, state: Path) -> Local
             "decode": {"engine": {"prefixCache": cache}},
             "router": {"policy": {"prefill": policy}},
         },
-    }
-    path = state / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    manifest = load_manifest(str(path))
-    plan = build_local_plan(
-        manifest, str(path), free_ports(count_ports(manifest)), python=sys.executable
     )
-    cluster = LocalCluster(plan, state / manifest.metadata.name)
-    cluster.start()
-    cluster.wait_ready(300)
-    return cluster
-
-
-def ttft(client: httpx.Client, endpoint: str, prompt: list[int], new_tokens: int) -> float:
-    body = {
-        "input_ids": prompt,
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-    }
-    first = None
-    t0 = time.perf_counter()
-    with client.stream("POST", f"{endpoint}/generate", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:]).get("output_ids"):
-                    first = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError("stream ended without a token")
-    return first
+    return start_doc(doc, state)
 
 
 def _sum_metric(text: str, name: str, label: str = "") -> float:
@@ -146,10 +121,7 @@ def chart(rows: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--systems", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=1536)
-    ap.add_argument("--suffix-tokens", type=int, default=64)
+    add_prefix_workload_args(ap, requests=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--pages", type=int, default=256, help="KV pages per rank")
     ap.add_argument("--seed", type=int, default=0)
@@ -158,9 +130,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
-    systems = [
-        [rng.randrange(1, 256) for _ in range(args.system_tokens)] for _ in range(args.systems)
-    ]
+    systems = prefix_systems(rng, args)
     prompts = [
         rng.choice(systems) + [rng.randrange(1, 256) for _ in range(args.suffix_tokens)]
         for _ in range(args.requests)

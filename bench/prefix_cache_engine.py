@@ -20,9 +20,15 @@ import argparse
 import dataclasses
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import add_prefix_workload_args, round_robin_prompts  # noqa: E402
 
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import EngineConfig
@@ -41,23 +47,14 @@ def _ttft(engine: LLMEngine, rid: str, prompt: list[int], device: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--systems", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=1536)
-    ap.add_argument("--suffix-tokens", type=int, default=64)
+    add_prefix_workload_args(ap, requests=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     rng = random.Random(0)
-    systems = [
-        [rng.randrange(1, 256) for _ in range(args.system_tokens)] for _ in range(args.systems)
-    ]
-    prompts = [
-        systems[i % args.systems] + [rng.randrange(1, 256) for _ in range(args.suffix_tokens)]
-        for i in range(args.requests)
-    ]
+    prompts = round_robin_prompts(rng, args)
     base = EngineConfig(
         device=args.device,
         num_pages=1024,

@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pd_overhead import start  # noqa: E402
+from harness import start_example  # noqa: E402
 
 from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
 from pdcluster.runtime.local.sglang_router import start_sglang_router  # noqa: E402
@@ -202,7 +202,7 @@ def main() -> None:
     if args.quick:
         args.trials, args.seconds, args.rounds = 6, 2.0, 1
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = start("pd-1p1d.yaml", Path(tmp))
+        cluster = start_example("pd-1p1d.yaml", Path(tmp))
         router = None
         try:
             workers = cluster.plan.workers

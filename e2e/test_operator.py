@@ -39,6 +39,7 @@ from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.operator_process import operator_process
 from e2e.processes import ProcessRecord, wait_until
+from tests.autoscaling_spec import PREFILL_AUTOSCALING, TTFT_TARGET_S
 
 pytestmark = pytest.mark.k8s
 
@@ -259,16 +260,6 @@ def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str
     wait_until(recreated, 30, "the deleted ConfigMap and Service to be recreated")
 
 
-# Any finished request takes longer than this to its first token: load above target.
-TTFT_TARGET_S = 0.001
-AUTOSCALING = {
-    "minReplicas": 1,
-    "maxReplicas": 2,
-    "intervalSeconds": 1,
-    "target": {"metric": "ttftP90Seconds", "value": TTFT_TARGET_S},
-    "scaleUp": {"stabilizationSeconds": 0},
-    "scaleDown": {"stabilizationSeconds": 3},
-}
 SCALERS_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusterrolescalers"
 
 
@@ -323,7 +314,9 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
     assert scaler["metadata"]["ownerReferences"][0]["uid"] == demo["metadata"]["uid"]
     assert scaler["spec"] == {"cluster": NAME, "role": "prefill", "replicas": 1}
     path = f"{PDC_PATH.format(ns=ns)}/{NAME}"
-    kube.patch(path, {"spec": {"prefill": {"autoscaling": AUTOSCALING}}}, patch_type="merge")
+    kube.patch(
+        path, {"spec": {"prefill": {"autoscaling": PREFILL_AUTOSCALING}}}, patch_type="merge"
+    )
     router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
     try:
         with Load(router_ip) as load:
@@ -533,14 +526,19 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
 def test_kubectl_scale_sets_the_decode_replicas(
     demo: dict[str, Any], operator: Operator, kube: KubeApi, kubectl: KubectlRunner, ns: str
 ) -> None:
-    kubectl("kubectl", "scale", f"pdc/{NAME}", "-n", ns, "--replicas=3")
-    ready = wait_ready(
-        operator,
-        kube,
-        ns,
-        "3 decode instances Ready",
-        extra=lambda o: (o["status"].get("decode") or {}).get("summary") == "3/3",
-    )
+    def scale(target: str, replicas: int, what: str) -> dict[str, Any]:
+        """`kubectl scale` `target`, then the cluster Ready with that many decode instances."""
+        kubectl("kubectl", "scale", target, "-n", ns, f"--replicas={replicas}")
+        summary = f"{replicas}/{replicas}"
+        return wait_ready(
+            operator,
+            kube,
+            ns,
+            what,
+            extra=lambda o: (o["status"].get("decode") or {}).get("summary") == summary,
+        )
+
+    ready = scale(f"pdc/{NAME}", 3, "3 decode instances Ready")
     assert ready["spec"]["decode"]["replicas"] == 3
     assert ready["status"]["replicas"] == 3
     assert len(pods(kube, ns, "decode")) == 3
@@ -555,13 +553,8 @@ def test_kubectl_scale_sets_the_decode_replicas(
         "the decode scaler synced at 3",
     )
     assert (kube.get(scaler_path) or {})["spec"]["replicas"] == 3
-    kubectl("kubectl", "scale", f"pdcrs/{NAME}-decode", "-n", ns, "--replicas=2")
-    scaled = wait_ready(
-        operator,
-        kube,
-        ns,
-        "2 decode instances Ready after scaling the decode scaler",
-        extra=lambda o: (o["status"].get("decode") or {}).get("summary") == "2/2",
+    scaled = scale(
+        f"pdcrs/{NAME}-decode", 2, "2 decode instances Ready after scaling the decode scaler"
     )
     assert scaled["spec"]["decode"]["replicas"] == 2
     wait_until(

@@ -27,6 +27,7 @@ from pdcluster.runtime.pd.prefix_reuse import num_reusable_pages
 from pdcluster.runtime.spec import pages_for
 from tests.engine.test_scheduler import (
     CONFIGS,
+    DEFAULTS,
     POOL_TOKENS,
     REQUESTS,
     FakeRunner,
@@ -126,14 +127,7 @@ def _caching(num_pages: int = 16) -> tuple[Scheduler, CachingPageAllocator, Fake
     return Scheduler(cfg, alloc), alloc, FakeRunner(cfg.page_size)
 
 
-CONFIGS_EXAMPLE = SchedulerConfig(
-    page_size=4,
-    max_running_requests=4,
-    max_batch_tokens=64,
-    chunk_size=16,
-    max_prompt_tokens=64,
-    max_model_len=96,
-)
+CONFIGS_EXAMPLE = replace(DEFAULTS, max_running_requests=4, max_model_len=96)
 
 
 def _prefilled(rid: str, prompt: list[int], pages: list[int]) -> Sequence:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -173,14 +175,19 @@ def rogue_decode(pd: FaultCluster, compat: CompatInfo) -> tuple[RogueDecode, str
     return rogue, prefill
 
 
+@contextmanager
 def scripted_room(
     pd: FaultCluster, compat: CompatInfo, seed: int, num_tokens: int
-) -> tuple[RogueDecode, str, str, int, list[int]]:
+) -> Iterator[tuple[RogueDecode, str, str, int, list[int]]]:
     """A scripted decode rank registered with prefill-0 (and prefill-0's rank
-    endpoint), with a fresh rid, room and prompt of `num_tokens` for it."""
+    endpoint), with a fresh rid, room and prompt of `num_tokens` for it; the rank
+    is closed when the block ends."""
     rogue, prefill = rogue_decode(pd, compat)
-    prompt = make_prompts(1, seed=seed, lo=num_tokens, hi=num_tokens)[0]
-    return rogue, prefill, mint_rid(), mint_room(), prompt
+    try:
+        prompt = make_prompts(1, seed=seed, lo=num_tokens, hi=num_tokens)[0]
+        yield rogue, prefill, mint_rid(), mint_room(), prompt
+    finally:
+        rogue.close()
 
 
 def prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int) -> Background:
@@ -195,11 +202,23 @@ def waiting_prefill_leg(pd: FaultCluster, prompt: list[int], rid: str, room: int
     return leg
 
 
+@contextmanager
+def streaming_room(
+    pd: FaultCluster, compat: CompatInfo, seed: int, num_tokens: int
+) -> Iterator[tuple[RogueDecode, str, str, int, Background]]:
+    """A scripted room (see `scripted_room`) whose prefill leg waited for decode, then got
+    page indices for its whole prompt: prefill computes it and streams KV to the rogue.
+    Gives the rogue (closed when the block ends), its prefill endpoint, rid, room, leg."""
+    with scripted_room(pd, compat, seed, num_tokens) as (rogue, prefill, rid, room, prompt):
+        leg = waiting_prefill_leg(pd, prompt, rid, room)
+        rogue.meta(prefill, room, rid, list(range(math.ceil(len(prompt) / PAGE))))
+        yield rogue, prefill, rid, room, leg
+
+
 def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 71, 100)
-    try:
+    with scripted_room(pd, compat, 71, 100) as (rogue, prefill, rid, room, prompt):
         leg = waiting_prefill_leg(pd, prompt, rid, room)
         assert pd.abort("prefill-0", rid)["found"] is True
         res: LegResult = leg.result(10)
@@ -211,15 +230,12 @@ def test_prefill_abort_while_waiting_for_metadata_leaves_a_tombstone(
         assert status.state is KVPoll.Failed and status.reason.startswith("room_closed")
         assert rogue.frames_for(room) == 0
         pd.assert_clean(["prefill-0"], timeout=2)
-    finally:
-        rogue.close()
 
 
 def test_decode_abort_before_the_prefill_leg_refuses_it(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 72, 100)
-    try:
+    with scripted_room(pd, compat, 72, 100) as (rogue, prefill, rid, room, prompt):
         rogue.meta(prefill, room, rid, list(range(7)))  # the claim creates the room
         wait_until(lambda: pd.room_state("prefill-0", room) == "Bootstrapping", 5)
         rogue.abort(prefill, room, rid)
@@ -230,19 +246,13 @@ def test_decode_abort_before_the_prefill_leg_refuses_it(
         assert res.status == 502 and "already concluded" in res.error
         assert rogue.frames_for(room) == 0
         pd.assert_clean(["prefill-0"], timeout=5)
-    finally:
-        rogue.close()
 
 
 @pytest.mark.parametrize("state", ["WaitingForInput", "Transferring", "Success"])
 def test_prefill_acks_an_abort_only_after_its_writes_drained(
     pd: FaultCluster, compat: CompatInfo, state: str
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 73, 4000)
-    pages = list(range(math.ceil(len(prompt) / PAGE)))
-    try:
-        leg = waiting_prefill_leg(pd, prompt, rid, room)
-        rogue.meta(prefill, room, rid, pages)
+    with streaming_room(pd, compat, 73, 4000) as (rogue, prefill, rid, room, leg):
         if state == "WaitingForInput":
             # Same connection, next message: handled before any chunk is computed.
             rogue.abort(prefill, room, rid)
@@ -271,21 +281,14 @@ def test_prefill_acks_an_abort_only_after_its_writes_drained(
                 >= 1
             )
         pd.assert_clean(["prefill-0"], timeout=5)
-    finally:
-        rogue.close()
 
 
 def test_prefill_abort_with_undeliverable_writes_frees_after_release_timeout(
     pd: FaultCluster, compat: CompatInfo
 ) -> None:
-    rogue, prefill, rid, room, prompt = scripted_room(pd, compat, 74, 4000)
-    pages = list(range(math.ceil(len(prompt) / PAGE)))
-    try:
-        leg = waiting_prefill_leg(pd, prompt, rid, room)
-        rogue.meta(prefill, room, rid, pages)
+    with streaming_room(pd, compat, 74, 4000) as (rogue, _, rid, room, leg):
         wait_until(lambda: rogue.frames_for(room) > 0, 20, 0.005, "the first KV frame")
-    finally:
-        rogue.close()  # the decode rank is gone: the writes queued for it cannot leave
+    # The decode rank is gone (closed with the block): the writes queued for it cannot leave.
     assert pd.room_state("prefill-0", room) == "Transferring"
     aborted_at = time.monotonic()
     assert pd.abort("prefill-0", rid)["found"] is True

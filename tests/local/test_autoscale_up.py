@@ -12,24 +12,13 @@ import httpx
 import pytest
 
 from pdcluster.runtime.autoscale.samples import parse_worker_metrics
+from tests.autoscaling_spec import PREFILL_AUTOSCALING
 from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
 
-# Any finished request takes longer than this to its first token: load above target.
-TTFT_TARGET_S = 0.001
 SPEC: dict[str, Any] = {
     "model": {"name": "tiny"},
     "kvCache": {"pageSize": 16, "numPages": 512},
-    "prefill": {
-        "replicas": 1,
-        "autoscaling": {
-            "minReplicas": 1,
-            "maxReplicas": 2,
-            "intervalSeconds": 1,
-            "target": {"metric": "ttftP90Seconds", "value": TTFT_TARGET_S},
-            "scaleUp": {"stabilizationSeconds": 0},
-            "scaleDown": {"stabilizationSeconds": 3},
-        },
-    },
+    "prefill": {"replicas": 1, "autoscaling": PREFILL_AUTOSCALING},
     "decode": {"replicas": 1},
     "router": {"healthCheckIntervalSeconds": 0.5},
 }

@@ -28,7 +28,7 @@ from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import parse_manifest
 from tests.faults.harness import make_prompts
 from tests.local.cluster import local_cluster, ps_rows, write_manifest
-from tests.local.test_supervise import MAX_TOKENS, generate, live_rooms, wait_for
+from tests.local.test_supervise import MAX_TOKENS, burst_until_live, generate, wait_for
 from tests.pd_integration.reference import colocated_outputs
 from tests.pd_integration.test_topologies import assert_no_page_leak
 
@@ -91,16 +91,7 @@ def test_a_two_pod_instance_serves_like_colocated_and_restarts_as_a_gang(
         assert [b["output_ids"] for _, b, _ in outputs] == expected_before
 
         # A burst on the instance, then kill -9 its non-leader pod mid-flight.
-        burst: list[concurrent.futures.Future[tuple[int, dict[str, Any], float]]] = []
-        deadline = time.monotonic() + 60
-        while True:
-            burst += [pool.submit(generate, cluster, p) for p in victims]
-            seen_until, seen = time.monotonic() + 5, False
-            while not seen and time.monotonic() < seen_until:
-                seen = live_rooms(cluster, "prefill-0-0") > 0
-            if seen:
-                break
-            assert time.monotonic() < deadline, "no room seen live on prefill-0"
+        burst = burst_until_live(pool, cluster, victims, "prefill-0-0")
         old = state_of(state_dir, "twopods")
         killed_at = time.monotonic()
         os.kill(old["prefill-0-1"]["pid"], signal.SIGKILL)

@@ -80,6 +80,27 @@ def live_rooms(cluster: RunningCluster, name: str) -> int:
     return sum(1 for r in resp.json()["rooms"] if r["state"] not in ("Success", "Failed"))
 
 
+def burst_until_live(
+    pool: concurrent.futures.ThreadPoolExecutor,
+    cluster: RunningCluster,
+    prompts: list[list[int]],
+    name: str,
+) -> list[concurrent.futures.Future[tuple[int, dict[str, Any], float]]]:
+    """Sends `prompts` at once through the router, again until a room is seen live on the
+    worker `name` (a fast machine can finish a burst between two polls of /admin/rooms);
+    the futures of every request sent."""
+    burst: list[concurrent.futures.Future[tuple[int, dict[str, Any], float]]] = []
+    deadline = time.monotonic() + 60
+    while True:
+        burst += [pool.submit(generate, cluster, p) for p in prompts]
+        seen_until, seen = time.monotonic() + 5, False
+        while not seen and time.monotonic() < seen_until:
+            seen = live_rooms(cluster, name) > 0
+        if seen:
+            return burst
+        assert time.monotonic() < deadline, f"no room seen live on {name}"
+
+
 @pytest.mark.slow
 def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
     tmp_path: Path,
@@ -95,18 +116,7 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
         concurrent.futures.ThreadPoolExecutor(16) as pool,
     ):
         up_log = state_dir.parent / "up-supervised.log"
-        # A fast machine can finish a burst between two polls of /admin/rooms:
-        # send the burst again until a room is seen live on prefill-1.
-        burst: list[concurrent.futures.Future[tuple[int, dict[str, Any], float]]] = []
-        deadline = time.monotonic() + 60
-        while True:
-            burst += [pool.submit(generate, cluster, p) for p in victims]
-            seen_until, seen = time.monotonic() + 5, False
-            while not seen and time.monotonic() < seen_until:
-                seen = live_rooms(cluster, "prefill-1") > 0
-            if seen:
-                break
-            assert time.monotonic() < deadline, "no room seen live on prefill-1"
+        burst = burst_until_live(pool, cluster, victims, "prefill-1")
         killed_at = time.monotonic()
         os.kill(cluster.worker("prefill-1")["pid"], signal.SIGKILL)
 

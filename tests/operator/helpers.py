@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
+from pdcluster.operator.api import RoleAutoscalingStatus
 from pdcluster.operator.builders.config import build_token_secret
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.kube.client import ApiError
@@ -38,6 +39,17 @@ from pdcluster.operator.reconcile.restarts import RestartLedger
 # which brings jsonschema). Until they are installed, the tests that need them
 # are skipped with this reason instead of breaking collection.
 MISSING_DEV_DEP = "needs {}: add cel-python and kubernetes-validate to the dev extras"
+
+# A role's last autoscaling decision as the operator keeps it in status: any one will do
+# for the tests that check who keeps, carries over or clears it.
+AUTOSCALING_DECISION = RoleAutoscalingStatus(
+    metric="ttftP90Seconds",
+    target=0.5,
+    current=1,
+    desired=2,
+    reason="ScaleUp",
+    last_decision_time="2026-01-01T00:00:00Z",
+)
 
 
 def unavailable(reason: str) -> NoReturn:

@@ -22,7 +22,7 @@ from pdcluster.operator.autoscale.step import (
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.spec import Role
 
-from .helpers import make_cluster
+from .helpers import AUTOSCALING_DECISION, make_cluster
 
 P, D = Role.prefill, Role.decode
 INTERVAL = 15.0
@@ -247,15 +247,7 @@ def test_an_unreadable_body_is_named_and_a_role_not_due_is_left_alone() -> None:
 
 
 def test_autoscaling_turned_off_clears_its_status() -> None:
-    stored = RoleAutoscalingStatus(
-        metric="runningRequestsPerInstance",
-        target=4,
-        current=1,
-        desired=1,
-        reason="WithinTolerance",
-        last_decision_time="1970-01-01T00:00:00Z",
-    )
-    status = PDClusterStatus(decode=RoleStatus(ready=1, autoscaling=stored))
+    status = PDClusterStatus(decode=RoleStatus(ready=1, autoscaling=AUTOSCALING_DECISION))
     cluster = make_cluster({"prefill": {}, "decode": {}})
     out = compute_autoscale_step(cluster, status, {}, AutoscaleHistory(), 0.0)
     assert out.status_patch() == {"status": {"decode": {"autoscaling": None}}}

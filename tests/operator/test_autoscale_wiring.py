@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdcluster.operator.api import PDClusterStatus, RoleAutoscalingStatus, RoleStatus
+from pdcluster.operator.api import PDClusterStatus, RoleStatus
 from pdcluster.operator.autoscale.scaler_sync import SyncReason
 from pdcluster.operator.autoscale.step import AutoscaleHistory, AutoscaleStep
 from pdcluster.operator.autoscale.wiring import (
@@ -26,7 +26,7 @@ from pdcluster.operator.builders import build_role_scaler
 from pdcluster.operator.reconcile.status import status_changed, status_patch
 from pdcluster.runtime.spec import Role
 
-from .helpers import UID, make_cluster
+from .helpers import AUTOSCALING_DECISION, UID, make_cluster
 from .podmaker import deleting, not_ready, worker_pod
 
 P, D = Role.prefill, Role.decode
@@ -201,22 +201,14 @@ def test_the_loop_waits_until_the_next_role_is_due_within_limits() -> None:
 
 
 # ---------------------------------------------------------------- status ownership
-DECISION = RoleAutoscalingStatus(
-    metric="ttftP90Seconds",
-    target=0.5,
-    current=1,
-    desired=2,
-    reason="ScaleUp",
-    last_decision_time="2026-01-01T00:00:00Z",
-)
 
 
 def test_the_reconciles_status_writes_leave_the_autoscaling_decision_alone() -> None:
-    ours = PDClusterStatus(prefill=RoleStatus(desired=2, ready=1, autoscaling=DECISION))
+    ours = PDClusterStatus(prefill=RoleStatus(desired=2, ready=1, autoscaling=AUTOSCALING_DECISION))
     wire = status_patch(ours)["status"]
     assert "autoscaling" not in wire["prefill"]
     assert wire["prefill"]["desired"] == 2
-    newer = DECISION.model_copy(update={"desired": 3}).model_dump(by_alias=True)
+    newer = AUTOSCALING_DECISION.model_copy(update={"desired": 3}).model_dump(by_alias=True)
     stored = {**wire, "prefill": {**wire["prefill"], "autoscaling": newer}}
     # The loop's newer decision is no reason to write, nor overwritten by one.
     assert not status_changed(stored, ours)

@@ -8,7 +8,6 @@ from pdcluster.operator.api import (
     ConditionType,
     PDClusterStatus,
     Phase,
-    RoleAutoscalingStatus,
     RoleStatus,
     parse_status,
 )
@@ -20,7 +19,7 @@ from pdcluster.operator.reconcile.status import (
 )
 from pdcluster.runtime.spec import Role
 
-from .helpers import PD, Sim
+from .helpers import AUTOSCALING_DECISION, PD, Sim
 
 
 def status_of(sim: Sim, prev: PDClusterStatus | None = None) -> PDClusterStatus:
@@ -181,15 +180,7 @@ def test_role_counts_follow_the_plan() -> None:
 
 
 def test_the_autoscaling_decision_is_carried_over_not_dropped() -> None:
-    decision = RoleAutoscalingStatus(
-        metric="ttftP90Seconds",
-        target=0.5,
-        current=1,
-        desired=2,
-        reason="ScaleUp",
-        last_decision_time="2026-01-01T00:00:00Z",
-    )
-    prev = PDClusterStatus(prefill=RoleStatus(desired=1, autoscaling=decision))
+    prev = PDClusterStatus(prefill=RoleStatus(desired=1, autoscaling=AUTOSCALING_DECISION))
     status = status_of(Sim(PD), prev)
-    assert status.prefill is not None and status.prefill.autoscaling == decision
+    assert status.prefill is not None and status.prefill.autoscaling == AUTOSCALING_DECISION
     assert status.decode is not None and status.decode.autoscaling is None

@@ -13,23 +13,13 @@ import httpx
 from fastapi import FastAPI
 
 from pdcluster.runtime.http.auth import is_guarded
-from pdcluster.runtime.prefix_events import (
-    Apply,
-    KeyEventLog,
-    KeyReplica,
-    parse_batch,
-    parse_snapshot,
-)
-from pdcluster.runtime.prefix_keys import PageKey
+from pdcluster.runtime.prefix_events import Apply, KeyReplica, parse_batch, parse_snapshot
 from pdcluster.runtime.server.prefix_feed import PrefixFeed, add_prefix_feed_routes
-
-
-def key(i: int) -> PageKey:
-    return PageKey(i.to_bytes(16, "big"))
+from tests.router.test_prefix_events import key, new_log
 
 
 def feed_app(max_keys: int = 100) -> tuple[PrefixFeed, httpx.AsyncClient]:
-    feed = PrefixFeed(KeyEventLog("ep", salt=b"s", page_size=4, tokenizer="t", max_keys=max_keys))
+    feed = PrefixFeed(new_log(max_keys, epoch="ep"))
     app = FastAPI()
     add_prefix_feed_routes(app, feed)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w")

@@ -270,4 +270,10 @@ def test_caching_on_equals_caching_off_on_every_example_topology(
             assert _sum_over_workers(cluster, "pdcluster_decode_reuse_pages_total") > 0
         evictions = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
         assert evictions > evictions_before
+        if example == "pd-prefill-dp2.yaml":
+            # Each dp group caches on its own and the router reaches group 0
+            # only: the worker publishes no key set, so no router index can
+            # disagree with a group's cache (cache_aware routes it by load).
+            url = cluster.worker("prefill-0")["url"] + "/prefix_cache/snapshot"
+            assert httpx.get(url, headers=cluster.auth, timeout=10).status_code == 404
         assert_no_page_leak(cluster)

@@ -88,9 +88,15 @@ _ON_NIXL_ELSEWHERE = {"pd-1p1d.yaml", "pd-prefill-tp1-decode-tp2.yaml", "pd-2p2d
 # As written, the two-pod example runs in tests/local/test_multi_pod.py (one
 # cluster start for PD == colocated and the gang restart).
 _AS_WRITTEN_ELSEWHERE = {"pd-prefill-tp2-2pods.yaml"}
-CASES: list = [(ex, None) for ex in EXAMPLES if ex not in _AS_WRITTEN_ELSEWHERE] + [
-    (ex, "nixl") for ex in EXAMPLES if "nixl" not in ex and ex not in _ON_NIXL_ELSEWHERE
-]
+# Every other example's topology serves in float64 with the prefix cache on in
+# test_prefix_cache_pd.py's every-topology test (prompts sharing pages, evictions,
+# against an uncached colocated engine): one cluster start for both checks. The
+# float32 path stays covered by pd-1p1d-nixl as written, the nixl copies below
+# and the 64-concurrent 2P2D test.
+FLOAT64_ELSEWHERE = frozenset(ex for ex in EXAMPLES if ex != "pd-1p1d-nixl.yaml")
+CASES: list = [
+    (ex, None) for ex in EXAMPLES if ex not in _AS_WRITTEN_ELSEWHERE | FLOAT64_ELSEWHERE
+] + [(ex, "nixl") for ex in EXAMPLES if "nixl" not in ex and ex not in _ON_NIXL_ELSEWHERE]
 CASE_IDS = [f"{e}-{b}" if b else e for e, b in CASES]
 
 

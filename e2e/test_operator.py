@@ -526,7 +526,7 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
 def test_kubectl_scale_sets_the_decode_replicas(
     demo: dict[str, Any], operator: Operator, kube: KubeApi, kubectl: KubectlRunner, ns: str
 ) -> None:
-    def scale(target: str, replicas: int, what: str) -> dict[str, Any]:
+    def scale_to(target: str, replicas: int, what: str) -> dict[str, Any]:
         """`kubectl scale` `target`, then the cluster Ready with that many decode instances."""
         kubectl("kubectl", "scale", target, "-n", ns, f"--replicas={replicas}")
         summary = f"{replicas}/{replicas}"
@@ -538,7 +538,7 @@ def test_kubectl_scale_sets_the_decode_replicas(
             extra=lambda o: (o["status"].get("decode") or {}).get("summary") == summary,
         )
 
-    ready = scale(f"pdc/{NAME}", 3, "3 decode instances Ready")
+    ready = scale_to(f"pdc/{NAME}", 3, "3 decode instances Ready")
     assert ready["spec"]["decode"]["replicas"] == 3
     assert ready["status"]["replicas"] == 3
     assert len(pods(kube, ns, "decode")) == 3
@@ -553,7 +553,7 @@ def test_kubectl_scale_sets_the_decode_replicas(
         "the decode scaler synced at 3",
     )
     assert (kube.get(scaler_path) or {})["spec"]["replicas"] == 3
-    scaled = scale(
+    scaled = scale_to(
         f"pdcrs/{NAME}-decode", 2, "2 decode instances Ready after scaling the decode scaler"
     )
     assert scaled["spec"]["decode"]["replicas"] == 2

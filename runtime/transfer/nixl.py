@@ -15,6 +15,9 @@ A frame's whole-page runs then become one WRITE that names units by index
 (`make_prepped_xfer`); what page units cannot carry (a partial first or last
 page, NHD head slices) goes in a second WRITE built from per-frame
 descriptors (`initialize_xfer`). A frame is done when all its WRITEs are.
+The unit indices of a job are worked out once, at its first frame
+(`page_unit_grid`); each later frame of whole pages takes its slice, so a
+frame costs one `make_prepped_xfer` and no planning.
 
 A prefill agent only initiates WRITEs: it runs without NIXL's progress
 thread, whose polling costs a fifth of a core even idle, since our own

@@ -36,11 +36,11 @@ at once; only WRITEs still in progress go to the progress thread, whose
 hand-off (a thread wake-up per frame) costs a loaded host more than the
 WRITE. A notification (`notify`) to a peer waits for every WRITE posted
 to that peer before it, as it does behind the frames of `tcp`, and is
-dropped if one of them failed (the room's failure is reported instead). A handle still in
-progress after `handle_timeout_s` is cancelled (NIXL releases an in-flight
-request only once the backend confirmed the abort); until that release
-succeeds it stays in flight, and the room's pages on the decode side stay
-quarantined.
+dropped if one of them failed (the room's failure is reported instead).
+A handle still in progress after `handle_timeout_s` is cancelled (NIXL
+releases an in-flight request only once the backend confirmed the abort);
+until that release succeeds it stays in flight, and the room's pages on
+the decode side stay quarantined.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ A frame's whole-page runs then become one WRITE that names units by index
 (`make_prepped_xfer`); what page units cannot carry (a partial first or last
 page, NHD head slices) goes in a second WRITE built from per-frame
 descriptors (`initialize_xfer`). A frame is done when all its WRITEs are.
+The unit indices of a job are worked out once, at its first frame
+(`page_unit_grid`); each later frame of whole pages takes its slice, so a
+frame costs one `make_prepped_xfer` and no planning.
 
 A prefill agent only initiates WRITEs: it runs without NIXL's progress
 thread, whose polling costs a fifth of a core even idle, since our own
@@ -33,11 +36,11 @@ at once; only WRITEs still in progress go to the progress thread, whose
 hand-off (a thread wake-up per frame) costs a loaded host more than the
 WRITE. A notification (`notify`) to a peer waits for every WRITE posted
 to that peer before it, as it does behind the frames of `tcp`, and is
-dropped if one of them failed (the room's failure is reported instead). A handle still in
-progress after `handle_timeout_s` is cancelled (NIXL releases an in-flight
-request only once the backend confirmed the abort); until that release
-succeeds it stays in flight, and the room's pages on the decode side stay
-quarantined.
+dropped if one of them failed (the room's failure is reported instead).
+A handle still in progress after `handle_timeout_s` is cancelled (NIXL
+releases an in-flight request only once the backend confirmed the abort);
+until that release succeeds it stays in flight, and the room's pages on
+the decode side stay quarantined.
 """
 
 from __future__ import annotations

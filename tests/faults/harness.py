@@ -42,7 +42,37 @@ TOKEN = "fault-suite-" + secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 VOCAB = 256
 PAGE = 16  # tokens per KV page in every base_spec cluster
+# What a loaded CI box (load 12+ on 2 cores) may add to any "at once" in a
+# test: a wake-up of each process on the path (client, worker HTTP loop,
+# engine thread, ZMQ loop) queued behind other runnable processes. Timing
+# bounds are a configured duration (heartbeat, probe, timeout) plus this
+# slack; each test checks the bound stays below the mechanism it must tell
+# apart (the request or room timeout), so "failed fast" still means fast.
+LOAD_SLACK_S = 3.0
 T = TypeVar("T")
+
+# One client for every leg the suite sends. An `httpx.Client` costs ~0.1 s of
+# CPU to build (its TLS context loads the CA bundle, ~0.5 s the first time in
+# a process) while holding the GIL: built per leg, as `httpx.post` does, it
+# delayed a request's second leg by seconds on a loaded box (past the 6 s
+# bootstrap timeout for a burst's first requests) and counted in the leg's
+# `elapsed`. No keep-alive: a pooled connection the worker closes as idle
+# could fail the next request sent on it.
+LEGS_HTTP = httpx.Client(
+    timeout=30.0, limits=httpx.Limits(max_connections=None, max_keepalive_connections=0)
+)
+
+
+def fast_bound(configured: float, beats: float, what: str) -> float:
+    """`configured` seconds plus `LOAD_SLACK_S`: how long a fast failure may take.
+
+    Checked to stay below `beats`, what a request that missed the fast path
+    would take instead (a room timeout, the request timeout), so a test using
+    the bound still fails when the fast path does not work.
+    """
+    bound = configured + LOAD_SLACK_S
+    assert bound < beats, f"{what}: a bound of {bound:.2f}s cannot tell it from {beats:.2f}s"
+    return bound
 
 
 def wait_until(
@@ -114,6 +144,9 @@ class FaultCluster:
         self.launcher.wait_ready(timeout)
         for name in self.workers("prefill"):
             self.wait_healthy(name, timeout)
+        # The router answers /health once one worker per role is in: a test
+        # sending through it must find every worker admitted.
+        self.launcher.wait_admitted(timeout)
         PREFILL_LISTENERS.append(self._on_extra_prefill)
         return self
 
@@ -415,7 +448,7 @@ class PDResult:
 def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
     t0 = time.monotonic()
     try:
-        resp = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=timeout)
+        resp = LEGS_HTTP.post(url + "/generate", json=body, headers=AUTH, timeout=timeout)
     except httpx.HTTPError as err:
         end = time.monotonic()
         return LegResult(599, {"error": f"transport: {err!r}"}, end - t0, end)
@@ -431,7 +464,7 @@ def post_leg(url: str, body: dict[str, Any], timeout: float) -> LegResult:
 
 def abort_leg(url: str, rid: str) -> None:
     try:
-        httpx.post(url + "/abort_request", json={"rid": rid}, headers=AUTH, timeout=5)
+        LEGS_HTTP.post(url + "/abort_request", json={"rid": rid}, headers=AUTH, timeout=5)
     except httpx.HTTPError:
         pass  # the worker is gone: nothing of the request is left there
 
@@ -601,16 +634,45 @@ def abort_decode_leg(cluster: FaultCluster, rid: str, leg: Background, state: st
     """Abort `rid` on decode-0 while its room is in `state`; the client's leg ends
     at once: its tokens end with "abort" if decoding had begun (`Success`),
     otherwise it gets a 502 saying the request was aborted."""
+    # At once: well before the room's own timeouts could have ended the leg.
+    spec = cluster.manifest.spec.transfer
+    bound = fast_bound(
+        0.0,
+        min(spec.bootstrap_timeout_seconds, spec.waiting_timeout_seconds),
+        "an abort ending the decode leg",
+    )
     aborted_at = time.monotonic()
     assert cluster.abort("decode-0", rid)["found"] is True
-    result: PDResult = leg.result(10)
-    assert result.decode.ended_at - aborted_at < 1.0
+    result: PDResult = leg.result(bound + 10)
+    took = result.decode.ended_at - aborted_at
+    assert took < bound, f"the decode leg ended {took:.2f}s after the abort"
     if state == "Success":
         assert result.decode.status == 200
         assert result.decode.body["meta_info"]["finish_reason"]["type"] == "abort"
     else:
         assert result.decode.status == 502 and "aborted" in result.decode.error
     return result
+
+
+def probe_timeout_s(cluster: FaultCluster) -> float:
+    """The decode heartbeat's probe timeout: min(interval / 2, 1 s) (peer_liveness.py)."""
+    return min(cluster.manifest.spec.transfer.heartbeat.interval_seconds / 2, 1.0)
+
+
+def heartbeat_bound(cluster: FaultCluster) -> float:
+    """Seconds within which decode fails the rooms of a prefill that stopped answering.
+
+    The verdict comes after `failureThreshold` missed probes, `intervalSeconds`
+    apart, the last one timing out; plus the load slack. A room the heartbeat
+    missed would hang until its bootstrap or waiting timeout instead.
+    """
+    transfer = cluster.manifest.spec.transfer
+    hb = transfer.heartbeat
+    return fast_bound(
+        hb.failure_threshold * hb.interval_seconds + probe_timeout_s(cluster),
+        min(transfer.bootstrap_timeout_seconds, transfer.waiting_timeout_seconds),
+        "a heartbeat verdict",
+    )
 
 
 def router_generate(endpoint: str, prompt: list[int], max_tokens: int, timeout: float) -> LegResult:

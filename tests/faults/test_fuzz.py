@@ -12,7 +12,6 @@ behind.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import httpx
@@ -128,7 +127,6 @@ def test_fuzzed_frames_and_bodies_change_nothing(
         assert resp.status_code < 500 or resp.status_code in (502, 503), resp.text
         sent["bodies"] += 1
 
-    started = time.monotonic()
     try:
         frames()
         bodies()
@@ -140,7 +138,6 @@ def test_fuzzed_frames_and_bodies_change_nothing(
         for s in socks:
             s.close(0)
         ctx.term()
-    fuzz_s = time.monotonic() - started
     res = live.result(60)
     assert res.decode.ok and res.decode.output_ids == expected
     for name in pd.workers():
@@ -151,4 +148,3 @@ def test_fuzzed_frames_and_bodies_change_nothing(
     again = client.pair(pd, "prefill-0", "decode-0", prompt, 48)
     assert again.decode.ok and again.decode.output_ids == expected
     assert sent["frames"] >= 4000 and sent["bodies"] >= 300, sent
-    assert fuzz_s < 45, f"fuzzing took {fuzz_s:.0f}s"

@@ -178,7 +178,12 @@ class FaultCluster:
         self.http.close()
 
     def __enter__(self) -> FaultCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: stop what did start.
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

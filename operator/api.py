@@ -171,6 +171,13 @@ class RoleAutoscalingStatus(_StatusModel):
 MAX_STATUS_INSTANCES = 256
 
 
+class PodRanks(_StatusModel):
+    """The global ranks one pod runs: first to last, both included (contiguous)."""
+
+    first: int = Field(ge=0, description="the pod's lowest global rank")
+    last: int = Field(ge=0, description="the pod's highest global rank")
+
+
 class InstancePodStatus(_StatusModel):
     """One pod of an instance, as the operator last observed it."""
 
@@ -178,6 +185,13 @@ class InstancePodStatus(_StatusModel):
     index: int = Field(ge=0, description="pod index in the instance (0: the leader)")
     phase: str = Field(description="the pod's phase (Pending, Running, Failed, ...)")
     ready: bool = Field(default=False, description="the pod's Ready condition")
+    ranks: PodRanks | None = Field(
+        default=None,
+        description=(
+            "the global ranks the pod runs (pod k of G ranks each: k*G to k*G+G-1), read "
+            "from the pod itself; absent when its spec does not state them"
+        ),
+    )
 
 
 class InstanceStatus(_StatusModel):

@@ -58,6 +58,10 @@ ANNOTATION_LEADER_ADDRESS = "pdcluster.io/leader-address"
 ANNOTATION_INSTANCE_SIZE = "pdcluster.io/pods-per-instance"
 # Hash of the manifest the operator last applied; equal hashes skip the write.
 ANNOTATION_APPLIED_HASH = "pdcluster.io/applied-hash"
+# A worker pod's global ranks [first, first + per pod), in its container's env:
+# the operator reads them back from the pod for `status.<role>.instances[].pods[].ranks`.
+ENV_FIRST_RANK = "PDCLUSTER_FIRST_RANK"
+ENV_RANKS_PER_POD = "PDCLUSTER_RANKS_PER_POD"
 
 APP_NAME = "pdcluster"
 MANAGED_BY = "pdcluster-operator"

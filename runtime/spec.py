@@ -248,7 +248,10 @@ class RestartPolicySpec(_Model):
         default=30.0,
         ge=0,
         le=3600,
-        description="a pod of a multi-pod instance NotReady this long restarts the instance",
+        description=(
+            "a pod of an instance that passed its startup probe and stays NotReady this long "
+            "restarts the whole instance (at once when its status does not say since when)"
+        ),
     )
 
 

@@ -195,8 +195,8 @@ def _worker_env(
         meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
         meta.env_value("PDCLUSTER_POD_INDEX", str(pod_index)),
         meta.env_value("PDCLUSTER_PODS_PER_INSTANCE", str(layout.num_pods)),
-        meta.env_value("PDCLUSTER_RANKS_PER_POD", str(layout.ranks_per_pod)),
-        meta.env_value("PDCLUSTER_FIRST_RANK", str(layout.rank_range(pod_index).start)),
+        meta.env_value(names.ENV_RANKS_PER_POD, str(layout.ranks_per_pod)),
+        meta.env_value(names.ENV_FIRST_RANK, str(layout.rank_range(pod_index).start)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
     ]

@@ -1,10 +1,11 @@
 """Reconcile: one PDCluster's desired objects against what the cluster holds.
 
 Pure (decide): cluster (identity + validated spec), observed (typed views of
-what was found), instances (pods grouped into gangs), revision (which spec
-changes restart which pods), rollout (one role's per-slot decisions),
-restarts (gang back-off and budget), gang (one multi-pod instance: keep,
-restart whole, wait or give up; not wired yet), plan (desired vs observed → actions),
+what was found), instances (pods grouped into instances, each judged as a
+gang: a pod ended, lost, missing or NotReady past its grace breaks the
+whole instance), revision (which spec changes restart which pods), rollout
+(one role's per-slot decisions: restart a broken gang, roll, scale),
+restarts (gang back-off and budget), plan (desired vs observed → actions),
 actions (the plan's vocabulary), status (the status from a plan), policy
 (what the operator refuses to run), kv_transport (the workers' negotiated
 KV transport → status entry and fallback Warning).

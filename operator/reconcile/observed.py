@@ -11,6 +11,7 @@ Pure module.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,11 @@ class ObservedPod:
     started: bool = False
     # A pod k > 0: the leader IP it was started with (None: not recorded, or the leader).
     leader_address: str | None = None
+    # Running and not Ready: when its Ready condition last changed (lastTransitionTime,
+    # epoch seconds); None otherwise, or when the status does not say.
+    not_ready_since: float | None = None
+    # The global ranks it runs, from its container's env (None: not stated).
+    ranks: range | None = None
 
     @property
     def name(self) -> str:
@@ -123,6 +129,46 @@ def _is_ready(status: Mapping[str, Any]) -> bool:
     )
 
 
+def _time(text: Any) -> float | None:
+    """Epoch seconds of an RFC 3339 time as the API writes it; None when absent or unreadable."""
+    if not isinstance(text, str):
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        return None  # a time without a zone could be any moment: no grace counts from it
+    return moment.timestamp()
+
+
+def _ready_changed_at(status: Mapping[str, Any]) -> float | None:
+    conditions = status.get("conditions")
+    if not isinstance(conditions, list):
+        return None
+    for condition in conditions:
+        if isinstance(condition, Mapping) and condition.get("type") == "Ready":
+            return _time(condition.get("lastTransitionTime"))
+    return None
+
+
+def _pod_ranks(raw: Mapping[str, Any]) -> range | None:
+    """The ranks the builder put in the worker container's env, when both values parse."""
+    spec = raw.get("spec")
+    containers = spec.get("containers") if isinstance(spec, Mapping) else None
+    if not isinstance(containers, list):
+        return None
+    for container in containers:
+        if not isinstance(container, Mapping) or not isinstance(container.get("env"), list):
+            continue
+        env = {e.get("name"): e.get("value") for e in container["env"] if isinstance(e, Mapping)}
+        first, count = env.get(names.ENV_FIRST_RANK), env.get(names.ENV_RANKS_PER_POD)
+        if isinstance(first, str) and isinstance(count, str) and first.isdigit():
+            if count.isdigit() and int(count) > 0:
+                return range(int(first), int(first) + int(count))
+    return None
+
+
 def _has_started(status: Mapping[str, Any]) -> bool:
     containers = status.get("containerStatuses")
     if not isinstance(containers, list) or not containers:
@@ -146,6 +192,7 @@ def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None
     status = raw.get("status")
     status = status if isinstance(status, Mapping) else {}
     phase = status.get("phase")
+    ready = phase == "Running" and _is_ready(status)
     return ObservedPod(
         obj=obj,
         role=role,
@@ -154,10 +201,12 @@ def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None
         template_hash=template_hash,
         instance_size=int(size_text) if size_text.isdigit() and int(size_text) > 0 else None,
         phase=phase if isinstance(phase, str) else "Pending",
-        ready=phase == "Running" and _is_ready(status),
+        ready=ready,
         pod_ip=pod_ip if isinstance(pod_ip := status.get("podIP"), str) and pod_ip else None,
         started=phase == "Running" and _has_started(status),
         leader_address=obj.annotations.get(names.ANNOTATION_LEADER_ADDRESS) or None,
+        not_ready_since=_ready_changed_at(status) if phase == "Running" and not ready else None,
+        ranks=_pod_ranks(raw),
     )
 
 

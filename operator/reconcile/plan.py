@@ -205,7 +205,15 @@ def plan_reconcile(
     # Retire instances of an older revision only once the current revision has a
     # Ready instance of every role: prefill and decode pair within one revision.
     retire = all(
-        serves_revision(observed, r.role, desired.revision) for r in desired.roles if r.replicas
+        serves_revision(
+            observed,
+            r.role,
+            desired.revision,
+            now=now,
+            not_ready_grace_s=r.restart.not_ready_grace_seconds,
+        )
+        for r in desired.roles
+        if r.replicas
     )
     for role in desired.roles:
         role_plan, report = plan_role(
@@ -226,7 +234,7 @@ def plan_reconcile(
             prefill_instances = role_plan.instances
     present = {r.role for r in desired.roles}
     for absent in (r for r in Role if r not in present):
-        role_plans.append(plan_absent_role(absent, observed))
+        role_plans.append(plan_absent_role(absent, observed, now))
     for role_plan in role_plans:
         actions.extend(role_plan.actions)
         foreign.extend(role_plan.foreign)

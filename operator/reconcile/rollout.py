@@ -3,8 +3,10 @@
 Per instance slot i < replicas, with `cur` the instance at the current
 template hash and `old` those at earlier hashes:
 - no `cur`, no live `old`: create `cur` (after the slot's restart back-off);
-- `cur` broken: tear it down as a gang (budget permitting) and record the
-  restart; it is recreated on a later pass once the back-off has passed;
+- `cur` broken (a pod ended, was lost, went missing, or stayed NotReady past
+  `restart.notReadyGraceSeconds`: the gang rule of instances.py): tear it
+  down as a gang (budget permitting) and record the restart; it is
+  recreated on a later pass once the back-off has passed;
 - `cur` incomplete: create its missing pods (pods k > 0 once its leader
   has an IP, instances.py); `cur` terminating: wait;
 - `cur` Ready: retire every `old` of the slot (a rollout step completes);
@@ -47,7 +49,7 @@ from pdcluster.operator.reconcile.actions import Action, Create, Delete, Emit, E
 from pdcluster.operator.reconcile.instances import Health, ObservedInstance, group_instances
 from pdcluster.operator.reconcile.observed import Observed
 from pdcluster.operator.reconcile.restarts import RestartLedger
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 MAX_SURGE = 1
 
@@ -146,12 +148,14 @@ def instance_revision(inst: ObservedInstance) -> str | None:
     return None
 
 
-def serves_revision(observed: Observed, role: Role, revision: str) -> bool:
+def serves_revision(
+    observed: Observed, role: Role, revision: str, *, now: float, not_ready_grace_s: float
+) -> bool:
     """Whether some Ready instance of `role` runs `revision`."""
-    return any(
-        inst.is_serving and instance_revision(inst) == revision
-        for inst in group_instances(p for p in observed.pods if p.role == role)
+    instances = group_instances(
+        (p for p in observed.pods if p.role == role), now=now, not_ready_grace_s=not_ready_grace_s
     )
+    return any(inst.is_serving and instance_revision(inst) == revision for inst in instances)
 
 
 class SlotStep(StrEnum):
@@ -253,8 +257,12 @@ def plan_role(
     target = role.template_hash
     plan.instances = group_instances(
         (p for p in observed.pods if p.role == role.role),
+        now=now,
+        not_ready_grace_s=role.restart.not_ready_grace_seconds,
         sizes_by_template={target: role.pods_per_instance},
     )
+    # A NotReady grace that ends later turns its instance broken then: look again.
+    plan.wake_at.extend(i.recheck_at for i in plan.instances if i.recheck_at is not None)
     by_slot: dict[int, list[ObservedInstance]] = defaultdict(list)
     for inst in plan.instances:
         by_slot[inst.key.index].append(inst)
@@ -374,10 +382,15 @@ def _act_on_slot(
     return ledger
 
 
-def plan_absent_role(role: Role, observed: Observed) -> RolePlan:
+def plan_absent_role(role: Role, observed: Observed, now: float) -> RolePlan:
     """A role the spec no longer has (e.g. colocated -> disaggregated): remove it all."""
     plan = RolePlan()
-    plan.instances = group_instances(p for p in observed.pods if p.role == role)
+    # Every instance goes whatever its health: the default grace only labels them.
+    plan.instances = group_instances(
+        (p for p in observed.pods if p.role == role),
+        now=now,
+        not_ready_grace_s=RestartPolicySpec().not_ready_grace_seconds,
+    )
     for inst in plan.instances:
         _delete_instance(plan, inst)
     return plan

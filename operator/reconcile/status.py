@@ -39,6 +39,7 @@ from pdcluster.operator.api import (
     KVTransportStatus,
     PDClusterStatus,
     Phase,
+    PodRanks,
     RoleStatus,
     RouterStatus,
     format_time,
@@ -132,6 +133,10 @@ def _progressing(plan: Plan) -> tuple[bool, str, str]:
     return False, "Stable", "every instance runs the current spec"
 
 
+def _pod_ranks(ranks: range | None) -> PodRanks | None:
+    return PodRanks(first=ranks[0], last=ranks[-1]) if ranks else None
+
+
 def _instance_status(inst: ObservedInstance) -> InstanceStatus:
     return InstanceStatus(
         index=inst.key.index,
@@ -140,7 +145,9 @@ def _instance_status(inst: ObservedInstance) -> InstanceStatus:
         health=inst.health.value,
         message=inst.reason[:1024],
         pods=[
-            InstancePodStatus(name=p.name, index=k, phase=p.phase, ready=p.ready)
+            InstancePodStatus(
+                name=p.name, index=k, phase=p.phase, ready=p.ready, ranks=_pod_ranks(p.ranks)
+            )
             for k, p in sorted(inst.pods.items())
         ],
     )

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
-from pdcluster.operator.api import RoleAutoscalingStatus
+from pdcluster.operator.api import RoleAutoscalingStatus, format_time
 from pdcluster.operator.builders.config import build_token_secret
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.kube.client import ApiError
@@ -109,6 +109,8 @@ class Store:
         self._uids = itertools.count(1)
         self._ips = itertools.count(0)
         self._gang_waiting: set[str] = set()
+        # The kubelet's clock, for the Ready condition's lastTransitionTime (Sim moves it).
+        self.now = 1_000_000.0
         self.writes: list[tuple[str, str, str]] = []  # (op, kind, name)
         self.status_writes: list[dict[str, Any]] = []
 
@@ -165,13 +167,21 @@ class Store:
 
     def set_pod(self, name: str, phase: str, ready: bool) -> None:
         """The status a kubelet writes: a pod that ran got an IP (kept across updates);
-        a Ready one passed its startup probe."""
+        a Ready one passed its startup probe; the Ready condition's lastTransitionTime
+        moves (to `now`) only when its status flips."""
         pod = self.objects[("Pod", name)]
+        before = pod.get("status", {})
+        ready_text = "True" if ready else "False"
+        was = next((c for c in before.get("conditions", []) if c.get("type") == "Ready"), None)
+        since = (
+            was["lastTransitionTime"]
+            if was is not None and was.get("status") == ready_text
+            else format_time(self.now)
+        )
         status: dict[str, Any] = {
             "phase": phase,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "conditions": [{"type": "Ready", "status": ready_text, "lastTransitionTime": since}],
         }
-        before = pod.get("status", {})
         ip = before.get("podIP")
         if phase != "Pending" or ip:
             n = next(self._ips)
@@ -266,9 +276,17 @@ class Sim:
         store: Store | None = None,
     ) -> None:
         self.store = store or Store()
-        self.now = 1_000_000.0
         self.ledgers: dict[Any, RestartLedger] = {}
         self.set_spec(spec)
+
+    @property
+    def now(self) -> float:
+        """The planner's clock, which is also the store's kubelet's."""
+        return self.store.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.store.now = value
 
     def set_spec(self, spec: Mapping[str, Any]) -> None:
         self.cluster = make_cluster(spec)

@@ -33,6 +33,10 @@ def converge(sim: Sim, passes: int = 10) -> None:
     raise AssertionError("did not converge")
 
 
+def has_started(pod: dict[str, Any]) -> bool:
+    return any(c.get("started") for c in pod.get("status", {}).get("containerStatuses", []))
+
+
 def reasons(events: list[Emit]) -> list[str]:
     return [e.reason.value for e in events]
 
@@ -166,6 +170,63 @@ def test_failed_rank_restarts_the_whole_gang_after_backoff() -> None:
     assert len([a for a in plan.writes if isinstance(a, Create) and a.key.kind == "Pod"]) == 1
     sim.store.make_all_ready()
     assert sim.plan().report(Role.prefill).ready == 2
+
+
+def test_a_pod_not_ready_past_the_grace_restarts_the_whole_gang() -> None:
+    # Only the leader has probes: a rank that hangs anywhere makes it NotReady
+    # (503 ranks_missing) while every process still runs.
+    sim = Sim(GANG)
+    converge(sim)
+    leader, follower = (p["metadata"]["name"] for p in sim.store.pods(role="prefill", instance="1"))
+    sim.store.set_pod(leader, "Running", False)
+    turned_at = sim.now
+    plan, events = sim.step()
+    assert plan.writes == () and events == []
+    assert plan.wake_at == turned_at + 30  # restart.notReadyGraceSeconds' default
+    (inst,) = [i for i in plan.report(Role.prefill).instances if i.key.index == 1]
+    assert inst.health == Health.starting and "unless Ready again" in inst.reason
+    sim.now = turned_at + 29
+    plan, _ = sim.step()
+    assert plan.writes == () and plan.report(Role.prefill).broken == 0
+    sim.now = turned_at + 30
+    plan, events = sim.step()
+    assert sorted(a.key.name for a in plan.writes if isinstance(a, Delete)) == sorted(
+        [leader, follower]
+    )
+    assert reasons(events) == ["InstanceRestarted"]
+    assert f"pod {leader} has been NotReady since" in events[0].message
+    assert plan.report(Role.prefill).ledger.total == 1
+    assert sim.store.pods(role="prefill", instance="0") != []  # the other instance is untouched
+    assert plan.wake_at == sim.now + 1  # the restart back-off, as for any fault
+    sim.now += 1
+    converge(sim)
+    assert sim.plan().report(Role.prefill).ready == 2
+
+
+def test_a_pod_ready_again_within_the_grace_is_kept() -> None:
+    sim = Sim(GANG)
+    converge(sim)
+    leader = sim.store.pods(role="prefill", instance="0")[0]["metadata"]["name"]
+    sim.store.set_pod(leader, "Running", False)
+    sim.step()
+    sim.now += 20
+    sim.store.set_pod(leader, "Running", True)
+    plan, _ = sim.step()
+    sim.now += 60
+    plan, events = sim.step()
+    assert plan.writes == () and events == [] and plan.wake_at is None
+    assert plan.report(Role.prefill).ready == 2 and plan.report(Role.prefill).ledger.total == 0
+
+
+def test_a_not_ready_gang_with_its_budget_spent_stays_and_warns() -> None:
+    sim = Sim({"prefill": {"restart": {"budget": 0, "notReadyGraceSeconds": 5}}, "decode": {}})
+    converge(sim)
+    (pod,) = sim.store.pods(role="prefill")
+    sim.store.set_pod(pod["metadata"]["name"], "Running", False)  # a one-pod gang: same rule
+    sim.now += 5
+    plan, events = sim.step()
+    assert plan.writes == () and reasons(events) == ["RestartBudgetExhausted"]
+    assert plan.report(Role.prefill).budget_exhausted
 
 
 def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
@@ -323,7 +384,9 @@ def test_stale_owned_objects_are_deleted_and_foreign_ones_kept() -> None:
 
 def capacity(sim: Sim, role: Role) -> int:
     observed = observe_store(sim.store, sim.cluster)
-    insts = group_instances(p for p in observed.pods if p.role == role)
+    insts = group_instances(
+        (p for p in observed.pods if p.role == role), now=sim.now, not_ready_grace_s=30.0
+    )
     return len({i.key.index for i in insts if i.health == Health.ready})
 
 
@@ -444,7 +507,10 @@ def test_applied_manifests_carry_their_own_hash() -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from(["fail", "delete", "ready", "scale", "tick"]), st.integers(0, 7)),
+        st.tuples(
+            st.sampled_from(["fail", "delete", "not_ready", "ready", "scale", "tick"]),
+            st.integers(0, 7),
+        ),
         max_size=25,
     )
 )
@@ -460,6 +526,10 @@ def test_random_disruptions_never_touch_foreign_objects_or_duplicate_slots(ops) 
             sim.store.set_pod(pods[n % len(pods)]["metadata"]["name"], "Failed", False)
         elif op == "delete" and pods:
             sim.store.remove("Pod", pods[n % len(pods)]["metadata"]["name"])
+        elif op == "not_ready" and (started := [p for p in pods if has_started(p)]):
+            # Only a pod that passed its startup probe turns NotReady (a kubelet
+            # fails one that never passes it; this store does not).
+            sim.store.set_pod(started[n % len(started)]["metadata"]["name"], "Running", False)
         elif op == "ready":
             sim.store.make_all_ready()
         elif op == "scale":
@@ -476,13 +546,15 @@ def test_random_disruptions_never_touch_foreign_objects_or_duplicate_slots(ops) 
         assert len(slots) == len(set(slots))
     # Left alone long enough, it heals completely (a gang whose leader went
     # while another pod was still pending is restarted once that pod started,
-    # and comes back after the restart back-off).
+    # a NotReady one once its grace has passed, and comes back after the
+    # restart back-off).
     for _ in range(3):
         sim.now += 10_000
         converge(sim, passes=20)
     ours = [p for p in sim.store.pods(role="prefill") if p["metadata"]["name"] != "intruder"]
     assert len(ours) == 2 * replicas
     assert {p["status"]["phase"] for p in ours} <= {"Running"}
+    assert all(p["status"]["conditions"][0]["status"] == "True" for p in ours)
 
 
 def test_backoff_is_capped_and_monotonic() -> None:

@@ -1,6 +1,6 @@
 """A request to a decode pod whose KV must come from one named prefill pod.
 
-The operator journeys and `bench/operator.py` freeze or kill that prefill
+The operator journeys and `bench/operator_timings.py` freeze or kill that prefill
 while decode waits for it: `DecodeRequest` sends the request on a thread,
 keeps the answer with the time it came, and tells whether decode has opened
 the request's room on that prefill yet.

@@ -1,6 +1,6 @@
 """The operator as a host process against the local control plane.
 
-`bench/operator.py` and the operator journeys run `python -m
+`bench/operator_timings.py` and the operator journeys run `python -m
 pdcluster.operator --all-namespaces` with its liveness and metrics
 endpoints on free loopback ports, and wait for it to answer before use.
 """

@@ -1,7 +1,7 @@
 """Operator timings on the local Kubernetes control plane (e2e/): how fast a
 PDCluster comes up, and how fast a killed prefill pod's rooms fail at decode.
 
-    .venv/bin/python bench/operator.py [--apply-trials 3] [--kill-trials 5] [--cluster DIR]
+    .venv/bin/python bench/operator_timings.py [--apply-trials 3] [--kill-trials 5] [--cluster DIR]
         [--prefill-pods 1,2]
 
 Starts a control plane (or uses the one `python -m e2e.cluster up --state-dir

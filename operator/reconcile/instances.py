@@ -26,17 +26,19 @@ instance (role, index, template hash) at time `now`, first match wins:
   then), and the pods k > 0 carry no probe (Ready while they run), so this
   is the leader's readiness;
 - `starting`: otherwise. A member NotReady within its grace leaves the
-  instance here, and `recheck_at` says when the grace ends: nothing else
-  announces that moment, so the planner wakes then.
+  instance here (or `incomplete`), and `recheck_at` says when the grace
+  ends: nothing else announces that moment, so the planner wakes then.
 
 The grace counts from the Ready condition's lastTransitionTime, so the
 planner stays stateless (any operator replica, after any restart, judges
-the same). It is a different clock from the fast path's
-(`failover.notReadyGraceSeconds`, failover/losses.py), which fails the
-peers' rooms seconds after a pod turns NotReady and restarts nothing; this
-grace decides when waiting for the pod to recover stops. A pod still
-starting (running, startup probe not passed) is no fault: its startup probe
-ends it (restartPolicy Never: the pod turns Failed) if it never starts.
+the same); that time has whole seconds from the kubelet's clock, so a skew
+between it and the operator's clock moves the restart by as much. It is
+not the fast path's grace (`failover.notReadyGraceSeconds`,
+failover/losses.py), which fails the peers' rooms seconds after a pod
+turns NotReady and restarts nothing; this one decides when waiting for the
+pod to recover stops. A pod still starting (running, startup probe not
+passed) is no fault: its startup probe ends it (restartPolicy Never: the
+pod turns Failed) if it never starts.
 
 Pure module.
 """

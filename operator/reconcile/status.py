@@ -10,6 +10,10 @@ Conditions (each with a reason a user can act on):
   restart budget spent, a foreign object in the way, the token Secret
   missing, a write the apiserver refused (`ApplyFailed`), an invalid spec.
 
+`status.<role>.instances[]` is the planner's view of each instance (its
+gang health and why) and of its pods, each with the global ranks it runs
+(`ranks: {first, last}`, read from the pod's own spec).
+
 A condition keeps its lastTransitionTime while its status stays the same,
 so computing the status of an unchanged cluster twice gives equal values
 and nothing is written.

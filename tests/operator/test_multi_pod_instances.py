@@ -202,6 +202,15 @@ def test_a_failed_pod_waits_for_a_pod_pending_its_first_start_before_restarting(
     assert "pending its first start" in inst.reason
 
 
+def test_an_instance_without_pods_is_incomplete() -> None:
+    inst = judged({})
+    assert (inst.health, inst.missing_pod_indexes, inst.recheck_at) == (
+        Health.incomplete,
+        (0, 1),
+        None,
+    )
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one pod, got size 0"):
         judged({}, size=0)

@@ -229,6 +229,32 @@ def test_a_not_ready_gang_with_its_budget_spent_stays_and_warns() -> None:
     assert plan.report(Role.prefill).budget_exhausted
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from(["fail", "not_ready"]), min_size=1, max_size=7))
+def test_faults_in_a_row_never_restart_more_than_the_budget_per_hour(faults: list[str]) -> None:
+    """A crashed follower or a leader NotReady past its grace, again and again
+    within one hour: every fault restarts the gang until the budget is spent."""
+    restart = {"budget": 3, "backoffSeconds": 1, "maxBackoffSeconds": 1, "notReadyGraceSeconds": 5}
+    sim = Sim({"prefill": {**GANG["prefill"], "replicas": 1, "restart": restart}, "decode": {}})
+    converge(sim)
+    restarts = exhausted = 0
+    for fault in faults:
+        leader, follower = (p["metadata"]["name"] for p in sim.store.pods(role="prefill"))
+        if fault == "fail":
+            sim.store.set_pod(follower, "Failed", False)
+        else:
+            sim.store.set_pod(leader, "Running", False)
+        sim.now += 5  # the grace ends: a NotReady fault is due now, as a crash was at once
+        _, events = sim.step()
+        restarts += reasons(events).count("InstanceRestarted")
+        exhausted += reasons(events).count("RestartBudgetExhausted")
+        sim.now += 1  # the back-off
+        converge(sim)
+    assert restarts == min(len(faults), 3)
+    assert exhausted == max(0, len(faults) - 3)
+    assert sim.plan().report(Role.prefill).ledger.total == restarts
+
+
 def test_gang_member_missing_from_a_formed_gang_restarts_it() -> None:
     sim = Sim(GANG)
     converge(sim)

@@ -67,20 +67,20 @@ FIELD_DOCS: dict[str, str] = {
     "<role>.topology.pp": "Pipeline stages, each owning a contiguous layer range.",
     "<role>.gpusPerPod": "Ranks per pod (one GPU each when device is cuda): an instance of "
     "R = dp*tp*cp*pp ranks is R / gpusPerPod pods, pod k holding ranks [k*gpusPerPod, "
-    "(k+1)*gpusPerPod). Must divide R and be at most R. Left out: one pod per instance. The "
-    "operator still runs every instance as one pod today (docs/kubernetes.md, Multi-pod "
-    "instances).",
+    "(k+1)*gpusPerPod). Must divide R and be at most R. Left out: one pod per instance. Pod 0 "
+    "is the leader; the pods of an instance are restarted together (docs/kubernetes.md, "
+    "Multi-pod instances).",
     "<role>.scheduling": "How the pods of one instance are scheduled.",
     "<role>.scheduling.gang": "none: each pod on its own; podGroup: a scheduler-plugins "
     "PodGroup (scheduling.x-k8s.io/v1alpha1) per instance with minMember = its pods, so a "
-    "coscheduling scheduler places all of them or none. Not applied by the operator yet.",
+    "coscheduling scheduler places all of them or none. Refused by the operator for now "
+    "(InvalidSpec): it does not create PodGroups yet.",
     "<role>.scheduling.schedulerName": "schedulerName of this role's pods (e.g. the "
-    "scheduler-plugins scheduler that honours PodGroups); unset: the cluster's default. Not "
-    "applied by the operator yet.",
+    "scheduler-plugins scheduler that honours PodGroups); unset: the cluster's default.",
     "<role>.placement": "Where the pods of one instance land.",
     "<role>.placement.topologyKey": "Node label (e.g. a rack or NVLink-domain label): all pods "
     "of an instance land on nodes with the same value (required pod affinity); decode pods "
-    "prefer the domain of prefill pods. Unset: no such rule. Not applied by the operator yet.",
+    "prefer the domain of prefill pods. Unset: no such rule.",
     "<role>.device": "cuda requests one `nvidia.com/gpu` per rank of the instance's pod; cpu "
     "requests none.",
     "<role>.resources": "Container resources (requests/limits) of each pod of this role. "

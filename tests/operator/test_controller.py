@@ -214,6 +214,30 @@ async def test_back_off_deadline_is_the_next_requested_pass() -> None:
     assert len(api.store.pods(role="prefill")) == 1  # the ledger came back from the status
 
 
+async def test_a_not_ready_grace_end_is_the_next_requested_pass() -> None:
+    restart = {"notReadyGraceSeconds": 12}
+    spec = {"prefill": {"topology": {"tp": 2}, "gpusPerPod": 1, "restart": restart}, "decode": {}}
+    api, controller, clock = make(spec)
+    for _ in range(3):  # the leaders, then the pods after them, then all Ready
+        await controller.reconcile(KEY)
+        api.store.make_all_ready()
+    await controller.reconcile(KEY)
+    assert api.store.objects[("PDCluster", "demo")]["status"]["phase"] == "Ready"
+    (leader,) = api.store.pods(role="prefill", pod_index="0")
+    api.store.now = clock.now  # the kubelet's clock: when the Ready condition turns False
+    api.store.set_pod(leader["metadata"]["name"], "Running", False)
+    delay = await controller.reconcile(KEY)
+    assert delay == pytest.approx(12.0, abs=1.0)  # lastTransitionTime has whole seconds
+    (inst,) = api.store.objects[("PDCluster", "demo")]["status"]["prefill"]["instances"]
+    assert inst["health"] == "starting" and "unless Ready again" in inst["message"]
+    assert [p["ranks"] for p in inst["pods"]] == [{"first": 0, "last": 0}, {"first": 1, "last": 1}]
+    clock.now += 12
+    await controller.reconcile(KEY)
+    assert api.store.pods(role="prefill") == []  # the whole gang, as for a crash
+    assert "InstanceRestarted" in reasons(api)
+    assert api.store.objects[("PDCluster", "demo")]["status"]["prefill"]["restarts"] == 1
+
+
 async def test_failed_write_asks_for_a_quick_retry_and_other_writes_still_happen() -> None:
     api, controller, _ = make()
     api.fail_next["create:ServiceAccount"] = ApiError(500, "InternalError", "etcd hiccup")

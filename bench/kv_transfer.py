@@ -280,7 +280,8 @@ class NixlPair:
     def __init__(self, bench: Bench, config: SenderConfig) -> None:
         import multiprocessing
 
-        from pdcluster.runtime.transfer.nixl import NixlAgent, NixlTransport
+        from pdcluster.runtime.transfer.nixl import NixlTransport
+        from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
         self.bench = bench
         ctx = multiprocessing.get_context("spawn")
@@ -306,7 +307,7 @@ class NixlPair:
         per-frame descriptors `nixl_plan` gives, on lists prepared here (untimed)."""
         import numpy as np
 
-        from pdcluster.runtime.transfer.nixl import geometry_of
+        from pdcluster.runtime.transfer.nixl_agent import geometry_of
         from pdcluster.runtime.transfer.nixl_plan import (
             can_use_page_units,
             page_unit_indices,
@@ -414,7 +415,7 @@ class NixlPair:
 
 def decode_process(conn: Any, shape_fields: dict[str, Any], device: str) -> None:
     """The decode side of the nixl columns: a pool, its agent, and answers to the parent."""
-    from pdcluster.runtime.transfer.nixl import NixlAgent
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
     fields = dict(shape_fields, layout=KVLayout(shape_fields["layout"]))
     pool = KVPool(KVPoolShape(**fields), device=device)

@@ -310,7 +310,7 @@ class NixlPair:
         from pdcluster.runtime.transfer.nixl_agent import geometry_of
         from pdcluster.runtime.transfer.nixl_plan import (
             can_use_page_units,
-            page_unit_indices,
+            page_unit_grid,
             page_units,
             plan_descriptors,
             split_runs,
@@ -344,9 +344,10 @@ class NixlPair:
                 b.shape.page_size, b.shape.page_size,
             )  # fmt: skip
             pages, rest = split_runs(runs, b.shape.page_size)
-            indices = (
-                page_unit_indices(geo, geo, pages, layers, heads, heads) if len(pages) else None
-            )
+            indices = None
+            if len(pages):
+                grid = page_unit_grid(geo, geo, pages, layers, heads, heads)
+                indices = (grid[0].ravel(), grid[1].ravel())
             rest_descs = None
             if rest:
                 t = plan_descriptors(geo, geo, rest, layers, heads, heads)

@@ -47,7 +47,6 @@ from pdcluster.runtime.transfer.nixl_plan import (
     check_geometries,
     frame_page_units,
     page_unit_grid,
-    page_unit_indices,
     plan_descriptors,
     split_runs,
     unit_bytes,
@@ -288,9 +287,10 @@ class NixlTransport:
             if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
                 pages, runs = split_runs(runs, ps)
                 if len(pages):
-                    local, remote = page_unit_indices(
+                    grid = page_unit_grid(
                         self.local, geo, pages, plan.layer_pairs, job.src_heads, job.dst_heads
                     )
+                    local, remote = grid[0].ravel(), grid[1].ravel()
         handles: list[Any] = []
         nbytes = descriptors = 0
         try:

@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import uuid
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -52,15 +53,8 @@ def flush_ucx_log() -> None:
 
 
 def geometry_of(shape: KVPoolShape) -> RegionGeometry:
-    return RegionGeometry(
-        num_layers=shape.num_layers,
-        num_pages=shape.num_pages,
-        page_size=shape.page_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        layout=shape.layout,
-    )
+    """How a pool of `shape` lies in its registered region (every field is the shape's)."""
+    return RegionGeometry(**{f.name: getattr(shape, f.name) for f in fields(RegionGeometry)})
 
 
 def _descs(offsets: np.ndarray, nbytes: np.ndarray, base: int, device_id: int) -> np.ndarray:

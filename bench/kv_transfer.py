@@ -280,7 +280,8 @@ class NixlPair:
     def __init__(self, bench: Bench, config: SenderConfig) -> None:
         import multiprocessing
 
-        from pdcluster.runtime.transfer.nixl import NixlAgent, NixlTransport
+        from pdcluster.runtime.transfer.nixl import NixlTransport
+        from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
         self.bench = bench
         ctx = multiprocessing.get_context("spawn")
@@ -306,10 +307,10 @@ class NixlPair:
         per-frame descriptors `nixl_plan` gives, on lists prepared here (untimed)."""
         import numpy as np
 
-        from pdcluster.runtime.transfer.nixl import geometry_of
+        from pdcluster.runtime.transfer.nixl_agent import geometry_of
         from pdcluster.runtime.transfer.nixl_plan import (
             can_use_page_units,
-            page_unit_indices,
+            page_unit_grid,
             page_units,
             plan_descriptors,
             split_runs,
@@ -343,9 +344,10 @@ class NixlPair:
                 b.shape.page_size, b.shape.page_size,
             )  # fmt: skip
             pages, rest = split_runs(runs, b.shape.page_size)
-            indices = (
-                page_unit_indices(geo, geo, pages, layers, heads, heads) if len(pages) else None
-            )
+            indices = None
+            if len(pages):
+                grid = page_unit_grid(geo, geo, pages, layers, heads, heads)
+                indices = (grid[0].ravel(), grid[1].ravel())
             rest_descs = None
             if rest:
                 t = plan_descriptors(geo, geo, rest, layers, heads, heads)
@@ -414,7 +416,7 @@ class NixlPair:
 
 def decode_process(conn: Any, shape_fields: dict[str, Any], device: str) -> None:
     """The decode side of the nixl columns: a pool, its agent, and answers to the parent."""
-    from pdcluster.runtime.transfer.nixl import NixlAgent
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
     fields = dict(shape_fields, layout=KVLayout(shape_fields["layout"]))
     pool = KVPool(KVPoolShape(**fields), device=device)

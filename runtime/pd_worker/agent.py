@@ -418,7 +418,7 @@ def make_nixl_agent(address: str, pool: Any, *, progress_thread: bool = True) ->
 
     `progress_thread=False` for a rank that only initiates WRITEs (prefill).
     """
-    from pdcluster.runtime.transfer.nixl import NixlAgent
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
     return NixlAgent(address, pool, progress_thread=progress_thread)
 

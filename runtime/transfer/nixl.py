@@ -1,13 +1,11 @@
 """The `nixl` transport: one-sided NIXL WRITEs from our pool into a peer's pool.
 
-Every rank registers its whole KV pool (one contiguous tensor: host memory
-on CPU, VRAM on CUDA; the tensor's device decides) with its own NIXL agent
-(`NixlAgent`). A decode rank sends the agent's metadata and the pool's
-region in its layout registration (`messages.NixlRegion`, our own msgspec
-struct: nothing a peer sends is unpickled); a prefill rank adds that agent
-(`NixlTransport.register_peer`) and from then on turns every frame into
-WRITEs whose descriptors `nixl_plan` computes from the frame's token runs
-(cut as for `shm`, `shm.copy_runs`), layer pairs and head slice.
+Every rank registers its whole KV pool with its own NIXL agent
+(`nixl_agent.NixlAgent`). A decode rank sends the agent's region in its
+layout registration; a prefill rank adds that agent (`register_peer`) and
+from then on turns every frame into WRITEs whose descriptors `nixl_plan`
+computes from the frame's token runs (cut as for `shm`, `shm.copy_runs`),
+layer pairs and head slice.
 
 Descriptor lists are prepared once per registration: our pool's page units
 when the transport starts, a peer's when it registers (`prep_xfer_dlist`).
@@ -19,38 +17,17 @@ The unit indices of a job are worked out once, at its first frame
 (`page_unit_grid`); each later frame of whole pages takes its slice, so a
 frame costs one `make_prepped_xfer` and no planning.
 
-A prefill agent only initiates WRITEs: it runs without NIXL's progress
-thread, whose polling costs a fifth of a core even idle, since our own
-progress thread checking the handles is what moves UCX forward on this
-side. A decode agent keeps it: over TCP, UCX emulates a remote write with
-messages the target's worker must process.
-
 One-sided safety is `shm`'s, with one difference: a WRITE may finish later,
-not inside the call. A frame's `on_done` fires only when NIXL reports its
-handle DONE (or ERR, with NIXL's status text), so the sender keeps the
-room `in_flight` until then: the control plane acks an abort, and sends
-Success, only after every handle of the room finished. A WRITE that NIXL
-reports DONE from the posting call itself (UCX over TCP and shared memory
-finish small and medium WRITEs there) is completed on the posting thread
-at once; only WRITEs still in progress go to the progress thread, whose
-hand-off (a thread wake-up per frame) costs a loaded host more than the
-WRITE. A notification (`notify`) to a peer waits for every WRITE posted
-to that peer before it, as it does behind the frames of `tcp`, and is
-dropped if one of them failed (the room's failure is reported instead).
-A handle still in progress after `handle_timeout_s` is cancelled (NIXL
-releases an in-flight request only once the backend confirmed the abort);
-until that release succeeds it stays in flight, and the room's pages on
-the decode side stay quarantined.
+not inside the call. When a frame is done, and when a notification may go,
+is `nixl_writes.PostedWrites`'s: it keeps the room `in_flight` until every
+handle of the room finished, and holds a notification behind the WRITEs
+posted to its peer before it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +35,11 @@ import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
-from pdcluster.runtime.pd.messages import NIXL_REGION_VERSION, NixlRegion
+from pdcluster.runtime.pd.messages import NixlRegion
 from pdcluster.runtime.transfer.endpoint import Endpoint, check_address
 from pdcluster.runtime.transfer.frames import KVFrameHeader, PoolGeometry
 from pdcluster.runtime.transfer.job import TransferJob, check_job
+from pdcluster.runtime.transfer.nixl_agent import NixlAgent, geometry_of
 from pdcluster.runtime.transfer.nixl_plan import (
     PlanError,
     RegionGeometry,
@@ -69,121 +47,17 @@ from pdcluster.runtime.transfer.nixl_plan import (
     check_geometries,
     frame_page_units,
     page_unit_grid,
-    page_unit_indices,
-    page_units,
     plan_descriptors,
     split_runs,
     unit_bytes,
     whole_pages,
 )
+from pdcluster.runtime.transfer.nixl_writes import HANDLE_TIMEOUT_S, PostedWrites
 from pdcluster.runtime.transfer.peer_table import PeerTable
 from pdcluster.runtime.transfer.sender import FrameDone
 from pdcluster.runtime.transfer.shm import copy_runs
-from pdcluster.runtime.transfer.ucx_report import is_tcp_fallback, parse_ucx_lanes, transports_of
 
 log = logging.getLogger(__name__)
-
-# A WRITE still in progress after this long is cancelled (the peer is hung or gone).
-HANDLE_TIMEOUT_S = 30.0
-# Poll period of the progress thread while handles are in flight.
-POLL_S = 0.0005
-
-
-def flush_ucx_log() -> None:
-    """Flush UCX's log file (it is block-buffered): call the loaded libucs's ucs_log_flush."""
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next((ln.split()[-1] for ln in maps if "/libucs" in ln), None)
-        if path is not None:
-            ctypes.CDLL(path).ucs_log_flush()
-    except (OSError, AttributeError) as err:
-        log.debug("nixl: cannot flush UCX's log: %s", err)
-
-
-def geometry_of(shape: KVPoolShape) -> RegionGeometry:
-    return RegionGeometry(
-        num_layers=shape.num_layers,
-        num_pages=shape.num_pages,
-        page_size=shape.page_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-        layout=shape.layout,
-    )
-
-
-class NixlAgent:
-    """This rank's NIXL agent with its KV pool registered (one per rank process)."""
-
-    def __init__(self, owner: str, pool: KVPool, *, progress_thread: bool = True) -> None:
-        """`progress_thread=False` for an agent that only initiates WRITEs (a prefill
-        rank): its transport's polling progresses UCX; a WRITE target needs the thread."""
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        # Unique per process: a restarted rank must never be mistaken for the old agent.
-        self.name = f"{owner}#{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # The sender thread posts WRITEs while the progress thread polls them.
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=["UCX"],
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        self.agent = nixl_agent(self.name, config)
-        self.pool = pool
-        buffer = pool.buffer
-        if not buffer.is_contiguous():
-            raise ValueError("a NIXL-registered KV pool must be one contiguous tensor")
-        self.mem_type = "VRAM" if buffer.device.type == "cuda" else "DRAM"
-        self.device_id = buffer.device.index or 0
-        self.base_address = buffer.data_ptr()
-        self.nbytes = buffer.numel() * buffer.element_size()
-        self._reg = self.agent.register_memory(
-            [(self.base_address, self.nbytes, self.device_id, "")], self.mem_type
-        )
-
-    def region(self) -> NixlRegion:
-        return NixlRegion(
-            version=NIXL_REGION_VERSION,
-            agent_name=self.name,
-            agent_metadata=self.agent.get_agent_metadata(),
-            mem_type="VRAM" if self.mem_type == "VRAM" else "DRAM",
-            device_id=self.device_id,
-            base_address=self.base_address,
-            nbytes=self.nbytes,
-        )
-
-    def report(self, require_rdma: bool = False) -> dict[str, Any]:
-        """What was negotiated: the UCX lanes and transports of this process's peers."""
-        from pdcluster.runtime.transfer.nixl_support import ucx_log_path
-
-        path = ucx_log_path()
-        text = ""
-        if path is not None:
-            flush_ucx_log()
-            try:
-                with open(path, errors="replace") as f:
-                    text = f.read()
-            except OSError:
-                pass
-        lanes = parse_ucx_lanes(text)
-        fallback = is_tcp_fallback(lanes)
-        return {
-            "agent": self.name,
-            "mem_type": self.mem_type,
-            "ucx_tls": os.environ.get("UCX_TLS"),
-            "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
-            "ucx_lanes": lanes,
-            "ucx_transports": transports_of(lanes),
-            "tcp_fallback": fallback,
-            # The manifest asked for RDMA / GPU-direct and got TCP: a silent slowdown.
-            "rdma_missing": require_rdma and fallback,
-        }
-
-    def close(self) -> None:
-        try:
-            self.agent.deregister_memory(self._reg)
-        except Exception as err:  # the process is ending: log, never raise
-            log.warning("nixl: deregistering the KV pool failed: %s", err)
 
 
 @dataclass
@@ -192,16 +66,6 @@ class _Peer:
     remote: str  # the name NIXL knows the peer's agent by
     geometry: RegionGeometry
     units: Any  # the prepared descriptor list of the peer's page units
-
-
-@dataclass(eq=False)  # compared by identity: one posted WRITE each
-class _Write:
-    room: int
-    peer: str
-    handle: Any
-    on_done: FrameDone
-    started: float
-    failed: bool = False
 
 
 @dataclass(eq=False)
@@ -219,15 +83,6 @@ class _JobPlan:
     grid: tuple[np.ndarray, np.ndarray] | None
 
 
-@dataclass(eq=False)
-class _Note:
-    """A notification held back until the WRITEs posted before it to its peer finished."""
-
-    peer: str
-    data: bytes
-    waits_for: list[_Write]
-
-
 class NixlTransport:
     """Writes frames into registered peers' pools with NIXL (a `DirectCopy` transport)."""
 
@@ -243,43 +98,41 @@ class NixlTransport:
         self.endpoint = endpoint
         self.agent = agent
         self.local = geometry_of(agent.pool.shape)
-        self.handle_timeout_s = handle_timeout_s
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()  # guards `_stats`
         self._peers: PeerTable[_Peer] = PeerTable("NIXL agent")
         # Held while a frame's WRITEs are built and posted, and while a peer's prepared
         # list and agent are released: NIXL must never use a released one. (Reentrant:
         # a refused post calls back into the sender on this thread.)
         self._posting = threading.RLock()
-        self._writes: list[_Write] = []
-        self._notes: list[_Note] = []  # in the order they were sent
         # The plan of the job whose frames are being posted (the sender thread posts
         # one job's frames in a row): made at its first frame, not per frame.
         self._job_plan: _JobPlan | None = None
-        self._closed = False
-        self.stats: dict[str, int] = {
+        self._stats: dict[str, int] = {
             "writes": 0,
             "prepped_writes": 0,
             "descriptors": 0,
             "bytes": 0,
-            "errors": 0,
-            "done_at_post": 0,
         }
-        self._units = self._prep_units(
+        self._units = agent.prep_units(
             "NIXL_INIT_AGENT", self.local, agent.base_address, agent.device_id, agent.mem_type
         )
-        self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
-        self._thread.start()
-
-    def _prep_units(
-        self, name: str, geo: RegionGeometry, base: int, device_id: int, mem_type: str
-    ) -> Any:
-        """A prepared NIXL descriptor list of every page unit of a pool at `base`."""
-        units = page_units(geo)
-        descs = np.stack(
-            [units[:, 0] + base, units[:, 1], np.full(len(units), device_id, dtype=np.int64)],
-            axis=1,
+        self.writes = PostedWrites(
+            agent,
+            lambda peer, data: self.endpoint.send_control(peer, data),
+            handle_timeout_s,
         )
-        return self.agent.agent.prep_xfer_dlist(name, descs, mem_type)
+
+    @property
+    def handle_timeout_s(self) -> float:
+        return self.writes.handle_timeout_s
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """WRITEs built (and how: prepared units, descriptors, bytes), then how they ended
+        (errors, done inside the posting call): a snapshot."""
+        with self._lock:
+            built = dict(self._stats)
+        return built | self.writes.counts()
 
     # ---- peers -----------------------------------------------------------
 
@@ -303,26 +156,14 @@ class NixlTransport:
         old = self._peers.find(peer)
         if old is not None and old.region == region:
             return
-        nx = self.agent.agent
-        try:
-            remote = nx.add_remote_agent(region.agent_metadata)
-        except Exception as err:
-            raise ValueError(f"NIXL refused the peer's agent metadata: {err}") from None
-        if isinstance(remote, bytes):
-            remote = remote.decode()
-        if remote != region.agent_name:
-            nx.remove_remote_agent(remote)
-            raise ValueError(
-                f"the peer's NIXL metadata names agent {remote!r}, "
-                f"its registration {region.agent_name!r}"
-            )
+        remote = self.agent.add_peer(region)
         geometry = geometry_of(shape)
         try:
-            units = self._prep_units(
+            units = self.agent.prep_units(
                 remote, geometry, region.base_address, region.device_id, region.mem_type
             )
         except Exception as err:
-            nx.remove_remote_agent(remote)
+            self.agent.remove_peer(remote)
             raise ValueError(f"NIXL refused the peer's region: {err}") from None
         old = self._peers.put(peer, _Peer(region, remote, geometry, units))
         if old is not None:  # the peer's previous process: nothing more goes to it
@@ -340,9 +181,9 @@ class NixlTransport:
     def _release_peer(self, peer: str, known: _Peer, remove_agent: bool) -> None:
         with self._posting:
             try:
-                self.agent.agent.release_dlist_handle(known.units)
+                self.agent.release_units(known.units)
                 if remove_agent:
-                    self.agent.agent.remove_remote_agent(known.remote)
+                    self.agent.remove_peer(known.remote)
             except Exception as err:
                 log.warning("nixl: releasing the agent of %s failed: %s", peer, err)
 
@@ -382,7 +223,22 @@ class NixlTransport:
             if not handles:  # a frame of no tokens: nothing to write
                 on_done(None)
                 return
-            self._post(job.room, job.peer, handles, _joined(on_done, len(handles)))
+            self.writes.post(job.room, job.peer, handles, _joined(on_done, len(handles)))
+
+    def discard(self, room: int) -> None:
+        """Nothing to withdraw: posted WRITEs finish (or time out) on their own."""
+
+    def notify(self, peer: str, data: bytes) -> None:
+        """Send `data` to `peer` once every WRITE posted to it so far finished."""
+        self.writes.notify(peer, data)
+
+    def in_flight(self) -> int:
+        return self.writes.in_flight()
+
+    def close(self) -> None:
+        self.writes.close()
+
+    # ---- frames to WRITEs ------------------------------------------------
 
     def _plan_of(self, job: TransferJob, peer: _Peer) -> _JobPlan:
         """The job's plan: the last one if it is this job's to this peer, else a new one."""
@@ -431,190 +287,34 @@ class NixlTransport:
             if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
                 pages, runs = split_runs(runs, ps)
                 if len(pages):
-                    local, remote = page_unit_indices(
+                    grid = page_unit_grid(
                         self.local, geo, pages, plan.layer_pairs, job.src_heads, job.dst_heads
                     )
-        nx = self.agent.agent
+                    local, remote = grid[0].ravel(), grid[1].ravel()
         handles: list[Any] = []
         nbytes = descriptors = 0
         try:
             if len(local):
-                handles.append(
-                    nx.make_prepped_xfer("WRITE", self._units, local, peer.units, remote)
-                )
+                handles.append(self.agent.page_unit_write(self._units, local, peer.units, remote))
                 descriptors += len(local)
                 nbytes += len(local) * unit_bytes(self.local)
             if runs:
                 table = plan_descriptors(
                     self.local, geo, runs, plan.layer_pairs, job.src_heads, job.dst_heads
                 )
-                handles.append(self._initialize_write(table, peer))
+                handles.append(self.agent.descriptor_write(table, peer.region, peer.remote))
                 descriptors += len(table)
                 nbytes += int(table[:, 2].sum())
         except Exception:
             for handle in handles:
-                self._release(handle)
+                self.agent.release(handle)
             raise
         with self._lock:
-            self.stats["writes"] += len(handles)
-            self.stats["prepped_writes"] += 1 if len(local) else 0
-            self.stats["descriptors"] += descriptors
-            self.stats["bytes"] += nbytes
+            self._stats["writes"] += len(handles)
+            self._stats["prepped_writes"] += 1 if len(local) else 0
+            self._stats["descriptors"] += descriptors
+            self._stats["bytes"] += nbytes
         return handles
-
-    def _initialize_write(self, table: np.ndarray, peer: _Peer) -> Any:
-        """A WRITE from per-frame descriptors ([n, 3] src offset, dst offset, bytes)."""
-        region = peer.region
-        local = np.stack(
-            [
-                table[:, 0] + self.agent.base_address,
-                table[:, 2],
-                np.full(len(table), self.agent.device_id, dtype=np.int64),
-            ],
-            axis=1,
-        )
-        remote = np.stack(
-            [
-                table[:, 1] + region.base_address,
-                table[:, 2],
-                np.full(len(table), region.device_id, dtype=np.int64),
-            ],
-            axis=1,
-        )
-        nx = self.agent.agent
-        return nx.initialize_xfer(
-            "WRITE",
-            nx.get_xfer_descs(local, self.agent.mem_type),
-            nx.get_xfer_descs(remote, region.mem_type),
-            peer.remote,
-        )
-
-    def _post(self, room: int, peer: str, handles: list[Any], on_done: FrameDone) -> None:
-        nx = self.agent.agent
-        for handle in handles:
-            try:
-                state = nx.transfer(handle)
-            except Exception as err:
-                state, why = "ERR", str(err)
-            else:
-                why = "the UCX backend refused the WRITE"
-            if state == "ERR":
-                self._release(handle)
-                with self._lock:
-                    self.stats["errors"] += 1
-                on_done(f"nixl_write_failed: {why}")
-                continue
-            if state == "DONE":
-                # Finished inside the call: nothing of it can land any more, so the
-                # frame is done here, without waking the progress thread.
-                self._release(handle)
-                with self._lock:
-                    self.stats["done_at_post"] += 1
-                on_done(None)
-                continue
-            with self._lock:
-                self._writes.append(_Write(room, peer, handle, on_done, time.monotonic()))
-                self._lock.notify_all()
-
-    def discard(self, room: int) -> None:
-        """Nothing to withdraw: posted WRITEs finish (or time out) on their own."""
-
-    def notify(self, peer: str, data: bytes) -> None:
-        """Send `data` to `peer` once every WRITE posted to it so far finished."""
-        with self._lock:
-            earlier = [w for w in self._writes if w.peer == peer]
-            if earlier or any(n.peer == peer for n in self._notes):
-                self._notes.append(_Note(peer, data, earlier))
-                self._lock.notify_all()
-                return
-        self.endpoint.send_control(peer, data)
-
-    def _due_notes(self) -> list[_Note]:
-        """Take the notes whose WRITEs all finished (under `_lock`), in order per peer."""
-        due: list[_Note] = []
-        kept: list[_Note] = []
-        held: set[str] = set()  # peers with an earlier note still waiting
-        for note in self._notes:
-            note.waits_for = [w for w in note.waits_for if w in self._writes or w.failed]
-            waiting = any(not w.failed for w in note.waits_for)
-            if waiting or note.peer in held:
-                kept.append(note)
-                held.add(note.peer)
-            else:
-                due.append(note)
-        self._notes = kept
-        return due
-
-    def _send_notes(self, notes: list[_Note]) -> None:
-        for note in notes:
-            if any(w.failed for w in note.waits_for):
-                # A WRITE before it failed: the peer must not read its pages as
-                # complete; the room's failure goes to the control plane instead.
-                log.warning("nixl: notification to %s dropped: a WRITE before it failed", note.peer)
-                continue
-            try:
-                self.endpoint.send_control(note.peer, note.data)
-            except Exception as err:
-                log.warning("nixl: notification to %s failed: %s", note.peer, err)
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._writes)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._thread.join(2)
-
-    # ---- progress --------------------------------------------------------
-
-    def _progress(self) -> None:
-        nx = self.agent.agent
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._writes or self._notes or self._closed)
-                if self._closed:
-                    return
-                writes = list(self._writes)
-            now = time.monotonic()
-            finished: list[tuple[_Write, str | None]] = []
-            for w in writes:
-                state = nx.check_xfer_state(w.handle)
-                if state == "DONE":
-                    finished.append((w, None))
-                elif state == "ERR":
-                    finished.append((w, "nixl_write_failed: the peer's agent is unreachable"))
-                elif now - w.started > self.handle_timeout_s and self._release(w.handle):
-                    # NIXL confirmed the abort: nothing of it can land any more.
-                    finished.append((w, "nixl_write_timeout"))
-                    w.handle = None
-            with self._lock:
-                done = {id(w) for w, _ in finished}
-                self._writes = [w for w in self._writes if id(w) not in done]
-                for w, err in finished:
-                    w.failed = err is not None
-                if any(err for _, err in finished):
-                    self.stats["errors"] += sum(1 for _, err in finished if err)
-                notes = self._due_notes()
-            for w, err in finished:
-                if w.handle is not None:
-                    self._release(w.handle)
-                try:
-                    w.on_done(err)
-                except Exception:
-                    log.exception("nixl: frame callback of room %d failed", w.room)
-            self._send_notes(notes)
-            if not finished and not notes:
-                time.sleep(POLL_S)
-
-    def _release(self, handle: Any) -> bool:
-        try:
-            self.agent.agent.release_xfer_handle(handle)
-        except Exception as err:
-            log.debug("nixl: releasing a transfer handle failed (still in flight?): %s", err)
-            return False
-        return True
 
 
 def _joined(on_done: FrameDone, num_results: int) -> FrameDone:

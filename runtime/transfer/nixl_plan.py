@@ -267,7 +267,7 @@ def whole_pages(src_slots: np.ndarray, dst_slots: np.ndarray, page_size: int) ->
     return np.stack([s[:, 0] // page_size, d[:, 0] // page_size], axis=1)
 
 
-def page_unit_indices(
+def page_unit_grid(
     src: RegionGeometry,
     dst: RegionGeometry,
     pages: np.ndarray,
@@ -276,10 +276,13 @@ def page_unit_indices(
     dst_heads: tuple[int, int],
 ) -> tuple[np.ndarray, np.ndarray]:
     """int32 unit indices (ours, the peer's), pair by pair, that move `pages`
-    ([k, 2] (src_page, dst_page)) of the given layers and heads.
+    ([k, 2] (src_page, dst_page)) of the given layers and heads, shaped
+    [layer pairs, 2, pages, heads] (heads 1 in NHD).
 
-    Ordered by layer pair, K|V, page, head — the source's memory order, so
-    units that follow each other on both sides stay neighbours in the list.
+    Raveled, that is the source's memory order (layer pair, K|V, page, head),
+    so units that follow each other on both sides stay neighbours in the
+    list. Computed once per job: a frame of pages `[p0, p1)` of the job then
+    takes `frame_page_units(grid, p0, p1)` instead of planning its own.
     """
     if not can_use_page_units(src, dst, src_heads, dst_heads):
         raise PlanError("these pools or head slices cannot move as page units")
@@ -303,32 +306,15 @@ def page_unit_indices(
         block = (layers[:, None, None, None] * 2 + kv) * geo.num_pages + pg[None, None, :, None]
         if geo.layout == KVLayout.HND:
             block = block * geo.num_kv_heads + first + heads
-        return np.broadcast_to(block, (len(layers), 2, len(pg), heads.shape[3])).ravel()
+        shape = (len(layers), 2, len(pg), heads.shape[3])
+        return np.broadcast_to(block, shape).astype(np.int32)  # a contiguous copy
 
-    local = units(src, lp[:, 0], p[:, 0], src_heads[0])
-    remote = units(dst, lp[:, 1], p[:, 1], dst_heads[0])
-    return local.astype(np.int32), remote.astype(np.int32)
-
-
-def page_unit_grid(
-    src: RegionGeometry,
-    dst: RegionGeometry,
-    pages: np.ndarray,
-    layer_pairs: Sequence[tuple[int, int]],
-    src_heads: tuple[int, int],
-    dst_heads: tuple[int, int],
-) -> tuple[np.ndarray, np.ndarray]:
-    """`page_unit_indices` of a whole job's pages, shaped [layer pairs, 2, pages, heads]
-    (heads 1 in NHD): computed once per job, a frame of pages `[p0, p1)` of the job
-    then takes `frame_page_units(grid, p0, p1)` instead of planning its own."""
-    local, remote = page_unit_indices(src, dst, pages, layer_pairs, src_heads, dst_heads)
-    shape = (len(layer_pairs), 2, len(pages), -1)
-    return local.reshape(shape), remote.reshape(shape)
+    return units(src, lp[:, 0], p[:, 0], src_heads[0]), units(dst, lp[:, 1], p[:, 1], dst_heads[0])
 
 
 def frame_page_units(grid: np.ndarray, p0: int, p1: int) -> np.ndarray:
     """The int32 unit indices of pages `[p0, p1)` of a job's `page_unit_grid`, in the
-    order `page_unit_indices` gives for those pages alone."""
+    order `page_unit_grid` of those pages alone gives, raveled."""
     if not 0 <= p0 <= p1 <= grid.shape[2]:
         raise PlanError(f"pages {p0}..{p1} outside the job's 0..{grid.shape[2]}")
     return np.ascontiguousarray(grid[:, :, p0:p1]).ravel()

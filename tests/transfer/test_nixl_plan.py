@@ -14,7 +14,6 @@ from pdcluster.runtime.transfer.nixl_plan import (
     frame_page_units,
     merge_descriptors,
     page_unit_grid,
-    page_unit_indices,
     page_units,
     plan_descriptors,
     split_runs,
@@ -197,6 +196,12 @@ def test_no_runs_no_descriptors() -> None:
 # ---- page units (descriptor lists prepared once per registration) -------------
 
 
+def flat_units(*args) -> tuple[np.ndarray, np.ndarray]:
+    """`page_unit_grid` raveled: the unit indices (ours, the peer's) a WRITE names."""
+    local, remote = page_unit_grid(*args)
+    return local.ravel(), remote.ravel()
+
+
 def unit_table(src, dst, local, remote) -> np.ndarray:
     """The (src offset, dst offset, bytes) rows a prepared WRITE of these unit indices moves."""
     s_units, d_units = page_units(src), page_units(dst)
@@ -217,7 +222,7 @@ def test_page_units_and_the_rest_move_what_per_frame_descriptors_move(case) -> N
     rest = runs
     if can_use_page_units(src, dst, sh, dh):
         pages, rest = split_runs(runs, src.page_size)
-        local, remote = page_unit_indices(src, dst, pages, pairs, sh, dh)
+        local, remote = flat_units(src, dst, pages, pairs, sh, dh)
         assert local.dtype == remote.dtype == np.int32
         execute(unit_table(src, dst, local, remote), src_bytes, got)
     if rest:
@@ -242,7 +247,7 @@ def test_only_whole_pages_on_both_sides_move_as_units() -> None:
 
 def test_a_whole_page_of_hnd_is_one_unit_per_head_of_the_slice() -> None:
     src, dst = geo(layout=KVLayout.HND, heads=4), geo(layout=KVLayout.HND, heads=2)
-    local, remote = page_unit_indices(src, dst, np.array([[3, 5]]), [(1, 0)], (2, 4), (0, 2))
+    local, remote = flat_units(src, dst, np.array([[3, 5]]), [(1, 0)], (2, 4), (0, 2))
     # (layer, K|V, page, head) -> ((layer * 2 + kv) * pages + page) * heads + head
     assert local.tolist() == [(2 * 8 + 3) * 4 + 2, (2 * 8 + 3) * 4 + 3,
                               (3 * 8 + 3) * 4 + 2, (3 * 8 + 3) * 4 + 3]  # fmt: skip
@@ -262,15 +267,15 @@ def test_pairings_page_units_cannot_carry_are_left_to_per_frame_descriptors(
 ) -> None:
     assert not can_use_page_units(src, dst, sh, dh)
     with pytest.raises(PlanError, match="page units"):
-        page_unit_indices(src, dst, np.array([[0, 0]]), [(0, 0)], sh, dh)
+        flat_units(src, dst, np.array([[0, 0]]), [(0, 0)], sh, dh)
 
 
 def test_page_units_outside_either_pool_are_refused() -> None:
     g = geo()
     with pytest.raises(PlanError, match="the peer's pages outside"):
-        page_unit_indices(g, g, np.array([[0, 8]]), [(0, 0)], (0, 4), (0, 4))
+        flat_units(g, g, np.array([[0, 8]]), [(0, 0)], (0, 4), (0, 4))
     with pytest.raises(PlanError, match="our layers outside"):
-        page_unit_indices(g, g, np.array([[0, 0]]), [(2, 0)], (0, 4), (0, 4))
+        flat_units(g, g, np.array([[0, 0]]), [(2, 0)], (0, 4), (0, 4))
 
 
 @settings(max_examples=200, deadline=None)
@@ -328,7 +333,7 @@ def test_a_frame_cut_from_the_jobs_grid_names_the_units_it_would_plan(
     pairs = [(0, 2), (1, 0)]
     grid = page_unit_grid(src, dst, job_pages, pairs, heads, heads)
     p0, p1 = sorted(min(c, num_pages) for c in cut)
-    local, remote = page_unit_indices(src, dst, job_pages[p0:p1], pairs, heads, heads)
+    local, remote = flat_units(src, dst, job_pages[p0:p1], pairs, heads, heads)
     assert frame_page_units(grid[0], p0, p1).tolist() == local.tolist()
     assert frame_page_units(grid[1], p0, p1).tolist() == remote.tolist()
     assert frame_page_units(grid[0], p0, p1).dtype == np.int32

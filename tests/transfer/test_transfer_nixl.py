@@ -40,7 +40,7 @@ def link() -> Iterator[Link]:
 
 
 def agent(pool: KVPool):
-    from pdcluster.runtime.transfer.nixl import NixlAgent
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
 
     return NixlAgent(f"test-{next(_ids)}", pool)
 
@@ -341,7 +341,7 @@ def test_a_notification_waits_for_the_writes_posted_before_it(link):
     sender.start()
     try:
         assert sender.submit(job)
-        wait_until(lambda: len(t._notes) == 1, what="the notification held back")
+        wait_until(lambda: t.writes.num_held_notes() == 1, what="the notification held back")
         assert job.notify not in [d for _, d in link.inbox.messages]
         gate.set()
         link.inbox.wait_for(job.notify)
@@ -366,10 +366,10 @@ def test_a_notification_behind_a_failed_write_is_dropped(link):
     sender.start()
     job = nixl_job(random_table(8, 32, 50), random_table(8, 32, 51), link)
     assert sender.submit(job)
-    wait_until(lambda: len(t._notes) == 1, what="the notification held back")
+    wait_until(lambda: t.writes.num_held_notes() == 1, what="the notification held back")
     gate.set()
     assert sender.drain(21, timeout=10)
-    wait_until(lambda: not t._notes, what="the held notification handled")
+    wait_until(lambda: not t.writes.num_held_notes(), what="the held notification handled")
     t.notify(link.decode.address, b"after-the-failed-room")  # same connection: a barrier
     link.inbox.wait_for(b"after-the-failed-room")
     sender.close()

@@ -35,6 +35,7 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
+from pdcluster.runtime.dp_ports import DpPorts, DpPortsError, parse_port_list, resolve_dp_ports
 from pdcluster.runtime.http import event_loop
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
@@ -59,12 +60,14 @@ class WorkerSettings:
     host: str
     advertise_host: str
     port: int
-    dist_port: int  # first torch.distributed port; dp group d uses dist_port + d
+    dist_port: int  # dp group 0's torch.distributed store (the others: dp_dist_ports)
     bootstrap_port: int | None
     token: str
     shm_dir: str | None
-    # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1).
+    # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1) and
+    # the torch store ports of those groups (runtime/dp_ports.py says who picks them).
     dp_ports: tuple[int, ...] = ()
+    dp_dist_ports: tuple[int, ...] = ()
     # A directory with tokenizer.json to use instead of the model's own.
     tokenizer: str | None = None
     # Decode: the prefill bootstrap servers it may contact, when given at start
@@ -137,7 +140,7 @@ def _init_group(
         cfg.parallel,
         group_rank,
         store_host(settings.leader_advertise_host, settings.layout.is_multi_pod),
-        settings.dist_port + dp_rank,
+        settings.dist_port if dp_rank == 0 else settings.dp_dist_ports[dp_rank - 1],
         cfg.device,
         gate=gate,
     )
@@ -409,6 +412,7 @@ async def _serve_all(servers: list[uvicorn.Server]) -> None:
 
 
 def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
+    dp_ports = _dp_ports_arg(manifest, args)
     settings = WorkerSettings(
         manifest=manifest,
         role=Role.parse(args.role),
@@ -424,6 +428,8 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         prefill_peers=_prefill_peers_arg(args),
         event_loop=_event_loop_arg(),
         pod_index=getattr(args, "pod_index", 0),
+        dp_ports=dp_ports.http_ports,
+        dp_dist_ports=dp_ports.dist_ports[1:],
     )
     if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
         # An empty token would turn every check off; the operator always sets one.
@@ -477,6 +483,22 @@ def _event_loop_arg() -> EventLoop:
         raise SystemExit(f"pdcluster worker: {err}") from None
 
 
+def _dp_ports_arg(manifest: PDCluster, args: argparse.Namespace) -> DpPorts:
+    rs = manifest.spec.role_spec(Role.parse(args.role))
+    dp = rs.topology.dp if rs is not None else 1
+    try:
+        http = getattr(args, "dp_ports", None)
+        dist = getattr(args, "dp_dist_ports", None)
+        return resolve_dp_ports(
+            dp,
+            args.dist_port,
+            None if http is None else parse_port_list(http, "--dp-ports"),
+            None if dist is None else parse_port_list(dist, "--dp-dist-ports"),
+        )
+    except DpPortsError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
+
+
 def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] | None:
     from pdcluster.runtime.pd.known_peers import PeerSetError, parse_peers_env
 
@@ -490,11 +512,6 @@ def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] 
 
 
 def _run_instance(settings: WorkerSettings) -> int:
-    dp = settings.role_spec.topology.dp
-    if dp > 1:
-        from pdcluster.runtime.ports import free_ports
-
-        settings = replace(settings, dp_ports=tuple(free_ports(dp - 1)))
     children = _start_children(settings, settings.layout.rank_range(0))
     if children:
         _watch_children(children)

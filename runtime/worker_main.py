@@ -40,7 +40,13 @@ from pdcluster.runtime.http import event_loop
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pod_layout import PodLayout
-from pdcluster.runtime.pod_rendezvous import PodPlan, RankIdentity, RendezvousError, plan_pod
+from pdcluster.runtime.pod_rendezvous import (
+    PodPlan,
+    RankIdentity,
+    RendezvousError,
+    group_hosts,
+    plan_pod,
+)
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
@@ -79,6 +85,10 @@ class WorkerSettings:
     pod_index: int = 0
     # The leader pod's address (pods k > 0); None: this pod is the leader.
     leader_host: str | None = None
+    # Multi-pod dp > 1: where each dp group's leader (its store, its internal
+    # HTTP server) is reached from this pod (None: a group this pod does not
+    # need); learnt from the leader pod's address directory (pod_rendezvous.py).
+    group_hosts: tuple[str | None, ...] = ()
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -94,6 +104,39 @@ class WorkerSettings:
     def leader_advertise_host(self) -> str:
         """Where the instance's leader pod is reached (its bootstrap server, its store)."""
         return self.leader_host or self.advertise_host
+
+    def group_store_host(self, dp_rank: int) -> str:
+        """Where dp group `dp_rank`'s torch store is dialled (hosted by its rank 0)."""
+        if self.group_hosts and self.group_hosts[dp_rank] is not None:
+            return self.group_hosts[dp_rank]  # type: ignore[return-value]
+        return store_host(self.leader_advertise_host, self.layout.is_multi_pod)
+
+    def leads_on_front_pod(self, dp_rank: int) -> bool:
+        """Whether dp group `dp_rank`'s leader runs on pod 0, next to the HTTP front."""
+        topo = self.role_spec.topology
+        return self.layout.pod_of_rank(dp_rank * topo.cp * topo.tp * topo.pp) == 0
+
+    def dp_http_host(self, dp_rank: int) -> str:
+        """Where dp group `dp_rank` (> 0)'s leader serves its internal HTTP API: loopback
+        next to the front, else the hosting pod's own address (token required)."""
+        return "127.0.0.1" if self.leads_on_front_pod(dp_rank) else self.host
+
+    @property
+    def dp_urls(self) -> tuple[str, ...]:
+        """http://host:port of the leaders of dp groups 1..dp-1, as the front reaches them."""
+        urls = []
+        for d, port in enumerate(self.dp_ports, start=1):
+            host = "127.0.0.1"
+            if not self.leads_on_front_pod(d):
+                remote = self.group_hosts[d] if self.group_hosts else None
+                assert remote is not None, f"dp group {d}'s leader pod address is unknown"
+                host = remote
+            urls.append(f"http://{_url_host(host)}:{port}")
+        return tuple(urls)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _torch_threads() -> int:
@@ -128,6 +171,9 @@ def _init_group(
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
+    # dp group 0's rank 0 on the leader pod of a multi-pod dp > 1 instance
+    # hosts the address directory already: its store is that one.
+    store = _DIRECTORY[0] if dp_rank == 0 and group_rank == 0 and _DIRECTORY else None
     gate = RankGate(
         token=settings.token,
         identity=RankIdentity(
@@ -139,10 +185,11 @@ def _init_group(
     dist = init_distributed(
         cfg.parallel,
         group_rank,
-        store_host(settings.leader_advertise_host, settings.layout.is_multi_pod),
+        settings.group_store_host(dp_rank),
         settings.dist_port if dp_rank == 0 else settings.dp_dist_ports[dp_rank - 1],
         cfg.device,
         gate=gate,
+        store=store,
     )
     return cfg, dist
 
@@ -218,7 +265,13 @@ def _start_children(
 def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
     """Leader of dp group d > 0: its own engine and an internal HTTP port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    serve_leader(settings, dp_rank, port=settings.dp_ports[dp_rank - 1], host="127.0.0.1")
+    host = settings.dp_http_host(dp_rank)
+    if not host.startswith("127.") and not settings.token:
+        raise SystemExit(
+            f"pdcluster worker: dp group {dp_rank}'s leader would serve {host} without a "
+            "cluster token; set PDCLUSTER_TOKEN"
+        )
+    serve_leader(settings, dp_rank, port=settings.dp_ports[dp_rank - 1], host=host)
 
 
 def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -> None:
@@ -320,7 +373,9 @@ def _serve_engine(
         info,
         metrics,
         token=settings.token,
-        data_plane_open=auth.worker_api is WorkerApiAccess.open,
+        # Only the front opens up: a dp leader behind it takes the front's relays,
+        # which always carry the cluster token.
+        data_plane_open=auth.worker_api is WorkerApiAccess.open and dp_rank == 0,
         extra_routes=extra_routes,
     )
     servers.insert(0, uvicorn.Server(server_config(app, host, port)))
@@ -470,7 +525,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         owned_shm = make_pool_dir(manifest.metadata.name)
         settings = replace(settings, shm_dir=owned_shm)
     try:
-        return _run_instance(settings) if plan.is_leader else _run_pod(settings, plan)
+        return _run_instance(settings, plan) if plan.is_leader else _run_pod(settings, plan)
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
@@ -511,7 +566,52 @@ def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] 
         raise SystemExit(f"pdcluster worker: --prefill-peers: {err}") from None
 
 
-def _run_instance(settings: WorkerSettings) -> int:
+# The leader pod's address directory (store, listener) of a multi-pod dp > 1
+# instance, hosted by this process; dp group 0's rank 0 reuses the store.
+_DIRECTORY: list[Any] = []
+# How long a pod waits for the addresses it needs (the other pods are starting too).
+ADDRESS_TIMEOUT_S = 600.0
+
+
+def _identity(settings: WorkerSettings) -> RankIdentity:
+    return RankIdentity(settings.manifest.metadata.name, settings.role.value, settings.instance)
+
+
+def _with_group_hosts(settings: WorkerSettings, plan: PodPlan) -> WorkerSettings:
+    """Multi-pod dp > 1: exchange addresses through the leader pod's directory
+    (pod 0 hosts it and waits for the dp leader pods; a pod k > 0 publishes its
+    own and reads those it needs) and record where each dp group is reached."""
+    dp = settings.role_spec.topology.dp
+    if dp == 1 or not settings.layout.is_multi_pod:
+        return settings
+    from pdcluster.runtime.engine.parallel import dial_store, host_store
+    from pdcluster.runtime.engine.rendezvous import publish_address, wait_addresses
+
+    who = _identity(settings)
+    leader = settings.leader_advertise_host
+    if plan.is_leader:
+        _DIRECTORY.extend(host_store(store_host(leader, True), settings.dist_port, 60.0))
+        store = _DIRECTORY[0]
+    elif plan.publishes or plan.needs:
+        store = dial_store(leader, settings.dist_port, ADDRESS_TIMEOUT_S)
+    else:
+        store = None
+    if plan.publishes:
+        publish_address(store, settings.token, who, plan.pod_index, settings.advertise_host)
+    known: dict[int, str] = {}
+    if plan.needs:
+        log.info("waiting for the addresses of pods %s", list(plan.needs))
+        known = wait_addresses(store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S)
+    hosts = group_hosts(settings.layout, dp, plan.pod_index, settings.advertise_host, leader, known)
+    log.info("dp group leaders reached at %s", list(hosts))
+    return replace(settings, group_hosts=hosts)
+
+
+def _run_instance(settings: WorkerSettings, plan: PodPlan) -> int:
+    try:
+        settings = _with_group_hosts(settings, plan)
+    except RendezvousError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
     children = _start_children(settings, settings.layout.rank_range(0))
     if children:
         _watch_children(children)
@@ -537,6 +637,11 @@ def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
         list(plan.ranks),
         settings.leader_host,
     )
+    try:
+        settings = _with_group_hosts(settings, plan)
+    except RendezvousError as err:
+        log.error("%s", err)
+        return 1
     children = _start_children(settings, plan.ranks)
     stopping = threading.Event()
 

@@ -18,6 +18,19 @@ A proof is an HMAC of (cluster, role, instance, rank) keyed by the cluster
 token, so a pod of another cluster, another instance or without the token
 is turned away before it takes part in a collective.
 
+With dp > 1 each dp group is its own torch world whose store (and its
+leader's internal HTTP port) lives on the pod of the group's rank 0. Pods
+learn each other's addresses through the leader pod's directory, kept in
+dp group 0's store before any rank starts:
+
+    pod k hosting a dp leader:  pdcluster/pod/<k> = "<host> <proof(k, host)>"
+    pod 0: waits for every such pod (its HTTP front forwards there)
+    pod j > 0 running ranks of a group led by pod k > 0: reads pod k's entry
+
+An entry's proof is an HMAC of (cluster, role, instance, pod, host) keyed
+by the cluster token, checked by every reader: an address written without
+the token, or copied from another pod, is refused.
+
 What this does not cover (the NetworkPolicy and the pod-IP binding do): the
 torch store and gloo accept anyone who reaches their ports, and the objects
 they carry are unpickled; a peer that can reach them can read a proof and
@@ -26,7 +39,8 @@ by frame (transfer/identity.py) and bootstrap registration by the token.
 
 Invariants (tests/test_pod_rendezvous.py): the verdict is "ok" only when
 every rank of [0, R) wrote a proof and each one matches; the leader address
-is one host (IPv4, IPv6 or DNS-1123 name), never a URL or host:port.
+is one host (IPv4, IPv6 or DNS-1123 name), never a URL or host:port; every
+address a pod needs is published by exactly the pod hosting that dp leader.
 
 Pure module: no sockets, no torch, no clock.
 """

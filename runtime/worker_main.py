@@ -8,10 +8,16 @@ Process layout of an instance with dp × cp × tp × pp ranks over P pods
   (and, for prefill, the bootstrap server); the pod's other ranks are child
   processes started here;
 - on pod k > 0 this process only starts and watches the pod's ranks; they
-  wait for the leader's address (runtime/leader_address.py) and join the
-  leader's torch store after proving the cluster token (pod_rendezvous.py);
+  wait for the leader's address (runtime/leader_address.py) and join their
+  group's torch store after proving the cluster token (pod_rendezvous.py);
 - each dp group is its own torch.distributed world (dp groups never run a
-  collective together), so a group's ranks are `cp × tp × pp` processes.
+  collective together), so a group's ranks are `cp × tp × pp` processes;
+  the leader of group d > 0 serves an internal HTTP port the front (group
+  0) relays its rooms to. Its store and that port live on the pod of the
+  group's rank 0: loopback when that is pod 0, else the pod's own address
+  (token required), which the pod publishes in the leader pod's address
+  directory before its ranks start (`_with_group_hosts`). Ports:
+  runtime/dp_ports.py.
 
 The process exits non-zero when a rank dies: an instance is a gang, its
 peers cannot continue alone (the launcher or Kubernetes restarts it).

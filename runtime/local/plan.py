@@ -7,9 +7,13 @@ instance (`gpusPerPod`, runtime/pod_layout.py; one pod when it is left
 out) that starts that pod's ranks; rank 0 on pod 0 (the leader) hosts the
 HTTP server and, for prefill, the bootstrap server. The pods of a
 multi-pod instance are named `<role>-<i>-<k>` like the operator's, share
-the instance's ports (pods k > 0 listen on none of them: they dial the
-leader's) and are told the leader's address in
-`$PDCLUSTER_LEADER_ADDRESS`.
+the instance's ports (each is bound by one rank of one pod: with dp = 1
+pods k > 0 listen on none of them, they dial the leader's) and are told
+the leader's address in `$PDCLUSTER_LEADER_ADDRESS`. An instance with
+dp > 1 also gets a store port per dp group and an internal HTTP port per
+dp group after the first, drawn here with every other port
+(`--dp-dist-ports`, `--dp-ports`, runtime/dp_ports.py): the pod hosting a
+group's rank 0 binds them.
 """
 
 from __future__ import annotations

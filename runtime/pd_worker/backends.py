@@ -501,7 +501,8 @@ def build_pd_backend(
     info: dict[str, Any] = {
         "dp_size": topo.dp,
         "dp_rank": dp_rank,
-        "dp_urls": settings.dp_urls,
+        # Only the front (dp group 0) reaches the other groups' leaders.
+        "dp_urls": settings.dp_urls if dp_rank == 0 else (),
         "prefill_dp_size": spec.prefill.topology.dp if spec.prefill is not None else 1,
         "token": settings.token,
     }
@@ -533,7 +534,7 @@ def build_pd_backend(
             backend.known = KnownPeers(frozenset(settings.prefill_peers))
 
     # Only the front (dp group 0) relays admin calls to the other groups.
-    relay_urls = tuple(settings.dp_urls) if dp_rank == 0 else ()
+    relay_urls = backend.dp_urls if dp_rank == 0 else ()
     counts = InstanceCounts(agent, coord, settings.token, relay_urls)
     backend.counts = counts
     routes = _admin_routes(agent, settings.token, counts, relay_urls)

@@ -125,14 +125,20 @@ class WorkerSettings:
     def dp_http_host(self, dp_rank: int) -> str:
         """Where dp group `dp_rank` (> 0)'s leader serves its internal HTTP API: loopback
         next to the front, else the hosting pod's own address (token required)."""
-        return "127.0.0.1" if self.leads_on_front_pod(dp_rank) else self.host
+        return self._front_loopback if self.leads_on_front_pod(dp_rank) else self.host
+
+    @property
+    def _front_loopback(self) -> str:
+        # As for the store: a loopback advertise host (pods sharing one network
+        # on the test node agent, 127.0.x.y each) is kept so pods do not collide.
+        return store_host(self.leader_advertise_host)
 
     @property
     def dp_urls(self) -> tuple[str, ...]:
         """http://host:port of the leaders of dp groups 1..dp-1, as the front reaches them."""
         urls = []
         for d, port in enumerate(self.dp_ports, start=1):
-            host = "127.0.0.1"
+            host = self._front_loopback
             if not self.leads_on_front_pod(d):
                 remote = self.group_hosts[d] if self.group_hosts else None
                 assert remote is not None, f"dp group {d}'s leader pod address is unknown"

@@ -71,3 +71,9 @@ def test_one_pod_dp_keeps_every_group_on_loopback() -> None:
     one = settings({"dp": 2}, None, 0, "10.0.0.0")
     assert one.dp_urls == ("http://127.0.0.1:29502",)
     assert one.group_store_host(1) == "127.0.0.1"
+
+
+def test_a_loopback_pod_address_is_kept_so_pods_sharing_a_network_do_not_collide() -> None:
+    one = settings({"dp": 2}, None, 0, "127.0.3.4")
+    assert one.dp_urls == ("http://127.0.3.4:29502",)
+    assert one.dp_http_host(1) == one.group_store_host(1) == "127.0.3.4"

@@ -5,7 +5,9 @@ per pod) in one cluster start: PD output equals colocated; kill -9 the
 non-leader prefill pod during a burst → the rooms on that instance fail
 within the heartbeat bound, both of its pods are restarted as a gang, and
 later requests equal colocated again. A leader started alone says which
-ranks it is missing until its other pod joins.
+ranks it is missing until its other pod joins. dp groups on pods of their
+own (`examples/pd-prefill-dp2-2pods.yaml`, and one rank a pod) serve like
+colocated, and both dp groups of each role serve requests.
 """
 
 from __future__ import annotations
@@ -214,17 +216,37 @@ def metric_total(text: str, name: str) -> float:
     return total
 
 
+WIDE_DP_EXAMPLE = Path(__file__).parents[2] / "examples" / "pd-prefill-dp2-2pods.yaml"
+# Prefill dp2 tp2 at one rank a pod: dp group 1 (ranks 2, 3) runs on pods 2 and 3,
+# so pod 3 dials group 1's store at pod 2's published address, and the front on
+# pod 0 forwards group 1's rooms to pod 2. Decode dp2: group 1 on pod 1.
+ONE_RANK_A_POD = {
+    "model": {"name": "tiny", "computeDtype": "float64"},
+    "kvCache": {"pageSize": 16, "dtype": "float64", "numPages": 256},
+    "prefill": {"topology": {"dp": 2, "tp": 2}, "gpusPerPod": 1},
+    "decode": {"topology": {"dp": 2}, "gpusPerPod": 1},
+}
+
+
 @pytest.mark.slow
-def test_dp_groups_on_their_own_pods_serve_like_colocated(tmp_path: Path) -> None:
-    # Prefill dp2 tp2 at one rank a pod: dp group 1 (ranks 2, 3) runs on pods 2 and 3,
-    # so pod 3 dials group 1's store at pod 2's published address, and the front on
-    # pod 0 forwards group 1's rooms to pod 2. Decode dp2: group 1 on pod 1.
-    spec = {
-        "model": {"name": "tiny", "computeDtype": "float64"},
-        "kvCache": {"pageSize": 16, "dtype": "float64", "numPages": 256},
-        "prefill": {"topology": {"dp": 2, "tp": 2}, "gpusPerPod": 1},
-        "decode": {"topology": {"dp": 2}, "gpusPerPod": 1},
-    }
+@pytest.mark.parametrize(
+    ("spec", "ranks"),
+    [
+        (
+            ONE_RANK_A_POD,
+            {"prefill-0-0": "0", "prefill-0-1": "1", "prefill-0-2": "2", "prefill-0-3": "3"},
+        ),
+        # The example: a whole dp group a pod (gpusPerPod 2).
+        (
+            yaml.safe_load(WIDE_DP_EXAMPLE.read_text())["spec"],
+            {"prefill-0-0": "0-1", "prefill-0-1": "2-3"},
+        ),
+    ],
+    ids=["one-rank-a-pod", "example-group-a-pod"],
+)
+def test_dp_groups_on_their_own_pods_serve_like_colocated(
+    tmp_path: Path, spec: dict[str, Any], ranks: dict[str, str]
+) -> None:
     path = write_manifest(tmp_path, "widedp", spec)
     manifest = parse_manifest(yaml.safe_load(path.read_text()))
     prompts = make_prompts(12, seed=61, lo=1, hi=120)
@@ -236,10 +258,7 @@ def test_dp_groups_on_their_own_pods_serve_like_colocated(tmp_path: Path) -> Non
     ):
         rows = ps_rows(state_dir)
         assert {n: r["RANKS"] for n, r in rows.items() if n != "router"} == {
-            "prefill-0-0": "0",
-            "prefill-0-1": "1",
-            "prefill-0-2": "2",
-            "prefill-0-3": "3",
+            **ranks,
             "decode-0-0": "0",
             "decode-0-1": "1",
         }

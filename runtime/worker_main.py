@@ -601,19 +601,25 @@ def _with_group_hosts(settings: WorkerSettings, plan: PodPlan) -> WorkerSettings
 
     who = _identity(settings)
     leader = settings.leader_advertise_host
-    if plan.is_leader:
-        _DIRECTORY.extend(host_store(store_host(leader, True), settings.dist_port, 60.0))
-        store = _DIRECTORY[0]
-    elif plan.publishes or plan.needs:
-        store = dial_store(leader, settings.dist_port, ADDRESS_TIMEOUT_S)
-    else:
-        store = None
-    if plan.publishes:
-        publish_address(store, settings.token, who, plan.pod_index, settings.advertise_host)
     known: dict[int, str] = {}
-    if plan.needs:
-        log.info("waiting for the addresses of pods %s", list(plan.needs))
-        known = wait_addresses(store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S)
+    try:
+        if plan.is_leader:
+            # The same timeout as a store init_distributed makes (group 0 reuses it).
+            _DIRECTORY.extend(host_store(store_host(leader, True), settings.dist_port, 120.0))
+            store = _DIRECTORY[0]
+        elif plan.publishes or plan.needs:
+            store = dial_store(leader, settings.dist_port, ADDRESS_TIMEOUT_S)
+        else:
+            store = None
+        if plan.publishes:
+            publish_address(store, settings.token, who, plan.pod_index, settings.advertise_host)
+        if plan.needs:
+            log.info("waiting for the addresses of pods %s", list(plan.needs))
+            known = wait_addresses(store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S)
+    except (RuntimeError, OSError) as err:  # torch's store errors are RuntimeErrors
+        raise RendezvousError(
+            f"the address directory at {leader}:{settings.dist_port} failed: {err}"
+        ) from None
     hosts = group_hosts(settings.layout, dp, plan.pod_index, settings.advertise_host, leader, known)
     log.info("dp group leaders reached at %s", list(hosts))
     return replace(settings, group_hosts=hosts)

@@ -286,3 +286,46 @@ def test_dp_groups_on_their_own_pods_serve_like_colocated(
                 timeout=10,
             )
             assert denied.status_code == 401, denied.text
+
+
+@pytest.mark.slow
+def test_a_dp_leader_pod_without_the_token_is_refused_by_the_leader(tmp_path: Path) -> None:
+    spec = {
+        "model": {"name": "tiny", "computeDtype": "float64"},
+        "kvCache": {"pageSize": 16, "dtype": "float64", "numPages": 64},
+        "colocated": {"topology": {"dp": 2}, "gpusPerPod": 1},
+    }
+    manifest = write_manifest(tmp_path, "wrongpod", spec)
+    port, dist, dist1, http1 = free_ports(4)
+    argv = [sys.executable, "-m", "pdcluster.runtime.cli", "worker", "-f", str(manifest)]
+    argv += ["--role", "colocated", "--port", str(port), "--dist-port", str(dist)]
+    argv += ["--dp-dist-ports", str(dist1), "--dp-ports", str(http1)]
+    procs = []
+    logs = [tmp_path / "pod0.log", tmp_path / "pod1.log"]
+    try:
+        for pod, token in ((0, "tok"), (1, "not-the-token")):
+            env = {**os.environ, "PDCLUSTER_TOKEN": token, "PDCLUSTER_LEADER_ADDRESS": "127.0.0.1"}
+            with open(logs[pod], "ab") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [*argv, "--pod-index", str(pod)],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        # The leader checks pod 1's published address before starting any rank.
+        assert procs[0].wait(120) != 0
+        text = logs[0].read_text()
+        assert "pod 1's address 127.0.0.1 was not published for wrongpod/colocated-0" in text, text
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)

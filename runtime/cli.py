@@ -270,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dist-port", type=int, required=True)
     w.add_argument("--bootstrap-port", type=int)
     w.add_argument(
+        "--dp-ports",
+        help="dp > 1: comma-separated internal HTTP ports of the leaders of dp groups 1..dp-1 "
+        "(with --dp-dist-ports; both left out: the block after the stores, "
+        "--dist-port + dp ...)",
+    )
+    w.add_argument(
+        "--dp-dist-ports",
+        help="dp > 1: comma-separated torch store ports of dp groups 1..dp-1 "
+        "(left out: --dist-port + 1 ...)",
+    )
+    w.add_argument(
         "--tokenizer",
         help="directory with tokenizer.json to use instead of the model's own "
         "(part of the model fingerprint: prefill and decode must agree)",

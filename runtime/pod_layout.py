@@ -20,7 +20,10 @@ Invariants (tested):
 
 Because the order is dp-major and a pod's ranks are contiguous, a pod holds
 whole dp groups when G is a multiple of cp*tp*pp, and a dp group spans
-several pods otherwise (e.g. TP16 over two pods of 8).
+several pods otherwise (e.g. TP16 over two pods of 8). With dp > 1 the
+leader of dp group d (its rank d*R/dp) may live on a pod k > 0: that pod
+then hosts the group's torch store and internal HTTP API at its own
+address (runtime/pod_rendezvous.py says how the pods learn it).
 
 Pure module: no imports beyond the standard library, so the manifest
 models (runtime/spec.py) and the operator can both use it.

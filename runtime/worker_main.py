@@ -8,10 +8,16 @@ Process layout of an instance with dp × cp × tp × pp ranks over P pods
   (and, for prefill, the bootstrap server); the pod's other ranks are child
   processes started here;
 - on pod k > 0 this process only starts and watches the pod's ranks; they
-  wait for the leader's address (runtime/leader_address.py) and join the
-  leader's torch store after proving the cluster token (pod_rendezvous.py);
+  wait for the leader's address (runtime/leader_address.py) and join their
+  group's torch store after proving the cluster token (pod_rendezvous.py);
 - each dp group is its own torch.distributed world (dp groups never run a
-  collective together), so a group's ranks are `cp × tp × pp` processes.
+  collective together), so a group's ranks are `cp × tp × pp` processes;
+  the leader of group d > 0 serves an internal HTTP port the front (group
+  0) relays its rooms to. Its store and that port live on the pod of the
+  group's rank 0: loopback when that is pod 0, else the pod's own address
+  (token required), which the pod publishes in the leader pod's address
+  directory before its ranks start (`_with_group_hosts`). Ports:
+  runtime/dp_ports.py.
 
 The process exits non-zero when a rank dies: an instance is a gang, its
 peers cannot continue alone (the launcher or Kubernetes restarts it).
@@ -35,11 +41,18 @@ from typing import Any
 import uvicorn
 
 from pdcluster.runtime.cluster_token import read_cluster_token
+from pdcluster.runtime.dp_ports import DpPorts, DpPortsError, parse_port_list, resolve_dp_ports
 from pdcluster.runtime.http import event_loop
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pod_layout import PodLayout
-from pdcluster.runtime.pod_rendezvous import PodPlan, RankIdentity, RendezvousError, plan_pod
+from pdcluster.runtime.pod_rendezvous import (
+    PodPlan,
+    RankIdentity,
+    RendezvousError,
+    group_hosts,
+    plan_pod,
+)
 from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
 
 log = logging.getLogger("pdcluster.worker")
@@ -59,12 +72,14 @@ class WorkerSettings:
     host: str
     advertise_host: str
     port: int
-    dist_port: int  # first torch.distributed port; dp group d uses dist_port + d
+    dist_port: int  # dp group 0's torch.distributed store (the others: dp_dist_ports)
     bootstrap_port: int | None
     token: str
     shm_dir: str | None
-    # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1).
+    # HTTP ports of the leaders of dp groups 1..dp-1 (internal, on 127.0.0.1) and
+    # the torch store ports of those groups (runtime/dp_ports.py says who picks them).
     dp_ports: tuple[int, ...] = ()
+    dp_dist_ports: tuple[int, ...] = ()
     # A directory with tokenizer.json to use instead of the model's own.
     tokenizer: str | None = None
     # Decode: the prefill bootstrap servers it may contact, when given at start
@@ -76,6 +91,10 @@ class WorkerSettings:
     pod_index: int = 0
     # The leader pod's address (pods k > 0); None: this pod is the leader.
     leader_host: str | None = None
+    # Multi-pod dp > 1: where each dp group's leader (its store, its internal
+    # HTTP server) is reached from this pod (None: a group this pod does not
+    # need); learnt from the leader pod's address directory (pod_rendezvous.py).
+    group_hosts: tuple[str | None, ...] = ()
 
     @property
     def role_spec(self) -> RoleSpec:
@@ -91,6 +110,45 @@ class WorkerSettings:
     def leader_advertise_host(self) -> str:
         """Where the instance's leader pod is reached (its bootstrap server, its store)."""
         return self.leader_host or self.advertise_host
+
+    def group_store_host(self, dp_rank: int) -> str:
+        """Where dp group `dp_rank`'s torch store is dialled (hosted by its rank 0)."""
+        if self.group_hosts and self.group_hosts[dp_rank] is not None:
+            return self.group_hosts[dp_rank]  # type: ignore[return-value]
+        return store_host(self.leader_advertise_host, self.layout.is_multi_pod)
+
+    def leads_on_front_pod(self, dp_rank: int) -> bool:
+        """Whether dp group `dp_rank`'s leader runs on pod 0, next to the HTTP front."""
+        topo = self.role_spec.topology
+        return self.layout.pod_of_rank(dp_rank * topo.cp * topo.tp * topo.pp) == 0
+
+    def dp_http_host(self, dp_rank: int) -> str:
+        """Where dp group `dp_rank` (> 0)'s leader serves its internal HTTP API: loopback
+        next to the front, else the hosting pod's own address (token required)."""
+        return self._front_loopback if self.leads_on_front_pod(dp_rank) else self.host
+
+    @property
+    def _front_loopback(self) -> str:
+        # As for the store: a loopback advertise host (pods sharing one network
+        # on the test node agent, 127.0.x.y each) is kept so pods do not collide.
+        return store_host(self.leader_advertise_host)
+
+    @property
+    def dp_urls(self) -> tuple[str, ...]:
+        """http://host:port of the leaders of dp groups 1..dp-1, as the front reaches them."""
+        urls = []
+        for d, port in enumerate(self.dp_ports, start=1):
+            host = self._front_loopback
+            if not self.leads_on_front_pod(d):
+                remote = self.group_hosts[d] if self.group_hosts else None
+                assert remote is not None, f"dp group {d}'s leader pod address is unknown"
+                host = remote
+            urls.append(f"http://{_url_host(host)}:{port}")
+        return tuple(urls)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _torch_threads() -> int:
@@ -125,6 +183,9 @@ def _init_group(
     cfg = engine_config(settings, dp_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
+    # dp group 0's rank 0 on the leader pod of a multi-pod dp > 1 instance
+    # hosts the address directory already: its store is that one.
+    store = _DIRECTORY[0] if dp_rank == 0 and group_rank == 0 and _DIRECTORY else None
     gate = RankGate(
         token=settings.token,
         identity=RankIdentity(
@@ -136,10 +197,11 @@ def _init_group(
     dist = init_distributed(
         cfg.parallel,
         group_rank,
-        store_host(settings.leader_advertise_host, settings.layout.is_multi_pod),
-        settings.dist_port + dp_rank,
+        settings.group_store_host(dp_rank),
+        settings.dist_port if dp_rank == 0 else settings.dp_dist_ports[dp_rank - 1],
         cfg.device,
         gate=gate,
+        store=store,
     )
     return cfg, dist
 
@@ -215,7 +277,13 @@ def _start_children(
 def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
     """Leader of dp group d > 0: its own engine and an internal HTTP port."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    serve_leader(settings, dp_rank, port=settings.dp_ports[dp_rank - 1], host="127.0.0.1")
+    host = settings.dp_http_host(dp_rank)
+    if not host.startswith("127.") and not settings.token:
+        raise SystemExit(
+            f"pdcluster worker: dp group {dp_rank}'s leader would serve {host} without a "
+            "cluster token; set PDCLUSTER_TOKEN"
+        )
+    serve_leader(settings, dp_rank, port=settings.dp_ports[dp_rank - 1], host=host)
 
 
 def serve_leader(settings: WorkerSettings, dp_rank: int, port: int, host: str) -> None:
@@ -317,7 +385,9 @@ def _serve_engine(
         info,
         metrics,
         token=settings.token,
-        data_plane_open=auth.worker_api is WorkerApiAccess.open,
+        # Only the front opens up: a dp leader behind it takes the front's relays,
+        # which always carry the cluster token.
+        data_plane_open=auth.worker_api is WorkerApiAccess.open and dp_rank == 0,
         extra_routes=extra_routes,
     )
     servers.insert(0, uvicorn.Server(server_config(app, host, port)))
@@ -409,6 +479,7 @@ async def _serve_all(servers: list[uvicorn.Server]) -> None:
 
 
 def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
+    dp_ports = _dp_ports_arg(manifest, args)
     settings = WorkerSettings(
         manifest=manifest,
         role=Role.parse(args.role),
@@ -424,6 +495,8 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         prefill_peers=_prefill_peers_arg(args),
         event_loop=_event_loop_arg(),
         pod_index=getattr(args, "pod_index", 0),
+        dp_ports=dp_ports.http_ports,
+        dp_dist_ports=dp_ports.dist_ports[1:],
     )
     if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
         # An empty token would turn every check off; the operator always sets one.
@@ -464,7 +537,7 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         owned_shm = make_pool_dir(manifest.metadata.name)
         settings = replace(settings, shm_dir=owned_shm)
     try:
-        return _run_instance(settings) if plan.is_leader else _run_pod(settings, plan)
+        return _run_instance(settings, plan) if plan.is_leader else _run_pod(settings, plan)
     finally:
         if owned_shm is not None:
             shutil.rmtree(owned_shm, ignore_errors=True)
@@ -474,6 +547,22 @@ def _event_loop_arg() -> EventLoop:
     try:
         return event_loop.event_loop_from_env(os.environ)
     except ValueError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
+
+
+def _dp_ports_arg(manifest: PDCluster, args: argparse.Namespace) -> DpPorts:
+    rs = manifest.spec.role_spec(Role.parse(args.role))
+    dp = rs.topology.dp if rs is not None else 1
+    try:
+        http = getattr(args, "dp_ports", None)
+        dist = getattr(args, "dp_dist_ports", None)
+        return resolve_dp_ports(
+            dp,
+            args.dist_port,
+            None if http is None else parse_port_list(http, "--dp-ports"),
+            None if dist is None else parse_port_list(dist, "--dp-dist-ports"),
+        )
+    except DpPortsError as err:
         raise SystemExit(f"pdcluster worker: {err}") from None
 
 
@@ -489,12 +578,58 @@ def _prefill_peers_arg(args: argparse.Namespace) -> frozenset[BootstrapAddress] 
         raise SystemExit(f"pdcluster worker: --prefill-peers: {err}") from None
 
 
-def _run_instance(settings: WorkerSettings) -> int:
-    dp = settings.role_spec.topology.dp
-    if dp > 1:
-        from pdcluster.runtime.ports import free_ports
+# The leader pod's address directory (store, listener) of a multi-pod dp > 1
+# instance, hosted by this process; dp group 0's rank 0 reuses the store.
+_DIRECTORY: list[Any] = []
+# How long a pod waits for the addresses it needs (the other pods are starting too).
+ADDRESS_TIMEOUT_S = 600.0
 
-        settings = replace(settings, dp_ports=tuple(free_ports(dp - 1)))
+
+def _identity(settings: WorkerSettings) -> RankIdentity:
+    return RankIdentity(settings.manifest.metadata.name, settings.role.value, settings.instance)
+
+
+def _with_group_hosts(settings: WorkerSettings, plan: PodPlan) -> WorkerSettings:
+    """Multi-pod dp > 1: exchange addresses through the leader pod's directory
+    (pod 0 hosts it and waits for the dp leader pods; a pod k > 0 publishes its
+    own and reads those it needs) and record where each dp group is reached."""
+    dp = settings.role_spec.topology.dp
+    if dp == 1 or not settings.layout.is_multi_pod:
+        return settings
+    from pdcluster.runtime.engine.parallel import dial_store, host_store
+    from pdcluster.runtime.engine.rendezvous import publish_address, wait_addresses
+
+    who = _identity(settings)
+    leader = settings.leader_advertise_host
+    known: dict[int, str] = {}
+    try:
+        if plan.is_leader:
+            # The same timeout as a store init_distributed makes (group 0 reuses it).
+            _DIRECTORY.extend(host_store(store_host(leader, True), settings.dist_port, 120.0))
+            store = _DIRECTORY[0]
+        elif plan.publishes or plan.needs:
+            store = dial_store(leader, settings.dist_port, ADDRESS_TIMEOUT_S)
+        else:
+            store = None
+        if plan.publishes:
+            publish_address(store, settings.token, who, plan.pod_index, settings.advertise_host)
+        if plan.needs:
+            log.info("waiting for the addresses of pods %s", list(plan.needs))
+            known = wait_addresses(store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S)
+    except (RuntimeError, OSError) as err:  # torch's store errors are RuntimeErrors
+        raise RendezvousError(
+            f"the address directory at {leader}:{settings.dist_port} failed: {err}"
+        ) from None
+    hosts = group_hosts(settings.layout, dp, plan.pod_index, settings.advertise_host, leader, known)
+    log.info("dp group leaders reached at %s", list(hosts))
+    return replace(settings, group_hosts=hosts)
+
+
+def _run_instance(settings: WorkerSettings, plan: PodPlan) -> int:
+    try:
+        settings = _with_group_hosts(settings, plan)
+    except RendezvousError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
     children = _start_children(settings, settings.layout.rank_range(0))
     if children:
         _watch_children(children)
@@ -520,6 +655,11 @@ def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
         list(plan.ranks),
         settings.leader_host,
     )
+    try:
+        settings = _with_group_hosts(settings, plan)
+    except RendezvousError as err:
+        log.error("%s", err)
+        return 1
     children = _start_children(settings, plan.ranks)
     stopping = threading.Event()
 

@@ -12,12 +12,17 @@ from pdcluster.runtime.pod_rendezvous import (
     VERDICT_OK,
     RankIdentity,
     RendezvousError,
+    address_entry,
     compute_verdict,
     describe_missing,
+    dp_leader_pods,
+    group_hosts,
+    groups_on_pod,
     missing_ranks,
     parse_leader_address,
     plan_pod,
     rank_proof,
+    read_address_entry,
 )
 
 WHO = RankIdentity("demo", "prefill", 0)
@@ -141,8 +146,76 @@ def test_a_pod_index_outside_the_instance_is_refused() -> None:
         plan_pod(compute_pod_layout(2, 1), dp=1, pod_index=-1)
 
 
-def test_dp_groups_over_several_pods_are_refused_until_supported() -> None:
-    with pytest.raises(RendezvousError, match="dp=2 spread over 2 pods is not supported yet"):
-        plan_pod(compute_pod_layout(4, 2), dp=2, pod_index=0)
-    # One pod still runs any dp.
-    assert plan_pod(compute_pod_layout(4, None), dp=2, pod_index=0).ranks == range(4)
+@pytest.mark.parametrize(
+    ("ranks", "dp", "gpus", "pod", "publishes", "needs"),
+    [
+        # dp2 tp1, one rank a pod: pod 1 leads dp group 1, the front needs its address.
+        (2, 2, 1, 0, False, (1,)),
+        (2, 2, 1, 1, True, ()),
+        # dp2 tp2 over two pods of 2: a whole group a pod.
+        (4, 2, 2, 0, False, (1,)),
+        (4, 2, 2, 1, True, ()),
+        # dp2 tp2, one rank a pod: pod 3 runs group 1's follower, led by pod 2.
+        (4, 2, 1, 1, False, ()),
+        (4, 2, 1, 2, True, ()),
+        (4, 2, 1, 3, False, (2,)),
+        (4, 2, 1, 0, False, (2,)),
+        # dp4 tp1 over two pods of 2: pod 1 leads groups 2 and 3.
+        (4, 4, 2, 0, False, (1,)),
+        (4, 4, 2, 1, True, ()),
+        # One pod: nothing to exchange, any dp.
+        (4, 2, None, 0, False, ()),
+    ],
+)
+def test_dp_groups_over_several_pods_exchange_the_addresses_they_need(
+    ranks: int, dp: int, gpus: int | None, pod: int, publishes: bool, needs: tuple[int, ...]
+) -> None:
+    layout = compute_pod_layout(ranks, gpus)
+    plan = plan_pod(layout, dp=dp, pod_index=pod)
+    assert (plan.publishes, plan.needs) == (publishes, needs)
+    assert plan.ranks == layout.rank_range(pod)
+
+
+@given(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8]))
+def test_every_needed_address_is_published_and_every_group_is_reachable(
+    dp: int, group: int, gpus: int
+) -> None:
+    ranks = dp * group
+    if ranks % gpus or gpus > ranks:
+        return
+    layout = compute_pod_layout(ranks, gpus)
+    plans = [plan_pod(layout, dp, k) for k in range(layout.num_pods)]
+    published = {p.pod_index for p in plans if p.publishes}
+    assert set(dp_leader_pods(layout, dp)) - {0} == published
+    for p in plans:
+        assert set(p.needs) <= published and p.pod_index not in p.needs
+        known = {k: f"10.0.0.{k}" for k in p.needs}
+        own = f"10.0.0.{p.pod_index}"
+        hosts = group_hosts(layout, dp, p.pod_index, own, "10.0.0.0", known)
+        for d, k in enumerate(dp_leader_pods(layout, dp)):
+            if p.pod_index == 0 or d in groups_on_pod(layout, dp, p.pod_index):
+                assert hosts[d] == f"10.0.0.{k}", (d, k, p)
+            else:
+                assert hosts[d] is None
+
+
+def test_a_missing_address_is_named() -> None:
+    layout = compute_pod_layout(2, 1)
+    with pytest.raises(RendezvousError, match="address of pod 1 .leader of dp group 1. is unknown"):
+        group_hosts(layout, 2, 0, "10.0.0.0", "10.0.0.0", {})
+
+
+def test_an_address_entry_binds_the_host_to_the_pod_and_the_token() -> None:
+    entry = address_entry(TOKEN, WHO, 1, "10.0.0.7")
+    assert read_address_entry(TOKEN, WHO, 1, entry) == "10.0.0.7"
+    with pytest.raises(RendezvousError, match="not published for demo/prefill-0"):
+        read_address_entry("other-token", WHO, 1, entry)
+    with pytest.raises(RendezvousError, match="pod 2's address 10.0.0.7 was not published"):
+        read_address_entry(TOKEN, WHO, 2, entry)  # another pod's entry, copied
+    forged = entry.replace("10.0.0.7", "10.0.0.8")
+    with pytest.raises(RendezvousError, match="not published"):
+        read_address_entry(TOKEN, WHO, 1, forged)
+    with pytest.raises(RendezvousError, match="malformed"):
+        read_address_entry(TOKEN, WHO, 1, "10.0.0.7")
+    with pytest.raises(RendezvousError, match="not a URL"):
+        address_entry(TOKEN, WHO, 1, "http://10.0.0.7")

@@ -42,6 +42,7 @@ from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
     compute_template_hash,
 )
+from pdcluster.runtime.dp_ports import derived_dp_ports
 from pdcluster.runtime.pod_layout import LEADER_POD, PodLayout
 from pdcluster.runtime.pod_rendezvous import (
     LEADER_ADDRESS_ENV,
@@ -202,6 +203,24 @@ def _worker_env(
     ]
 
 
+def _dp_container_ports(spec: RoleSpec, layout: PodLayout, pod_index: int) -> list[dict[str, Any]]:
+    """The store and internal HTTP ports of the dp groups > 0 whose rank 0 this pod
+    hosts (fixed, runtime/dp_ports.py); the NetworkPolicy lets the instance's pods in.
+    Pod 0 declares none: its dp leaders serve on loopback, next to the front."""
+    dp = spec.topology.dp
+    if dp == 1 or pod_index == LEADER_POD:
+        return []
+    ports = derived_dp_ports(dp, meta.DIST_PORT)
+    group = layout.num_ranks // dp
+    out = []
+    for d in range(1, dp):
+        if layout.pod_of_rank(d * group) != pod_index:
+            continue
+        out.append({"name": f"dist-dp{d}", "containerPort": ports.dist_port(d), "protocol": "TCP"})
+        out.append({"name": f"http-dp{d}", "containerPort": ports.http_port(d), "protocol": "TCP"})
+    return out
+
+
 def _instance_key(cluster: Cluster, role: Role, index: int) -> InstanceKey:
     if index < 0:
         raise BuildError(f"instance index must be >= 0, got {index}")
@@ -262,6 +281,7 @@ def build_worker_pod(
         {"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"},
         {"name": "dist", "containerPort": meta.DIST_PORT, "protocol": "TCP"},
     ]
+    ports += _dp_container_ports(spec, layout, pod_index)
     if role == Role.prefill and leader_host is None:
         annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(meta.BOOTSTRAP_PORT)
         ports.append({"name": "bootstrap", "containerPort": meta.BOOTSTRAP_PORT, "protocol": "TCP"})

@@ -113,6 +113,7 @@ def init_distributed(
     device: str = "cpu",
     timeout_s: float = 120.0,
     gate: RankGate | None = None,
+    store: Any = None,
 ) -> DistContext:
     """Join the instance's process group and build this rank's groups.
 
@@ -134,16 +135,19 @@ def init_distributed(
     # Rank 0 hosts the store. Left to itself the store listens on every
     # interface; it is handed a socket bound to `master_addr` only (loopback
     # for a one-pod instance, the leader pod's IP for a multi-pod one).
-    listener = _bound_listener(master_addr, master_port) if rank == 0 else None
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        master_addr,
-        master_port,
-        parallel.world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listener.fileno() if listener is not None else None,
-    )
+    # `store` (rank 0 only): one this process hosts already (a multi-pod
+    # instance's address directory shares dp group 0's store).
+    listener = _bound_listener(master_addr, master_port) if rank == 0 and store is None else None
+    if store is None:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            master_addr,
+            master_port,
+            parallel.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno() if listener is not None else None,
+        )
     if gate is not None:
         pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
@@ -166,6 +170,33 @@ def init_distributed(
     ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
     ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
     return ctx
+
+
+def host_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
+    """A TCP store served on `host:port` only, and the socket it serves on (keep it open)."""
+    listener = _bound_listener(host, port)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        None,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    return store, listener
+
+
+def dial_store(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the TCP store on `host:port` (retries until it answers or `timeout_s`)."""
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host,
+        port,
+        None,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def _bound_listener(host: str, port: int) -> socket.socket:

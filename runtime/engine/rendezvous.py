@@ -3,6 +3,10 @@
 Every rank of a torch world writes its proof into the world's TCP store;
 rank 0 (which hosts the store) waits for all of them, checks them and
 writes the verdict; every rank joins the process group only on "ok".
+
+A multi-pod instance with dp > 1 also keeps its address directory in dp
+group 0's store on the leader pod: a pod hosting another dp group's leader
+publishes its address there, with a proof binding it to the pod.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from pdcluster.runtime.pod_rendezvous import (
     VERDICT_OK,
     RankIdentity,
     RendezvousError,
+    address_entry,
+    address_key,
     compute_verdict,
     missing_ranks,
     proof_key,
     rank_proof,
+    read_address_entry,
 )
 
 log = logging.getLogger("pdcluster.rendezvous")
@@ -77,3 +84,31 @@ def pass_gate(store: Any, gate: RankGate, rank: int, world_size: int, timeout_s:
     store.set(VERDICT_KEY, verdict)
     if verdict != VERDICT_OK:
         raise RendezvousError(verdict)
+
+
+def publish_address(store: Any, token: str, who: RankIdentity, pod_index: int, host: str) -> None:
+    """Pod `pod_index` writes its address, with its proof, to the instance's directory."""
+    store.set(address_key(pod_index), address_entry(token, who, pod_index, host))
+
+
+def wait_addresses(
+    store: Any, token: str, who: RankIdentity, pods: tuple[int, ...], timeout_s: float
+) -> dict[int, str]:
+    """The checked addresses of `pods` from the directory, waiting until each published;
+    RendezvousError when one is late or was not written with this cluster's token."""
+    deadline = time.monotonic() + timeout_s
+    next_log = time.monotonic() + LOG_EVERY_S
+    while True:
+        missing = [k for k in pods if not store.check([address_key(k)])]
+        if not missing:
+            break
+        now = time.monotonic()
+        if now > deadline:
+            raise RendezvousError(
+                f"pods {missing} did not publish their address within {timeout_s:.0f}s"
+            )
+        if now > next_log:
+            log.info("waiting for pods %s to publish their address", missing)
+            next_log = now + LOG_EVERY_S
+        time.sleep(POLL_S)
+    return {k: read_address_entry(token, who, k, store.get(address_key(k)).decode()) for k in pods}

@@ -46,7 +46,7 @@ from pdcluster.runtime.local.peers import PeerNotifier
 from pdcluster.runtime.local.plan import (
     ProcessSpec,
     build_instance_specs,
-    num_worker_ports,
+    instance_ports,
     prefill_peers,
 )
 from pdcluster.runtime.local.scaling import (
@@ -212,7 +212,7 @@ class LocalAutoscaler:
                 self.manifest_path,
                 key.role,
                 key.index,
-                free_ports(num_worker_ports(key.role)),
+                free_ports(instance_ports(self.manifest, key.role)),
                 self._prefills(),
                 self.python,
             )

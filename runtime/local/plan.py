@@ -7,9 +7,13 @@ instance (`gpusPerPod`, runtime/pod_layout.py; one pod when it is left
 out) that starts that pod's ranks; rank 0 on pod 0 (the leader) hosts the
 HTTP server and, for prefill, the bootstrap server. The pods of a
 multi-pod instance are named `<role>-<i>-<k>` like the operator's, share
-the instance's ports (pods k > 0 listen on none of them: they dial the
-leader's) and are told the leader's address in
-`$PDCLUSTER_LEADER_ADDRESS`.
+the instance's ports (each is bound by one rank of one pod: with dp = 1
+pods k > 0 listen on none of them, they dial the leader's) and are told
+the leader's address in `$PDCLUSTER_LEADER_ADDRESS`. An instance with
+dp > 1 also gets a store port per dp group and an internal HTTP port per
+dp group after the first, drawn here with every other port
+(`--dp-dist-ports`, `--dp-ports`, runtime/dp_ports.py): the pod hosting a
+group's rank 0 binds them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class ProcessSpec:
     pod: int = 0  # pod index within its instance (0: the leader)
     num_pods: int = 1
     first_rank: int = 0
+    # The instance's torch store ports (one per dp group, the first is --dist-port)
+    # and its dp leaders' internal HTTP ports (groups 1..dp-1).
+    dist_ports: tuple[int, ...] = ()
+    dp_ports: tuple[int, ...] = ()
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Every port of its instance this process's pod set may bind."""
+        own = (self.port, *self.dist_ports, *self.dp_ports)
+        return own if self.bootstrap_port is None else (*own, self.bootstrap_port)
 
     @property
     def is_leader(self) -> bool:
@@ -78,16 +92,24 @@ def _role_items(manifest: PDCluster) -> Iterator[tuple[Role, RoleSpec]]:
     yield Role.decode, spec.decode
 
 
-def num_worker_ports(role: Role) -> int:
-    """Ports one instance needs: HTTP + distributed store (+ bootstrap for prefill)."""
-    return 3 if role is Role.prefill else 2
+def num_worker_ports(role: Role, dp: int = 1) -> int:
+    """Ports one instance needs: HTTP + one torch store per dp group (+ bootstrap for
+    prefill) + the internal HTTP port of each dp group's leader after the first."""
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, got {dp}")
+    return (2 if role is Role.prefill else 1) + dp + (dp - 1)
+
+
+def instance_ports(manifest: PDCluster, role: Role) -> int:
+    """`num_worker_ports` of one instance of `role` in `manifest`."""
+    return num_worker_ports(role, role_spec_of(manifest, role).topology.dp)
 
 
 def count_ports(manifest: PDCluster) -> int:
     """Ports the plan needs: every worker's, and the router's."""
     n = 1
     for role, rs in _role_items(manifest):
-        n += rs.replicas * num_worker_ports(role)
+        n += rs.replicas * num_worker_ports(role, rs.topology.dp)
     return n
 
 
@@ -108,11 +130,15 @@ def build_instance_specs(
     python: str,
 ) -> list[ProcessSpec]:
     """The processes (one per pod, the leader first) of one instance of `role`, also
-    of one started later by autoscaling: `ports` holds `num_worker_ports(role)` free
-    ports; a decode may contact only `prefills`."""
+    of one started later by autoscaling: `ports` holds `instance_ports(manifest, role)`
+    free ports; a decode may contact only `prefills`."""
     rs = role_spec_of(manifest, role)
-    if len(ports) != num_worker_ports(role):
-        raise ValueError(f"a {role.value} instance needs {num_worker_ports(role)} ports")
+    dp = rs.topology.dp
+    need = num_worker_ports(role, dp)
+    if len(ports) != need:
+        raise ValueError(f"a {role.value} instance with dp={dp} needs {need} ports")
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"the ports of a {role.value} instance must be distinct: {ports}")
     free = iter(ports)
     port, dist_port = next(free), next(free)
     argv = [
@@ -133,6 +159,16 @@ def build_instance_specs(
         "--dist-port",
         str(dist_port),
     ]
+    dp_ports: tuple[int, ...] = ()
+    if dp > 1:
+        # Drawn here with every other port: a worker picking its own at start
+        # could take one handed to a process that has not bound it yet.
+        dist_more = [next(free) for _ in range(dp - 1)]
+        dp_ports = tuple(next(free) for _ in range(dp - 1))
+        argv += ["--dp-dist-ports", _port_list(dist_more), "--dp-ports", _port_list(dp_ports)]
+        dist_ports = (dist_port, *dist_more)
+    else:
+        dist_ports = (dist_port,)
     bport = None
     if role is Role.prefill:
         bport = next(free)
@@ -140,7 +176,11 @@ def build_instance_specs(
     elif role is Role.decode:
         # The only bootstrap servers decode may contact (and send the token to).
         argv += ["--prefill-peers", ",".join(prefill_peers(prefills))]
-    return _pods(role, instance, rs, tuple(argv), port, bport)
+    return _pods(role, instance, rs, tuple(argv), port, bport, dist_ports, dp_ports)
+
+
+def _port_list(ports: list[int] | tuple[int, ...]) -> str:
+    return ",".join(str(p) for p in ports)
 
 
 def prefill_peers(prefills: list[ProcessSpec]) -> list[str]:
@@ -168,7 +208,7 @@ def build_local_plan(
     workers: list[ProcessSpec] = []
     for role, rs in _role_items(manifest):
         for i in range(rs.replicas):
-            n = num_worker_ports(role)
+            n = num_worker_ports(role, rs.topology.dp)
             peers = [w for w in workers if w.role is Role.prefill]
             workers.extend(
                 build_instance_specs(
@@ -193,6 +233,8 @@ def _pods(
     argv: tuple[str, ...],
     port: int,
     bootstrap_port: int | None,
+    dist_ports: tuple[int, ...],
+    dp_ports: tuple[int, ...],
 ) -> list[ProcessSpec]:
     """The processes of one instance: one per pod, the leader first."""
     layout = rs.pod_layout
@@ -206,6 +248,8 @@ def _pods(
                 port=port,
                 bootstrap_port=bootstrap_port,
                 num_ranks=layout.num_ranks,
+                dist_ports=dist_ports,
+                dp_ports=dp_ports,
             )
         ]
     pods = []
@@ -225,6 +269,8 @@ def _pods(
                 pod=k,
                 num_pods=layout.num_pods,
                 first_rank=ranks.start,
+                dist_ports=dist_ports,
+                dp_ports=dp_ports,
             )
         )
     return pods

@@ -93,7 +93,8 @@ class _PDBackend:
         self.agent = agent
         self.coordinator = coordinator
         self.info = info
-        self.dp_ports: tuple[int, ...] = tuple(info.pop("dp_ports", ()))
+        # http://host:port of the leaders of dp groups 1..dp-1 (the front relays to them).
+        self.dp_urls: tuple[str, ...] = tuple(info.pop("dp_urls", ()))
         # Sent on relays to the other dp groups' leaders (their data plane is guarded).
         self.headers: dict[str, str] = bearer_headers(info.pop("token", ""))
         self._forwarded: dict[str, str] = {}
@@ -105,19 +106,19 @@ class _PDBackend:
         self.registry: Any = None
         # The front of a dp>1 instance is healthy only once every dp group serves.
         self._groups_ready = threading.Event()
-        if self.dp_ports and info["dp_rank"] == 0:
+        if self.dp_urls and info["dp_rank"] == 0:
             threading.Thread(target=self._wait_groups, name="dp-ready", daemon=True).start()
         else:
             self._groups_ready.set()
 
     def _wait_groups(self) -> None:
-        pending = list(self.dp_ports)
-        with httpx.Client(timeout=2.0) as client:
+        pending = list(self.dp_urls)
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
             while pending:
-                for port in list(pending):
+                for base in list(pending):
                     try:
-                        if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                            pending.remove(port)
+                        if client.get(f"{base}/health").status_code == 200:
+                            pending.remove(base)
                     except httpx.HTTPError:
                         pass
                 time.sleep(0.2)
@@ -192,7 +193,7 @@ class _PDBackend:
 
     async def _forward(self, target: int, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         """Relay a request to the leader of dp group `target` (its own engine)."""
-        url = f"http://127.0.0.1:{self.dp_ports[target - 1]}"
+        url = self.dp_urls[target - 1]
         self._forwarded[req.rid] = url
         body = {
             "input_ids": req.prompt_ids,
@@ -384,7 +385,7 @@ def _leg_of(req: PreparedRequest) -> Leg:
 
 
 def _admin_routes(
-    agent: Any, token: str, counts: InstanceCounts, dp_ports: tuple[int, ...] = ()
+    agent: Any, token: str, counts: InstanceCounts, dp_urls: tuple[str, ...] = ()
 ) -> Callable[[FastAPI], None]:
     def authorized(request: Request) -> JSONResponse | None:
         if not token:
@@ -421,16 +422,16 @@ def _admin_routes(
             agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
             # Other dp groups have their own tables: relay to their leaders.
             headers = {"authorization": request.headers.get("authorization", "")}
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                for port in dp_ports:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+                for base in dp_urls:
                     try:
                         await client.post(
-                            f"http://127.0.0.1:{port}/admin/fail_peer",
+                            f"{base}/admin/fail_peer",
                             json=call.to_json(),
                             headers=headers,
                         )
                     except httpx.HTTPError as err:
-                        log.warning("fail_peer relay to dp port %s failed: %s", port, err)
+                        log.warning("fail_peer relay to dp leader %s failed: %s", base, err)
             return JSONResponse(call.to_json())
 
         @app.get("/admin/rooms")
@@ -453,7 +454,7 @@ def _admin_routes(
 
 
 def _prefill_peers_route(
-    backend: DecodeBackend, token: str, dp_ports: tuple[int, ...]
+    backend: DecodeBackend, token: str, dp_urls: tuple[str, ...]
 ) -> Callable[[FastAPI], None]:
     """`PUT /admin/prefill_peers {"peers": ["host:port", ...]}`: replace the known set."""
 
@@ -477,15 +478,15 @@ def _prefill_peers_route(
             backend.known = backend.known.replaced(peers)
             # Other dp groups check their own requests: relay to their leaders.
             async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-                for port in dp_ports:
+                for base in dp_urls:
                     try:
                         await client.put(
-                            f"http://127.0.0.1:{port}/admin/prefill_peers",
+                            f"{base}/admin/prefill_peers",
                             json={"peers": sorted(peers)},
                             headers=bearer_headers(token),
                         )
                     except httpx.HTTPError as err:
-                        log.warning("prefill_peers relay to dp port %s failed: %s", port, err)
+                        log.warning("prefill_peers relay to dp leader %s failed: %s", base, err)
             return JSONResponse({"peers": sorted(peers)})
 
     return add
@@ -500,7 +501,8 @@ def build_pd_backend(
     info: dict[str, Any] = {
         "dp_size": topo.dp,
         "dp_rank": dp_rank,
-        "dp_ports": settings.dp_ports,
+        # Only the front (dp group 0) reaches the other groups' leaders.
+        "dp_urls": settings.dp_urls if dp_rank == 0 else (),
         "prefill_dp_size": spec.prefill.topology.dp if spec.prefill is not None else 1,
         "token": settings.token,
     }
@@ -532,12 +534,12 @@ def build_pd_backend(
             backend.known = KnownPeers(frozenset(settings.prefill_peers))
 
     # Only the front (dp group 0) relays admin calls to the other groups.
-    relay_ports = tuple(settings.dp_ports) if dp_rank == 0 else ()
-    counts = InstanceCounts(agent, coord, settings.token, relay_ports)
+    relay_urls = backend.dp_urls if dp_rank == 0 else ()
+    counts = InstanceCounts(agent, coord, settings.token, relay_urls)
     backend.counts = counts
-    routes = _admin_routes(agent, settings.token, counts, relay_ports)
+    routes = _admin_routes(agent, settings.token, counts, relay_urls)
     if isinstance(backend, DecodeBackend):
-        admin, peers_route = routes, _prefill_peers_route(backend, settings.token, relay_ports)
+        admin, peers_route = routes, _prefill_peers_route(backend, settings.token, relay_urls)
 
         def routes(app: FastAPI) -> None:
             admin(app)

@@ -27,10 +27,10 @@ DP_TIMEOUT_S = 0.5
 
 
 class InstanceCounts:
-    def __init__(self, agent: Any, coordinator: Any, token: str, dp_ports: tuple[int, ...]):
+    def __init__(self, agent: Any, coordinator: Any, token: str, dp_urls: tuple[str, ...]):
         self.agent = agent
         self.coordinator = coordinator
-        self.dp_ports = dp_ports  # other dp groups' leaders (front only)
+        self.dp_urls = dp_urls  # other dp groups' leaders, http://host:port (front only)
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._last: dict[int, CountsView] = {}  # dp group -> its last good answer
 
@@ -45,8 +45,8 @@ class InstanceCounts:
             self.coordinator.rooms_failed(),
         )
 
-    def _url(self, port: int) -> str:
-        return f"http://127.0.0.1:{port}/admin/failures?scope=group"
+    def _url(self, base: str) -> str:
+        return f"{base}/admin/failures?scope=group"
 
     def _combine(self, answers: list[CountsView | None]) -> CountsView:
         views, missing = [self.group_view()], []
@@ -70,36 +70,36 @@ class InstanceCounts:
 
     async def instance_view(self) -> CountsView:
         """The whole instance (async: the admin endpoint)."""
-        if not self.dp_ports:
+        if not self.dp_urls:
             return self.group_view()
 
-        async def one(client: httpx.AsyncClient, group: int, port: int) -> CountsView | None:
+        async def one(client: httpx.AsyncClient, group: int, base: str) -> CountsView | None:
             try:
-                resp = await client.get(self._url(port), headers=self._headers)
+                resp = await client.get(self._url(base), headers=self._headers)
             except httpx.HTTPError as err:
                 log.warning("counters of dp group %s: %s", group, err)
                 return None
             return self._parse(group, resp)
 
         async with httpx.AsyncClient(timeout=DP_TIMEOUT_S) as client:
-            jobs = [one(client, g, p) for g, p in enumerate(self.dp_ports, start=1)]
+            jobs = [one(client, g, p) for g, p in enumerate(self.dp_urls, start=1)]
             # The client timeout bounds each phase; this bounds the whole read.
             try:
                 answers = await asyncio.wait_for(asyncio.gather(*jobs), 2 * DP_TIMEOUT_S)
             except TimeoutError:
-                answers = [None] * len(self.dp_ports)
+                answers = [None] * len(self.dp_urls)
         return self._combine(list(answers))
 
     def instance_view_blocking(self) -> CountsView:
         """The whole instance, from a worker thread (`/get_server_info` is synchronous)."""
-        if not self.dp_ports:
+        if not self.dp_urls:
             return self.group_view()
         answers: list[CountsView | None] = []
         with httpx.Client(timeout=DP_TIMEOUT_S) as client:
-            for group, port in enumerate(self.dp_ports, start=1):
+            for group, base in enumerate(self.dp_urls, start=1):
                 try:
                     answers.append(
-                        self._parse(group, client.get(self._url(port), headers=self._headers))
+                        self._parse(group, client.get(self._url(base), headers=self._headers))
                     )
                 except httpx.HTTPError as err:
                     log.warning("counters of dp group %s: %s", group, err)

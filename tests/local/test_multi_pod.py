@@ -5,7 +5,9 @@ per pod) in one cluster start: PD output equals colocated; kill -9 the
 non-leader prefill pod during a burst → the rooms on that instance fail
 within the heartbeat bound, both of its pods are restarted as a gang, and
 later requests equal colocated again. A leader started alone says which
-ranks it is missing until its other pod joins.
+ranks it is missing until its other pod joins. dp groups on pods of their
+own (`examples/pd-prefill-dp2-2pods.yaml`, and one rank a pod) serve like
+colocated, and both dp groups of each role serve requests.
 """
 
 from __future__ import annotations
@@ -193,6 +195,130 @@ def test_the_leader_says_which_ranks_are_missing_until_every_pod_joined(
             timeout=60,
         )
         assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of every sample of metric `name` in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+WIDE_DP_EXAMPLE = Path(__file__).parents[2] / "examples" / "pd-prefill-dp2-2pods.yaml"
+# Prefill dp2 tp2 at one rank a pod: dp group 1 (ranks 2, 3) runs on pods 2 and 3,
+# so pod 3 dials group 1's store at pod 2's published address, and the front on
+# pod 0 forwards group 1's rooms to pod 2. Decode dp2: group 1 on pod 1.
+ONE_RANK_A_POD = {
+    "model": {"name": "tiny", "computeDtype": "float64"},
+    "kvCache": {"pageSize": 16, "dtype": "float64", "numPages": 256},
+    "prefill": {"topology": {"dp": 2, "tp": 2}, "gpusPerPod": 1},
+    "decode": {"topology": {"dp": 2}, "gpusPerPod": 1},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "ranks"),
+    [
+        (
+            ONE_RANK_A_POD,
+            {"prefill-0-0": "0", "prefill-0-1": "1", "prefill-0-2": "2", "prefill-0-3": "3"},
+        ),
+        # The example: a whole dp group a pod (gpusPerPod 2).
+        (
+            yaml.safe_load(WIDE_DP_EXAMPLE.read_text())["spec"],
+            {"prefill-0-0": "0-1", "prefill-0-1": "2-3"},
+        ),
+    ],
+    ids=["one-rank-a-pod", "example-group-a-pod"],
+)
+def test_dp_groups_on_their_own_pods_serve_like_colocated(
+    tmp_path: Path, spec: dict[str, Any], ranks: dict[str, str]
+) -> None:
+    path = write_manifest(tmp_path, "widedp", spec)
+    manifest = parse_manifest(yaml.safe_load(path.read_text()))
+    prompts = make_prompts(12, seed=61, lo=1, hi=120)
+    expected = colocated_outputs(manifest, prompts, MAX_TOKENS)
+    state_dir = tmp_path / "state"
+    with (
+        local_cluster(path, state_dir) as cluster,
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+    ):
+        rows = ps_rows(state_dir)
+        assert {n: r["RANKS"] for n, r in rows.items() if n != "router"} == {
+            **ranks,
+            "decode-0-0": "0",
+            "decode-0-1": "1",
+        }
+        outputs = list(pool.map(lambda p: generate(cluster, p), prompts))
+        assert [s for s, _, _ in outputs] == [200] * len(prompts), outputs
+        assert [b["output_ids"] for _, b, _ in outputs] == expected
+
+        # Both dp groups of both roles served some of them: each group's leader
+        # counts the requests it finished itself (the front counts the relayed too).
+        for role in ("prefill", "decode"):
+            front = cluster.worker(f"{role}-0-0")
+            (group1_port,) = front["dp_ports"]
+            group1 = httpx.get(
+                f"http://127.0.0.1:{group1_port}/metrics", headers=cluster.auth, timeout=10
+            ).text
+            front_page = httpx.get(front["url"] + "/metrics", headers=cluster.auth).text
+            served_1 = metric_total(group1, "pdcluster_requests_total")
+            served_all = metric_total(front_page, "pdcluster_requests_total")
+            assert 0 < served_1 < len(prompts), (role, served_1)
+            assert served_all == len(prompts), (role, served_all)
+            # Group 1's internal API takes only the cluster token.
+            denied = httpx.post(
+                f"http://127.0.0.1:{group1_port}/generate",
+                json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}},
+                timeout=10,
+            )
+            assert denied.status_code == 401, denied.text
+
+
+@pytest.mark.slow
+def test_a_dp_leader_pod_without_the_token_is_refused_by_the_leader(tmp_path: Path) -> None:
+    spec = {
+        "model": {"name": "tiny", "computeDtype": "float64"},
+        "kvCache": {"pageSize": 16, "dtype": "float64", "numPages": 64},
+        "colocated": {"topology": {"dp": 2}, "gpusPerPod": 1},
+    }
+    manifest = write_manifest(tmp_path, "wrongpod", spec)
+    port, dist, dist1, http1 = free_ports(4)
+    argv = [sys.executable, "-m", "pdcluster.runtime.cli", "worker", "-f", str(manifest)]
+    argv += ["--role", "colocated", "--port", str(port), "--dist-port", str(dist)]
+    argv += ["--dp-dist-ports", str(dist1), "--dp-ports", str(http1)]
+    procs = []
+    logs = [tmp_path / "pod0.log", tmp_path / "pod1.log"]
+    try:
+        for pod, token in ((0, "tok"), (1, "not-the-token")):
+            env = {**os.environ, "PDCLUSTER_TOKEN": token, "PDCLUSTER_LEADER_ADDRESS": "127.0.0.1"}
+            with open(logs[pod], "ab") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [*argv, "--pod-index", str(pod)],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        # The leader checks pod 1's published address before starting any rank.
+        assert procs[0].wait(120) != 0
+        text = logs[0].read_text()
+        assert "pod 1's address 127.0.0.1 was not published for wrongpod/colocated-0" in text, text
     finally:
         for p in procs:
             if p.poll() is None:

@@ -1,5 +1,7 @@
 """Local-mode planning: a manifest becomes the right processes and ports."""
 
+from pathlib import Path
+
 import pytest
 
 from pdcluster.runtime.local.plan import build_local_plan, count_ports
@@ -113,3 +115,66 @@ def test_ps_shows_each_pod_and_its_ranks() -> None:
     assert rows["prefill-0-0"][2:4] == ["0/2", "0-1"]
     assert rows["prefill-0-1"][2:4] == ["1/2", "2-3"]
     assert rows["decode-0"][2:4] == ["-", "1"]
+
+
+def _argv_ports(argv: tuple[str, ...]) -> list[int]:
+    """Every port a worker's argv names (what its ranks will bind)."""
+    out: list[int] = []
+    for flag in ("--port", "--dist-port", "--bootstrap-port", "--dp-ports", "--dp-dist-ports"):
+        if flag in argv:
+            out += [int(p) for p in argv[argv.index(flag) + 1].split(",")]
+    return out
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_no_two_processes_of_an_example_plan_share_a_port(path: Path) -> None:
+    import yaml
+
+    m = parse_manifest(yaml.safe_load(path.read_text()))
+    ports = list(range(40000, 40000 + count_ports(m)))
+    plan = build_local_plan(m, str(path), ports, python="py")
+    # An instance's pods share its ports (each port is bound by one rank of one pod);
+    # different instances and the router share none.
+    taken: dict[int, str] = {plan.router.port: "router"}
+    for w in plan.leaders:
+        argv_ports = _argv_ports(w.argv)
+        assert sorted(argv_ports) == sorted(w.ports), w.name
+        rs = m.spec.role_spec(w.role)  # type: ignore[arg-type]
+        assert rs is not None
+        dp = rs.topology.dp
+        assert len(w.dist_ports) == dp and len(w.dp_ports) == dp - 1, w.name
+        for port in w.ports:
+            assert port not in taken, f"{w.name} and {taken.get(port)} share port {port}"
+            taken[port] = w.name
+    for w in plan.workers:
+        leader = next(x for x in plan.leaders if (x.role, x.instance) == (w.role, w.instance))
+        assert w.ports == leader.ports and _argv_ports(w.argv) == _argv_ports(leader.argv)
+    assert set(taken) == set(ports), "every port drawn is handed to exactly one instance"
+
+
+def test_a_dp2_instance_gets_its_dp_ports_from_the_plan() -> None:
+    m = cluster({"prefill": {"topology": {"dp": 3}}, "decode": {"topology": {"dp": 2}}})
+    plan = build_local_plan(m, "/m.yaml", list(range(40000, 40000 + count_ports(m))), python="py")
+    prefill, decode = plan.leaders
+    assert len(prefill.dist_ports) == 3 and len(prefill.dp_ports) == 2
+    argv = list(prefill.argv)
+    assert argv[argv.index("--dp-ports") + 1] == ",".join(map(str, prefill.dp_ports))
+    assert argv[argv.index("--dp-dist-ports") + 1] == ",".join(map(str, prefill.dist_ports[1:]))
+    assert int(argv[argv.index("--dist-port") + 1]) == prefill.dist_ports[0]
+    assert len(decode.dist_ports) == 2 and len(decode.dp_ports) == 1
+    assert not set(prefill.ports) & set(decode.ports)
+
+
+def test_an_instance_with_too_few_or_repeated_ports_is_an_error() -> None:
+    from pdcluster.runtime.local.plan import build_instance_specs, instance_ports
+    from pdcluster.runtime.spec import Role
+
+    m = cluster({"prefill": {"topology": {"dp": 2}}, "decode": {}})
+    assert instance_ports(m, Role.prefill) == 5
+    with pytest.raises(ValueError, match="dp=2 needs 5 ports"):
+        build_instance_specs(m, "/m.yaml", Role.prefill, 0, [1, 2, 3], [], "py")
+    with pytest.raises(ValueError, match="distinct"):
+        build_instance_specs(m, "/m.yaml", Role.prefill, 0, [1, 2, 3, 4, 4], [], "py")

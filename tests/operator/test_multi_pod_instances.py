@@ -530,3 +530,37 @@ def test_what_the_gang_rule_reads_from_a_pod_status(
     manifest = build_worker_pod(make_cluster(TWO_POD), Role.prefill, 0, 0)
     pod = parse_observed(manifest, status)
     assert (pod.started, pod.ready, pod.not_ready_since) == (started, ready, since)
+
+
+# ------------------------------------------------------------ dp > 1 over pods
+@pytest.mark.parametrize(
+    ("topology", "gpus", "hosts"),
+    [
+        # dp2 tp1, one rank a pod: pod 1 hosts dp group 1.
+        ({"dp": 2}, 1, {1: [1]}),
+        # dp2 tp2 over two pods of 2: pod 1 hosts group 1.
+        ({"dp": 2, "tp": 2}, 2, {1: [1]}),
+        # dp2 tp2, one rank a pod: group 1 starts on pod 2; pods 1 and 3 host none.
+        ({"dp": 2, "tp": 2}, 1, {1: [], 2: [1], 3: []}),
+    ],
+)
+def test_dp_groups_over_pods_render_with_their_fixed_ports(
+    topology: dict[str, int], gpus: int, hosts: dict[int, list[int]]
+) -> None:
+    spec = {"prefill": {"topology": topology, "gpusPerPod": gpus}, "decode": {}}
+    cluster = make_cluster(spec)
+    dp = topology["dp"]
+    for pod_index, groups in hosts.items():
+        pod = build_worker_pod(cluster, Role.prefill, 0, pod_index, LEADER_IP)
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        # The dp ports follow from --dist-port (each pod has its own network).
+        assert "--dp-ports" not in args and "--dp-dist-ports" not in args
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        want = {}
+        for d in groups:
+            want[f"dist-dp{d}"] = 29500 + d
+            want[f"http-dp{d}"] = 29500 + dp + d - 1
+        assert {n: p for n, p in declared.items() if "-dp" in n} == want
+    leader = build_worker_pod(cluster, Role.prefill, 0, 0)
+    assert not [p for p in leader["spec"]["containers"][0]["ports"] if "-dp" in p["name"]]

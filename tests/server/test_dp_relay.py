@@ -66,7 +66,7 @@ async def test_relayed_requests_share_one_connection_and_carry_the_token() -> No
     server = uvicorn.Server(uvicorn.Config(leader, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     service: Any = SimpleNamespace(is_alive=True, is_stalled=False)
-    info = {"dp_size": 2, "dp_rank": 0, "dp_ports": (port,), "token": "t"}
+    info = {"dp_size": 2, "dp_rank": 0, "dp_urls": (f"http://127.0.0.1:{port}",), "token": "t"}
     front = DecodeBackend(service, None, None, info)
     try:
         for i in range(3):

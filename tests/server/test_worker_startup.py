@@ -84,3 +84,31 @@ def test_a_leader_address_that_never_comes_stops_the_pod(tmp_path: Path) -> None
     res = run_pod(env, "--pod-index", "1")
     assert res.returncode != 0
     assert f"no leader address in {empty}" in res.stderr
+
+
+DP2 = Path(__file__).parents[2] / "examples" / "pd-prefill-dp2.yaml"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--dp-ports", "30001"), "--dp-ports and --dp-dist-ports go together"),
+        (("--dp-ports", "30001,30002", "--dp-dist-ports", "30003"), "--dp-ports needs one port"),
+        (("--dp-ports", "x", "--dp-dist-ports", "30003"), "--dp-ports: 'x' is not a port number"),
+        (("--dp-ports", "2", "--dp-dist-ports", "30003"), "the dp ports must be distinct"),
+    ],
+)
+def test_dp_ports_that_do_not_fit_the_instance_are_refused(
+    extra: tuple[str, ...], message: str
+) -> None:
+    argv = [sys.executable, "-m", "pdcluster.runtime.cli", "worker", "-f", str(DP2)]
+    argv += ["--role", "prefill", "--port", "1", "--dist-port", "2", "--bootstrap-port", "3"]
+    res = subprocess.run(
+        [*argv, *extra],
+        env={**os.environ, "PDCLUSTER_TOKEN": "t"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0
+    assert f"pdcluster worker: {message}" in res.stderr, res.stderr

@@ -9,11 +9,13 @@ killed prefill makes decode fail its rooms in well under a second
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
 of the decode role's scaler); a real HPA reads the decode scaler's /scale
 (the harness has no metrics API, so it cannot act); deleting the PDCluster
-removes everything. A prefill instance of two pods serves, and deleting
-its non-leader pod replaces both. An invalid manifest (or one above the rank cap, or
-autoscaling beyond its GPU budget) is refused by the API; the operator refuses a foreign Secret
-reference, reports a quota that refuses its pods as ApplyFailed, and never
-applies over an object that replaced one of its own.
+removes everything. A prefill instance of two pods serves, and killing
+its non-leader pod fails decode's rooms at once and replaces both; one
+that no node can take stays Pending and is never restarted. An invalid
+manifest (or one above the rank cap, or autoscaling beyond its GPU budget)
+is refused by the API; the operator refuses a foreign Secret reference,
+reports a quota that refuses its pods as ApplyFailed, and never applies
+over an object that replaced one of its own.
 """
 
 from __future__ import annotations
@@ -174,8 +176,8 @@ def one_pod(kube: KubeApi, ns: str, role: str) -> dict[str, Any]:
     return found[0]
 
 
-def token(kube: KubeApi, ns: str) -> str:
-    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{NAME}-token")
+def token(kube: KubeApi, ns: str, name: str = NAME) -> str:
+    secret = kube.get(f"/api/v1/namespaces/{ns}/secrets/{name}-token")
     assert secret is not None
     return base64.b64decode(secret["data"]["token"]).decode()
 
@@ -715,18 +717,23 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     operator: Operator,
     kube: KubeApi,
     kubectl: KubectlRunner,
+    node_agent: NodeAgentClient,
     namespace: str,
     tmp_path: Path,
 ) -> None:
     """prefill tp2 with gpusPerPod 1: one instance of two pods (leader + one) that
-    meet over pod IPs; deleting the non-leader pod replaces both."""
+    meet over pod IPs, placed on one node; killing the non-leader pod fails decode's
+    rooms at once and replaces both. A gang that cannot be scheduled is never restarted."""
     prefill = {
         "replicas": 1,
         "topology": {"tp": 2},
         "gpusPerPod": 1,
         "restart": {"backoffSeconds": 1},
     }
-    apply(kubectl, tmp_path, namespace, manifest(MULTI, prefill=prefill))
+    apply(
+        kubectl, tmp_path, namespace, manifest(MULTI, prefill={**prefill, "placement": PLACEMENT})
+    )
+    apply(kubectl, tmp_path, namespace, unschedulable_manifest())
 
     def two_ready_pods(obj: dict[str, Any]) -> bool:
         instances = obj["status"].get("prefill", {}).get("instances", [])
@@ -752,8 +759,34 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     first = complete(router["status"]["podIP"])
     assert first["usage"]["completion_tokens"] == 8
 
+    assert_placement(kube, namespace, leader, follower)
+    pending_uid, pending_since = pending_leader(kube, namespace), time.monotonic()
+
+    # A request whose KV must come from the instance, frozen at its leader: decode
+    # waits for it. Then the non-leader pod dies (SIGKILL, exit 137).
+    (decode,) = cluster_pods(kube, namespace, "decode")
+    admin = {"Authorization": f"Bearer {token(kube, namespace, MULTI)}"}
+    decode_url = f"http://{decode['status']['podIP']}:8000"
+    node_agent.freeze_pod(namespace, leader["metadata"]["name"])
+    request = DecodeRequest(decode_url, leader["status"]["podIP"], admin, timeout_s=90)
+    try:
+        wait_until(request.room_open, 30, "decode to open the room")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}: rooms {request.rooms}, answer {request.answer}") from err
     old_uids = {leader["metadata"]["uid"], follower["metadata"]["uid"]}
-    assert kube.delete(f"/api/v1/namespaces/{namespace}/pods/{follower['metadata']['name']}")
+    killed_at = time.monotonic()
+    node_agent.kill_pod(namespace, follower["metadata"]["name"])
+    answer = request.join(60)
+    assert answer, "decode never answered"
+    took = answer["at"] - killed_at
+    # Fast path: the follower's pod event → operator → /admin/fail_peer naming the
+    # instance by its leader's bootstrap address. The heartbeat would need 2 x 30 s.
+    assert answer["status"] == 502 and "prefill_pod_lost" in answer["text"], answer
+    assert FAST_PATH_BOUND_S < HEARTBEAT_S
+    assert took < FAST_PATH_BOUND_S, f"decode failed the room {took:.2f}s after the kill"
+    print(f"decode failed the room {took * 1000:.0f} ms after the non-leader pod was killed")
+    failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
+    assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
 
     def replaced(obj: dict[str, Any]) -> bool:
         now = cluster_pods(kube, namespace, "prefill")
@@ -769,10 +802,117 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
         new_follower["metadata"]["annotations"]["pdcluster.io/leader-address"]
         == new_leader["status"]["podIP"]
     )
-    restarted = kube.get(f"/api/v1/namespaces/{namespace}/events") or {}
-    reasons = {e["reason"] for e in restarted.get("items", [])}
-    assert "InstanceRestarted" in reasons, reasons
+
+    def reported() -> bool:
+        return {"PrefillInstanceLost", "InstanceRestarted"} <= set(events_of(kube, namespace))
+
+    wait_until(reported, 20, f"the failover Events (have {sorted(events_of(kube, namespace))})")
+    # The Warning names the pod that died, not only its instance.
+    lost = events_of(kube, namespace)["PrefillInstanceLost"]
+    assert lost["type"] == "Warning"
+    assert f"pod {follower['metadata']['name']} exited" in lost["message"], lost["message"]
+    assert "its rooms failed at 1/1 decode workers" in lost["message"], lost["message"]
     assert complete(router["status"]["podIP"])["choices"][0]["text"] == first["choices"][0]["text"]
+
+    # The gang that cannot be scheduled: its leader stays Pending (its followers
+    # wait for the leader's IP), and over several reconcile passes nothing is restarted.
+    assert_pending_gang_never_restarts(operator, kube, namespace, pending_uid, pending_since)
+
+
+# Under the decode heartbeat's 2 x 30 s by far: only the operator's fast path can
+# be this quick. The issue's target is 1 s; the margin is for a loaded CI box.
+FAST_PATH_BOUND_S = 3.0
+HOSTNAME_KEY = "kubernetes.io/hostname"
+PLACEMENT = {"topologyKey": HOSTNAME_KEY}
+# A two-pod prefill instance no node can take: no node carries this label.
+UNSCHEDULABLE = "multipod-pending"
+NO_SUCH_NODE = {"pdcluster.io/e2e-no-such-node": "true"}
+INSTANCE_KEYS = (
+    "pdcluster.io/cluster",
+    "pdcluster.io/role",
+    "pdcluster.io/instance",
+    "pdcluster.io/template-hash",
+)
+# The operator fixture's resync period (PDCLUSTER_OPERATOR_RESYNC_SECONDS).
+RESYNC_S = 20.0
+
+
+def events_of(kube: KubeApi, ns: str, name: str = MULTI) -> dict[str, dict[str, Any]]:
+    """The Events of PDCluster `name`, by reason."""
+    listed = kube.get(f"/api/v1/namespaces/{ns}/events") or {}
+    return {
+        e["reason"]: e
+        for e in listed.get("items", [])
+        if e.get("involvedObject", {}).get("kind") == "PDCluster"
+        and e["involvedObject"].get("name") == name
+    }
+
+
+def unschedulable_manifest() -> dict[str, Any]:
+    role = {"nodeSelector": NO_SUCH_NODE}
+    prefill = {"topology": {"tp": 2}, "gpusPerPod": 1, "restart": {"backoffSeconds": 1}, **role}
+    return manifest(UNSCHEDULABLE, prefill=prefill, decode=role, router={"replicas": 0})
+
+
+def assert_placement(
+    kube: KubeApi, ns: str, leader: dict[str, Any], follower: dict[str, Any]
+) -> None:
+    """`placement.topologyKey` on the pods the apiserver holds: each prefill pod requires
+    its own instance's pods in its hostname domain; decode prefers prefill's."""
+    selector = {k: leader["metadata"]["labels"][k] for k in INSTANCE_KEYS}
+    for pod in (leader, follower):
+        assert {k: pod["metadata"]["labels"][k] for k in INSTANCE_KEYS} == selector
+        affinity = pod["spec"]["affinity"]["podAffinity"]
+        assert affinity["requiredDuringSchedulingIgnoredDuringExecution"] == [
+            {"labelSelector": {"matchLabels": selector}, "topologyKey": HOSTNAME_KEY}
+        ], affinity
+    assert leader["spec"]["nodeName"] == follower["spec"]["nodeName"]
+    (decode,) = cluster_pods(kube, ns, "decode")
+    affinity = decode["spec"]["affinity"]["podAffinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in affinity, affinity
+    prefill_pods = {"pdcluster.io/cluster": MULTI, "pdcluster.io/role": "prefill"}
+    assert affinity["preferredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "weight": 100,
+            "podAffinityTerm": {
+                "labelSelector": {"matchLabels": prefill_pods},
+                "topologyKey": HOSTNAME_KEY,
+            },
+        }
+    ], affinity
+
+
+def pending_leader(kube: KubeApi, ns: str) -> str:
+    """The UID of the unschedulable cluster's one pod: its leader, Pending for want of a node."""
+    (pending,) = cluster_pods(kube, ns, "prefill", UNSCHEDULABLE)
+    assert pending["metadata"]["labels"]["pdcluster.io/pod-index"] == "0"
+    assert pending["status"]["phase"] == "Pending"
+    # The real scheduler said why.
+    scheduled = next(
+        c for c in pending["status"].get("conditions", []) if c["type"] == "PodScheduled"
+    )
+    assert scheduled["status"] == "False" and scheduled["reason"] == "Unschedulable", scheduled
+    uid: str = pending["metadata"]["uid"]
+    return uid
+
+
+def assert_pending_gang_never_restarts(
+    op: Operator, kube: KubeApi, ns: str, uid: str, since: float
+) -> None:
+    """The unschedulable cluster's leader kept its UID over at least two resyncs."""
+    left = since + 2 * RESYNC_S + 5 - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+    (still,) = cluster_pods(kube, ns, "prefill", UNSCHEDULABLE)
+    assert still["metadata"]["uid"] == uid and still["status"]["phase"] == "Pending"
+    status = (pdc(kube, ns, UNSCHEDULABLE) or {}).get("status") or {}
+    prefill = status.get("prefill") or {}
+    assert prefill.get("restarts", 0) == 0, prefill
+    (instance,) = prefill["instances"]
+    assert instance["health"] == "incomplete", instance  # pod 1 waits for the leader's IP
+    assert [(p["index"], p["phase"]) for p in instance["pods"]] == [(0, "Pending")], instance
+    reasons = set(events_of(kube, ns, UNSCHEDULABLE))
+    assert "InstanceRestarted" not in reasons, (reasons, op.log_tail())
 
 
 def test_invalid_manifest_is_refused_with_the_cel_message(

@@ -94,4 +94,7 @@ def pod_groups_unavailable_message(api: PodGroupApi, roles: tuple[Role, ...]) ->
     fields = " and ".join(f"{r.value}.scheduling.gang" for r in roles)
     pods = " and ".join(r.value for r in roles)
     verb = "is" if len(roles) == 1 else "are"
-    return f"{why}: no {pods} pods are created while {fields} {verb} podGroup; {fix}, or set gang: none"
+    return (
+        f"{why}: no {pods} pods are created while {fields} {verb} podGroup; "
+        f"{fix}, or set gang: none"
+    )

@@ -71,16 +71,17 @@ FIELD_DOCS: dict[str, str] = {
     "operator still runs every instance as one pod today (docs/kubernetes.md, Multi-pod "
     "instances).",
     "<role>.scheduling": "How the pods of one instance are scheduled.",
-    "<role>.scheduling.gang": "none: each pod on its own; podGroup: a scheduler-plugins "
-    "PodGroup (scheduling.x-k8s.io/v1alpha1) per instance with minMember = its pods, so a "
-    "coscheduling scheduler places all of them or none. Not applied by the operator yet.",
+    "<role>.scheduling.gang": "none: each pod on its own; podGroup: the operator creates a "
+    "scheduler-plugins PodGroup (scheduling.x-k8s.io/v1alpha1) per instance with minMember = "
+    "its pods and labels the pods for it, so a scheduler running the coscheduling plugin "
+    "places all of them or none (the default scheduler ignores it). Needs the PodGroup CRD: "
+    "without it the role's pods are not created and the cluster reports PodGroupUnavailable.",
     "<role>.scheduling.schedulerName": "schedulerName of this role's pods (e.g. the "
-    "scheduler-plugins scheduler that honours PodGroups); unset: the cluster's default. Not "
-    "applied by the operator yet.",
+    "scheduler-plugins scheduler that honours PodGroups); unset: the cluster's default.",
     "<role>.placement": "Where the pods of one instance land.",
     "<role>.placement.topologyKey": "Node label (e.g. a rack or NVLink-domain label): all pods "
     "of an instance land on nodes with the same value (required pod affinity); decode pods "
-    "prefer the domain of prefill pods. Unset: no such rule. Not applied by the operator yet.",
+    "prefer the domain of prefill pods. Unset: no such rule.",
     "<role>.device": "cuda requests one `nvidia.com/gpu` per rank of the instance's pod; cpu "
     "requests none.",
     "<role>.resources": "Container resources (requests/limits) of each pod of this role. "

@@ -5,6 +5,7 @@ what was found), instances (pods grouped into gangs), revision (which spec
 changes restart which pods), rollout (one role's per-slot decisions),
 restarts (gang back-off and budget), gang (one multi-pod instance: keep,
 restart whole, wait or give up; not wired yet), plan (desired vs observed → actions),
+pod_groups (which PodGroups stay; roles that wait for the PodGroup API),
 actions (the plan's vocabulary), status (the status from a plan), policy
 (what the operator refuses to run), kv_transport (the workers' negotiated
 KV transport → status entry and fallback Warning).

@@ -8,7 +8,10 @@ that all its pods name in their `scheduling.x-k8s.io/pod-group` label
 - created with the instance, before its pods, whenever it is missing when
   the instance's pods are created (rollout.py `_create_members`); a
   PodGroup of that name that the cluster does not own blocks the
-  instance's pods, which would otherwise join someone else's gang;
+  instance's pods, which would otherwise join someone else's gang. The
+  executor runs each action on its own: should the PodGroup's create fail,
+  the pods of that pass still go out and a coscheduling scheduler keeps
+  them pending until the retried pass (`ApplyFailed`) creates it;
 - kept while any pod of its generation exists (starting, running or being
   deleted), and, once none is left, while the generation is the current
   one of a slot < replicas of a role that still asks for `podGroup`: a gang

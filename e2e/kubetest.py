@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from e2e.nodeagent.kubeapi import KubeApi
+from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.processes import wait_until
 
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -83,4 +83,13 @@ def install_crd(kube: KubeApi, manifest_file: Path, timeout_s: float = 30) -> No
     spec = crd["spec"]
     version = next(v["name"] for v in spec["versions"] if v.get("served"))
     resource = f"/apis/{spec['group']}/{version}/{spec['names']['plural']}"
-    wait_until(lambda: kube.get(resource) is not None, timeout_s, f"the {name} CRD to be served")
+
+    def served() -> bool:
+        try:
+            return kube.get(resource) is not None
+        except ApiError as err:
+            if err.status == 429:  # "storage is (re)initializing": the new resource starts
+                return False
+            raise
+
+    wait_until(served, timeout_s, f"the {name} CRD to be served")

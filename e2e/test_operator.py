@@ -36,7 +36,7 @@ import yaml
 from e2e.cluster import ClusterInfo
 from e2e.conftest import KubectlRunner
 from e2e.decode_request import DecodeRequest, generate_body
-from e2e.kubetest import is_ready
+from e2e.kubetest import POD_GROUP_CRD, install_crd, is_ready
 from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.operator_process import operator_process
@@ -95,8 +95,10 @@ class Operator:
 
 @pytest.fixture(scope="module")
 def operator(
-    k8s_cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory
+    k8s_cluster: ClusterInfo, kube: KubeApi, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
+    # scheduler-plugins' PodGroup kind, for `gang: podGroup` (our own minimal CRD).
+    install_crd(kube, POD_GROUP_CRD)
     settings = {
         "PDCLUSTER_OPERATOR_RESYNC_SECONDS": "20",
         "PDCLUSTER_OPERATOR_FAILURE_POLL_SECONDS": "2",
@@ -713,6 +715,25 @@ def wait_cluster_ready(op: Operator, kube: KubeApi, ns: str, name: str, check) -
     return found
 
 
+def assert_pod_group(
+    kube: KubeApi, namespace: str, leader: dict[str, Any], follower: dict[str, Any]
+) -> None:
+    """The instance's PodGroup (`gang: podGroup`): both pods name it, it asks for both,
+    and the PDCluster owns it. The harness runs the default scheduler, which ignores
+    PodGroups: the object and the labels are checked, not all-or-nothing binding."""
+    label = "scheduling.x-k8s.io/pod-group"
+    name = leader["metadata"]["labels"][label]
+    assert follower["metadata"]["labels"][label] == name
+    group = kube.get(f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{namespace}/podgroups/{name}")
+    assert group is not None, f"PodGroup {name} does not exist"
+    assert group["spec"]["minMember"] == 2
+    cluster = pdc(kube, namespace, MULTI)
+    assert cluster is not None
+    (owner,) = group["metadata"]["ownerReferences"]
+    assert owner["kind"] == "PDCluster" and owner["name"] == MULTI
+    assert owner["uid"] == cluster["metadata"]["uid"] and owner["controller"] is True
+
+
 def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes(
     operator: Operator,
     kube: KubeApi,
@@ -729,6 +750,7 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
         "topology": {"tp": 2},
         "gpusPerPod": 1,
         "restart": {"backoffSeconds": 1},
+        "scheduling": {"gang": "podGroup"},
     }
     apply(
         kubectl, tmp_path, namespace, manifest(MULTI, prefill={**prefill, "placement": PLACEMENT})
@@ -746,6 +768,7 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
 
     status = wait_cluster_ready(operator, kube, namespace, MULTI, two_ready_pods)["status"]
     leader, follower = cluster_pods(kube, namespace, "prefill")
+    assert_pod_group(kube, namespace, leader, follower)
     assert [p["name"] for p in status["prefill"]["instances"][0]["pods"]] == [
         leader["metadata"]["name"],
         follower["metadata"]["name"],

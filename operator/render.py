@@ -74,6 +74,8 @@ def render_objects(cluster: Cluster) -> list[Manifest]:
     for role in desired.roles:
         for index in range(role.replicas):
             instance = desired.instance(role.role, index, PLACEHOLDER_LEADER_ADDRESS)
+            if instance.pod_group is not None:
+                objects.append(instance.pod_group)
             if instance.bootstrap_service is not None:
                 objects.append(instance.bootstrap_service)
             objects.extend(instance.pods)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdcluster.operator import names
 from pdcluster.operator.builders.config import build_config_map, build_runtime_rbac
-from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.networkpolicy import build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
@@ -35,6 +35,12 @@ class DesiredRole:
     template_hash: str
     pods_per_instance: int
     restart: RestartPolicySpec
+    # podGroup: each instance generation gets a PodGroup (builders/scheduling.py).
+    gang: GangScheduling = GangScheduling.none
+
+    @property
+    def uses_pod_groups(self) -> bool:
+        return self.gang is GangScheduling.pod_group
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,6 @@ def build_desired(cluster: Cluster, operator_namespace: str = "") -> DesiredStat
         spec = cluster.spec.role_spec(role)
         assert spec is not None  # roles_of only names roles the spec has
         build_resources(spec, role)  # surface resource errors before anything is applied
-        if spec.scheduling.gang is GangScheduling.pod_group:
-            raise BuildError(
-                f"{role.value}.scheduling.gang: podGroup is not supported by this operator yet "
-                "(it would label pods for a PodGroup it does not create); use gang: none"
-            )
         roles.append(
             DesiredRole(
                 role=role,
@@ -87,6 +88,7 @@ def build_desired(cluster: Cluster, operator_namespace: str = "") -> DesiredStat
                 template_hash=compute_template_hash(cluster.spec, role),
                 pods_per_instance=pod_layout(spec).num_pods,
                 restart=spec.restart,
+                gang=spec.scheduling.gang,
             )
         )
     objects: list[Manifest] = [

@@ -8,7 +8,8 @@ Both are opt-in per role and rendered from the spec alone:
   pods; its pods carry `scheduling.x-k8s.io/pod-group: <that name>`, so a
   coscheduling scheduler binds all of them or none. `scheduling.schedulerName`
   is set on the pods whatever `gang` says (a PodGroup is only honoured by a
-  scheduler that runs the coscheduling plugin).
+  scheduler that runs the coscheduling plugin; the default scheduler ignores
+  it and binds the pods one by one).
 - `placement.topologyKey: K` → every pod of an instance requires pod
   affinity to the pods of its own instance (`names.instance_selector`) over
   K: all land in one K domain. The first pod may land anywhere: Kubernetes
@@ -19,10 +20,13 @@ Both are opt-in per role and rendered from the spec alone:
 
 The user's own `affinity` is kept; these terms are appended to it.
 
-Every worker pod gets `build_pod_scheduling` (builders/workers.py). The
-PodGroup object itself is not created yet: the operator refuses
-`gang: podGroup` (builders/desired.py) rather than label pods for a group
-that does not exist (docs/kubernetes.md, Multi-pod instances).
+Every worker pod gets `build_pod_scheduling` (builders/workers.py); the
+PodGroup is part of the instance's manifests (`InstanceManifests.pod_group`).
+The planner creates it with the instance, before its pods, keeps it across
+gang restarts (same name) and deletes it once no pod of its generation is
+left and the generation is not the slot's current one
+(reconcile/pod_groups.py). It is owned by the PDCluster like every child,
+so deleting the cluster removes it.
 
 Pure module.
 """
@@ -40,8 +44,11 @@ from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_template_hash
 from pdcluster.runtime.spec import GangScheduling, Role, RoleSpec
 
-POD_GROUP_API_VERSION = "scheduling.x-k8s.io/v1alpha1"
+POD_GROUP_GROUP = "scheduling.x-k8s.io"
+POD_GROUP_VERSION = "v1alpha1"
+POD_GROUP_API_VERSION = f"{POD_GROUP_GROUP}/{POD_GROUP_VERSION}"
 POD_GROUP_KIND = "PodGroup"
+POD_GROUP_PLURAL = "podgroups"
 PREFER_PREFILL_WEIGHT = 100
 
 
@@ -89,7 +96,7 @@ def build_pod_group(cluster: Cluster, role: Role, index: int) -> Manifest | None
         "metadata": meta.object_meta(
             cluster.ref,
             _instance_name(cluster, role, index),
-            component="worker",
+            component="pod-group",
             labels={
                 names.LABEL_ROLE: role.value,
                 names.LABEL_INSTANCE_INDEX: str(index),

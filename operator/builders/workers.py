@@ -36,7 +36,7 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.builders.meta import BuildError, Manifest
-from pdcluster.operator.builders.scheduling import build_pod_scheduling
+from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
@@ -96,6 +96,8 @@ class InstanceManifests:
     pods: tuple[Manifest, ...]
     bootstrap_service: Manifest | None
     num_pods: int = 1  # pods of the whole instance (`pods` may hold only the leader)
+    # `scheduling.gang: podGroup`: the PodGroup its pods name; created before them.
+    pod_group: Manifest | None = None
 
     @property
     def pod_names(self) -> tuple[str, ...]:
@@ -394,11 +396,18 @@ def build_instance(
     cluster: Cluster, role: Role, index: int, leader_address: str | None = None
 ) -> InstanceManifests:
     """The objects of one instance: its leader pod, its other pods when the leader's
-    address is known (`leader_address`), and, for prefill, its bootstrap Service."""
+    address is known (`leader_address`), for prefill its bootstrap Service, and with
+    `scheduling.gang: podGroup` its PodGroup."""
     spec = _role(cluster, role)
     key = _instance_key(cluster, role, index)
     num_pods = pod_layout(spec).num_pods
     built = range(num_pods) if leader_address is not None else range(LEADER_POD + 1)
     pods = tuple(build_worker_pod(cluster, role, index, k, leader_address) for k in built)
     service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
-    return InstanceManifests(key=key, pods=pods, bootstrap_service=service, num_pods=num_pods)
+    return InstanceManifests(
+        key=key,
+        pods=pods,
+        bootstrap_service=service,
+        num_pods=num_pods,
+        pod_group=build_pod_group(cluster, role, index),
+    )

@@ -71,10 +71,11 @@ FIELD_DOCS: dict[str, str] = {
     "is the leader; the pods of an instance are restarted together (docs/kubernetes.md, "
     "Multi-pod instances).",
     "<role>.scheduling": "How the pods of one instance are scheduled.",
-    "<role>.scheduling.gang": "none: each pod on its own; podGroup: a scheduler-plugins "
-    "PodGroup (scheduling.x-k8s.io/v1alpha1) per instance with minMember = its pods, so a "
-    "coscheduling scheduler places all of them or none. Refused by the operator for now "
-    "(InvalidSpec): it does not create PodGroups yet.",
+    "<role>.scheduling.gang": "none: each pod on its own; podGroup: the operator creates a "
+    "scheduler-plugins PodGroup (scheduling.x-k8s.io/v1alpha1) per instance with minMember = "
+    "its pods and labels the pods for it, so a scheduler running the coscheduling plugin "
+    "places all of them or none (the default scheduler ignores it). Needs the PodGroup CRD: "
+    "without it the role's pods are not created and the cluster reports PodGroupUnavailable.",
     "<role>.scheduling.schedulerName": "schedulerName of this role's pods (e.g. the "
     "scheduler-plugins scheduler that honours PodGroups); unset: the cluster's default.",
     "<role>.placement": "Where the pods of one instance land.",

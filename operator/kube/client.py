@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 
 from pdcluster.operator.api import GROUP, PLURAL, SCALER_PLURAL, VERSION
+from pdcluster.operator.builders.scheduling import POD_GROUP_API_VERSION, POD_GROUP_PLURAL
 
 FIELD_MANAGER = "pdcluster-operator"
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -55,6 +56,8 @@ RESOURCES: dict[str, Resource] = {
     "RoleBinding": Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "PDCluster": Resource(f"/apis/{GROUP}/{VERSION}", PLURAL),
     "PDClusterRoleScaler": Resource(f"/apis/{GROUP}/{VERSION}", SCALER_PLURAL),
+    # scheduler-plugins' CRD: may be absent from a cluster (the list answers 404).
+    "PodGroup": Resource(f"/apis/{POD_GROUP_API_VERSION}", POD_GROUP_PLURAL),
     "CustomResourceDefinition": Resource(
         "/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False
     ),
@@ -73,6 +76,10 @@ class ApiError(Exception):
     @property
     def is_not_found(self) -> bool:
         return self.status == 404
+
+    @property
+    def is_forbidden(self) -> bool:
+        return self.status == 403
 
     @property
     def is_conflict(self) -> bool:

@@ -6,6 +6,7 @@ gang: a pod ended, lost, missing or NotReady past its grace breaks the
 whole instance), revision (which spec changes restart which pods), rollout
 (one role's per-slot decisions: restart a broken gang, roll, scale),
 restarts (gang back-off and budget), plan (desired vs observed → actions),
+pod_groups (which PodGroups stay; roles that wait for the PodGroup API),
 actions (the plan's vocabulary), status (the status from a plan), policy
 (what the operator refuses to run), kv_transport (the workers' negotiated
 KV transport → status entry and fallback Warning).

@@ -36,6 +36,8 @@ class Reason(StrEnum):
     ForeignObject = "ForeignObject"
     InvalidSpec = "InvalidSpec"
     TokenSecretMissing = "TokenSecretMissing"
+    # `gang: podGroup`, but the apiserver serves no PodGroups (no CRD, no RBAC grant).
+    PodGroupUnavailable = "PodGroupUnavailable"
     ApplyFailed = "ApplyFailed"
     # Refused by the operator's policy (`policy.py`): nothing is changed.
     ImageNotAllowed = "ImageNotAllowed"

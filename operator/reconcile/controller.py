@@ -31,6 +31,7 @@ from pdcluster.operator import names
 from pdcluster.operator.api import KVTransportStatus, PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import BuildError, ObjectKey, object_key
+from pdcluster.operator.builders.scheduling import POD_GROUP_KIND
 from pdcluster.operator.kube.client import ApiError, KubeApi
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
@@ -39,7 +40,7 @@ from pdcluster.operator.reconcile.actions import Action, EventType, Reason
 from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
 from pdcluster.operator.reconcile.executor import Executor
 from pdcluster.operator.reconcile.kv_transport import TransportReport, compute_kv_transport
-from pdcluster.operator.reconcile.observed import Observed, observe
+from pdcluster.operator.reconcile.observed import Observed, PodGroupApi, observe
 from pdcluster.operator.reconcile.plan import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.reconcile.policy import Refusal, check_cluster, secret_references
 from pdcluster.operator.reconcile.restarts import ledger_from_status
@@ -56,8 +57,9 @@ from pdcluster.runtime.spec import Role, SpecError
 log = logging.getLogger(__name__)
 
 # Listed by label each pass. Secrets are only ever read by name, so the
-# operator needs no permission to list the namespace's secrets.
-LISTED_KINDS = tuple(k for k in MANAGED_KINDS if k != "Secret")
+# operator needs no permission to list the namespace's secrets. PodGroups come
+# from scheduler-plugins' CRD, which a cluster may lack: listed on their own.
+LISTED_KINDS = tuple(k for k in MANAGED_KINDS if k not in ("Secret", POD_GROUP_KIND))
 # After a failed write, try again this soon, doubling per pass that fails again
 # up to the settings' max_retry_delay_s (the work queue backs off on exceptions).
 RETRY_AFTER_WRITE_ERROR_S = 2.0
@@ -172,6 +174,8 @@ class Controller:
         raw: list[dict[str, Any]] = []
         for kind in LISTED_KINDS:
             raw.extend(await self.api.list(kind, cluster.namespace, selector))
+        pod_groups, pod_group_api = await self._list_pod_groups(cluster.namespace, selector)
+        raw.extend(pod_groups)
         seen = {object_key(o) for o in raw if "metadata" in o}
         # Objects with our names but without our labels are someone else's;
         # look them up so the planner refuses them instead of clobbering them.
@@ -182,7 +186,22 @@ class Controller:
                 found = await self.api.get(key.kind, cluster.namespace, key.name)
                 if found is not None:
                     raw.append(found)
-        return observe(raw, cluster.ref.uid, names.router_name(cluster.name))
+        return observe(raw, cluster.ref.uid, names.router_name(cluster.name), pod_group_api)
+
+    async def _list_pod_groups(
+        self, namespace: str, selector: str
+    ) -> tuple[list[dict[str, Any]], PodGroupApi]:
+        """The cluster's PodGroups, and whether the apiserver serves them at all: a
+        missing CRD (404) or RBAC grant (403) only matters to roles asking for
+        them (the planner decides), so it never fails the pass."""
+        try:
+            return await self.api.list(POD_GROUP_KIND, namespace, selector), PodGroupApi.served
+        except ApiError as err:
+            if err.is_not_found:
+                return [], PodGroupApi.not_installed
+            if err.is_forbidden:
+                return [], PodGroupApi.forbidden
+            raise
 
     async def _write_status(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from pdcluster.operator import names
@@ -66,12 +67,24 @@ class ObservedPod:
         return self.phase in ("Failed", "Succeeded")
 
 
+class PodGroupApi(StrEnum):
+    """Whether the apiserver let the operator list scheduler-plugins PodGroups."""
+
+    served = "served"
+    # The list answered 404: no PodGroup CRD (scheduling.x-k8s.io) is installed.
+    not_installed = "not_installed"
+    # The list answered 403: the operator's RBAC does not grant podgroups.
+    forbidden = "forbidden"
+
+
 @dataclass(frozen=True)
 class Observed:
     objects: Mapping[ObjectKey, ObservedObject]
     # Worker pods owned by this cluster whose identity labels parse.
     pods: tuple[ObservedPod, ...]
     router_ready_replicas: int = 0
+    # Not `served`: no PodGroup is in `objects`, and none can be created.
+    pod_group_api: PodGroupApi = PodGroupApi.served
 
     def get(self, key: ObjectKey) -> ObservedObject | None:
         return self.objects.get(key)
@@ -210,8 +223,14 @@ def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None
     )
 
 
-def observe(raw_objects: Iterable[Mapping[str, Any]], owner_uid: str, router_name: str) -> Observed:
-    """Build the planner's view from raw API objects (any kinds, any owners)."""
+def observe(
+    raw_objects: Iterable[Mapping[str, Any]],
+    owner_uid: str,
+    router_name: str,
+    pod_group_api: PodGroupApi = PodGroupApi.served,
+) -> Observed:
+    """Build the planner's view from raw API objects (any kinds, any owners);
+    `pod_group_api`: how the PodGroup list went."""
     objects: dict[ObjectKey, ObservedObject] = {}
     pods: list[ObservedPod] = []
     router_ready = 0
@@ -231,4 +250,9 @@ def observe(raw_objects: Iterable[Mapping[str, Any]], owner_uid: str, router_nam
             ready = status.get("readyReplicas") if isinstance(status, Mapping) else None
             router_ready = ready if isinstance(ready, int) else 0
     pods.sort(key=lambda p: (p.role.value, p.instance, p.template_hash, p.pod_index))
-    return Observed(objects=objects, pods=tuple(pods), router_ready_replicas=router_ready)
+    return Observed(
+        objects=objects,
+        pods=tuple(pods),
+        router_ready_replicas=router_ready,
+        pod_group_api=pod_group_api,
+    )

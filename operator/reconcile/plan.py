@@ -14,7 +14,10 @@ plans the same next step from the same cluster state.
 - Instances are planned per role (`rollout.plan_role`).
 - An object that has one of our names but not our controller reference is
   never touched: it is reported, and a Warning event says so.
-- Objects we own that the spec no longer wants are deleted.
+- Objects we own that the spec no longer wants are deleted; a PodGroup
+  (`gang: podGroup`) once its instance generation is gone (`pod_groups.py`).
+- A role asking for PodGroups that the apiserver does not serve (no CRD, no
+  RBAC grant) creates nothing; a `PodGroupUnavailable` Warning says why.
 
 Pure module.
 """
@@ -29,6 +32,8 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders.desired import DesiredState
 from pdcluster.operator.builders.meta import Manifest, ObjectKey, object_key
+from pdcluster.operator.builders.scheduling import POD_GROUP_KIND
+from pdcluster.operator.builders.workers import InstanceKey
 from pdcluster.operator.reconcile.actions import (
     Action,
     Apply,
@@ -41,6 +46,12 @@ from pdcluster.operator.reconcile.actions import (
 )
 from pdcluster.operator.reconcile.instances import ObservedInstance
 from pdcluster.operator.reconcile.observed import Observed, ObservedObject
+from pdcluster.operator.reconcile.pod_groups import (
+    is_pod_group_kept,
+    pod_group_generation,
+    pod_groups_unavailable_message,
+    roles_waiting_for_pod_groups,
+)
 from pdcluster.operator.reconcile.restarts import RestartLedger
 from pdcluster.operator.reconcile.rollout import (
     RolePlan,
@@ -62,6 +73,7 @@ MANAGED_KINDS = (
     "Deployment",
     "Service",
     "Pod",
+    POD_GROUP_KIND,
 )
 
 
@@ -76,6 +88,9 @@ class Plan:
     # Earliest time a later pass has work that no watch event will announce
     # (a back-off ending, a budget window closing); None: nothing scheduled.
     wake_at: float | None
+    # Why roles asking for PodGroups create no pods (the API does not serve
+    # them); None when no role waits for them.
+    pod_groups_unavailable: str | None = None
 
     @property
     def writes(self) -> tuple[Action, ...]:
@@ -152,6 +167,7 @@ def _plan_stale(
     desired: DesiredState,
     observed: Observed,
     prefill_instances: list[ObservedInstance],
+    generations_with_pods: set[InstanceKey],
     actions: list[Action],
 ) -> None:
     """Delete owned objects nothing wants any more."""
@@ -166,6 +182,10 @@ def _plan_stale(
             continue
         if key in wanted or key in worker_pods:
             continue
+        if key.kind == POD_GROUP_KIND and is_pod_group_kept(
+            pod_group_generation(obj), desired, generations_with_pods
+        ):
+            continue
         slot = _bootstrap_identity(obj) if key.kind == "Service" else None
         if slot is not None and prefill is not None and slot[0] < prefill.replicas:
             if slot[1] == prefill.template_hash or slot in alive:
@@ -175,6 +195,15 @@ def _plan_stale(
             if observed.pods:
                 continue
         actions.append(Delete(key, obj.uid))
+
+
+def _without_creates(actions: list[Action]) -> list[Action]:
+    return [
+        a
+        for a in actions
+        if not isinstance(a, Create)
+        and not (isinstance(a, Emit) and a.reason == Reason.InstanceCreated)
+    ]
 
 
 def plan_reconcile(
@@ -215,18 +244,15 @@ def plan_reconcile(
         for r in desired.roles
         if r.replicas
     )
+    waiting = roles_waiting_for_pod_groups(desired, observed)
     for role in desired.roles:
         role_plan, report = plan_role(
             desired, role, observed, ledgers.get(role.role, RestartLedger()), now, retire
         )
-        if token_missing:
-            # Pods would sit in CreateContainerConfigError; create none until it exists.
-            role_plan.actions = [
-                a
-                for a in role_plan.actions
-                if not isinstance(a, Create)
-                and not (isinstance(a, Emit) and a.reason == Reason.InstanceCreated)
-            ]
+        # No token: pods would sit in CreateContainerConfigError. No PodGroup API:
+        # they would be scheduled without the gang they ask for. Create none.
+        if token_missing or role.role in waiting:
+            role_plan.actions = _without_creates(role_plan.actions)
         role_plans.append(role_plan)
         reports.append(report)
         wake.extend(role_plan.wake_at)
@@ -239,7 +265,8 @@ def plan_reconcile(
         actions.extend(role_plan.actions)
         foreign.extend(role_plan.foreign)
 
-    _plan_stale(desired, observed, prefill_instances, actions)
+    generations = {inst.key for rp in role_plans for inst in rp.instances}
+    _plan_stale(desired, observed, prefill_instances, generations, actions)
     unique_foreign = tuple(dict.fromkeys(foreign))
     actions.extend(_foreign_event(key, desired.cluster.name) for key in unique_foreign)
     if token_missing:
@@ -251,6 +278,10 @@ def plan_reconcile(
                 "no pods are created until it does",
             )
         )
+    unavailable = None
+    if waiting:
+        unavailable = pod_groups_unavailable_message(observed.pod_group_api, waiting)
+        actions.append(Emit(EventType.Warning, Reason.PodGroupUnavailable, unavailable))
     return Plan(
         actions=tuple(actions),
         roles=tuple(reports),
@@ -259,6 +290,7 @@ def plan_reconcile(
         router_desired=desired.cluster.spec.router.replicas,
         router_ready=observed.router_ready_replicas,
         wake_at=min(wake) if wake else None,
+        pod_groups_unavailable=unavailable,
     )
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pdcluster.operator.builders.desired import DesiredRole, DesiredState
-from pdcluster.operator.builders.meta import ObjectKey
+from pdcluster.operator.builders.meta import ObjectKey, object_key
 from pdcluster.operator.names import LABEL_REVISION
 from pdcluster.operator.reconcile.actions import Action, Create, Delete, Emit, EventType, Reason
 from pdcluster.operator.reconcile.instances import Health, ObservedInstance, group_instances
@@ -107,6 +107,10 @@ def _create_members(
     Pods k > 0 need the leader's IP: with no instance yet only the leader is
     created, and the others on a later pass (the leader's status update
     brings one), once `current.leader_address` is known.
+
+    With `gang: podGroup` the instance's PodGroup comes first when missing (the
+    executor creates in order, so it exists before any pod names it); one that
+    another owner holds blocks the pods, which would join its gang.
     """
     leader_address = current.leader_address if current is not None else None
     manifests = desired.instance(role.role, index, leader_address)
@@ -114,6 +118,13 @@ def _create_members(
     members = [m for k, m in enumerate(manifests.pods) if k not in present]
     if manifests.bootstrap_service is not None:
         members.append(manifests.bootstrap_service)
+    if manifests.pod_group is not None:
+        group = observed.get(object_key(manifests.pod_group))
+        if group is not None and not group.is_owned_by(desired.cluster.ref.uid):
+            plan.foreign.append(group.key)
+            return 0
+        if members:
+            members.insert(0, manifests.pod_group)
     num_pods = 0
     for manifest in members:
         key = ObjectKey(manifest["kind"], manifest["metadata"]["name"])

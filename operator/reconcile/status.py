@@ -8,7 +8,8 @@ Conditions (each with a reason a user can act on):
   `RestartBudgetExhausted` when it cannot move on by itself;
 - Degraded: something is wrong: an instance broken or backing off, the
   restart budget spent, a foreign object in the way, the token Secret
-  missing, a write the apiserver refused (`ApplyFailed`), an invalid spec.
+  missing, PodGroups asked for but not served (`PodGroupUnavailable`), a
+  write the apiserver refused (`ApplyFailed`), an invalid spec.
 
 `status.<role>.instances[]` is the planner's view of each instance (its
 gang health and why) and of its pods, each with the global ranks it runs
@@ -98,6 +99,8 @@ def _degraded(plan: Plan, failed_writes: Sequence[str]) -> tuple[bool, str, str]
     restarting = [r for r in plan.roles if r.broken or r.waiting_backoff]
     if plan.token_secret_missing:
         return True, Reason.TokenSecretMissing, "the token Secret named in spec.auth is missing"
+    if plan.pod_groups_unavailable is not None:
+        return True, Reason.PodGroupUnavailable, plan.pod_groups_unavailable[:MAX_CONDITION_MESSAGE]
     if failed_writes:
         more = f" (and {len(failed_writes) - 1} more)" if len(failed_writes) > 1 else ""
         return True, Reason.ApplyFailed, f"{failed_writes[0][:MAX_CONDITION_MESSAGE]}{more}"

@@ -31,7 +31,7 @@ from pdcluster.operator.reconcile.actions import (
     Emit,
 )
 from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body
-from pdcluster.operator.reconcile.observed import Observed, observe
+from pdcluster.operator.reconcile.observed import Observed, PodGroupApi, observe
 from pdcluster.operator.reconcile.plan import Plan, plan_reconcile
 from pdcluster.operator.reconcile.restarts import RestartLedger
 
@@ -237,12 +237,15 @@ class Store:
         return sorted(n for k, n in self.objects if k == kind)
 
 
-def observe_store(store: Store, cluster: Cluster) -> Observed:
+def observe_store(
+    store: Store, cluster: Cluster, pod_group_api: PodGroupApi = PodGroupApi.served
+) -> Observed:
     # Like the controller: everything labelled, plus the names we look up.
     return observe(
         [copy.deepcopy(o) for o in store.objects.values()],
         cluster.ref.uid,
         router_name(cluster.name),
+        pod_group_api,
     )
 
 
@@ -277,6 +280,8 @@ class Sim:
     ) -> None:
         self.store = store or Store()
         self.ledgers: dict[Any, RestartLedger] = {}
+        # How the controller's PodGroup list went (not served: the CRD is missing).
+        self.pod_group_api = PodGroupApi.served
         self.set_spec(spec)
 
     @property
@@ -293,7 +298,7 @@ class Sim:
         self.desired: DesiredState = build_desired(self.cluster)
 
     def plan(self) -> Plan:
-        observed = observe_store(self.store, self.cluster)
+        observed = observe_store(self.store, self.cluster, self.pod_group_api)
         return plan_reconcile(self.desired, observed, self.ledgers, self.now)
 
     def step(self) -> tuple[Plan, list[Emit]]:
@@ -326,7 +331,7 @@ class FakeApi:
         return self.store.get_obj(kind, name)
 
     async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-        self._maybe_fail("list")
+        self._maybe_fail("list", kind)
         return self.store.list_objs(kind, selector)
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:

@@ -216,8 +216,14 @@ def test_rbac_is_least_privilege() -> None:
         ("networkpolicies", "patch"),
         ("networkpolicies", "list"),
         ("networkpolicies", "watch"),
+        # gang: podGroup: one PodGroup per instance, deleted with its generation.
+        ("podgroups", "list"),
+        ("podgroups", "create"),
+        ("podgroups", "delete"),
     ]:
         assert (res, verb) in grants, (res, verb)
+    (pod_groups,) = [r for r in rules if "podgroups" in r["resources"]]
+    assert pod_groups["apiGroups"] == ["scheduling.x-k8s.io"]
 
 
 @needs_helm

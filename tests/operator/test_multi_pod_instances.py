@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcluster.operator import names
-from pdcluster.operator.builders.desired import build_desired
-from pdcluster.operator.builders.meta import BuildError, ObjectKey
+from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.operator.builders.workers import InstanceKey, build_instance, build_worker_pod
 from pdcluster.operator.failover.peers import PodIndex
 from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
@@ -358,7 +357,7 @@ def test_render_shows_every_pod_with_a_placeholder_leader_address() -> None:
     }
 
 
-def test_placement_affinity_reaches_every_pod_and_pod_groups_are_refused() -> None:
+def test_placement_affinity_and_the_scheduler_name_reach_every_pod() -> None:
     rack = "topology.example.com/rack"
     spec = copy.deepcopy(TWO_POD)
     spec["prefill"]["placement"] = {"topologyKey": rack}
@@ -370,9 +369,7 @@ def test_placement_affinity_reaches_every_pod_and_pod_groups_are_refused() -> No
             "requiredDuringSchedulingIgnoredDuringExecution"
         ]
         assert term["topologyKey"] == rack
-    spec["prefill"]["scheduling"] = {"gang": "podGroup"}
-    with pytest.raises(BuildError, match="podGroup is not supported"):
-        build_desired(make_cluster(spec))
+    # gang: podGroup (its PodGroup objects and their lifetime): tests/operator/test_pod_groups.py
 
 
 # --------------------------------------------------------- the fast path's peers

@@ -80,4 +80,10 @@ the apiserver's escalation check passes.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# scheduler-plugins' PodGroups, one per instance of a role with
+# `scheduling.gang: podGroup`; granted even where that CRD is not installed
+# (the operator then reports PodGroupUnavailable for such roles).
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
 {{- end -}}

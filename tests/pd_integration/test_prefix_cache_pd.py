@@ -181,13 +181,26 @@ _ROOT = Path(__file__).resolve().parents[2]
 # a small pool: nixl-decode-tp1), which test_topologies then no longer runs as
 # written, and the colocated one.
 _TOPOLOGY_EXAMPLES = ["colocated.yaml", *sorted(FLOAT64_ELSEWHERE)]
+# These run here over nixl, not as written (tcp): one cluster start covers the
+# topology in float64 with every cache on and on nixl, which test_topologies.py
+# then does not start again. Their tcp path runs elsewhere:
+# - pd-prefill-cp2: test_prefill_with_the_prefix_cache_equals_colocated[prefill-cp2];
+# - pd-prefill-dp2: the dp2 cluster of test_handshake_rules.py (each dp group
+#   served like colocated);
+# - pd-prefill-tp2-2pods: tests/local/test_multi_pod.py, as written.
+ON_NIXL_HERE = frozenset(
+    {"pd-prefill-cp2.yaml", "pd-prefill-dp2.yaml", "pd-prefill-tp2-2pods.yaml"}
+)
 _SMALL_POOL = 40  # pages of 16 tokens: the two 600-token prompts evict what came before
 
 
 def _float64_copy(example: str, tmp_path: Path) -> Path:
-    """The example in float64 with the prefix cache on for every role and a small pool."""
+    """The example in float64 with the prefix cache on for every role and a small pool
+    (over nixl for the examples in ON_NIXL_HERE)."""
     doc = yaml.safe_load((_ROOT / "examples" / example).read_text())
     spec = doc["spec"]
+    if example in ON_NIXL_HERE:
+        spec["transfer"] = {**(spec.get("transfer") or {}), "backend": "nixl"}
     spec["model"] = {**spec.get("model", {}), "computeDtype": "float64"}
     spec["kvCache"] = {**spec.get("kvCache", {}), "dtype": "float64", "numPages": _SMALL_POOL}
     for role in ("prefill", "decode", "colocated"):

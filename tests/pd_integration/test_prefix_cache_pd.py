@@ -44,8 +44,10 @@ def _metric(text: str, name: str) -> float:
     "prefill",
     # Multi-rank prefills only: every rank must agree on the hits (a single-rank
     # engine's cache is covered in-process by tests/engine/test_prefix_cache_engine.py).
-    [{"topology": {"tp": 2}}, {"topology": {"cp": 2}}],
-    ids=["prefill-tp2", "prefill-cp2"],
+    # prefill tp2 (to decode tp1) over tcp is pd-prefill-tp2-decode-tp1 in the
+    # every-topology test below, which checks the same hits on its prefill.
+    [{"topology": {"cp": 2}}],
+    ids=["prefill-cp2"],
 )
 def test_prefill_with_the_prefix_cache_equals_colocated(prefill: dict, tmp_path: Path) -> None:
     spec = {
@@ -191,6 +193,8 @@ _TOPOLOGY_EXAMPLES = ["colocated.yaml", *sorted(FLOAT64_ELSEWHERE)]
 ON_NIXL_HERE = frozenset(
     {"pd-prefill-cp2.yaml", "pd-prefill-dp2.yaml", "pd-prefill-tp2-2pods.yaml"}
 )
+# One multi-rank prefill instance: its leader's hit and lookup counts are exact.
+_PREFILL_HITS_CHECKED = frozenset({"pd-prefill-tp2-decode-tp1.yaml", "pd-prefill-cp2.yaml"})
 _SMALL_POOL = 40  # pages of 16 tokens: the two 600-token prompts evict what came before
 
 
@@ -271,6 +275,14 @@ def test_caching_on_equals_caching_off_on_every_example_topology(
     expected = _uncached_outputs(manifest, prompts)
     with local_cluster(manifest, tmp_path / "state") as cluster:
         got = [generate(cluster.endpoint, p) for p in prompts[: len(serial)]]
+        if example in _PREFILL_HITS_CHECKED:
+            # A multi-rank prefill follows its leader's plan: at least the serial hits,
+            # 6 full pages of the shared 100 tokens twice, 2 pages (32), the repeat's 6;
+            # one lookup per serial prompt (no burst yet, so nothing was readmitted).
+            text = httpx.get(cluster.worker("prefill-0")["url"] + "/metrics", timeout=10).text
+            assert _metric(text, "pdcluster_prefix_cache_hit_tokens_total") >= 96 + 96 + 32 + 96
+            lookup = _metric(text, "pdcluster_prefix_cache_lookup_tokens_total")
+            assert lookup == sum(len(p) for p in serial), text
         got += generate_all(cluster, burst, 3)
         evictions_before = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
         got += [generate(cluster.endpoint, p) for p in evicting + after]

@@ -101,9 +101,10 @@ _ON_NIXL_ELSEWHERE = {
 _AS_WRITTEN_ELSEWHERE = {"pd-prefill-tp2-2pods.yaml"}
 # Every other example's topology serves in float64 with the prefix cache on in
 # test_prefix_cache_pd.py's every-topology test (prompts sharing pages, evictions,
-# against an uncached colocated engine): one cluster start for both checks. The
-# float32 path stays covered by pd-1p1d-nixl as written, the nixl copies below
-# and the 64-concurrent 2P2D test.
+# against an uncached colocated engine): one cluster start for both checks;
+# 2P2D in float64 with caches on is test_cache_aware_pd.py's, and as written the
+# 64-concurrent test below. The float32 path stays covered by pd-1p1d-nixl as
+# written, the nixl copies below and the 64-concurrent 2P2D test.
 FLOAT64_ELSEWHERE = frozenset(ex for ex in EXAMPLES if ex != "pd-1p1d-nixl.yaml")
 CASES: list = [
     (ex, None) for ex in EXAMPLES if ex not in _AS_WRITTEN_ELSEWHERE | FLOAT64_ELSEWHERE

@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.local.cluster import local_cluster, pid_alive, ps_text, write_manifest
+from tests.local.cluster import local_cluster, pid_alive, ps_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,17 +65,11 @@ def is_running(pid: int) -> bool:
 def test_workers_stop_when_pdcluster_up_is_killed(tmp_path: Path) -> None:
     """kill -9 of `pdcluster up` cannot stop its workers itself: each gets SIGTERM
     from the kernel (parent-death signal) and stops, instead of serving for hours."""
-    spec = {
-        "model": {"name": "tiny"},
-        "kvCache": {"pageSize": 16, "numPages": 256},
-        "prefill": {"replicas": 1},
-        "decode": {"replicas": 1},
-    }
+    # The smallest cluster (router and one worker): every child is spawned alike.
     state_dir = tmp_path / "state"
-    path = write_manifest(tmp_path, "orphans", spec)
-    with local_cluster(path, state_dir) as cluster:
+    with local_cluster(ROOT / "examples" / "colocated.yaml", state_dir) as cluster:
         pids = cluster.pids()
-        assert len(pids) >= 3 and all(is_running(p) for p in pids)  # router, prefill, decode
+        assert len(pids) == 2 and all(is_running(p) for p in pids)  # router, colocated-0
         try:
             os.kill(cluster.proc.pid, signal.SIGKILL)
             cluster.proc.wait(10)

@@ -3,7 +3,9 @@
 Each process starts in its own session (process group) so stopping the
 cluster reaches the ranks a worker spawned too: SIGTERM to every group, then
 SIGKILL after a grace period. The state file lists what is running so
-`pdcluster ps` / `pdcluster down` work from another shell.
+`pdcluster ps` / `pdcluster down` work from another shell. Should the
+launcher die without stopping them (SIGKILL, OOM), the kernel sends each
+process it started SIGTERM (parent-death signal, Linux; `_Spawner`).
 
 Once ready, `supervise` keeps the cluster serving: it observes the
 processes, feeds their exits to the pure `Supervisor` (supervision.py) and
@@ -56,6 +58,7 @@ from pdcluster.runtime.pids import is_pid_alive
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 STATE_FILE = "state.json"
+TOKEN_FILE = "token"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -118,7 +121,6 @@ class _Spawner:
 
 
 _SPAWNER = _Spawner()
-TOKEN_FILE = "token"
 
 
 def state_dir_for(base: Path, cluster: str) -> Path:

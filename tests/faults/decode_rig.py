@@ -210,6 +210,11 @@ class DecodeRig:
         )
         self.prefill.send_control(self.agent.address, pdmsg.encode(status))
 
+    def send_ack(self, room: int, generation: int) -> None:
+        """The prefill rank's ABORT_ACK for `room` at `generation`."""
+        ack = pdmsg.AbortAck(room=room, rank=RANK, generation=generation)
+        self.prefill.send_control(self.agent.address, pdmsg.encode(ack))
+
     def page_bytes(self, page: int) -> torch.Tensor:
         """Every byte of one page, all layers and both K and V."""
         return self.pool.buffer[:, :, page].contiguous().reshape(-1).view(torch.uint8)

@@ -61,9 +61,12 @@ def test_unreachable_bootstrap_fails_fast_then_the_late_instance_is_used(
     assert not lost.done(), "the unreachable request should still be retrying"
     other = client.pair(pd, "prefill-0", "decode-0", prompt)
     assert other.decode.ok and other.decode.output_ids == expected
-    assert other.decode.elapsed < 1.0
     res: PDResult = lost.result(15)
     assert res.decode.status == 502 and any(r in res.decode.error for r in reasons)
+    # Served meanwhile, not after: a scheduler stalled by a synchronous /route fetch
+    # would answer `other` only once the lost request's retries ended (its failure,
+    # a heartbeat verdict at the earliest: over a second here; a fraction of one for `other`).
+    assert other.decode.ended_at < res.decode.ended_at, "held up behind the /route retries"
     assert res.decode.elapsed < pd.manifest.spec.transfer.bootstrap_timeout_seconds + 1
     assert failed() == before + 1
     pd.assert_clean(["decode-0"])

@@ -116,11 +116,11 @@ def test_decode_abort_in_each_state(
             info = pd.info("decode-0")
             assert info["num_free_pages"] == info["num_total_pages"] - num_pages
             assert pd.room_state("decode-0", meta.room) == "Failed"
-            released_at = time.monotonic()
             rogue.ack(meta.decode_endpoint, meta.room, meta.generation)
+            # The pages come back. That the ack freed them, not the 3 s release timer
+            # this cluster also runs, is test_release_by_ack.py's to show: there the
+            # timer is 60 s, so no wall-clock bound here races it on a loaded box.
             pd.assert_clean(["decode-0"], timeout=5)
-            # Released by the ack, well before the release timeout would have.
-            assert time.monotonic() - released_at < 1.5
             # Exactly once.
             assert sum(isinstance(m, pdmsg.Abort) for m in rogue.seen) == 1
         if state != "Success":
@@ -311,12 +311,23 @@ def busy_workers(cluster: FaultCluster) -> list[str]:
     return busy
 
 
+def decode_finishes(cluster: FaultCluster) -> dict[str, float]:
+    """`pdcluster_requests_total` by finish reason, summed over the decode workers."""
+    total: dict[str, float] = {}
+    for name in cluster.workers("decode"):
+        text = httpx.get(cluster.url(name) + "/metrics", timeout=10).text
+        for reason, value in parse_counter(text, "pdcluster_requests_total", "reason").items():
+            total[reason] = total.get(reason, 0.0) + value
+    return total
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_both_legs(pd: FaultCluster, stream: bool) -> None:
     router_metrics_before = httpx.get(pd.endpoint + "/metrics").text
     aborts_before = sum(
         parse_counter(router_metrics_before, "pdcluster_router_aborts_sent", "reason").values()
     )
+    finishes_before = decode_finishes(pd)
     prompt = make_prompts(1, seed=81, lo=4000, hi=4000)[0]
     body = {
         "input_ids": prompt,
@@ -328,17 +339,18 @@ def test_client_disconnect_aborts_both_legs(pd: FaultCluster, stream: bool) -> N
             with h.stream("POST", pd.endpoint + "/generate", json=body) as resp:
                 assert resp.status_code == 200
                 wait_until(lambda: len(busy_workers(pd)) >= 2, 10, 0.01, "both legs running")
-                left_at = time.monotonic()
         else:
             with pytest.raises(httpx.ReadTimeout):
                 h.post(pd.endpoint + "/generate", json=body)
-            left_at = time.monotonic()
             assert busy_workers(pd), "the request finished before the client left"
-    wait_until(lambda: not busy_workers(pd), 5, 0.005, "every worker to drop the request")
-    took = time.monotonic() - left_at
-    # docs/design.md §7 asks for 100 ms; the bound here leaves room for a loaded CI box
-    # (bench/failover.py measures the real latency).
-    assert took < 1.0, f"legs still running {took:.3f}s after the client left"
+    wait_until(lambda: not busy_workers(pd), 15, 0.005, "every worker to drop the request")
+    # Aborted, not run to its end: no decode leg finished by length (600 tokens, which a
+    # leg left alone would reach), and one ended otherwise. The latency of the abort
+    # (docs/design.md §7 asks for 100 ms) is bench/failover.py's to measure, not a
+    # wall-clock bound a loaded box can break.
+    finishes = decode_finishes(pd)
+    assert finishes.get("length", 0) == finishes_before.get("length", 0), finishes
+    assert sum(finishes.values()) > sum(finishes_before.values()), "no decode leg ended"
     text = httpx.get(pd.endpoint + "/metrics").text
     aborts = parse_counter(text, "pdcluster_router_aborts_sent", "reason")
     assert sum(aborts.values()) > aborts_before

@@ -3,9 +3,8 @@
 - a bootstrap server that starts listening late: the prefill ranks keep
   registering, /health says `unregistered` meanwhile (the router leaves the
   worker out), then the instance registers and serves every request;
-- a layout a prefill cannot write (another transfer backend, a shared-memory
-  pool it cannot open) is refused at registration, naming both sides, and the
-  prefill keeps serving;
+- (a layout a prefill cannot write is refused at registration: on the shm
+  cluster of test_policies.py, which starts one anyway);
 - a hung prefill engine: /health turns 503 `engine_stalled` and a request in
   flight fails with `engine_stalled` well before any waiting timeout;
 - more concurrent requests than `transfer.maxRooms`: they queue and all
@@ -23,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd_worker.backends import BOOTSTRAP_DELAY_ENV
 from pdcluster.runtime.worker_main import HANG_ENV
 from tests.faults.harness import (
@@ -35,7 +33,6 @@ from tests.faults.harness import (
     router_generate,
     wait_until,
 )
-from tests.faults.rogue import RogueDecode, fetch_instance
 from tests.pd_integration.reference import colocated_outputs
 
 
@@ -91,46 +88,6 @@ def test_a_late_bootstrap_server_keeps_the_worker_not_ready_then_it_registers_an
     assert [r.status for r in results] == [200] * 4, [r.body for r in results]
     assert [r.output_ids for r in results] == expected
     cluster.assert_clean()
-
-
-@pytest.fixture
-def shm_cluster(tmp_path: Path) -> Iterator[FaultCluster]:
-    with FaultCluster(tmp_path, "loud-shm", base_spec(backend="shm")) as cluster:
-        yield cluster
-
-
-def test_a_layout_the_prefill_cannot_write_is_refused_naming_both_and_it_keeps_serving(
-    shm_cluster: FaultCluster, tmp_path: Path
-) -> None:
-    cluster = shm_cluster
-    info = fetch_instance(cluster.bootstrap("prefill-0"), cluster.token)
-    prefill = info.ranks[0].endpoint
-    prompt = make_prompts(1, seed=5, lo=12, hi=12)[0]
-    expected = colocated_outputs(cluster.manifest, [prompt], 4)[0]
-    shm_compat: CompatInfo = info.compat
-    assert shm_compat.transfer_backend == "shm"
-    tcp_compat = CompatInfo(**{**_fields(shm_compat), "transfer_backend": "tcp"})
-    cases = [
-        (tcp_compat, {}, "backend_mismatch: prefill shm, decode tcp"),
-        # Same backend, but the pool lives where this prefill cannot open it
-        # (another node, another pod's /dev/shm).
-        (shm_compat, {"shm_pool_path": str(tmp_path / "elsewhere")}, "backend_mismatch: "),
-    ]
-    for compat, changes, reason in cases:
-        rogue = RogueDecode(cluster.token, compat)
-        try:
-            ack = rogue.register(prefill, **changes)
-        finally:
-            rogue.close()
-        assert not ack.accepted
-        assert ack.reason is not None and ack.reason.startswith(reason), ack.reason
-        res = router_generate(cluster.endpoint, prompt, 4, 30)
-        assert res.ok and res.output_ids == expected, res.body
-    cluster.assert_clean()
-
-
-def _fields(compat: CompatInfo) -> dict[str, Any]:
-    return {name: getattr(compat, name) for name in compat.__struct_fields__}
 
 
 @pytest.fixture

@@ -215,10 +215,10 @@ def test_decode_abort_in_each_state(
         aborts = [m for m in rogue.seen if isinstance(m, pdmsg.Abort)]
         assert len(aborts) >= 2, "an unacked one-sided ABORT is sent again"
         assert {(m.room, m.generation) for m in aborts} == {(meta.room, meta.generation)}
-        released_at = time.monotonic()
         rogue.ack(meta.decode_endpoint, meta.room, meta.generation)
+        # Only the ack can free them: one-sided, the release timer frees nothing (held
+        # past it above), and no peer verdict comes. So no latency bound is needed.
         nixl_pd.assert_clean(["decode-0"], timeout=5)
-        assert time.monotonic() - released_at < 1.5
         num_aborts = len([m for m in rogue.seen if isinstance(m, pdmsg.Abort)])
         time.sleep(release_s)
         assert len([m for m in rogue.seen if isinstance(m, pdmsg.Abort)]) == num_aborts

@@ -3,7 +3,8 @@
 (`failurePolicy: recompute` and the KV checksum live in test_recompute.py.)
 Two more clusters of their own:
 - `one_sided`: `shm` (prefill writes straight into decode's memory), two
-  prefill instances and a short release timeout — a failed room's pages
+  prefill instances and a short release timeout — a layout the prefill cannot
+  write is refused at registration, naming both sides; a failed room's pages
   wait for the writer's acknowledgement or a definitive verdict (operator,
   restart), never for a timer or a heartbeat, while survivors keep their
   colocated outputs;
@@ -18,10 +19,12 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pdcluster.runtime.pd import messages as pdmsg
+from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.transfer.curve import cluster_keys
 from tests.faults.harness import (
@@ -38,11 +41,13 @@ from tests.faults.harness import (
     mint_room,
     one_sided_victims,
     post_leg,
+    router_generate,
     run_all_equal_colocated,
     survivors_served,
     wait_until,
 )
 from tests.faults.rogue import Background, RogueDecode, RoguePrefill, fetch_instance
+from tests.pd_integration.reference import colocated_outputs
 
 MAX_TOKENS = 4
 
@@ -73,6 +78,42 @@ def test_one_sided_transfers_equal_colocated(one_sided: FaultCluster, client: PD
     prompts = make_prompts(5, seed=131, lo=1, hi=1500)
     run_all_equal_colocated(one_sided, client, prompts, MAX_TOKENS)
     one_sided.assert_clean()
+
+
+def test_a_layout_the_prefill_cannot_write_is_refused_naming_both_and_it_keeps_serving(
+    one_sided: FaultCluster, tmp_path: Path
+) -> None:
+    """Another transfer backend, or a shared-memory pool the prefill cannot open: refused
+    at registration, naming both sides, and the prefill keeps serving."""
+    cluster = one_sided
+    info = fetch_instance(cluster.bootstrap("prefill-0"), cluster.token)
+    prefill = info.ranks[0].endpoint
+    prompt = make_prompts(1, seed=5, lo=12, hi=12)[0]
+    expected = colocated_outputs(cluster.manifest, [prompt], 4)[0]
+    shm_compat: CompatInfo = info.compat
+    assert shm_compat.transfer_backend == "shm"
+    tcp_compat = CompatInfo(**{**_fields(shm_compat), "transfer_backend": "tcp"})
+    cases = [
+        (tcp_compat, {}, "backend_mismatch: prefill shm, decode tcp"),
+        # Same backend, but the pool lives where this prefill cannot open it
+        # (another node, another pod's /dev/shm).
+        (shm_compat, {"shm_pool_path": str(tmp_path / "elsewhere")}, "backend_mismatch: "),
+    ]
+    for compat, changes, reason in cases:
+        rogue = RogueDecode(cluster.token, compat)
+        try:
+            ack = rogue.register(prefill, **changes)
+        finally:
+            rogue.close()
+        assert not ack.accepted
+        assert ack.reason is not None and ack.reason.startswith(reason), ack.reason
+        res = router_generate(cluster.endpoint, prompt, 4, 30)
+        assert res.ok and res.output_ids == expected, res.body
+    cluster.assert_clean()
+
+
+def _fields(compat: CompatInfo) -> dict[str, Any]:
+    return {name: getattr(compat, name) for name in compat.__struct_fields__}
 
 
 def test_one_sided_pages_wait_for_the_ack_not_a_timer(

@@ -54,6 +54,16 @@ def test_checksummed_transfers_equal_colocated(recompute: FaultCluster, client: 
     stats = recompute.info("decode-0")["kv_receive_stats"]
     assert stats.get("accepted", 0) >= len(prompts)
     assert not any("checksum" in k for k in stats)
+    pd_stats = recompute.stats("decode-0")
+    assert not any("checksum" in k for k in pd_stats), pd_stats
+    # The transfer is visible in both workers' metrics, and no room failed (this
+    # cluster's first scenario: nothing failed before it either).
+    for name, direction in (("decode-0", "in"), ("prefill-0", "out")):
+        text = recompute.http.get(recompute.url(name) + "/metrics").text
+        moved = parse_counter(text, "pdcluster_transfer_bytes", "direction")
+        assert moved.get(direction, 0) > 0, text
+        assert "pdcluster_transfer_seconds_count" in text
+        assert 'pdcluster_rooms{state="failed"} 0.0' in text
     recompute.assert_clean()
 
 

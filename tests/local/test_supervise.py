@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from pdcluster.runtime.spec import parse_manifest
+from pdcluster.runtime.spec import TransferSpec, parse_manifest
 from tests.faults.harness import make_prompts
 from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
 from tests.pd_integration.reference import colocated_outputs
@@ -36,6 +36,22 @@ SPEC: dict[str, Any] = {
     "decode": {"replicas": 1},
     "router": {"healthCheckIntervalSeconds": 0.5},
 }
+
+
+def fast_failure_bound(transfer: TransferSpec) -> float:
+    """How long a request on a killed prefill may take to fail: halfway to the room
+    timeouts a request that missed the loss would wait out instead.
+
+    The loss is seen at once (the leg's connection breaks) or on the heartbeat
+    verdict (`failureThreshold` probes `intervalSeconds` apart, ~1 s here): the
+    bound leaves that path 10x its time on a loaded box and still fails a request
+    that only a timeout ended.
+    """
+    hb = transfer.heartbeat
+    verdict_s = hb.failure_threshold * hb.interval_seconds + hb.interval_seconds / 2
+    bound = min(transfer.bootstrap_timeout_seconds, transfer.waiting_timeout_seconds) / 2
+    assert bound >= 10 * verdict_s, f"a {bound:.1f}s bound cannot tell a {verdict_s:.1f}s verdict"
+    return bound
 
 
 def generate(cluster: RunningCluster, prompt: list[int]) -> tuple[int, dict[str, Any], float]:
@@ -125,9 +141,11 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
         lost = [(s, b, end) for s, b, end in results if s != 200]
         assert lost, "no request was on the killed prefill"
         assert len(lost) < len(burst), "requests on prefill-0 failed too"
+        bound = fast_failure_bound(manifest.spec.transfer)
         for status, body, end in lost:
             assert status in (502, 504), body
-            assert end - killed_at < 5.0, f"a lost request took {end - killed_at:.1f}s to fail"
+            assert "timeout" not in json.dumps(body), f"failed by a timeout, not the loss: {body}"
+            assert end - killed_at < bound, f"a lost request took {end - killed_at:.1f}s to fail"
 
         # The supervisor saw the loss: the cluster keeps serving through prefill-0.
         wait_for(lambda: seen_as(state_dir) != ("running", 0), 5, "the loss to be seen")

@@ -44,8 +44,10 @@ def _metric(text: str, name: str) -> float:
     "prefill",
     # Multi-rank prefills only: every rank must agree on the hits (a single-rank
     # engine's cache is covered in-process by tests/engine/test_prefix_cache_engine.py).
-    [{"topology": {"tp": 2}}, {"topology": {"cp": 2}}],
-    ids=["prefill-tp2", "prefill-cp2"],
+    # prefill tp2 (to decode tp1) over tcp is pd-prefill-tp2-decode-tp1 in the
+    # every-topology test below, which checks the same hits on its prefill.
+    [{"topology": {"cp": 2}}],
+    ids=["prefill-cp2"],
 )
 def test_prefill_with_the_prefix_cache_equals_colocated(prefill: dict, tmp_path: Path) -> None:
     spec = {
@@ -180,14 +182,32 @@ _ROOT = Path(__file__).resolve().parents[2]
 # Every PD example but pd-1p1d-nixl (shown above as written, both roles cached,
 # a small pool: nixl-decode-tp1), which test_topologies then no longer runs as
 # written, and the colocated one.
-_TOPOLOGY_EXAMPLES = ["colocated.yaml", *sorted(FLOAT64_ELSEWHERE)]
+# 2P2D is left out: test_cache_aware_pd.py runs 2P2D in float64 with every cache
+# on (outputs == colocated), test_topologies.py 64 concurrent requests on it, and
+# bursts and evictions with caches on run here on every other topology.
+_TOPOLOGY_EXAMPLES = ["colocated.yaml", *sorted(FLOAT64_ELSEWHERE - {"pd-2p2d.yaml"})]
+# These run here over nixl, not as written (tcp): one cluster start covers the
+# topology in float64 with every cache on and on nixl, which test_topologies.py
+# then does not start again. Their tcp path runs elsewhere:
+# - pd-prefill-cp2: test_prefill_with_the_prefix_cache_equals_colocated[prefill-cp2];
+# - pd-prefill-dp2: the dp2 cluster of test_handshake_rules.py (each dp group
+#   served like colocated);
+# - pd-prefill-tp2-2pods: tests/local/test_multi_pod.py, as written.
+ON_NIXL_HERE = frozenset(
+    {"pd-prefill-cp2.yaml", "pd-prefill-dp2.yaml", "pd-prefill-tp2-2pods.yaml"}
+)
+# One multi-rank prefill instance: its leader's hit and lookup counts are exact.
+_PREFILL_HITS_CHECKED = frozenset({"pd-prefill-tp2-decode-tp1.yaml", "pd-prefill-cp2.yaml"})
 _SMALL_POOL = 40  # pages of 16 tokens: the two 600-token prompts evict what came before
 
 
 def _float64_copy(example: str, tmp_path: Path) -> Path:
-    """The example in float64 with the prefix cache on for every role and a small pool."""
+    """The example in float64 with the prefix cache on for every role and a small pool
+    (over nixl for the examples in ON_NIXL_HERE)."""
     doc = yaml.safe_load((_ROOT / "examples" / example).read_text())
     spec = doc["spec"]
+    if example in ON_NIXL_HERE:
+        spec["transfer"] = {**(spec.get("transfer") or {}), "backend": "nixl"}
     spec["model"] = {**spec.get("model", {}), "computeDtype": "float64"}
     spec["kvCache"] = {**spec.get("kvCache", {}), "dtype": "float64", "numPages": _SMALL_POOL}
     for role in ("prefill", "decode", "colocated"):
@@ -258,6 +278,14 @@ def test_caching_on_equals_caching_off_on_every_example_topology(
     expected = _uncached_outputs(manifest, prompts)
     with local_cluster(manifest, tmp_path / "state") as cluster:
         got = [generate(cluster.endpoint, p) for p in prompts[: len(serial)]]
+        if example in _PREFILL_HITS_CHECKED:
+            # A multi-rank prefill follows its leader's plan: at least the serial hits,
+            # 6 full pages of the shared 100 tokens twice, 2 pages (32), the repeat's 6;
+            # one lookup per serial prompt (no burst yet, so nothing was readmitted).
+            text = httpx.get(cluster.worker("prefill-0")["url"] + "/metrics", timeout=10).text
+            assert _metric(text, "pdcluster_prefix_cache_hit_tokens_total") >= 96 + 96 + 32 + 96
+            lookup = _metric(text, "pdcluster_prefix_cache_lookup_tokens_total")
+            assert lookup == sum(len(p) for p in serial), text
         got += generate_all(cluster, burst, 3)
         evictions_before = _sum_over_workers(cluster, "pdcluster_prefix_cache_evictions_total")
         got += [generate(cluster.endpoint, p) for p in evicting + after]

@@ -81,18 +81,30 @@ def with_backend(example: str, backend: str | None, tmp_path: Path) -> Path:
     return copy
 
 
-# Every example as written, and again with nixl each topology no example already
-# runs on nixl (pd-1p1d-nixl and pd-nixl-prefill-tp1-decode-tp2 are examples;
-# 2p2d over nixl is the 64-concurrent test below).
-_ON_NIXL_ELSEWHERE = {"pd-1p1d.yaml", "pd-prefill-tp1-decode-tp2.yaml", "pd-2p2d.yaml"}
+# Every example as written, and again with nixl each topology no other test
+# already runs on nixl: pd-1p1d-nixl and pd-nixl-prefill-tp1-decode-tp2 are
+# examples; 2p2d over nixl is the 64-concurrent test below; prefill tp2 to
+# decode tp1 is test_transport_and_policy_variants_equal_colocated[nixl] (and
+# [nixl-prefill_complete]); cp2, dp2 and tp2-2pods run over nixl in
+# test_prefix_cache_pd.py's every-topology test (ON_NIXL_HERE there).
+_ON_NIXL_ELSEWHERE = {
+    "pd-1p1d.yaml",
+    "pd-prefill-tp1-decode-tp2.yaml",
+    "pd-2p2d.yaml",
+    "pd-prefill-tp2-decode-tp1.yaml",
+    "pd-prefill-cp2.yaml",
+    "pd-prefill-dp2.yaml",
+    "pd-prefill-tp2-2pods.yaml",
+}
 # As written, the two-pod example runs in tests/local/test_multi_pod.py (one
 # cluster start for PD == colocated and the gang restart).
 _AS_WRITTEN_ELSEWHERE = {"pd-prefill-tp2-2pods.yaml"}
 # Every other example's topology serves in float64 with the prefix cache on in
 # test_prefix_cache_pd.py's every-topology test (prompts sharing pages, evictions,
-# against an uncached colocated engine): one cluster start for both checks. The
-# float32 path stays covered by pd-1p1d-nixl as written, the nixl copies below
-# and the 64-concurrent 2P2D test.
+# against an uncached colocated engine): one cluster start for both checks;
+# 2P2D in float64 with caches on is test_cache_aware_pd.py's, and as written the
+# 64-concurrent test below. The float32 path stays covered by pd-1p1d-nixl as
+# written, the nixl copies below and the 64-concurrent 2P2D test.
 FLOAT64_ELSEWHERE = frozenset(ex for ex in EXAMPLES if ex != "pd-1p1d-nixl.yaml")
 CASES: list = [
     (ex, None) for ex in EXAMPLES if ex not in _AS_WRITTEN_ELSEWHERE | FLOAT64_ELSEWHERE
@@ -160,12 +172,13 @@ def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+# tcp: tests/faults/test_recompute.py::test_checksummed_transfers_equal_colocated runs
+# a checksummed tcp cluster anyway and checks the same (outputs, stats, metrics).
+@pytest.mark.parametrize("backend", ["shm"])
 def test_checksummed_kv_arrives_bit_identical(tmp_path: Path, backend: str) -> None:
-    """Debug check: every KV frame carries a CRC of prefill's bytes, verified by decode
-    before it is written (tcp), and each source's Success a CRC of its source pages,
-    verified on decode's pages (tcp and shm); all must verify and outputs must equal
-    colocated."""
+    """Debug check: each source's Success carries a CRC of its source pages, verified
+    on decode's pages (and, with tcp, every KV frame a CRC of prefill's bytes, verified
+    by decode before it is written); all must verify and outputs must equal colocated."""
     from tests.local.cluster import write_manifest
 
     spec = {
@@ -210,13 +223,15 @@ def test_checksummed_kv_arrives_bit_identical(tmp_path: Path, backend: str) -> N
 @pytest.mark.parametrize(
     "transfer",
     [
-        {"backend": "shm"},
+        # shm under `early` alone: shm-prefill_complete runs the same two writers into
+        # one decode's pages, and shm under early runs in test_prefix_cache_pd.py
+        # (shm-decode-tp2) and in the fault suite's one-sided cluster.
         {"allocationPolicy": "prefill_complete"},
         {"backend": "shm", "allocationPolicy": "prefill_complete"},
         {"backend": "nixl"},
         {"backend": "nixl", "allocationPolicy": "prefill_complete"},
     ],
-    ids=["shm", "prefill_complete", "shm-prefill_complete", "nixl", "nixl-prefill_complete"],
+    ids=["prefill_complete", "shm-prefill_complete", "nixl", "nixl-prefill_complete"],
 )
 def test_transport_and_policy_variants_equal_colocated(transfer: dict, tmp_path: Path) -> None:
     """The one-sided transports (shm, nixl: writes into decode's pool) and the

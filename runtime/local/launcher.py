@@ -3,9 +3,7 @@
 Each process starts in its own session (process group) so stopping the
 cluster reaches the ranks a worker spawned too: SIGTERM to every group, then
 SIGKILL after a grace period. The state file lists what is running so
-`pdcluster ps` / `pdcluster down` work from another shell. Should the
-launcher die without stopping them (SIGKILL, OOM), the kernel sends each
-process it started SIGTERM (parent-death signal, Linux; `_Spawner`).
+`pdcluster ps` / `pdcluster down` work from another shell.
 
 Once ready, `supervise` keeps the cluster serving: it observes the
 processes, feeds their exits to the pure `Supervisor` (supervision.py) and
@@ -22,7 +20,6 @@ The supervise loop applies adopt/release between two observations.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -33,7 +30,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -59,68 +55,6 @@ from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child get SIGTERM when its parent dies (Linux).
-
-    Without it, a `pdcluster up` killed by SIGKILL leaves its workers serving
-    for hours: they are in sessions of their own, so no terminal hangup or
-    group signal reaches them. libc is looked up here, before the fork: the
-    child between fork and exec only makes two system calls. None elsewhere.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        # The parent may have died between fork and prctl: no signal would come.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return hook
-
-
-class _Spawner:
-    """Starts every local-mode process from one thread that lives as long as this process.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not
-    the process: a worker started from an autoscaling task's thread (or a
-    test's) would be stopped as soon as that thread ended. One long-lived
-    daemon thread forks them all, so the signal comes only with the process.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        with self._lock:
-            # A forked copy of this process has no spawner thread: start its own.
-            if self._thread is None or self._pid != os.getpid():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="spawner", daemon=True)
-                self._thread.start()
-        done: Future[subprocess.Popen[bytes]] = Future()
-        hook = _die_with_parent_hook()
-        self._jobs.put((lambda: subprocess.Popen(argv, preexec_fn=hook, **kwargs), done))
-        return done.result()
-
-    def _run(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            try:
-                done.set_result(job())
-            except BaseException as err:  # handed to the caller, who raises it
-                done.set_exception(err)
-
-
-_SPAWNER = _Spawner()
 
 
 def state_dir_for(base: Path, cluster: str) -> Path:
@@ -172,7 +106,7 @@ class LocalCluster:
         its output is appended to its log."""
         env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **spec.env}
         with open(self.state_dir / "logs" / f"{spec.name}.log", "ab") as log:
-            proc = _SPAWNER.popen(
+            proc = subprocess.Popen(
                 list(spec.argv),
                 env=env,
                 stdout=log,

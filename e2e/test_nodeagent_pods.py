@@ -306,7 +306,7 @@ def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -
     pod = make_pod("nocmd", [])
     del pod["spec"]["containers"][0]["command"]
     path = create_pod(kube, namespace, pod)
-    stuck = wait_waiting(kube, path, "a waiting container")
+    stuck = wait_waiting(kube, path, "a container waiting with a reason", with_message=True)
     waiting = container_status(stuck)["state"]["waiting"]
     assert waiting["reason"] == "CreateContainerConfigError"
     assert "set `command`" in waiting["message"]

@@ -54,6 +54,7 @@ from pdcluster.runtime.router.errors import (
 )
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
+from pdcluster.runtime.router.leg_client import leg_session
 from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.policies import make_policy
@@ -181,19 +182,17 @@ class RouterState:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         cfg = self.config
-        timeout = httpx.Timeout(
-            connect=cfg.connect_timeout_s, read=None, write=cfg.connect_timeout_s, pool=None
-        )
-        limits = httpx.Limits(
-            max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
-        )
         # trust_env=False: a proxy variable must never divert worker traffic.
         # Every call to a worker carries the cluster token (their data plane is guarded).
         headers = bearer_headers(cfg.worker_token)
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=headers)
+        legs = leg_session(
+            max_connections=cfg.max_connections,
+            connect_timeout_s=cfg.connect_timeout_s,
+            headers=headers,
+        )
         control = httpx.AsyncClient(timeout=cfg.abort_timeout_s, trust_env=False, headers=headers)
         self.ctx = RelayContext(
-            config=cfg, pool=self.pool, client=client, control=control, metrics=self.metrics
+            config=cfg, pool=self.pool, legs=legs, control=control, metrics=self.metrics
         )
         self.checker = HealthChecker(
             self.pool,
@@ -232,7 +231,7 @@ class RouterState:
             for task in pending:
                 task.cancel()
             await asyncio.gather(health_loop, *pending, return_exceptions=True)
-            await client.aclose()
+            await legs.close()
             await control.aclose()
 
     def apply_targets(self, targets: list[WorkerTarget]) -> None:

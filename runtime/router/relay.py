@@ -34,12 +34,19 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.router.bodies import error_message_of, payload_error
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.errors import RouterError, error_body
+from pdcluster.runtime.router.leg_client import (
+    LegFailure,
+    classify,
+    close_response,
+    response_lines,
+)
 from pdcluster.runtime.router.leg_plan import LegPlan
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
@@ -89,14 +96,15 @@ class LegError(Exception):
         return RouterError(status, f"{role} worker failed: {self.message}", reason=self.reason)
 
 
-def _http_error(worker: Worker, err: httpx.HTTPError, pool: WorkerPool) -> LegError:
+def _http_error(worker: Worker, err: aiohttp.ClientError, pool: WorkerPool) -> LegError:
     role = worker.role.value
     text = str(err) or type(err).__name__
-    if isinstance(err, httpx.ConnectError | httpx.ConnectTimeout):
+    failure = classify(err)
+    if failure is LegFailure.unreachable:
         if pool.mark_unreachable(worker, text):
             log.warning("worker %s (%s) unreachable, left the pool", worker.url, role)
         return LegError(worker, 502, "worker unreachable", f"{role}_unreachable")
-    if isinstance(err, httpx.TransportError):
+    if failure is LegFailure.connection_lost:
         reason, message = f"{role}_connection_lost", f"connection lost: {text}"
     else:
         reason, message = f"{role}_bad_response", f"bad response: {text}"
@@ -119,7 +127,8 @@ async def _next_line(lines: AsyncIterator[str]) -> str | None:
 class RelayContext:
     config: RouterConfig
     pool: WorkerPool
-    client: httpx.AsyncClient
+    # Both legs of every request (`leg_client`).
+    legs: aiohttp.ClientSession
     # Aborts ride on their own client so that a full leg pool cannot delay them.
     control: httpx.AsyncClient
     metrics: RouterMetrics
@@ -169,7 +178,7 @@ class Relay:
         self.planned_at = asyncio.get_running_loop().time()
         self.deadline = self.planned_at + ctx.config.request_timeout_s
         self._prefill_task: asyncio.Task[None] | None = None
-        self._main_resp: httpx.Response | None = None
+        self._main_resp: aiohttp.ClientResponse | None = None
         self._phase = RelayPhase.planned
 
     @property
@@ -219,8 +228,7 @@ class Relay:
         self._advance(RelayPhase.closed)
         resp = self._main_resp
         if resp is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                await resp.aclose()
+            close_response(resp)
         if started:
             self.ctx.pool.release(self.plan.main)
         room = self.plan.room
@@ -236,32 +244,33 @@ class Relay:
     async def _prefill_leg(self, worker: Worker) -> None:
         try:
             async with asyncio.timeout_at(self.deadline):
-                async with self.ctx.client.stream(
-                    "POST", worker.url + self.plan.path, content=self.plan.content, headers=JSON
+                stage_trace.mark(self.plan.room, "router.prefill_send")
+                async with self.ctx.legs.post(
+                    worker.url + self.plan.path, data=self.plan.content, headers=JSON
                 ) as resp:
-                    if resp.status_code >= 400:
-                        raw = await resp.aread()
-                        message = error_message_of(raw, resp.status_code)
+                    if resp.status >= 400:
+                        raw = await resp.read()
+                        message = error_message_of(raw, resp.status)
                         raise LegError(
                             worker,
-                            resp.status_code,
+                            resp.status,
                             message,
                             "prefill_error_status",
                             retry_after=resp.headers.get("retry-after"),
                         )
                     if self.plan.stream:
                         reader = SSEReader()
-                        async for line in resp.aiter_lines():
+                        async for line in response_lines(resp):
                             event = reader.feed(line)
                             failure = event.error() if event is not None else None
                             if failure is not None:
                                 raise LegError(worker, 502, failure, "prefill_error_event")
                     else:
-                        raw = await resp.aread()
+                        raw = await resp.read()
                         failure = payload_error(_json_or_none(raw))
                         if failure is not None:
                             raise LegError(worker, 502, failure, "prefill_error_payload")
-        except httpx.HTTPError as err:
+        except aiohttp.ClientError as err:
             raise _http_error(worker, err, self.ctx.pool) from None
         except TimeoutError:
             raise LegError(worker, 504, "timed out", "prefill_timeout", may_run=True) from None
@@ -378,19 +387,18 @@ class Relay:
         the deadline) into the RouterError the client gets, aborting the other leg."""
         try:
             yield
-        except httpx.HTTPError as err:
+        except aiohttp.ClientError as err:
             raise self._on_leg_error(_http_error(self.plan.main, err, self.ctx.pool)) from None
         except LegError as err:
             raise self._on_leg_error(err) from None
         except TimeoutError:
             raise self._on_timeout() from None
 
-    async def _send_main(self) -> httpx.Response:
-        client = self.ctx.client
-        request = client.build_request(
-            "POST", self.plan.main.url + self.plan.path, content=self.plan.content, headers=JSON
+    async def _send_main(self) -> aiohttp.ClientResponse:
+        stage_trace.mark(self.plan.room, "router.main_send")
+        self._main_resp = await self.ctx.legs.post(
+            self.plan.main.url + self.plan.path, data=self.plan.content, headers=JSON
         )
-        self._main_resp = await client.send(request, stream=True)
         stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp
 
@@ -399,10 +407,10 @@ class Relay:
         main = self.plan.main
         with self._main_leg_failures():
             resp = await self._race(self._send_main())
-            if resp.status_code >= 400:
-                raw = await self._race(resp.aread())
-                message = error_message_of(raw, resp.status_code)
-                raise LegError(main, resp.status_code, message, f"{main.role}_error_status")
+            if resp.status >= 400:
+                raw = await self._race(resp.read())
+                message = error_message_of(raw, resp.status)
+                raise LegError(main, resp.status, message, f"{main.role}_error_status")
 
     async def read_body(self) -> bytes:
         """The main leg's whole JSON answer, as sent (non-streaming requests)."""
@@ -410,7 +418,7 @@ class Relay:
         assert resp is not None, "open() first"
         main = self.plan.main
         with self._main_leg_failures():
-            raw = await self._race(resp.aread())
+            raw = await self._race(resp.read())
             payload = _json_or_none(raw)
             if payload is None:
                 raise LegError(main, 502, "answered with a body that is not JSON", "bad_payload")
@@ -422,7 +430,7 @@ class Relay:
 
     @property
     def main_status(self) -> int:
-        return 200 if self._main_resp is None else self._main_resp.status_code
+        return 200 if self._main_resp is None else self._main_resp.status
 
     async def events(self) -> AsyncIterator[bytes]:
         """The main leg's SSE events, re-framed; failures become error events."""
@@ -430,7 +438,7 @@ class Relay:
         assert resp is not None, "open() first"
         main = self.plan.main
         reader = SSEReader()
-        lines = resp.aiter_lines()
+        lines = response_lines(resp)
         while True:
             try:
                 with self._main_leg_failures():

@@ -1,0 +1,201 @@
+"""The router's leg client against real sockets: lines as SSE reads them, and
+which failure is which (never reached / connection broke / unreadable answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from pdcluster.runtime.router.leg_client import (
+    LegFailure,
+    classify,
+    close_response,
+    leg_session,
+    response_lines,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def serve(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/generate"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+def answer_with(*parts: bytes, close_early: bool = False) -> Handler:
+    """A server that answers one request with `parts` written one by one (a
+    chunked body); `close_early`: it hangs up before the terminating chunk."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if not close_early:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    return handler
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    legs = leg_session(max_connections=8, connect_timeout_s=2.0, headers={"x-test": "1"})
+    async with legs:
+        yield legs
+
+
+async def lines_from(session: aiohttp.ClientSession, *parts: bytes) -> list[str]:
+    server, url = await serve(answer_with(*parts))
+    async with server:
+        resp = await session.post(url, data=b"{}")
+        lines = [line async for line in response_lines(resp)]
+        close_response(resp)
+        return lines
+
+
+async def test_lines_lose_their_endings_across_chunk_boundaries(
+    session: aiohttp.ClientSession,
+) -> None:
+    lines = await lines_from(session, b'data: {"a"', b": 1}\r\n\r\nda", b"ta: [DONE]\n\n", b"tail")
+    assert lines == ['data: {"a": 1}', "", "data: [DONE]", "", "tail"]
+
+
+async def test_a_line_longer_than_any_buffer_stays_one_line(
+    session: aiohttp.ClientSession,
+) -> None:
+    long = b"data: " + b"x" * 300_000
+    lines = await lines_from(session, long[:100_000], long[100_000:] + b"\n")
+    assert lines == [long.decode()]
+
+
+async def test_invalid_utf8_is_replaced_not_raised(session: aiohttp.ClientSession) -> None:
+    assert await lines_from(session, b"data: \xff\xfe\n") == ["data: \ufffd\ufffd"]
+
+
+async def test_the_session_sends_its_headers_and_the_body(session: aiohttp.ClientSession) -> None:
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    async with server:
+        resp = await session.post(url, data=b'{"rid": "r1"}', headers={"content-type": "a/b"})
+        assert await resp.read() == b"ok"
+        close_response(resp)
+    request = seen[0].lower()
+    assert b"x-test: 1" in request and b"content-type: a/b" in request
+    assert request.endswith(b'{"rid": "r1"}')
+
+
+async def test_a_closed_port_is_unreachable(session: aiohttp.ClientSession) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        with pytest.raises(aiohttp.ClientError) as info:
+            await session.post(f"http://127.0.0.1:{port}/generate", data=b"{}")
+    assert classify(info.value) is LegFailure.unreachable
+
+
+async def test_a_server_hanging_up_mid_stream_is_a_lost_connection(
+    session: aiohttp.ClientSession,
+) -> None:
+    server, url = await serve(answer_with(b"data: 1\n\n", close_early=True))
+    async with server:
+        resp = await session.post(url, data=b"{}")
+        with pytest.raises(aiohttp.ClientError) as info:
+            async for _ in response_lines(resp):
+                pass
+        close_response(resp)
+    assert classify(info.value) is LegFailure.connection_lost
+
+
+async def test_a_server_hanging_up_before_answering_is_a_lost_connection(
+    session: aiohttp.ClientSession,
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()
+
+    server, url = await serve(handler)
+    async with server:
+        with pytest.raises(aiohttp.ClientError) as info:
+            await session.post(url, data=b"{}")
+    assert classify(info.value) is LegFailure.connection_lost
+
+
+async def test_an_answer_that_is_not_http_is_a_bad_response(
+    session: aiohttp.ClientSession,
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    async with server:
+        with pytest.raises(aiohttp.ClientError) as info:
+            await session.post(url, data=b"{}")
+    assert classify(info.value) is LegFailure.bad_response
+
+
+async def test_a_half_read_stream_is_not_reused_a_whole_one_is(
+    session: aiohttp.ClientSession,
+) -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                break
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nline1\n\r\n")
+            await writer.drain()
+            if body.endswith(b"whole"):
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+            # else: the stream stays open, as a token stream does
+        writer.close()
+
+    server, url = await serve(handler)
+    async with server:
+        resp = await session.post(url, data=b"whole")
+        assert [line async for line in response_lines(resp)] == ["line1"]
+        close_response(resp)
+        resp = await session.post(url, data=b"whole")
+        assert connections == 1  # the whole body was read: the connection was reused
+        await resp.read()
+        close_response(resp)
+        resp = await session.post(url, data=b"half")
+        lines = response_lines(resp)
+        assert await anext(lines) == "line1"
+        close_response(resp)  # half read: the connection is closed, not pooled
+        resp = await session.post(url, data=b"whole")
+        await resp.read()
+        close_response(resp)
+    assert connections == 2

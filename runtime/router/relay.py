@@ -1,7 +1,8 @@
 """One client request relayed to its worker legs, with cancel propagation.
 
-In disaggregated mode the prefill leg and the decode ("main") leg are sent
-at once; the client sees the main leg. Rules (docs/design.md §7, §8):
+In disaggregated mode the prefill leg and the decode ("main") leg run at
+once, the decode leg's request written first (its path to the KV is the
+longer one); the client sees the main leg. Rules (docs/design.md §7, §8):
 - prefill leg fails (error status, error payload, connection error) →
   abort the main leg (exact rid) and answer the prefill error — unless the
   cluster's failure policy is `recompute`: there decode computes the prompt
@@ -179,6 +180,8 @@ class Relay:
         self.deadline = self.planned_at + ctx.config.request_timeout_s
         self._prefill_task: asyncio.Task[None] | None = None
         self._main_resp: aiohttp.ClientResponse | None = None
+        # Set when the main leg starts sending: the prefill leg goes out after it.
+        self._main_sending = asyncio.Event()
         self._phase = RelayPhase.planned
 
     @property
@@ -244,6 +247,11 @@ class Relay:
     async def _prefill_leg(self, worker: Worker) -> None:
         try:
             async with asyncio.timeout_at(self.deadline):
+                # Decode's leg first: its path to prefill (reserve pages, send the
+                # metadata) is the longer one, and prefill can start only once both
+                # have arrived. One event loop writes both requests, one after the
+                # other; the decode leg's request is written before this one's.
+                await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
                 async with self.ctx.legs.post(
                     worker.url + self.plan.path, data=self.plan.content, headers=JSON
@@ -395,6 +403,9 @@ class Relay:
             raise self._on_timeout() from None
 
     async def _send_main(self) -> aiohttp.ClientResponse:
+        # The prefill leg wakes only when this coroutine next waits, which is
+        # after this request was written (aiohttp writes it before it waits).
+        self._main_sending.set()
         stage_trace.mark(self.plan.room, "router.main_send")
         self._main_resp = await self.ctx.legs.post(
             self.plan.main.url + self.plan.path, data=self.plan.content, headers=JSON

@@ -70,6 +70,10 @@ class EndpointConfig:
     advertise_host: str | None = None  # address peers dial, when host is a wildcard
     max_control_bytes: int = 1 * MiB
     max_kv_bytes: int = 64 * MiB  # must exceed the senders' max frame size
+    # KV payloads under this size are copied into libzmq at send and reported
+    # sent at once; larger ones are sent without a copy and tracked
+    # (`outbound.py` says why: a tracker's release is ~1 ms late).
+    copy_below: int = MiB // 4
     send_hwm: int = 1000  # messages libzmq queues per connected peer
     # Seconds a message may wait for its peer — queued because it is not connected,
     # or held by libzmq because it does not read — before it fails.
@@ -184,6 +188,7 @@ class Endpoint:
                 key=self._key,
                 max_peers=cfg.max_peers,
                 idle_timeout=cfg.peer_idle_timeout,
+                copy_below=cfg.copy_below,
             )
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)

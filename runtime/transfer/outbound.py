@@ -9,10 +9,17 @@ Invariants:
   ("send_timeout"), be withdrawn by tag ("discarded") or fail with its peer
   ("peer_dropped"); later messages to the peer never overtake it;
 - every `on_sent` fires exactly once: None when libzmq released a tracked
-  payload it took, else the reason the message did not leave;
-- a peer that keeps a payload inside libzmq longer than `send_timeout` (it
-  is connected but does not read: a hung process) is dropped, so its
-  payloads fail ("peer_stalled") and their buffers come back — one stuck
+  payload it took (or, for one under `copy_below` bytes, took its own copy),
+  else the reason the message did not leave. A small payload is copied, not
+  tracked, because a tracker's release reaches Python about a millisecond
+  after libzmq let go (pyzmq's release goes through its own thread), longer
+  than copying it takes, and a short prompt's Success waits on that release;
+- a peer that keeps a tracked payload inside libzmq longer than
+  `send_timeout` (it is connected but does not read: a hung process) is
+  dropped, so its payloads fail ("peer_stalled") and their buffers come back
+  (a copied payload holds no buffer of ours; libzmq's queue for the peer is
+  bounded by the high-water mark, and past it messages wait in the outbox,
+  where they time out) — one stuck
   peer must not hold every staging buffer of the sender, and with them the
   transfers to every other peer;
 - every frame leaves as [kind, our address, proof, body...], the proof
@@ -86,6 +93,7 @@ class Outbound:
         key: bytes | None = None,
         max_peers: int = 256,
         idle_timeout: float = 300.0,
+        copy_below: int = 0,
     ) -> None:
         if max_peers < 1 or idle_timeout <= 0:
             raise ValueError("max_peers must be >= 1 and idle_timeout > 0")
@@ -99,6 +107,7 @@ class Outbound:
         self._key = identity_key("") if key is None else key
         self._max_peers = max_peers
         self._idle_timeout = idle_timeout
+        self._copy_below = copy_below
         self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
         self._trackers: list[_Tracked] = []
 
@@ -275,9 +284,10 @@ class Outbound:
     def _try_send(
         self, addr: str, peer: _Peer, parts: list[Any], on_sent: SentCallback | None
     ) -> bool:
+        copy = on_sent is not None and _num_bytes(parts) < self._copy_below
         try:
             tracker = peer.socket.send_multipart(
-                parts, flags=zmq.NOBLOCK, copy=False, track=on_sent is not None
+                parts, flags=zmq.NOBLOCK, copy=copy, track=on_sent is not None and not copy
             )
         except zmq.Again:
             return False
@@ -285,7 +295,10 @@ class Outbound:
             self._stats["send_failed"] += 1
             self._notify(on_sent, f"send_failed: {exc}")
             return True
-        if on_sent is not None:
+        if copy:
+            self._stats["kv_copied"] += 1
+            self._notify(on_sent, None)  # libzmq holds its own copy: the buffer is free
+        elif on_sent is not None:
             assert isinstance(tracker, zmq.MessageTracker)
             self._trackers.append(_Tracked(tracker, on_sent, addr, time.monotonic()))
         return True
@@ -315,3 +328,7 @@ class Outbound:
         except Exception:
             self._stats["callback_error"] += 1
             log.exception("on_sent callback failed")
+
+
+def _num_bytes(parts: list[Any]) -> int:
+    return sum(memoryview(part).nbytes for part in parts)

@@ -82,6 +82,49 @@ def test_kv_payload_is_received_intact_and_on_sent_fires(pair):
     assert errors == [None]
 
 
+@pytest.mark.parametrize("size", [1024, 64 * 1024])
+def test_a_small_payload_is_copied_its_buffer_free_once_on_sent_fired(size):
+    server = Endpoint()
+    client = Endpoint(EndpointConfig(copy_below=128 * 1024))
+    got: list[bytes] = []
+    server.on_kv = lambda header, payload: got.append(bytes(payload))
+    server.start()
+    client.start()
+    try:
+        payload = np.arange(size, dtype=np.uint8) % 251
+        want = payload.tobytes()
+        sent = threading.Event()
+        # Overwrite the buffer inside on_sent: the copy libzmq holds must not change.
+        client.send_kv(server.address, b"hdr", payload, lambda err: (payload.fill(7), sent.set()))
+        assert sent.wait(5)
+        wait_until(lambda: bool(got), what="kv frame")
+        assert got == [want]
+        assert client.stats.get("kv_copied") == 1
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_payload_at_or_over_the_copy_size_is_tracked_not_copied():
+    server = Endpoint()
+    client = Endpoint(EndpointConfig(copy_below=4096))
+    got: list[bytes] = []
+    server.on_kv = lambda header, payload: got.append(bytes(payload))
+    server.start()
+    client.start()
+    try:
+        sent = threading.Event()
+        payload = np.ones(4096, dtype=np.uint8)
+        client.send_kv(server.address, b"hdr", payload, lambda err: sent.set())
+        assert sent.wait(5)
+        wait_until(lambda: bool(got), what="kv frame")
+        assert got == [payload.tobytes()]
+        assert "kv_copied" not in client.stats
+    finally:
+        client.close()
+        server.close()
+
+
 @pytest.mark.parametrize(
     ("parts", "reason"),
     [

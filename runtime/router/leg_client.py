@@ -12,6 +12,12 @@ What this module fixes so the relay reads the same as before:
   connection has no limit, as before), a socket connect timeout, no proxy
   from the environment, no response decompression, the cluster token on
   every call;
+- idle connections are dropped by the router before a worker drops them
+  (`KEEPALIVE_S`, half the workers' keep-alive). Otherwise a connection the
+  worker has just closed, whose close this busy event loop has not read yet,
+  is taken from the pool and the leg fails with "Server disconnected" (seen
+  at 64 clients after an idle pause). httpx avoids it by polling the socket
+  before reusing it; aiohttp trusts its own bookkeeping;
 - `response_lines`: the body as text lines without their line ending, as
   SSE is read (no line-length limit: a long cumulative event is one line);
 - `classify`: which aiohttp failure means "never reached the worker"
@@ -26,12 +32,24 @@ from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 
+from pdcluster.runtime.http.limits import DEFAULT_LIMITS
+
+# Seconds an idle pooled connection is reused; the workers keep one for
+# DEFAULT_LIMITS.keep_alive_s (uvicorn's keep-alive timeout).
+KEEPALIVE_S = DEFAULT_LIMITS.keep_alive_s / 2
+
 
 def leg_session(
-    *, max_connections: int, connect_timeout_s: float, headers: Mapping[str, str]
+    *,
+    max_connections: int,
+    connect_timeout_s: float,
+    headers: Mapping[str, str],
+    keepalive_s: float = KEEPALIVE_S,
 ) -> aiohttp.ClientSession:
     """The pooled session both legs of every request use; call inside the running loop."""
-    connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0)
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s
+    )
     timeout = aiohttp.ClientTimeout(
         total=None, connect=None, sock_connect=connect_timeout_s, sock_read=None
     )

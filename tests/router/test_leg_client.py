@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -198,4 +199,34 @@ async def test_a_half_read_stream_is_not_reused_a_whole_one_is(
         resp = await session.post(url, data=b"whole")
         await resp.read()
         close_response(resp)
+    assert connections == 2
+
+
+async def test_an_idle_connection_is_dropped_before_the_worker_drops_it() -> None:
+    """The worker closes an idle connection after 1 s; the router's event loop is
+    busy (blocked) for 1.2 s, so that close is not read yet when the next leg
+    goes out. A pool that reused the connection would fail that leg with
+    "Server disconnected"; with the shorter keep-alive it opens a new one."""
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            try:
+                await asyncio.wait_for(read_request(reader), timeout=1.0)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                break  # idle for the keep-alive time: close, as uvicorn does
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    legs = leg_session(max_connections=8, connect_timeout_s=2.0, headers={}, keepalive_s=0.5)
+    async with server, legs:
+        for _ in range(2):
+            resp = await legs.post(url, data=b"{}")
+            assert await resp.read() == b"ok"
+            close_response(resp)
+            time.sleep(1.2)  # noqa: ASYNC251 - a loop too busy to see the close
     assert connections == 2

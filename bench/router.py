@@ -114,9 +114,12 @@ async def ttft_table(
     times: dict[tuple[int, str], list[float]] = {}
     for n in lengths:
         for trial in range(trials + 1):  # trial 0 warms up
-            prompt = [rng.randrange(1, 256) for _ in range(n)]
             order = targets if trial % 2 else targets[::-1]
             for target in order:
+                # A prompt of its own for every request: the workers cache
+                # prefixes, so a prompt one target sent first would be a cache
+                # hit for the next.
+                prompt = [rng.randrange(1, 256) for _ in range(n)]
                 if target.name == "direct":
                     t = await direct_ttft(client, cluster, prompt)
                 else:

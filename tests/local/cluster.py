@@ -121,3 +121,16 @@ def local_cluster(
                 deadline = time.monotonic() + 15
                 while pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.1)
+
+
+def stop_process_groups(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process group still running, give each 30 s, then SIGKILL."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

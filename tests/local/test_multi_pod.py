@@ -29,7 +29,7 @@ import yaml
 from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import parse_manifest
 from tests.faults.harness import make_prompts
-from tests.local.cluster import local_cluster, ps_rows, write_manifest
+from tests.local.cluster import local_cluster, ps_rows, stop_process_groups, write_manifest
 from tests.local.test_supervise import MAX_TOKENS, burst_until_live, generate, wait_for
 from tests.pd_integration.reference import colocated_outputs
 from tests.pd_integration.test_topologies import assert_no_page_leak
@@ -196,15 +196,7 @@ def test_the_leader_says_which_ranks_are_missing_until_every_pod_joined(
         )
         assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 2
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_process_groups(procs)
 
 
 def metric_total(text: str, name: str) -> float:
@@ -317,12 +309,4 @@ def test_a_dp_leader_pod_without_the_token_is_refused_by_the_leader(tmp_path: Pa
         text = logs[0].read_text()
         assert "pod 1's address 127.0.0.1 was not published for wrongpod/colocated-0" in text, text
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_process_groups(procs)

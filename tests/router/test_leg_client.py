@@ -132,64 +132,76 @@ async def test_a_server_hanging_up_mid_stream_is_a_lost_connection(
     assert classify(info.value) is LegFailure.connection_lost
 
 
-async def test_a_server_hanging_up_before_answering_is_a_lost_connection(
-    session: aiohttp.ClientSession,
-) -> None:
+def answer_raw(reply: bytes) -> Handler:
+    """A server that reads the request, writes `reply` (maybe nothing) and hangs up."""
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.close()
-
-    server, url = await serve(handler)
-    async with server:
-        with pytest.raises(aiohttp.ClientError) as info:
-            await session.post(url, data=b"{}")
-    assert classify(info.value) is LegFailure.connection_lost
-
-
-async def test_an_answer_that_is_not_http_is_a_bad_response(
-    session: aiohttp.ClientSession,
-) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        writer.write(reply)
         await writer.drain()
         writer.close()
 
-    server, url = await serve(handler)
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("reply", "failure"),
+    [
+        (b"", LegFailure.connection_lost),  # hung up before answering
+        (b"SSH-2.0-OpenSSH\r\n\r\n", LegFailure.bad_response),  # not HTTP
+    ],
+    ids=["hang-up", "not-http"],
+)
+async def test_a_failed_answer_is_classified(
+    session: aiohttp.ClientSession, reply: bytes, failure: LegFailure
+) -> None:
+    server, url = await serve(answer_raw(reply))
     async with server:
         with pytest.raises(aiohttp.ClientError) as info:
             await session.post(url, data=b"{}")
-    assert classify(info.value) is LegFailure.bad_response
+    assert classify(info.value) is failure
+
+
+class KeepAliveServer:
+    """Serves request after request on each connection and counts connections.
+    `answer(body)` is what it writes back; `idle_s`: it closes a connection that
+    waited that long for its next request, as uvicorn's keep-alive does."""
+
+    def __init__(self, answer: Callable[[bytes], bytes], idle_s: float | None = None) -> None:
+        self.answer = answer
+        self.idle_s = idle_s
+        self.connections = 0
+
+    async def handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        while True:
+            try:
+                body = await asyncio.wait_for(read_request(reader), self.idle_s)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                break
+            writer.write(self.answer(body))
+            await writer.drain()
+        writer.close()
+
+
+def one_line_stream(body: bytes) -> bytes:
+    """A chunked answer with one line; it ends only when the request said "whole"
+    (else it stays open, as a token stream does)."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nline1\n\r\n"
+    return head + (b"0\r\n\r\n" if body.endswith(b"whole") else b"")
 
 
 async def test_a_half_read_stream_is_not_reused_a_whole_one_is(
     session: aiohttp.ClientSession,
 ) -> None:
-    connections = 0
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        while True:
-            try:
-                body = await read_request(reader)
-            except asyncio.IncompleteReadError:
-                break
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nline1\n\r\n")
-            await writer.drain()
-            if body.endswith(b"whole"):
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
-            # else: the stream stays open, as a token stream does
-        writer.close()
-
-    server, url = await serve(handler)
+    counting = KeepAliveServer(one_line_stream)
+    server, url = await serve(counting.handler)
     async with server:
         resp = await session.post(url, data=b"whole")
         assert [line async for line in response_lines(resp)] == ["line1"]
         close_response(resp)
         resp = await session.post(url, data=b"whole")
-        assert connections == 1  # the whole body was read: the connection was reused
+        assert counting.connections == 1  # the whole body was read: the connection was reused
         await resp.read()
         close_response(resp)
         resp = await session.post(url, data=b"half")
@@ -199,7 +211,7 @@ async def test_a_half_read_stream_is_not_reused_a_whole_one_is(
         resp = await session.post(url, data=b"whole")
         await resp.read()
         close_response(resp)
-    assert connections == 2
+    assert counting.connections == 2
 
 
 async def test_an_idle_connection_is_dropped_before_the_worker_drops_it() -> None:
@@ -207,21 +219,10 @@ async def test_an_idle_connection_is_dropped_before_the_worker_drops_it() -> Non
     busy (blocked) for 1.2 s, so that close is not read yet when the next leg
     goes out. A pool that reused the connection would fail that leg with
     "Server disconnected"; with the shorter keep-alive it opens a new one."""
-    connections = 0
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        while True:
-            try:
-                await asyncio.wait_for(read_request(reader), timeout=1.0)
-            except (TimeoutError, asyncio.IncompleteReadError):
-                break  # idle for the keep-alive time: close, as uvicorn does
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-            await writer.drain()
-        writer.close()
-
-    server, url = await serve(handler)
+    counting = KeepAliveServer(
+        lambda _: b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", idle_s=1.0
+    )
+    server, url = await serve(counting.handler)
     legs = leg_session(max_connections=8, connect_timeout_s=2.0, headers={}, keepalive_s=0.5)
     async with server, legs:
         for _ in range(2):
@@ -229,4 +230,4 @@ async def test_an_idle_connection_is_dropped_before_the_worker_drops_it() -> Non
             assert await resp.read() == b"ok"
             close_response(resp)
             time.sleep(1.2)  # noqa: ASYNC251 - a loop too busy to see the close
-    assert connections == 2
+    assert counting.connections == 2

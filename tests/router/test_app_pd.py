@@ -254,6 +254,34 @@ def test_deadline_aborts_both_legs_with_504(loop: LoopThread) -> None:
         assert_idle(cluster)
 
 
+@pytest.mark.parametrize("prefill_hangs", [False, True], ids=["prefill-done", "prefill-running"])
+def test_deadline_mid_stream_ends_it_with_a_504_event_and_aborts_the_legs(
+    loop: LoopThread, prefill_hangs: bool
+) -> None:
+    """Decode streams tokens past the deadline; with the prefill leg finished (the
+    stream's reads are not raced against it) and still running (they are)."""
+    with start_cluster(loop, request_timeout_s=0.5) as cluster:
+        prefill, decode = cluster.prefill[0], cluster.decode[0]
+        if prefill_hangs:
+            prefill.behaviour.set(hang=True, token_delay_s=0.05)
+        decode.behaviour.set(hang=True, token_delay_s=0.02)
+        started = time.monotonic()
+        body = {"text": "x", "stream": True}
+        with cluster.client() as http, http.stream("POST", "/generate", json=body) as resp:
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line]
+        took = time.monotonic() - started
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][len("data: ") :])["error"]
+        assert error["code"] == 504 and "did not finish within 0.5s" in error["message"]
+        assert len(events) > 3  # tokens reached the client before the deadline
+        assert took < 5, f"the stream ended {took:.1f}s after it started"
+        wait_first_aborted(decode)
+        if prefill_hangs:
+            wait_first_aborted(prefill)
+        assert_idle(cluster)
+
+
 def test_prefill_that_died_fails_fast_and_leaves_the_pool(cluster: Cluster) -> None:
     cluster._served[0].stop()  # the prefill stand-in's server
     with cluster.client() as http:

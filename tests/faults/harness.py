@@ -708,15 +708,10 @@ def held_pages(cluster: FaultCluster, name: str) -> int:
 def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Background:
     """Two long prompts prefill-1 -> decode-0 (left to the workers' own detection);
     returns once prefill-1 writes into decode-0. A prefill-1 an earlier scenario
-    killed is restarted first."""
+    killed is restarted first. A one-sided write can finish between two polls:
+    victims that all finished unseen are replaced by new ones, up to three rounds."""
     if cluster.launcher.procs["prefill-1"].poll() is not None:
         cluster.restart("prefill-1")
-    victims = make_prompts(2, seed=seed, lo=1200, hi=1500)
-    jobs = [
-        lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, 4, propagate=False)
-        for p in victims
-    ]
-    traffic = Background(client.many, jobs)
     peer = cluster.peer("prefill-1")
 
     def writing() -> bool:
@@ -724,8 +719,21 @@ def one_sided_victims(cluster: FaultCluster, client: PDClient, seed: int) -> Bac
             r["state"] == "Transferring" and peer in r["peers"] for r in cluster.rooms("decode-0")
         )
 
-    wait_until(writing, 30, 0.005, "prefill-1 writing into decode-0")
-    return traffic
+    for attempt in range(3):
+        victims = make_prompts(2, seed=seed + 1000 * attempt, lo=1200, hi=1500)
+        jobs = [
+            lambda p=p: client.pair(cluster, "prefill-1", "decode-0", p, 4, propagate=False)
+            for p in victims
+        ]
+        traffic = Background(client.many, jobs)
+
+        def seen(traffic: Background = traffic) -> str | None:
+            return "writing" if writing() else "done" if traffic.done() else None
+
+        if wait_until(seen, 30, 0.005, "prefill-1 writing into decode-0") == "writing":
+            return traffic
+        traffic.result()  # finished unseen: raise what broke it, else try again
+    raise AssertionError("prefill-1 never seen writing into decode-0 in 3 rounds of victims")
 
 
 def survivors_served(cluster: FaultCluster, client: PDClient, seed: int) -> None:

@@ -250,7 +250,8 @@ class Relay:
                 # Decode's leg first: its path to prefill (reserve pages, send the
                 # metadata) is the longer one, and prefill can start only once both
                 # have arrived. One event loop writes both requests, one after the
-                # other; the decode leg's request is written before this one's.
+                # other; on a pooled connection the decode leg's request is written
+                # before this one's (a new connection: both connect at once).
                 await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
                 async with self.ctx.legs.post(

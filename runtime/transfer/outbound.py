@@ -16,12 +16,12 @@ Invariants:
   than copying it takes, and a short prompt's Success waits on that release;
 - a peer that keeps a tracked payload inside libzmq longer than
   `send_timeout` (it is connected but does not read: a hung process) is
-  dropped, so its payloads fail ("peer_stalled") and their buffers come back
-  (a copied payload holds no buffer of ours; libzmq's queue for the peer is
-  bounded by the high-water mark, and past it messages wait in the outbox,
-  where they time out) — one stuck
-  peer must not hold every staging buffer of the sender, and with them the
-  transfers to every other peer;
+  dropped, so its payloads fail ("peer_stalled") and their buffers come
+  back: one stuck peer must not hold every staging buffer of the sender,
+  and with them the transfers to every other peer. A copied payload holds
+  no buffer of ours; libzmq's queue for the peer is bounded by the
+  high-water mark, and past it messages wait in the outbox, where they
+  time out;
 - every frame leaves as [kind, our address, proof, body...], the proof
   binding our address to this DEALER's random routing id (`identity.py`);
 - at most `max_peers` DEALERs are open: a new peer closes the least recently

@@ -1,6 +1,6 @@
 """One worker-leg round trip through httpx and through aiohttp, side by side.
 
-Starts one uvicorn server (the project's `server_config`: the worker's h11
+Starts one uvicorn server (the project's `server_config`: the workers' httptools
 protocol with its read deadline) with a FastAPI app shaped like a worker's
 streaming `/generate` (a pydantic body, one SSE event back), then times, in
 alternating rounds, a streamed POST → first line read through each client

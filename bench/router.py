@@ -12,7 +12,10 @@ hits both alike):
   the floor a router adds its cost to;
 - throughput: `--concurrency` streaming clients, each sending 16-token
   prompts for 16 new tokens back to back for `--seconds`; requests/s and
-  generated tokens/s, median over `--rounds`.
+  generated tokens/s, median over `--rounds`; and each router's process CPU
+  per request over the same rounds (user + system, all its threads), the
+  steadier number on a small shared box: every router millisecond comes out
+  of the workers' cores.
 
     .venv/bin/python bench/router.py [--quick]
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import secrets
 import statistics
@@ -49,6 +53,13 @@ NEW_TOKENS = 16
 class Target:
     name: str
     url: str
+    pid: int = 0  # the router's process, for its CPU time (0: none)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def body_of(prompt: list[int], new_tokens: int) -> dict[str, object]:
@@ -131,8 +142,8 @@ async def ttft_table(
 
 async def throughput(
     client: httpx.AsyncClient, url: str, concurrency: int, seconds: float
-) -> tuple[float, float]:
-    """(requests/s, generated tokens/s) of `concurrency` clients for `seconds`."""
+) -> tuple[float, float, int]:
+    """(requests/s, generated tokens/s, requests) of `concurrency` clients for `seconds`."""
     rng = random.Random(concurrency)
     deadline = time.perf_counter() + seconds
     done = [0, 0]
@@ -147,16 +158,18 @@ async def throughput(
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    return done[0] / elapsed, done[1] / elapsed
+    return done[0] / elapsed, done[1] / elapsed, done[0]
 
 
 def p(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-async def run(args: argparse.Namespace, cluster: LocalCluster, sglang_url: str) -> None:
-    ours = Target("ours", cluster.plan.endpoint)
-    theirs = Target("sglang", sglang_url)
+async def run(
+    args: argparse.Namespace, cluster: LocalCluster, sglang_url: str, sglang_pid: int
+) -> None:
+    ours = Target("ours", cluster.plan.endpoint, cluster.procs[cluster.plan.router.name].pid)
+    theirs = Target("sglang", sglang_url, sglang_pid)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     headers = {"Authorization": f"Bearer {cluster.token}"}
     async with httpx.AsyncClient(
@@ -177,20 +190,24 @@ async def run(args: argparse.Namespace, cluster: LocalCluster, sglang_url: str) 
                     f"{p(ts, 90) * 1e3:>8.1f} {added * 1e3:>10.1f}"
                 )
         print(f"\nthroughput, {args.seconds:g} s per round, median of {args.rounds} rounds")
-        print(f"{'clients':>7} {'router':>7} {'req/s':>8} {'tok/s':>8}")
+        print(f"{'clients':>7} {'router':>7} {'req/s':>8} {'tok/s':>8} {'CPU ms/req':>11}")
         for c in args.concurrency:
-            results: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang": []}
+            results: dict[str, list[tuple[float, float, int]]] = {"ours": [], "sglang": []}
+            cpu = {"ours": 0.0, "sglang": 0.0}
             await throughput(client, ours.url, c, 0.5)  # warm the connections
             await throughput(client, theirs.url, c, 0.5)
             for r in range(args.rounds):
                 for target in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+                    before = cpu_seconds(target.pid)
                     results[target.name].append(
                         await throughput(client, target.url, c, args.seconds)
                     )
+                    cpu[target.name] += cpu_seconds(target.pid) - before
             for name, rows in results.items():
                 rps = statistics.median(x[0] for x in rows)
                 tps = statistics.median(x[1] for x in rows)
-                print(f"{c:>7} {name:>7} {rps:>8.1f} {tps:>8.1f}")
+                per_request = cpu[name] / max(1, sum(x[2] for x in rows)) * 1e3
+                print(f"{c:>7} {name:>7} {rps:>8.1f} {tps:>8.1f} {per_request:>11.2f}")
 
 
 def main() -> None:
@@ -212,7 +229,7 @@ def main() -> None:
             prefills = [(w.url, w.bootstrap_port) for w in workers if w.role == "prefill"]
             decodes = [w.url for w in workers if w.role == "decode"]
             router = start_sglang_router(prefills, decodes, cluster.token, Path(tmp))
-            asyncio.run(run(args, cluster, router.url))
+            asyncio.run(run(args, cluster, router.url, router.proc.pid))
         finally:
             if router is not None:
                 router.stop()

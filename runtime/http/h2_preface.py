@@ -7,7 +7,7 @@ request received." warning. This protocol answers such a preface the way
 HTTP/2 expects instead: its own (empty) SETTINGS, then GOAWAY with error
 HTTP_1_1_REQUIRED (0xd, RFC 9113 §7), and closes. Anything else — the
 first bytes differ from the preface — is plain HTTP/1.1, handled by
-uvicorn's h11 protocol unchanged.
+uvicorn's httptools protocol unchanged.
 
 Pass it as `uvicorn.Config(app, http=Http1OnlyProtocol, ...)`.
 """
@@ -18,7 +18,7 @@ import logging
 import struct
 from typing import Final
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("pdcluster.http")
 
@@ -40,8 +40,8 @@ def goaway_reply() -> bytes:
     return h2_frame(FRAME_SETTINGS, b"") + h2_frame(FRAME_GOAWAY, goaway)
 
 
-class Http1OnlyProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a GOAWAY for a connection that opens with the h2 preface."""
+class Http1OnlyProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus a GOAWAY for a connection opening with the h2 preface."""
 
     _head: bytes | None = b""  # first bytes while they could still be the preface; None: decided
 

@@ -3,11 +3,15 @@
 - `read_limited`: a request body is counted while it streams in, so a
   chunked body (no Content-Length) cannot grow memory past the limit.
 - `server_config`: uvicorn settings that bound what one client can hold:
-  connections served at once, the size of an incomplete header block, idle
-  keep-alive time, and — through `ReadDeadlineProtocol` — the time a client
-  may take to send one whole request (headers and body). A client that
-  dribbles bytes (slowloris) is disconnected when that time is up, and the
-  others are served meanwhile.
+  connections served at once and idle keep-alive time; and, through
+  `ReadDeadlineProtocol`, the size of a header block (431 past it) and the
+  time a client may take to send one whole request (headers and body). A
+  client that dribbles bytes (slowloris) is disconnected when that time is
+  up, and the others are served meanwhile.
+
+The protocol is uvicorn's httptools one (a C parser): with h11, parsing and
+framing cost every server ~2x the CPU per streamed request (`bench/router.py`,
+"CPU ms/req"), and on a small box that CPU comes out of the engines'.
 """
 
 from __future__ import annotations
@@ -17,9 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop
 from pdcluster.runtime.http.h2_preface import Http1OnlyProtocol
@@ -69,11 +71,21 @@ DEFAULT_LIMITS = ServerLimits()
 
 
 class ReadDeadlineProtocol(Http1OnlyProtocol):
-    """uvicorn's h11 protocol (turning HTTP/2 prior knowledge away with a GOAWAY),
-    plus a deadline for reading each request."""
+    """uvicorn's httptools protocol (turning HTTP/2 prior knowledge away with a
+    GOAWAY), plus a deadline for reading each request and a header-size limit.
+
+    The deadline runs from the connection's start, or the end of the last
+    response, until the next request has been read whole; it does not run
+    while a request that was read is being answered, however long that takes.
+    """
 
     read_timeout_s = DEFAULT_LIMITS.request_read_timeout_s
+    max_header_bytes = DEFAULT_LIMITS.max_header_bytes
     _deadline: asyncio.TimerHandle | None = None
+    _unanswered = 0  # requests read whole whose response is not complete yet
+    _in_head = True  # the bytes arriving now belong to a header block
+    _head_bytes = 0  # bytes of that header block so far
+    _head_restarted = False
 
     def _arm(self) -> None:
         self._disarm()
@@ -86,7 +98,7 @@ class ReadDeadlineProtocol(Http1OnlyProtocol):
 
     def _on_deadline(self) -> None:
         self._deadline = None
-        if self.conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+        if self._unanswered == 0 and not self.transport.is_closing():
             self.logger.warning("closing a connection that did not send its request in time")
             self.transport.close()
 
@@ -98,24 +110,72 @@ class ReadDeadlineProtocol(Http1OnlyProtocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.conn.their_state is h11.DONE:
+    def data_received(self, data: bytes) -> None:
+        # httptools buffers a header that is still incomplete, with no limit
+        # of its own: count the bytes of an unfinished header block here. A
+        # chunk that finishes one request and starts the next (pipelining)
+        # restarts the count at the next chunk, so the limit is exact to
+        # within one read.
+        if self._in_head:
+            self._head_bytes += len(data)
+        self._head_restarted = False
+        super().data_received(data)
+        if self._head_restarted:
+            self._head_bytes = 0
+        if (
+            self._in_head
+            and self._head_bytes > self.max_header_bytes
+            and not self.transport.is_closing()
+        ):
+            self.logger.warning("closing a connection whose header block is over the limit")
+            self.transport.write(_header_too_large(self.max_header_bytes))
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        answered_early = self.cycle is not None and self.cycle.response_complete
+        super().on_message_complete()
+        self._in_head, self._head_restarted = True, True
+        if answered_early:  # the response went before the body was read: wait for the next
+            self._arm()
+        else:
+            self._unanswered += 1
             self._disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+        self._unanswered = max(0, self._unanswered - 1)
+        if self._unanswered == 0 and not self.transport.is_closing():
             self._arm()
 
 
-def protocol_with(limits: ServerLimits) -> type[H11Protocol]:
-    if limits.request_read_timeout_s == ReadDeadlineProtocol.read_timeout_s:
-        return ReadDeadlineProtocol
+def _header_too_large(limit: int) -> bytes:
+    body = f"request header block is over the {limit}-byte limit".encode()
+    return (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        b"content-type: text/plain; charset=utf-8\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+    )
+
+
+def protocol_with(limits: ServerLimits) -> type[ReadDeadlineProtocol]:
+    base = ReadDeadlineProtocol
+    if (limits.request_read_timeout_s, limits.max_header_bytes) == (
+        base.read_timeout_s,
+        base.max_header_bytes,
+    ):
+        return base
     return type(
         "ReadDeadlineProtocol",
-        (ReadDeadlineProtocol,),
-        {"read_timeout_s": limits.request_read_timeout_s},
+        (base,),
+        {
+            "read_timeout_s": limits.request_read_timeout_s,
+            "max_header_bytes": limits.max_header_bytes,
+        },
     )
 
 
@@ -140,7 +200,6 @@ def server_config(
         loop=loop.value,
         http=protocol_with(limits),
         limit_concurrency=limits.max_concurrency,
-        h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=int(max(1, limits.keep_alive_s)),
         **kw,
     )

@@ -99,7 +99,7 @@ def _authorize(request: Request, token: str | None) -> None:
 async def _read_body(request: Request) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
-        declared = None  # the server's h11 refuses a malformed length before this
+        declared = None  # the HTTP parser refuses a malformed length before this
     try:
         return await read_limited(request.stream(), declared, MAX_BODY_BYTES)
     except BodyTooLarge:

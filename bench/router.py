@@ -169,6 +169,9 @@ async def run(
     args: argparse.Namespace, cluster: LocalCluster, sglang_url: str, sglang_pid: int
 ) -> None:
     ours = Target("ours", cluster.plan.endpoint, cluster.procs[cluster.plan.router.name].pid)
+    # Both routers drive the same workers: their CPU per request says whether a
+    # router makes the workers work harder, not only what it spends itself.
+    worker_pids = [cluster.procs[w.name].pid for w in cluster.plan.workers]
     theirs = Target("sglang", sglang_url, sglang_pid)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     headers = {"Authorization": f"Bearer {cluster.token}"}
@@ -190,24 +193,35 @@ async def run(
                     f"{p(ts, 90) * 1e3:>8.1f} {added * 1e3:>10.1f}"
                 )
         print(f"\nthroughput, {args.seconds:g} s per round, median of {args.rounds} rounds")
-        print(f"{'clients':>7} {'router':>7} {'req/s':>8} {'tok/s':>8} {'CPU ms/req':>11}")
+        print(
+            f"{'clients':>7} {'router':>7} {'req/s':>8} {'tok/s':>8} {'CPU ms/req':>11}"
+            f" {'workers CPU ms/req':>19}"
+        )
         for c in args.concurrency:
             results: dict[str, list[tuple[float, float, int]]] = {"ours": [], "sglang": []}
             cpu = {"ours": 0.0, "sglang": 0.0}
+            workers_cpu = {"ours": 0.0, "sglang": 0.0}
             await throughput(client, ours.url, c, 0.5)  # warm the connections
             await throughput(client, theirs.url, c, 0.5)
             for r in range(args.rounds):
                 for target in (ours, theirs) if r % 2 == 0 else (theirs, ours):
                     before = cpu_seconds(target.pid)
+                    workers_before = sum(map(cpu_seconds, worker_pids))
                     results[target.name].append(
                         await throughput(client, target.url, c, args.seconds)
                     )
                     cpu[target.name] += cpu_seconds(target.pid) - before
+                    workers_cpu[target.name] += sum(map(cpu_seconds, worker_pids)) - workers_before
             for name, rows in results.items():
                 rps = statistics.median(x[0] for x in rows)
                 tps = statistics.median(x[1] for x in rows)
-                per_request = cpu[name] / max(1, sum(x[2] for x in rows)) * 1e3
-                print(f"{c:>7} {name:>7} {rps:>8.1f} {tps:>8.1f} {per_request:>11.2f}")
+                served = max(1, sum(x[2] for x in rows))
+                per_request = cpu[name] / served * 1e3
+                workers_per_request = workers_cpu[name] / served * 1e3
+                print(
+                    f"{c:>7} {name:>7} {rps:>8.1f} {tps:>8.1f} {per_request:>11.2f}"
+                    f" {workers_per_request:>19.2f}"
+                )
 
 
 def main() -> None:

@@ -91,6 +91,9 @@ ROUTES = frozenset(
 
 
 class _MetricsMiddleware(HttpMiddleware):
+    """Request count and latency of the routes FastAPI serves (the inference
+    routes count their own, `RouterApp.serve_inference`)."""
+
     def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
         super().__init__(app)
         self.metrics = metrics
@@ -113,6 +116,13 @@ class _MetricsMiddleware(HttpMiddleware):
                 status = CLIENT_CLOSED_REQUEST
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+def _error_response(err: RouterError) -> JSONResponse:
+    headers = {"x-request-id": err.rid} if err.rid else {}
+    if err.retry_after is not None:
+        headers["retry-after"] = err.retry_after
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -454,25 +464,82 @@ def _load_tokenizer(source: str | None) -> RouterTokenizer | None:
         return None
 
 
-def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) -> FastAPI:
+# The inference routes, served without FastAPI (see `RouterApp`).
+INFERENCE_ROUTES = {
+    "/v1/completions": Endpoint.completions,
+    "/v1/chat/completions": Endpoint.chat,
+    "/generate": Endpoint.generate,
+}
+
+
+class RouterApp(FastAPI):
+    """FastAPI for the admin, health, models and metrics routes; the three
+    inference routes (POST) are served as plain ASGI before FastAPI's stack.
+
+    Every inference request would otherwise pass seven ASGI layers (error,
+    metrics, exception, exit-stack middlewares, routing, the endpoint wrapper
+    and its dependency solver), and every SSE event of its stream four `send`
+    wrappers: most of the router's CPU per short streamed request on one
+    event loop (docs/benchmarks.md, fifth round). The answers are the same:
+    `RouterError` as the same JSON, anything else as a JSON 500.
+    """
+
+    router_state: RouterState
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = INFERENCE_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+            return
+        await self.serve_inference(scope, receive, send, endpoint)
+
+    async def serve_inference(
+        self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint
+    ) -> None:
+        state = self.router_state
+        start = time.perf_counter()
+        status = 500
+        try:
+            try:
+                if scope["method"] == "POST":
+                    response = await state.relay(Request(scope, receive), endpoint)
+                else:
+                    response = JSONResponse(
+                        error_body("Method Not Allowed", 405),
+                        status_code=405,
+                        headers={"allow": "POST"},
+                    )
+            except RouterError as err:
+                response = _error_response(err)
+            except Exception:
+                log.exception("%s failed", scope["path"])
+                response = JSONResponse(error_body("internal router error", 500), status_code=500)
+            status = response.status_code
+            await response(scope, receive, send)
+        finally:
+            if scope.get(DISCONNECT_SCOPE_KEY):
+                status = CLIENT_CLOSED_REQUEST
+            state.metrics.requests.labels(scope["path"], str(status)).inc()
+            state.metrics.latency.labels(scope["path"]).observe(time.perf_counter() - start)
+
+
+def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) -> RouterApp:
     """Build the router; ``rng`` (default: the OS source) mints rids and rooms."""
     state = RouterState(config, rng if rng is not None else secrets.SystemRandom())
-    app = FastAPI(
+    app = RouterApp(
         title="PDCluster router",
         lifespan=state.lifespan,
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
     )
+    app.router_state = state
     app.state.router = state
     app.add_middleware(_MetricsMiddleware, metrics=state.metrics)
 
     @app.exception_handler(RouterError)
     async def on_router_error(_: Request, exc: RouterError) -> JSONResponse:
-        headers = {"x-request-id": exc.rid} if exc.rid else {}
-        if exc.retry_after is not None:
-            headers["retry-after"] = exc.retry_after
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
+        return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -481,18 +548,6 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
             status_code=exc.status_code,
             headers=exc.headers,
         )
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await state.relay(request, Endpoint.completions)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await state.relay(request, Endpoint.chat)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await state.relay(request, Endpoint.generate)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -18,8 +18,10 @@ What this module fixes so the relay reads the same as before:
   is taken from the pool and the leg fails with "Server disconnected" (seen
   at 64 clients after an idle pause). httpx avoids it by polling the socket
   before reusing it; aiohttp trusts its own bookkeeping;
-- `response_lines`: the body as text lines without their line ending, as
-  SSE is read (no line-length limit: a long cumulative event is one line);
+- `response_line_batches`: the body as text lines without their line ending,
+  as SSE is read (no line-length limit: a long cumulative event is one
+  line), in one list per chunk read: a relay waits once per chunk, not once
+  per line (an event is two lines); `response_lines` one by one;
 - `classify`: which aiohttp failure means "never reached the worker"
   (unreachable), "the connection broke" (the worker may still run the
   request), or "the answer was not HTTP we can read".
@@ -62,18 +64,25 @@ def leg_session(
     )
 
 
-async def response_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The body's lines as text, without ``\\n`` / ``\\r\\n``; a last unterminated one too."""
+async def response_line_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[str]]:
+    """The body's lines as text, without ``\\n`` / ``\\r\\n``, a list for each
+    chunk that completed at least one; a last unterminated line too."""
     pending = b""
     async for chunk in resp.content.iter_any():
         pending += chunk
         if b"\n" not in chunk:
             continue
         *complete, pending = pending.split(b"\n")
-        for raw in complete:
-            yield raw.removesuffix(b"\r").decode("utf-8", "replace")
+        yield [raw.removesuffix(b"\r").decode("utf-8", "replace") for raw in complete]
     if pending:
-        yield pending.removesuffix(b"\r").decode("utf-8", "replace")
+        yield [pending.removesuffix(b"\r").decode("utf-8", "replace")]
+
+
+async def response_lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """`response_line_batches`, one line at a time."""
+    async for batch in response_line_batches(resp):
+        for line in batch:
+            yield line
 
 
 def close_response(resp: aiohttp.ClientResponse) -> None:

@@ -46,6 +46,7 @@ from pdcluster.runtime.router.leg_client import (
     LegFailure,
     classify,
     close_response,
+    response_line_batches,
     response_lines,
 )
 from pdcluster.runtime.router.leg_plan import LegPlan
@@ -117,9 +118,9 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-async def _next_line(lines: AsyncIterator[str]) -> str | None:
+async def _next_batch(batches: AsyncIterator[list[str]]) -> list[str] | None:
     try:
-        return await anext(lines)
+        return await anext(batches)
     except StopAsyncIteration:
         return None
 
@@ -450,30 +451,31 @@ class Relay:
         assert resp is not None, "open() first"
         main = self.plan.main
         reader = SSEReader()
-        lines = response_lines(resp)
+        batches = response_line_batches(resp)
         while True:
             try:
                 with self._main_leg_failures():
-                    line = await self._race(_next_line(lines))
-                    if line is None:
+                    batch = await self._race(_next_batch(batches))
+                    if batch is None:
                         raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
             except RouterError as failure:
                 yield format_json_event(error_body(failure.message, failure.status))
                 yield DONE_EVENT
                 return
-            event = reader.feed(line)
-            if event is None:
-                continue
-            if event.is_done:
-                self._advance(RelayPhase.main_done)
-                yield DONE_EVENT
-                return
-            if event.error() is not None and self._phase < RelayPhase.abandoned:
-                self.ctx.metrics.leg_failures.labels(main.role.value, "error_event").inc()
-                # The worker ended this request itself; only the prefill leg needs the abort.
-                self._advance(RelayPhase.main_done)
-                self.abandon(f"{main.role.value}_failed")
-            yield format_event(event.data)
+            for line in batch:
+                event = reader.feed(line)
+                if event is None:
+                    continue
+                if event.is_done:
+                    self._advance(RelayPhase.main_done)
+                    yield DONE_EVENT
+                    return
+                if event.error() is not None and self._phase < RelayPhase.abandoned:
+                    self.ctx.metrics.leg_failures.labels(main.role.value, "error_event").inc()
+                    # The worker ended this request itself; only the prefill leg needs the abort.
+                    self._advance(RelayPhase.main_done)
+                    self.abandon(f"{main.role.value}_failed")
+                yield format_event(event.data)
 
 
 def _json_or_none(raw: bytes) -> Any:

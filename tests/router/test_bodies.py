@@ -17,7 +17,13 @@ from pdcluster.runtime.router.bodies import (
     payload_error,
 )
 from pdcluster.runtime.router.errors import RouterError, error_body, error_type_for
-from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
+from pdcluster.runtime.router.sse import (
+    DONE_EVENT,
+    Event,
+    SSEReader,
+    format_event,
+    format_json_event,
+)
 
 C, CHAT, GEN = Endpoint.completions, Endpoint.chat, Endpoint.generate
 
@@ -212,6 +218,35 @@ def test_sse_reader_splits_events_and_spots_done_and_errors() -> None:
     ]
     assert [e.is_done for e in events] == [False, False, False, True]
     assert [e.error() for e in events] == [None, None, "decode died", None]
+
+
+# Payloads shaped like the workers' events, with failure markers among the
+# keys and values often enough to matter.
+_words = st.sampled_from(
+    ["error", "abort", "text", "meta_info", "finish_reason", "type", "choices"]
+)
+_scalars = st.none() | st.integers() | st.text(max_size=8) | _words
+_payloads = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(_words | st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(_payloads, st.booleans())
+def test_an_event_reports_what_parsing_its_payload_reports(payload: Any, ascii_only: bool) -> None:
+    # Event.error skips the parse for events that cannot hold a failure; the
+    # answer must be the one a parse gives, escaped text included.
+    data = json.dumps(payload, ensure_ascii=ascii_only)
+    assert Event(data).error() == payload_error(payload)
+
+
+def test_an_escaped_error_key_is_still_an_error() -> None:
+    assert Event('{"\\u0065rror": "decode died"}').error() == "decode died"
+    assert Event('{"text": "no \\u00e9rror here"}').error() is None
 
 
 def test_sse_reader_flushes_a_last_event_without_blank_line() -> None:

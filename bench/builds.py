@@ -3,7 +3,7 @@
 Each build is `NAME=REV[:LOOP]`: a git revision (`HEAD`, a commit, a branch)
 whose `runtime/` and `operator/` are extracted to a temporary folder, and
 the event loop its processes run on (`PDCLUSTER_EVENT_LOOP`, default
-asyncio). For every build the script starts the colocated and the 1P1D
+uvloop, the runtime's own default). For every build the script starts the colocated and the 1P1D
 example (`tcp`, each with its own router) with that build on PYTHONPATH,
 then takes turns between all of them (the order rotates every trial and
 round, so machine noise hits every build alike):
@@ -15,7 +15,7 @@ round, so machine noise hits every build alike):
   router, 16-token prompts for 16 new tokens, `--seconds` per round,
   median over `--rounds`.
 
-    .venv/bin/python bench/builds.py base=main new=HEAD new+uvloop=HEAD:uvloop
+    .venv/bin/python bench/builds.py base=main new=HEAD new+asyncio=HEAD:asyncio
 
 The harness itself (this script, the examples) comes from the working tree.
 """
@@ -55,7 +55,7 @@ def parse_build(text: str) -> Build:
     if not sep or not name or not spec:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=REV[:LOOP]")
     rev, _, loop = spec.partition(":")
-    return Build(name, rev, loop or "asyncio")
+    return Build(name, rev, loop or "uvloop")
 
 
 def extract(rev: str, into: Path) -> Path:

@@ -2,9 +2,10 @@
 
 Starts local clusters from the example manifests (colocated, 1P1D over
 tcp and, with `--nixl`, 1P1D over nixl: `pd-1p1d-nixl.yaml`; all behind the
-router), then alternates requests between them so machine
-noise hits both alike. TTFT = time from sending a streaming `/generate`
-through the router to the first SSE event carrying a token.
+router), then alternates requests between them, the order rotating every
+trial, so machine noise hits both alike. TTFT = time from sending a
+streaming `/generate` through the router to the first SSE event carrying a
+token.
 
     .venv/bin/python bench/pd_overhead.py [--trials 10] [--lengths 16 2000] [--nixl]
 
@@ -46,9 +47,13 @@ def main() -> None:
                 rows = []
                 for n in args.lengths:
                     times: dict[str, list[float]] = {name: [] for name in clusters}
+                    order = list(clusters.items())
                     for trial in range(args.trials + 1):  # trial 0 warms up
                         prompt = [rng.randrange(1, 256) for _ in range(n)]
-                        for name, cl in clusters.items():
+                        # The order rotates every trial: no cluster always goes right
+                        # after another one's request (whose tail may still be running).
+                        shift = trial % len(order)
+                        for name, cl in order[shift:] + order[:shift]:
                             t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS)
                             if trial:
                                 times[name].append(t)

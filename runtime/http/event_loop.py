@@ -1,12 +1,13 @@
 """Which event loop the runtime's servers (worker, router) run on.
 
-`PDCLUSTER_EVENT_LOOP` [asyncio]: `asyncio` (the standard library's loop)
-or `uvloop` (libuv; the `uvloop` extra: `pip install 'pdcluster[uvloop]'`). Read once by each
-process's entry point (`event_loop_from_env`) and passed down; nothing else
-reads the variable. The default stays the standard loop: it is the one
-every test and fault scenario runs on. A value that names no loop, or
-`uvloop` where the package cannot be imported, stops the process at start
-with a message naming the variable.
+`PDCLUSTER_EVENT_LOOP` [uvloop]: `uvloop` (libuv; a dependency) or
+`asyncio` (the standard library's loop). Read once by each process's entry
+point (`event_loop_from_env`) and passed down; nothing else reads the
+variable. uvloop is the default because it measured cheaper where the
+router spends its CPU, per streamed event and per leg (docs/benchmarks.md,
+fifth round); the worker and router processes of the whole suite run on
+it. A value that names no loop, or `uvloop` where the package cannot be
+imported, stops the process at start with a message naming the variable.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class EventLoop(enum.StrEnum):
     uvloop = "uvloop"
 
 
-DEFAULT_EVENT_LOOP = EventLoop.asyncio
+DEFAULT_EVENT_LOOP = EventLoop.uvloop
 
 
 def parse_event_loop(value: str | None) -> EventLoop:

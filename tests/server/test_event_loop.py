@@ -1,5 +1,5 @@
-"""The servers' event loop is a setting (`PDCLUSTER_EVENT_LOOP`), the standard
-loop unless asked, never chosen by what happens to be installed."""
+"""The servers' event loop is a setting (`PDCLUSTER_EVENT_LOOP`), uvloop unless
+asked for the standard loop, never chosen by what happens to be installed."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ WORKERS = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
 
 @pytest.mark.parametrize(
     ("value", "loop"),
-    [(None, EventLoop.asyncio), ("", EventLoop.asyncio), ("uvloop", EventLoop.uvloop)],
+    [(None, EventLoop.uvloop), ("", EventLoop.uvloop), ("asyncio", EventLoop.asyncio)],
 )
-def test_the_setting_defaults_to_the_standard_loop(value: str | None, loop: EventLoop) -> None:
+def test_the_setting_defaults_to_uvloop(value: str | None, loop: EventLoop) -> None:
     assert parse_event_loop(value) is loop
     env = {} if value is None else {EVENT_LOOP_ENV: value}
     assert event_loop_from_env(env) is loop
@@ -48,8 +48,8 @@ def test_run_uses_the_chosen_loop(loop: EventLoop) -> None:
 
 
 def test_the_router_and_the_workers_ask_uvicorn_for_that_loop_not_auto() -> None:
-    assert server_config(object(), "127.0.0.1", 1).loop == "asyncio"
-    assert parse_invocation(WORKERS, env={}).event_loop is EventLoop.asyncio
-    inv = parse_invocation(WORKERS, env={EVENT_LOOP_ENV: "uvloop"})
-    assert inv.event_loop is EventLoop.uvloop
-    assert _uvicorn_config(inv.config, "127.0.0.1", 1, "warning", inv.event_loop).loop == "uvloop"
+    assert server_config(object(), "127.0.0.1", 1).loop == "uvloop"
+    assert parse_invocation(WORKERS, env={}).event_loop is EventLoop.uvloop
+    inv = parse_invocation(WORKERS, env={EVENT_LOOP_ENV: "asyncio"})
+    assert inv.event_loop is EventLoop.asyncio
+    assert _uvicorn_config(inv.config, "127.0.0.1", 1, "warning", inv.event_loop).loop == "asyncio"

@@ -226,9 +226,20 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- pod entry points
+def _watch_launcher() -> None:
+    """Stop with `pdcluster up` if it started this process (`local/parent_watch.py`)."""
+    from pdcluster.runtime.local.parent_watch import watch_parent
+
+    try:
+        watch_parent(os.environ)
+    except ValueError as err:
+        raise SystemExit(f"pdcluster: {err}") from None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdcluster.runtime.worker_main import run_worker
 
+    _watch_launcher()
     manifest = load_manifest(args.file)
     check_backend(manifest, args.file)
     return run_worker(manifest, args)
@@ -237,6 +248,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     from pdcluster.runtime.router_main import run_router_from_cli
 
+    _watch_launcher()
     manifest = load_manifest(args.file) if args.file else None
     return run_router_from_cli(manifest, args)
 

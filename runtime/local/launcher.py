@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from pdcluster.runtime.local.parent_watch import PARENT_PID_ENV
 from pdcluster.runtime.local.peers import PeerNotifier
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
 from pdcluster.runtime.local.supervision import (
@@ -104,7 +105,14 @@ class LocalCluster:
     def spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
         """Start one process of the plan (again, after it died: same argv and ports);
         its output is appended to its log."""
-        env = {**os.environ, "PDCLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1", **spec.env}
+        env = {
+            **os.environ,
+            "PDCLUSTER_TOKEN": self.token,
+            "PYTHONUNBUFFERED": "1",
+            # The process stops once this launcher is gone (`parent_watch.py`).
+            PARENT_PID_ENV: str(os.getpid()),
+            **spec.env,
+        }
         with open(self.state_dir / "logs" / f"{spec.name}.log", "ab") as log:
             proc = subprocess.Popen(
                 list(spec.argv),

@@ -36,9 +36,11 @@ from typing import Any
 
 import httpx
 
+from pdcluster.runtime.local.liveness import LivenessLedger, LivenessPolicy
 from pdcluster.runtime.local.parent_watch import PARENT_PID_ENV
 from pdcluster.runtime.local.peers import PeerNotifier
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
+from pdcluster.runtime.local.prober import LivenessProber, ProbeTarget
 from pdcluster.runtime.local.supervision import (
     Action,
     Admit,
@@ -220,6 +222,7 @@ class LocalCluster:
         period_s: float = 0.1,
         on_action: Callable[[str], None] = print,
         stop: threading.Event | None = None,
+        liveness: LivenessPolicy | None = None,
     ) -> str:
         """Keep the cluster serving until the supervisor gives up; returns why.
 
@@ -227,7 +230,9 @@ class LocalCluster:
         longest a decode refuses rooms on a prefill it was told was lost (the
         restarted prefill is admitted at the router at the latest then);
         `stop`: set by another thread to end supervision (before `stop()`,
-        so that nothing is restarted while the cluster is being stopped).
+        so that nothing is restarted while the cluster is being stopped);
+        `liveness`: how running instances' leaders are probed (`liveness.py`;
+        default: as the operator's pods are).
         """
         instances = self.instances()
         sup = Supervisor(instances, policies)
@@ -236,6 +241,9 @@ class LocalCluster:
         seen: set[str] = set()  # processes whose exit was observed or caused
         started_at: dict[InstanceKey, float] = {}
         notifier = PeerNotifier(self.token, self.plan.endpoint)
+        ledger = LivenessLedger(liveness or LivenessPolicy())
+        prober = LivenessProber(ledger.policy)
+        killed: dict[str, str] = {}  # processes killed for failed probes: why
 
         def running_decodes() -> list[ProcessSpec]:
             # A multi-pod instance talks to the rest of the cluster through its leader pod.
@@ -330,9 +338,32 @@ class LocalCluster:
             for line in said:
                 on_action(line)
 
+        def probe_targets() -> list[ProbeTarget]:
+            return [
+                ProbeTarget(s.name, generation[s.name], s.url)
+                for specs in instances.values()
+                for s in specs
+                if s.is_leader
+                and s.name not in seen
+                and self.phase.get(s.name, "running") == "running"
+            ]
+
+        def judge_probes() -> None:
+            for result in prober.drain():
+                name = result.process
+                if name in seen or name not in key_of or generation[name] != result.generation:
+                    continue  # ended, drained, or a probe of an older start
+                if ledger.record(name, result.generation, result.ok):
+                    killed[name] = ledger.policy.describe()
+                    proc = self.procs[name]
+                    if proc.poll() is None:
+                        # Its whole group: a pod's rank processes go with it.
+                        os.killpg(proc.pid, signal.SIGKILL)
+
         try:
             while sup.given_up is None:
                 apply_membership()
+                judge_probes()
                 now = time.monotonic()
                 for name, proc in list(self.procs.items()):
                     # A process autoscaling owns (starting, draining) is not supervised.
@@ -340,9 +371,11 @@ class LocalCluster:
                     if name in seen or not owned or proc.poll() is None:
                         continue
                     seen.add(name)
-                    self.last_exit[name] = describe_exit(proc.returncode)
+                    ledger.forget(name)
+                    how = killed.pop(name, None)
+                    self.last_exit[name] = how or describe_exit(proc.returncode)
                     key = key_of.get(name)
-                    perform(sup.on_exit(name, key, generation[name], proc.returncode, now))
+                    perform(sup.on_exit(name, key, generation[name], proc.returncode, now, how))
                     if key is None or sup.given_up is not None:
                         tail = self.log_tail(name, 10)
                         on_action(f"{name} exited ({describe_exit(proc.returncode)}):\n{tail}")
@@ -352,11 +385,13 @@ class LocalCluster:
                 perform(sup.tick(time.monotonic()))
                 if sup.given_up is not None:
                     break
+                prober.set_targets(probe_targets())
                 if stop is None:
                     time.sleep(period_s)
                 elif stop.wait(period_s):
                     return "supervision stopped"
         finally:
+            prober.close()
             notifier.close()
             while not self._membership.empty():  # nobody applies them any more
                 self._membership.get_nowait().done.set()

@@ -261,12 +261,19 @@ class Supervisor:
 
     # ------------------------------------------------------------ events
     def on_exit(
-        self, process: str, key: InstanceKey | None, generation: int, returncode: int, now: float
+        self,
+        process: str,
+        key: InstanceKey | None,
+        generation: int,
+        returncode: int,
+        now: float,
+        how: str | None = None,
     ) -> list[Action]:
-        """Process `process` of `key`'s start `generation` ended (`key` None: the router)."""
+        """Process `process` of `key`'s start `generation` ended (`key` None: the router);
+        `how` says why where the return code cannot (the launcher killed it)."""
         if self.given_up is not None:
             return []
-        how = describe_exit(returncode)
+        how = how or describe_exit(returncode)
         if key is None:
             return self._give_up(f"{process} exited ({how}); the cluster cannot serve without it")
         inst = self._get(key)

@@ -7,6 +7,7 @@ router's hold and admit, each with the cluster token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,13 +21,17 @@ from typing import Any
 import pytest
 
 from pdcluster.runtime.local.launcher import STATE_FILE, LocalCluster
+from pdcluster.runtime.local.liveness import LivenessPolicy
 from pdcluster.runtime.local.plan import LocalPlan, ProcessSpec
 from pdcluster.runtime.local.supervision import InstanceKey
 from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import RestartPolicySpec, Role
 
 TOKEN = "supervise-loop-token"
-# Answers 200 to everything (`peers_down` empty on /get_server_info) and logs each call.
+# Probed five times a second; two misses in a row kill.
+LIVENESS = LivenessPolicy(period_s=0.2, timeout_s=0.5, failure_threshold=2)
+# Answers 200 to everything (`peers_down` empty on /get_server_info) and logs each call
+# but the probes.
 STANDIN = """
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -35,7 +40,7 @@ class H(BaseHTTPRequestHandler):
     def _answer(self):
         n = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(n).decode() if n else ""
-        if self.path != "/health":
+        if self.path not in ("/health", "/health/live"):  # probes
             auth = self.headers.get("authorization", "")
             print("CALL", self.command, self.path, auth, body, flush=True)
         out = json.dumps({"peers_down": {}}).encode()
@@ -100,6 +105,7 @@ def supervised(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Super
                 {Role.prefill: policy, Role.decode: policy},
                 on_action=sup.lines.append,
                 stop=stop,
+                liveness=LIVENESS,
             )
 
         thread = threading.Thread(target=run, daemon=True)
@@ -153,6 +159,32 @@ def test_a_lost_prefill_is_reported_held_out_restarted_on_its_ports_and_admitted
     assert supervised.reason == (
         "router exited (killed by SIGKILL); the cluster cannot serve without it"
     )
+
+
+def test_a_process_that_stops_answering_is_killed_restarted_and_admitted(
+    supervised: Supervised,
+) -> None:
+    # Stopped, not gone: no exit to see; only the liveness probe can tell.
+    cluster = supervised.cluster
+    old_pid = cluster.procs["prefill-0"].pid
+    os.kill(old_pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: supervised.lines[-1:] == ["prefill-0 is back"], "prefill-0 restarted")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old_pid, signal.SIGCONT)
+    why = "killed after 2 failed liveness probes in a row"
+    row = supervised.state("prefill-0")
+    assert row["state"] == "running" and row["restarts"] == 1 and row["last_exit"] == why
+    assert row["pid"] != old_pid and cluster.procs["prefill-0"].poll() is None
+    (lost,) = [line for line in supervised.lines if line.startswith("prefill-0 lost")]
+    assert f"prefill-0 {why}" in lost
+    hold = [c for c in supervised.calls("router") if "/admin/hold_worker" in c]
+    assert len(hold) == 1 and f"prefill-0 {why}" in hold[0]
+    assert any("/admin/fail_peer" in c for c in supervised.calls("decode-0"))
+    # The live ones were probed all along and left alone.
+    assert supervised.state("prefill-1")["restarts"] == 0
+    assert supervised.state("decode-0")["restarts"] == 0
 
 
 @pytest.mark.parametrize("supervised", [0], indirect=True)

@@ -37,8 +37,9 @@ FIELD_DOCS: dict[str, str] = {
     "`mlx5_0:1`; unset: all.",
     "transfer.ucx.requireRdma": "The cluster expects RDMA or GPU-direct: a nixl transfer that "
     "fell back to TCP raises a Warning Event instead of passing silently.",
-    "transfer.allocationPolicy": "early: decode reserves pages before prefill computes; "
-    "prefill_complete: prefill computes first, decode reserves when told the KV is ready.",
+    "transfer.allocationPolicy": "early: decode reserves pages while prefill computes, and the "
+    "KV streams into them chunk by chunk; prefill_complete: prefill computes first, decode "
+    "reserves when told the KV is ready.",
     "transfer.bootstrapTimeoutSeconds": "Prefill gives up on a room whose decode metadata has "
     "not arrived within this time.",
     "transfer.waitingTimeoutSeconds": "Decode fails a room whose KV has not fully arrived "

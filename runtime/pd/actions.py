@@ -17,10 +17,12 @@ Common:
   an error for the process.
 
 Prefill only:
-- `StartCompute(room, rid)` — hand the request to the engine now
-  (`early`: every destination is known; `prefill_complete`: at once).
-- `SendHeldKV(room)` — `prefill_complete`: destinations are known, push the
-  KV computed earlier.
+- `StartCompute(room, rid)` — hand the request to the engine now (the
+  prefill leg arrived; under either policy decode's metadata may still be
+  on its way).
+- `SendHeldKV(room)` — every destination is known now: push the KV computed
+  before that (`prefill_complete`: all of it; `early`: the chunks done so
+  far, the rest streams as it is computed).
 - `CancelWrites(room)` — a failed room's writes did not drain within the
   release timeout: abandon them, then report them done (`writes_done`).
 - `ReleaseSource(room, rid)` — the room is over and its writes drained: the
@@ -90,7 +92,7 @@ class StartCompute(RequestAction):
 
 @dataclass(frozen=True, slots=True)
 class SendHeldKV(RoomAction):
-    """Prefill, `prefill_complete`: push the KV computed earlier."""
+    """Prefill: every destination is known; push the KV computed before it was."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,13 +52,15 @@ I/O contract:
   the prefill leg arrives (`rid_is_local`: this worker minted the rid, the
   caller sent none);
   `on_message(msg, now)` for each decode→prefill message;
-- early: on `StartCompute` run the request; per KV chunk check
-  `can_send(room)`, write to `destinations(room)`, report
-  `writes_enqueued(room, n)`; the transfer engine reports
-  `writes_done(room, n, ok)`; after the last chunk `finish_sending(room,
-  first_token, checksum)`;
-- prefill_complete: `StartCompute` comes at open; call `kv_computed(room)`
-  when done; on `SendHeldKV` enqueue the held KV, then `finish_sending`;
+- `StartCompute` comes at open under both policies: run the request;
+- early: per KV chunk check `can_send(room)` (False until every
+  destination's metadata is in) and write what is computed and unsent to
+  `destinations(room)`, reporting `writes_enqueued(room, n)`; on
+  `SendHeldKV` write the chunks computed before that; the transfer engine
+  reports `writes_done(room, n, ok)`; after the last chunk (and
+  `SendHeldKV`, if it came later) `finish_sending(room, first_token, checksum)`;
+- prefill_complete: call `kv_computed(room)` when done; on `SendHeldKV`
+  enqueue the held KV, then `finish_sending`;
 - on `ReleaseSource` abort the engine request if still running, else
   release its held pages;
 - `fail(room, reason)` for local aborts; `fail_peer(peer, reason)` for a
@@ -223,13 +225,11 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         r.num_tokens = num_tokens
         r.prompt = prompt
         r.page_keys = leg.page_keys
-        acts: list[Action] = []
-        if self.policy is _PREFILL_COMPLETE:
-            self._step(r, _Ev.OPEN_COMPUTE, now)
-            acts.append(StartCompute(room, rid))
-        else:
-            self._step(r, _Ev.OPEN, now)
-        return acts + self._after_claim(r, now)
+        # Both policies compute from the moment the leg arrives: waiting for
+        # decode's metadata first would put its round trip before the compute.
+        # What the policy decides is when the KV may leave (`can_send`).
+        self._step(r, _Ev.OPEN_COMPUTE if self.policy is _PREFILL_COMPLETE else _Ev.OPEN, now)
+        return [StartCompute(room, rid), *self._after_claim(r, now)]
 
     def kv_computed(self, room: int, now: float) -> list[Action]:
         """prefill_complete: the prompt's KV is computed and held."""
@@ -525,9 +525,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             return []
         was = r.phase
         self._step(r, _Ev.ALL_DESTINATIONS, now)
-        if was is PrefillPhase.OPENED and r.rid is not None:
-            return [StartCompute(r.room, r.rid)]
-        if was is PrefillPhase.COMPUTED:
+        if was in (PrefillPhase.OPENED, PrefillPhase.COMPUTED):
             return [SendHeldKV(r.room)]
         return []
 

@@ -61,11 +61,11 @@ class IllegalRoomTransition(ValueError):
 
 class PrefillPhase(enum.Enum):
     UNOPENED = "unopened"  # a decode claim created it; the prefill leg has not arrived
-    OPENED = "opened"  # early: the leg arrived, not every destination known yet
+    OPENED = "opened"  # early: the leg arrived and runs, not every destination known yet
     COMPUTING = "computing"  # prefill_complete: the leg runs, destinations incomplete
     COMPUTED = "computed"  # prefill_complete: KV held, destinations incomplete
     AWAITING_KV = "awaiting_kv"  # prefill_complete: every destination known, still computing
-    SENDING = "sending"  # writes may be enqueued (StartCompute or SendHeldKV emitted)
+    SENDING = "sending"  # writes may be enqueued (every destination known; SendHeldKV emitted)
     TRANSFERRING = "transferring"  # the first write was enqueued
     FINISHING = "finishing"  # the last write was enqueued; writes draining
     DRAINING = "draining"  # failed; writes still in flight
@@ -75,7 +75,7 @@ class PrefillPhase(enum.Enum):
 
 
 class PrefillEvent(enum.Enum):
-    OPEN = "open"  # early: the prefill leg arrived
+    OPEN = "open"  # early: the prefill leg arrived, StartCompute
     OPEN_COMPUTE = "open_compute"  # prefill_complete: the leg arrived, StartCompute
     ALL_DESTINATIONS = "all_destinations"  # opened and every destination's metadata in
     KV_COMPUTED = "kv_computed"
@@ -184,6 +184,7 @@ DECODE_RESTARTS_CLOCK: frozenset[tuple[DecodePhase, DecodeEvent]] = frozenset()
 # writes in flight always does (writes start only after StartCompute).
 PREFILL_HOLDS_SOURCE: frozenset[PrefillPhase] = frozenset(
     {
+        _P.OPENED,
         _P.COMPUTING,
         _P.COMPUTED,
         _P.AWAITING_KV,

@@ -1,11 +1,13 @@
 """Prefill rank agent: registers with the bootstrap server, streams KV out.
 
-Per room on this rank: the group leader opens it (`GroupOpen`), decode ranks
-send their page indices (`TransferMeta`), the table says `StartCompute` once
-every destination is known, and from then on each computed chunk's KV
-(this rank's layers, heads and cp token range) becomes transfer jobs. The
-last job is followed by `finish_sending`: the table sends Success only after
-every write drained, so Success is always the last thing decode sees.
+Per room on this rank: the group leader opens it (`GroupOpen`) and the table
+says `StartCompute` at once; decode ranks send their page indices
+(`TransferMeta`), and once every destination is known (`SendHeldKV`) each
+computed chunk's KV (this rank's layers, heads and cp token range) becomes
+transfer jobs, the chunks computed before that first. The last job is
+followed by `finish_sending` (held back until `SendHeldKV` if the compute
+ended first): the table sends Success only after every write drained, so
+Success is always the last thing decode sees.
 
 Write accounting: `jobs[room]` counts jobs this rank submitted and not yet
 reported done. Completions arrive from the sender thread through the inbox;
@@ -68,7 +70,8 @@ class _Room:
     jobs: int = 0  # submitted, not yet reported done
     kv_done: bool = False
     first_token: int | None = None
-    finish_pending: bool = False  # leader: finish once the first token is known
+    # Finish once the first token (leader) and every destination are known.
+    finish_pending: bool = False
     # transfer.checksum: decode rank -> CRC so far of the KV sent to it, read
     # from the source pages by the request's own page table (page_checksum).
     checksums: dict[RankCoord, int] = field(default_factory=dict)
@@ -397,24 +400,34 @@ class PrefillAgent(RankAgent):
 
     def _finish(self, room: int) -> None:
         r = self.rooms[room]
-        if self.is_leader and r.first_token is None:
+        if room not in self.table:
+            return
+        if (self.is_leader and r.first_token is None) or not self.table.can_send(room):
+            # Leader: the first token goes with Success. early: the compute
+            # ended before every destination was known; `SendHeldKV` finishes.
             r.finish_pending = True
             return
         r.finish_pending = False
-        if room in self.table and self.table.can_send(room):
-            acts = self.table.finish_sending(
-                room, r.first_token, None, time.monotonic(), checksums=r.checksums
-            )
-            self.perform(acts)
+        acts = self.table.finish_sending(
+            room, r.first_token, None, time.monotonic(), checksums=r.checksums
+        )
+        self.perform(acts)
 
     def _send_held(self, room: int) -> None:
         r = self.rooms.get(room)
         if r is None:
             return
-        r.sent_upto = 0
-        r.checksums.clear()
+        if self.table.policy is AllocationPolicy.prefill_complete:
+            r.sent_upto = 0
+            r.checksums.clear()
+            self._maybe_send(room)
+            self._finish(room)
+            return
+        # early: the chunks computed while destinations were missing; the rest
+        # streams from `_on_chunk`.
         self._maybe_send(room)
-        self._finish(room)
+        if r.finish_pending:
+            self._finish(room)
 
     def _maybe_send(self, room: int) -> None:
         """Turn computed-but-unsent tokens into jobs for every known destination."""

@@ -106,7 +106,10 @@ def local_cluster(
                 break
             time.sleep(0.2)
         if state is None:
-            raise TimeoutError(f"cluster not ready: {Path(log.name).read_text()[-3000:]}")
+            raise TimeoutError(
+                f"cluster not ready: {Path(log.name).read_text()[-3000:]}"
+                + process_log_tails(state_dir / name / "logs")
+            )
         yield RunningCluster(state["endpoint"], state, proc, state_dir)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -121,6 +124,15 @@ def local_cluster(
                 deadline = time.monotonic() + 15
                 while pid_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.1)
+
+
+def process_log_tails(logs: Path, lines: int = 25) -> str:
+    """The last lines of every process log `pdcluster up` wrote, for a failure message."""
+    parts = []
+    for path in sorted(logs.glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"\n--- {path.name} ---\n" + "\n".join(tail))
+    return "".join(parts)
 
 
 def stop_process_groups(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -219,7 +219,7 @@ def test_every_decode_rank_tells_every_source_what_it_holds(shape: InstanceShape
 
 
 @pytest.mark.parametrize("leg_first", [True, False], ids=["leg-first", "metadata-first"])
-def test_a_reuse_of_another_prompt_fails_the_room_before_compute(leg_first: bool) -> None:
+def test_a_reuse_of_another_prompt_fails_the_room_before_any_write(leg_first: bool) -> None:
     net = Net()
     net.open_decode(ROOM, RID, 0.0, prompt_id(PROMPT))
     if leg_first:
@@ -230,7 +230,10 @@ def test_a_reuse_of_another_prompt_fails_the_room_before_compute(leg_first: bool
     if not leg_first:
         _open_prefill(net, PROMPT)
         net.pump(0.2)
-    assert net.actions(p_endpoint(D0), A.StartCompute) == []
+    # The compute started with the leg is released; no KV ever leaves.
+    assert net.actions(p_endpoint(D0), A.StartCompute) == [A.StartCompute(ROOM, RID)]
+    assert net.actions(p_endpoint(D0), A.ReleaseSource) == [A.ReleaseSource(ROOM, RID)]
+    assert net.actions(p_endpoint(D0), A.SendHeldKV) == []
     (failed,) = net.actions(p_endpoint(D0), A.RoomFailed)
     assert failed.reason == "reuse_mismatch: decode's key of page 1 is not prefill's"
     (got,) = net.actions(d_endpoint(D0), A.RoomFailed)

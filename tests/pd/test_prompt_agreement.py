@@ -3,7 +3,7 @@
 The digest is defined once (`prompt_digest`); decode sends its `PromptId` in
 `TransferMeta`, the prefill rank compares it with its own leg's whichever
 arrives first, and a mismatch fails the room on both sides with a reason
-naming both lengths, before compute starts or a byte moves.
+naming both lengths, before a byte moves (the compute started with the leg is released).
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def _failed_reasons(net: Net, endpoint: str) -> list[str]:
 def _assert_failed_before_any_write(net: Net, reason: str) -> None:
     for rank in net.prefill:
         ep = p_endpoint(rank)
-        assert net.actions(ep, A.StartCompute) == []
+        # The compute started with the leg is released; no KV ever leaves.
+        assert net.actions(ep, A.StartCompute) == [A.StartCompute(ROOM, RID)]
+        assert net.actions(ep, A.ReleaseSource) == [A.ReleaseSource(ROOM, RID)]
         assert net.actions(ep, A.SendHeldKV) == []
         assert _failed_reasons(net, ep) == [reason]
         assert not net.prefill[rank].can_send(ROOM)
@@ -128,7 +130,7 @@ def _assert_failed_before_any_write(net: Net, reason: str) -> None:
     ],
 )
 @pytest.mark.parametrize("leg_first", [True, False], ids=["leg-first", "metadata-first"])
-def test_mismatch_fails_the_room_on_both_sides_before_compute(
+def test_mismatch_fails_the_room_on_both_sides_before_any_write(
     decode_prompt: list[int], reason: str, leg_first: bool
 ) -> None:
     net = Net()

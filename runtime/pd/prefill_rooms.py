@@ -52,7 +52,9 @@ I/O contract:
   the prefill leg arrives (`rid_is_local`: this worker minted the rid, the
   caller sent none);
   `on_message(msg, now)` for each decode→prefill message;
-- `StartCompute` comes at open under both policies: run the request;
+- `StartCompute` comes at open under both policies: the request may run
+  (under `early` the group's leader holds it back past the early-start
+  budget until every rank is paired: `pd/early_start.py`);
 - early: per KV chunk check `can_send(room)` (False until every
   destination's metadata is in) and write what is computed and unsent to
   `destinations(room)`, reporting `writes_enqueued(room, n)`; on

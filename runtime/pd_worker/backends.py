@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse
 from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import server_config
+from pdcluster.runtime.pd.early_start import EarlyStartBudget, early_start_limit
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
@@ -61,7 +62,7 @@ from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.serving.backend import check_capacity, engine_request, page_counts
 from pdcluster.runtime.serving.engine_service import EngineService, EngineStalled, TokenEvent
 from pdcluster.runtime.serving.request import BadRequest, PreparedRequest
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import AllocationPolicy, Role
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -492,6 +493,18 @@ def _prefill_peers_route(
     return add
 
 
+def _early_start_budget(
+    policy: AllocationPolicy, service: EngineService
+) -> EarlyStartBudget | None:
+    """Under `early`, how much prompt this prefill group computes unpaired (`pd/early_start.py`)."""
+    if policy is not AllocationPolicy.early:
+        return None
+    engine = service.engine
+    cfg = engine.scheduler.config
+    pool_tokens = engine.num_total_pages * cfg.page_size
+    return EarlyStartBudget(early_start_limit(pool_tokens, cfg.max_prompt_tokens, cfg.chunk_size))
+
+
 def build_pd_backend(
     settings: Any, service: EngineService, agent: Any, metrics: Any, dp_rank: int
 ) -> tuple[Any, Callable[[FastAPI], None], list[uvicorn.Server]]:
@@ -516,6 +529,7 @@ def build_pd_backend(
             metrics,
             max_rooms=spec.transfer.max_rooms,
             queue_limit=spec.transfer.room_queue_limit,
+            early_start=_early_start_budget(spec.transfer.allocation_policy, service),
         )
         backend = PrefillBackend(service, agent, coord, info)
         info["bootstrap_port"] = settings.bootstrap_port

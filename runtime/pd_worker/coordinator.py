@@ -39,6 +39,7 @@ from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.sequence import SequenceMode
 from pdcluster.runtime.metrics import WorkerMetrics
 from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmission
+from pdcluster.runtime.pd.early_start import EarlyStartBudget
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
@@ -133,6 +134,9 @@ class _Room:
     reports: dict[str, set[int]] = field(default_factory=lambda: collections.defaultdict(set))
     failed: str | None = None
     engine_added: bool = False
+    # prefill, early: every rank is ready to compute, but the early-start
+    # budget is spent (`pd/early_start.py`): the request starts once paired.
+    start_deferred: bool = False
     first_token: int | None = None
     # prefill: prompt tokens whose KV travelled (ranks' `succeeded` reports)
     sent_tokens: int | None = None
@@ -336,9 +340,13 @@ class PrefillCoordinator(_Coordinator):
         metrics: WorkerMetrics,
         max_rooms: int = 4096,
         queue_limit: int = 4096,
+        early_start: EarlyStartBudget | None = None,
     ) -> None:
+        """`early_start`: under `early`, how much prompt may compute before its
+        room is paired (None: `prefill_complete`, where every room computes at once)."""
         super().__init__(agent, service, group_size, metrics)
         self.queue = RoomQueue(max_rooms, queue_limit)
+        self.early_start = early_start
 
     def is_full(self) -> bool:
         """Any thread: a new leg would be refused now (a racy read, rechecked in `open`)."""
@@ -374,6 +382,8 @@ class PrefillCoordinator(_Coordinator):
 
     def _forget(self, room_id: int) -> None:
         super()._forget(room_id)
+        if self.early_start is not None:
+            self.early_start.leave(room_id)
         for started in self.queue.release(room_id):
             room = self.rooms.get(started)
             if room is None or room.failed is not None:
@@ -387,17 +397,21 @@ class PrefillCoordinator(_Coordinator):
         elif rep.kind == "start" and self.all_ranks(room, "start") and not room.engine_added:
             if room.failed is not None:
                 return
-            try:
-                self.engine.add_request(
-                    EngineRequest(
-                        room.rid, room.prompt, room.sampling, mode=SequenceMode.prefill_only
-                    )
-                )
-            except RequestRejected as err:
-                self.fail(room_id, f"rejected: {err}")
+            budget = self.early_start
+            if (
+                budget is not None
+                and not self.all_ranks(room, "paired")
+                and not budget.try_start(room_id, len(room.prompt))
+            ):
+                room.start_deferred = True
                 return
-            room.engine_added = True
-            stage_trace.mark(room_id, "prefill.engine_add")
+            self._compute(room_id, room)
+        elif rep.kind == "paired" and self.all_ranks(room, "paired"):
+            if self.early_start is not None:
+                self.early_start.leave(room_id)
+            if room.start_deferred and room.failed is None and not room.engine_added:
+                room.start_deferred = False
+                self._compute(room_id, room)
         elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
             room.leg_done = True
             sent = len(room.prompt) if room.sent_tokens is None else room.sent_tokens
@@ -407,6 +421,17 @@ class PrefillCoordinator(_Coordinator):
             self.service.emit(room.rid, TokenEvent(first, "", True, "stop"))
         elif rep.kind == "released":
             self._maybe_free(room_id, room)
+
+    def _compute(self, room_id: int, room: _Room) -> None:
+        try:
+            self.engine.add_request(
+                EngineRequest(room.rid, room.prompt, room.sampling, mode=SequenceMode.prefill_only)
+            )
+        except RequestRejected as err:
+            self.fail(room_id, f"rejected: {err}")
+            return
+        room.engine_added = True
+        stage_trace.mark(room_id, "prefill.engine_add")
 
     def _maybe_free(self, room_id: int, room: _Room) -> None:
         if not self.all_ranks(room, "released"):

@@ -5,7 +5,8 @@ leader (cp = tp = pp = 0) sees HTTP requests and drives the engine. The
 leader tells its followers about rooms (`GroupOpen`, `GroupPages`,
 `GroupFail`), and each rank reports what its table concluded
 (`GroupReport`), so the leader acts only on the agreement of all ranks:
-prefill computes once every rank knows its destinations, decode decodes
+prefill computes once every rank opened the room (under `early`, within
+the early-start budget, else once every rank knows its destinations), decode decodes
 once every rank received its KV, and pages are freed once every rank let go.
 Followers also push their counters (`GroupStats`) so the leader can answer
 for the whole group.
@@ -92,13 +93,14 @@ class GroupFailPeer(msgspec.Struct, tag="fail_peer", frozen=True, forbid_unknown
     gone: bool = True
 
 
-ReportKind = Literal["start", "ready", "complete", "failed", "released", "succeeded"]
+ReportKind = Literal["start", "paired", "ready", "complete", "failed", "released", "succeeded"]
 
 
 class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fields=True):
     """A rank's table concluded something about a room.
 
-    start: (prefill) every destination of this rank is known: it may compute.
+    start: (prefill) the room is open on this rank: it may compute.
+    paired: (prefill, early) every destination of this rank is known: its KV may leave.
     ready: (decode, prefill_complete) every source of this rank has its KV computed.
     complete: (decode) every source of this rank sent Success.
     failed: the room failed on this rank (first reason).

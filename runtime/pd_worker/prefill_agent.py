@@ -423,8 +423,10 @@ class PrefillAgent(RankAgent):
             self._maybe_send(room)
             self._finish(room)
             return
-        # early: the chunks computed while destinations were missing; the rest
-        # streams from `_on_chunk`.
+        # early: the leader may start a request held back for pairing now
+        # (`pd/early_start.py`); the chunks computed while destinations were
+        # missing go out, the rest streams from `_on_chunk`.
+        self.report(room, "paired")
         self._maybe_send(room)
         if r.finish_pending:
             self._finish(room)

@@ -63,7 +63,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--length", type=int, default=16)
     ap.add_argument("--example", default="pd-1p1d.yaml")
+    ap.add_argument(
+        "--span",
+        action="append",
+        default=[],
+        metavar="FROM:TO",
+        help="also print the median and p90 of TO - FROM per request (repeatable), "
+        "e.g. prefill.http:prefill.engine_add",
+    )
     args = ap.parse_args()
+    spans = [parse_span(text) for text in args.span]
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp) / "trace"
@@ -98,6 +107,24 @@ def main() -> None:
     print(f"{'stage':<34} {'rooms':>5} {'since send':>11} {'step':>9}")
     for row in rows:
         print(f"{row.stage:<34} {row.num_rooms:>5} {row.offset_ms:>8.2f} ms {row.step_ms:>6.2f} ms")
+    for start, end in spans:
+        gaps = sorted(
+            (stages[end] - stages[start]) / 1e6
+            for stages in timed
+            if start in stages and end in stages
+        )
+        if not gaps:
+            print(f"span {start} -> {end}: no request has both stages")
+            continue
+        p50, p90 = gaps[len(gaps) // 2], gaps[min(len(gaps) - 1, int(len(gaps) * 0.9))]
+        print(f"span {start} -> {end}: p50 {p50:.2f} ms, p90 {p90:.2f} ms ({len(gaps)} requests)")
+
+
+def parse_span(text: str) -> tuple[str, str]:
+    start, sep, end = text.partition(":")
+    if not sep or not start or not end:
+        raise SystemExit(f"--span takes FROM:TO (two stage names), got {text!r}")
+    return start, end
 
 
 if __name__ == "__main__":

@@ -100,11 +100,15 @@ class GroupAgent(Protocol):
     report_sink: Callable[[GroupReport], None] | None
     group_sink: Callable[[GroupReport], None] | None
 
-    def broadcast(self, msg: GroupMessage) -> None:
-        """Send `msg` to every rank of the dp group, this one included."""
+    def broadcast(self, msg: GroupMessage, *, here_now: bool = False) -> None:
+        """Send `msg` to every rank of the dp group, this one included
+        (`here_now`: this one on the calling thread when the agent is idle)."""
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the agent thread."""
+
+    def run_or_post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` now under the agent's lock if it is free, else on the agent thread."""
 
 
 class PrefillGroupAgent(GroupAgent, Protocol):
@@ -377,7 +381,8 @@ class PrefillCoordinator(_Coordinator):
                 prompt=prompt_id(room.prompt),
                 rid_is_local=room.rid_is_local,
                 page_keys=reuse_keys(room.prompt, self.agent.ctx.page_size),
-            )
+            ),
+            here_now=True,
         )
 
     def _forget(self, room_id: int) -> None:
@@ -459,7 +464,7 @@ class PrefillCoordinator(_Coordinator):
             first = int(output.new_token_ids[-1])
             room.first_token = first
             stage_trace.mark(room_id, "prefill.first_token")
-            self.agent.post(lambda: self.agent.leader_first_token(room_id, first))
+            self.agent.run_or_post(lambda: self.agent.leader_first_token(room_id, first))
         elif output.finished and output.finish_reason != "prefill_done":
             self.fail(room_id, f"engine_{output.finish_reason}")
         return True
@@ -502,7 +507,8 @@ class DecodeCoordinator(_Coordinator):
                 prefill_dp,
                 prompt=prompt_id(prompt),
                 rid_is_local=leg.rid_is_local,
-            )
+            ),
+            here_now=True,
         )
         if self.policy is AllocationPolicy.early:
             self._enqueue(room_id, room)
@@ -526,7 +532,9 @@ class DecodeCoordinator(_Coordinator):
             room.pages = admitted.pages
             room.pages_at = time.monotonic()
             reuse = build_reuse(room.prompt, room.num_reused, self.page_size)
-            self.agent.broadcast(GroupPages(admitted.room, list(admitted.pages), reuse))
+            self.agent.broadcast(
+                GroupPages(admitted.room, list(admitted.pages), reuse), here_now=True
+            )
         self.metrics.queue_size.labels(stage="decode_admission").set(self.admission.num_waiting)
 
     def _allocate_head(self, n: int) -> list[int] | None:

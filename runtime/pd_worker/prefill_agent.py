@@ -10,7 +10,8 @@ ended first): the table sends Success only after every write drained, so
 Success is always the last thing decode sees.
 
 Write accounting: `jobs[room]` counts jobs this rank submitted and not yet
-reported done. Completions arrive from the sender thread through the inbox;
+reported done. Completions arrive from the sender thread (through the inbox
+when the agent is busy);
 a cancelled or failed room's leftovers are reported done (not ok) once the
 sender says nothing of the room can move any more (`in_flight == 0`).
 """
@@ -242,9 +243,11 @@ class PrefillAgent(RankAgent):
             self._forget_if_done(room)
 
     def _on_job_sent(self, job: TransferJob) -> None:
-        # Sender thread.
+        # Sender or transport I/O thread. Done here when the agent is idle:
+        # the room's last write done is what Success waits for (it needs no
+        # `drain`, and its sends only queue).
         stage_trace.mark(job.room, "prefill.kv_sent")
-        self.post(lambda: self._job_done(job.room, ok=True))
+        self.run_or_post(lambda: self._job_done(job.room, ok=True))
 
     def _job_done(self, room: int, ok: bool) -> None:
         r = self.rooms.get(room)
@@ -402,10 +405,16 @@ class PrefillAgent(RankAgent):
         r = self.rooms[room]
         if room not in self.table:
             return
-        if (self.is_leader and r.first_token is None) or not self.table.can_send(room):
-            # Leader: the first token goes with Success. early: the compute
-            # ended before every destination was known; `SendHeldKV` finishes.
+        if not self.table.can_send(room):
+            # early: the compute ended before every destination was known;
+            # `SendHeldKV` finishes. Counted: how often decode's metadata comes
+            # after a whole prompt's compute.
+            if not r.finish_pending:
+                self.ctx.stats["finish_held"] += 1
             r.finish_pending = True
+            return
+        if self.is_leader and r.first_token is None:
+            r.finish_pending = True  # the first token goes with Success
             return
         r.finish_pending = False
         acts = self.table.finish_sending(

@@ -17,7 +17,7 @@ from pdcluster.runtime.serving.engine_service import EngineService
 
 def _agent() -> Any:
     ctx = SimpleNamespace(room_settings=RoomSettings(), stats={})
-    return SimpleNamespace(ctx=ctx, broadcast=lambda msg: None)
+    return SimpleNamespace(ctx=ctx, broadcast=lambda msg, here_now=False: None)
 
 
 def test_queued_prefill_tokens_follow_the_engine_queue() -> None:

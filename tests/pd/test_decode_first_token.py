@@ -49,7 +49,7 @@ def _agent() -> Any:
         num_kv_heads=1,
         head_dim=1,
     )
-    return SimpleNamespace(ctx=ctx, broadcast=lambda msg: None)
+    return SimpleNamespace(ctx=ctx, broadcast=lambda msg, here_now=False: None)
 
 
 async def _hand_off(engine: LLMEngine) -> tuple[EngineService, list[TokenEvent]]:

@@ -107,7 +107,9 @@ PAGE = 16
 def _coordinator(limit: int, group_size: int = 2) -> tuple[PrefillCoordinator, LLMEngine]:
     engine = LLMEngine(EngineConfig(num_pages=64, page_size=PAGE, chunk_size=64))
     ctx = SimpleNamespace(room_settings=RoomSettings(), stats={}, page_size=PAGE)
-    agent: Any = SimpleNamespace(ctx=ctx, broadcast=lambda msg: None, post=lambda fn: None)
+    agent: Any = SimpleNamespace(
+        ctx=ctx, broadcast=lambda msg, here_now=False: None, post=lambda fn: None
+    )
     service = EngineService(engine, ByteTokenizer())
     coord = PrefillCoordinator(
         agent, service, group_size, WorkerMetrics("prefill"), early_start=EarlyStartBudget(limit)

@@ -4,7 +4,9 @@ Threads of a rank process and what they may touch:
 - the agent thread owns the room table: every table call happens under
   `self.lock`, fed from `self.inbox` (decoded peer messages, group
   commands, transfer completions, HTTP results) and `tick()` every 50 ms;
-- the endpoint's I/O thread only decodes and queues (never blocks);
+- the endpoint's I/O thread decodes each control frame and hands the step
+  over with `run_or_post`: run there when the agent is idle, else queued
+  (it never waits for the lock);
 - the runner (engine) thread calls the prefill chunk hook, which takes the
   lock briefly to enqueue transfer jobs;
 - a small asyncio loop thread runs HTTP calls (bootstrap registration,
@@ -146,6 +148,13 @@ class RankAgent:
         self.pool = pool
         self.lock = threading.RLock()
         self.inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        # Steps posted and not yet run (under `_queued_lock`): `run_or_post`
+        # runs a step here only when none is ahead of it.
+        self._queued = 0
+        self._queued_lock = threading.Lock()
+        # True while the lock's holder runs a step or a tick: a step handed
+        # over from inside one is queued behind it, never run nested in it.
+        self._in_step = False
         self.endpoint = Endpoint(
             EndpointConfig(
                 host=ctx.host,
@@ -192,7 +201,7 @@ class RankAgent:
 
     def close(self) -> None:
         self._stopping.set()
-        self.inbox.put(lambda: None)
+        self.post(lambda: None)
         self._thread.join(5)
         self.aio.close()
         self.endpoint.close()
@@ -200,30 +209,48 @@ class RankAgent:
     # ------------------------------------------------------------------ loop
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the agent thread (thread-safe)."""
+        with self._queued_lock:
+            self._queued += 1
         self.inbox.put(fn)
 
     def run_or_post(self, fn: Callable[[], None]) -> None:
-        """Run `fn` here and now under the lock if it is free, else `post` it.
+        """Run `fn` here and now if the agent is idle, else `post` it.
 
-        For the steps on a request's path (a room opening, its first token):
-        handing them to the agent thread costs a thread wake-up and a GIL
-        hand-off each (0.3-0.5 ms on a busy two-core box). The caller never
-        waits for the agent: when the agent thread holds the lock, `fn` is
-        queued as before. Only a step whose order relative to what is already
-        queued does not matter may come here: a room's peer messages reach
-        the table in either order anyway (the network does not order a leg
-        against its peer's messages). Its error is logged, as on the agent
-        thread, never raised to the caller.
+        For the steps on a request's path (a peer's message, a room opening,
+        its first token): handing them to the agent thread costs a thread
+        wake-up and a GIL hand-off each (0.3-0.5 ms on a busy two-core box).
+        "Idle" is: the lock is free and no posted step is waiting or running,
+        so the steps still run one at a time in the order they were handed
+        over, as if every one had been posted, only sooner. The caller never
+        waits for the agent (a try-lock). Its error is logged, as on the
+        agent thread, never raised to the caller.
         """
         if not self.lock.acquire(blocking=False):
             self.post(fn)
             return
         try:
-            fn()
+            with self._queued_lock:
+                ahead = self._queued
+            if ahead or self._in_step:
+                self.post(fn)
+                return
+            self._in_step = True
+            try:
+                fn()
+            finally:
+                self._in_step = False
         except Exception:
             log.exception("rank %s: agent step failed", self.ctx.coord)
         finally:
             self.lock.release()
+
+    def _run_queued(self, fn: Callable[[], None]) -> None:
+        """Agent thread, under the lock: one posted step, counted done even if it fails."""
+        try:
+            fn()
+        finally:
+            with self._queued_lock:
+                self._queued -= 1
 
     def _run(self) -> None:
         next_tick = time.monotonic()
@@ -235,18 +262,23 @@ class RankAgent:
                 fn = None
             try:
                 with self.lock:
-                    if fn is not None:
-                        fn()
-                    while True:
-                        try:
-                            self.inbox.get_nowait()()
-                        except queue.Empty:
-                            break
-                    if time.monotonic() >= next_tick:
-                        self.tick(time.monotonic())
-                        self.publish_stats()
-                        self.push_stats(time.monotonic())
-                        next_tick = time.monotonic() + TICK_S
+                    self._in_step = True
+                    try:
+                        if fn is not None:
+                            self._run_queued(fn)
+                        while True:
+                            try:
+                                queued = self.inbox.get_nowait()
+                            except queue.Empty:
+                                break
+                            self._run_queued(queued)
+                        if time.monotonic() >= next_tick:
+                            self.tick(time.monotonic())
+                            self.publish_stats()
+                            self.push_stats(time.monotonic())
+                            next_tick = time.monotonic() + TICK_S
+                    finally:
+                        self._in_step = False
             except Exception:
                 log.exception("rank %s: agent step failed", self.ctx.coord)
 
@@ -320,7 +352,8 @@ class RankAgent:
 
     # ------------------------------------------------------------ inbound
     def _on_control(self, sender: str, data: bytes) -> None:
-        # Endpoint I/O thread: decode here (cheap), act on the agent thread.
+        # Endpoint I/O thread: decode here (cheap); act here when the agent is
+        # idle, else on the agent thread, in arrival order either way.
         if is_group_frame(data):
             if sender != self.leader_address and sender not in self.follower_addresses:
                 # Only this dp group's ranks coordinate it; a peer outside it
@@ -333,7 +366,7 @@ class RankAgent:
                 # The error text quotes the peer's bytes: count by its code only.
                 self.ctx.stats[f"group_reject:{str(err).split(':', 1)[0]}"] += 1
                 return
-            self.post(lambda: self._on_group_checked(group))
+            self.run_or_post(lambda: self._on_group_checked(group))
             return
         try:
             msg = pdmsg.decode(data)
@@ -348,7 +381,7 @@ class RankAgent:
             self.ctx.stats["reject:sender_mismatch"] += 1
             return
         stage_trace.mark_message(self.ctx.role, "rx", msg)
-        self.post(lambda: self.on_message(msg, time.monotonic()))
+        self.run_or_post(lambda: self.on_message(msg, time.monotonic()))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
         """Leader bookkeeping (stats, reports) here; every other command to the role."""

@@ -42,6 +42,7 @@ from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.operator_process import operator_process
 from e2e.processes import ProcessRecord, wait_until
 from tests.autoscaling_spec import PREFILL_AUTOSCALING, TTFT_TARGET_S
+from tests.request_load import CompletionLoad
 
 pytestmark = pytest.mark.k8s
 
@@ -267,36 +268,7 @@ def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str
 SCALERS_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusterrolescalers"
 
 
-class Load:
-    """Requests through the router, one after another, until stopped; none may fail."""
-
-    def __init__(self, router_ip: str) -> None:
-        self.router_ip = router_ip
-        self.stop = threading.Event()
-        self.done = 0
-        self.failures: list[str] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
-        url = f"http://{self.router_ip}:8000/v1/completions"
-        while not self.stop.is_set():
-            try:
-                resp = httpx.post(url, json=body, timeout=60)
-            except httpx.HTTPError as err:
-                self.failures.append(f"{type(err).__name__}: {err}")
-                continue
-            if resp.status_code != 200:
-                self.failures.append(f"{resp.status_code}: {resp.text[:200]}")
-            self.done += 1
-
-    def __enter__(self) -> Load:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=90)
+LOAD_BODY: dict[str, Any] = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
 
 
 def prefill_autoscaling(kube: KubeApi, ns: str) -> dict[str, Any]:
@@ -323,7 +295,8 @@ def test_load_above_target_scales_prefill_up_and_back_down_when_it_stops(
     )
     router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
     try:
-        with Load(router_ip) as load:
+        url = f"http://{router_ip}:8000/v1/completions"
+        with CompletionLoad(url, LOAD_BODY, num_threads=1, timeout_s=60) as load:
             wait_until(
                 lambda: (pdc(kube, ns) or {})["spec"]["prefill"]["replicas"] == 2,
                 90,

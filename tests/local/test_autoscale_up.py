@@ -3,7 +3,6 @@ the load gone brings it back to 1 through a drain, and no request fails."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,8 @@ import pytest
 
 from pdcluster.runtime.autoscale.samples import parse_worker_metrics
 from tests.autoscaling_spec import PREFILL_AUTOSCALING
-from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
+from tests.local.cluster import local_cluster, ps_rows, write_manifest
+from tests.request_load import CompletionLoad
 
 SPEC: dict[str, Any] = {
     "model": {"name": "tiny"},
@@ -24,38 +24,7 @@ SPEC: dict[str, Any] = {
 }
 
 
-class Load:
-    """Requests through the router from a few threads until stopped; none may fail."""
-
-    def __init__(self, cluster: RunningCluster, threads: int = 3) -> None:
-        self.url = cluster.endpoint + "/v1/completions"
-        self.stop = threading.Event()
-        self.done = 0
-        self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-
-    def _run(self) -> None:
-        body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
-        with httpx.Client(trust_env=False, timeout=120) as http:
-            while not self.stop.is_set():
-                try:
-                    resp = http.post(self.url, json=body)
-                except httpx.HTTPError as err:
-                    self.failures.append(f"{type(err).__name__}: {err}")
-                    continue
-                if resp.status_code != 200:
-                    self.failures.append(f"{resp.status_code}: {resp.text[:300]}")
-                self.done += 1
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=150)
+LOAD_BODY: dict[str, Any] = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 4}
 
 
 def wait_for(cond: Any, timeout: float, what: str, log: Path) -> None:
@@ -85,7 +54,8 @@ def test_a_load_step_scales_prefill_up_and_back_down_with_no_failed_request(
     with local_cluster(path, state_dir) as cluster:
         log = state_dir.parent / "up-scaled.log"
         assert prefill_rows(state_dir) == {"prefill-0": "running"}
-        with Load(cluster) as load:
+        url = cluster.endpoint + "/v1/completions"
+        with CompletionLoad(url, LOAD_BODY, num_threads=3, timeout_s=120) as load:
             wait_for(
                 lambda: prefill_rows(state_dir).get("prefill-1") == "running",
                 300,

@@ -30,7 +30,12 @@ from pdcluster.runtime.ports import free_ports
 from pdcluster.runtime.spec import parse_manifest
 from tests.faults.harness import make_prompts
 from tests.local.cluster import local_cluster, ps_rows, stop_process_groups, write_manifest
-from tests.local.test_supervise import MAX_TOKENS, burst_until_live, generate, wait_for
+from tests.local.test_supervise import (
+    MAX_TOKENS,
+    assert_served_like_colocated,
+    burst_until_live,
+    wait_for,
+)
 from tests.pd_integration.reference import colocated_outputs
 from tests.pd_integration.test_topologies import assert_no_page_leak
 
@@ -88,9 +93,7 @@ def test_a_two_pod_instance_serves_like_colocated_and_restarts_as_a_gang(
         ).json()
         assert (info["num_pods"], info["missing_ranks"]) == (2, [])
 
-        outputs = list(pool.map(lambda p: generate(cluster, p), before))
-        assert [s for s, _, _ in outputs] == [200] * len(before), outputs
-        assert [b["output_ids"] for _, b, _ in outputs] == expected_before
+        assert_served_like_colocated(pool, cluster, before, expected_before)
 
         # A burst on the instance, then kill -9 its non-leader pod mid-flight.
         burst = burst_until_live(pool, cluster, victims, "prefill-0-0")
@@ -124,9 +127,7 @@ def test_a_two_pod_instance_serves_like_colocated_and_restarts_as_a_gang(
         up_log = (tmp_path / "up-twopods.log").read_text()
         assert "prefill-0 lost (prefill-0-1 killed by SIGKILL)" in up_log
 
-        outputs = list(pool.map(lambda p: generate(cluster, p), after))
-        assert [s for s, _, _ in outputs] == [200] * len(after), outputs
-        assert [b["output_ids"] for _, b, _ in outputs] == expected_after
+        assert_served_like_colocated(pool, cluster, after, expected_after)
 
         # No page leak on decode (whose pages the lost rooms had reserved) nor prefill.
         cluster.state = json.loads((state_dir / "twopods" / "state.json").read_text())
@@ -251,9 +252,7 @@ def test_dp_groups_on_their_own_pods_serve_like_colocated(
             "decode-0-0": "0",
             "decode-0-1": "1",
         }
-        outputs = list(pool.map(lambda p: generate(cluster, p), prompts))
-        assert [s for s, _, _ in outputs] == [200] * len(prompts), outputs
-        assert [b["output_ids"] for _, b, _ in outputs] == expected
+        assert_served_like_colocated(pool, cluster, prompts, expected)
 
         # Both dp groups of both roles served some of them: each group's leader
         # counts the requests it finished itself (the front counts the relayed too).

@@ -72,6 +72,18 @@ def generate(cluster: RunningCluster, prompt: list[int]) -> tuple[int, dict[str,
         return 599, {"error": repr(err)}, time.monotonic()
 
 
+def assert_served_like_colocated(
+    pool: concurrent.futures.ThreadPoolExecutor,
+    cluster: RunningCluster,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+) -> None:
+    """Every prompt through the router at once: each answered 200 with its colocated output."""
+    outputs = list(pool.map(lambda p: generate(cluster, p), prompts))
+    assert [s for s, _, _ in outputs] == [200] * len(prompts), outputs
+    assert [b["output_ids"] for _, b, _ in outputs] == expected
+
+
 def seen_as(state_dir: Path, name: str = "prefill-1") -> tuple[str, int]:
     """(state, restarts) of a process in the state file `ps` reads (cheaper than `ps`)."""
     state = json.loads((state_dir / "supervised" / "state.json").read_text())
@@ -149,9 +161,7 @@ def test_a_killed_prefill_is_restarted_and_a_spent_budget_stops_the_cluster(
 
         # The supervisor saw the loss: the cluster keeps serving through prefill-0.
         wait_for(lambda: seen_as(state_dir) != ("running", 0), 5, "the loss to be seen")
-        outputs = list(pool.map(lambda p: generate(cluster, p), after))
-        assert [s for s, _, _ in outputs] == [200] * len(after), outputs
-        assert [b["output_ids"] for _, b, _ in outputs] == expected
+        assert_served_like_colocated(pool, cluster, after, expected)
 
         # prefill-1 comes back on its ports and serves again.
         wait_for(lambda: seen_as(state_dir) == ("running", 1), 120, "prefill-1 back", 0.2)

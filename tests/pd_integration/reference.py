@@ -37,7 +37,12 @@ def _compute(cluster: PDCluster, prompts: list[list[int]], max_tokens: int) -> l
     cfg = engine_config_from_spec(spec, role)
     need = sum(-(-(len(p) + max_tokens) // cfg.page_size) for p in prompts)
     cfg = replace(cfg, parallel=ParallelConfig(), num_pages=max(cfg.num_pages, need + 8))
-    engine = LLMEngine(cfg)
+    return greedy_outputs(LLMEngine(cfg), prompts, max_tokens)
+
+
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Run every prompt on `engine` at temperature 0 to exactly `max_tokens` tokens and
+    return each prompt's generated tokens, in prompt order."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"ref-{i}", list(p), params))

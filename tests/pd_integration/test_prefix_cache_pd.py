@@ -17,12 +17,11 @@ import pytest
 import yaml
 
 from pdcluster.runtime.cli import load_manifest
-from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
+from pdcluster.runtime.engine.engine import LLMEngine
 from pdcluster.runtime.engine.engine_config import engine_config_from_spec
-from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.topology import ParallelConfig
 from tests.local.cluster import RunningCluster, local_cluster, write_manifest
-from tests.pd_integration.reference import colocated_outputs
+from tests.pd_integration.reference import colocated_outputs, greedy_outputs
 from tests.pd_integration.test_topologies import (
     FLOAT64_ELSEWHERE,
     MAX_TOKENS,
@@ -232,14 +231,7 @@ def _uncached_outputs(manifest: Path, prompts: list[list[int]]) -> list[list[int
     cfg = replace(cfg, parallel=ParallelConfig(), num_pages=need + 8, prefix_cache=False)
     engine = LLMEngine(cfg)
     assert not engine.prefix_cache_stats().cached_pages
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"ref-{i}", list(p), params))
-    out: dict[str, list[int]] = {f"ref-{i}": [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.rid].extend(o.new_token_ids)
-    return [out[f"ref-{i}"] for i in range(len(prompts))]
+    return greedy_outputs(engine, prompts, MAX_TOKENS)
 
 
 def _sum_over_workers(cluster: RunningCluster, name: str) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 
 from pdcluster.operator.api import format_time
 from pdcluster.operator.builders import build_worker_pod
+from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
 from pdcluster.runtime.spec import Role
 
 from .helpers import PD, make_cluster
@@ -48,6 +49,13 @@ def worker_pod(
     if ip:
         status["podIP"] = ip
     pod["status"] = status
+    return pod
+
+
+def facts(raw: dict[str, Any]) -> PodFacts:
+    """What the failover loop reads from a worker pod (one the operator built)."""
+    pod = parse_pod_facts(raw)
+    assert pod is not None
     return pod
 
 

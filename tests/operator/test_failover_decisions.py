@@ -18,13 +18,7 @@ from pdcluster.operator.failover.pod_facts import parse_pod_facts, parse_time
 from pdcluster.runtime.spec import Role
 
 from .helpers import UID
-from .podmaker import T0, deleting, not_ready, terminated, worker_pod
-
-
-def facts(raw: dict[str, Any]):
-    pod = parse_pod_facts(raw)
-    assert pod is not None
-    return pod
+from .podmaker import T0, deleting, facts, not_ready, terminated, worker_pod
 
 
 # ---------------------------------------------------------------- pod facts

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from pdcluster.operator.failover.admin_client import AdminClient, AdminResult
 from pdcluster.operator.failover.fast_path import Failover, is_peer_gone, is_settled_by
 from pdcluster.operator.failover.losses import Loss, LossCause
-from pdcluster.operator.failover.pod_facts import parse_pod_facts
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.settings import OperatorSettings
@@ -34,7 +33,7 @@ from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.spec import Role
 
 from .helpers import NS, PD, FakeApi, body
-from .podmaker import deleting, not_ready, terminated, worker_pod
+from .podmaker import deleting, facts, not_ready, terminated, worker_pod
 from .served import serving
 
 TOKEN = "gone-flag-token"
@@ -57,8 +56,7 @@ PEER = "127.0.0.99:8998"
 def test_only_a_pod_that_cannot_run_is_gone(
     cause: LossCause, object_gone: bool, gone: bool
 ) -> None:
-    pod = parse_pod_facts(worker_pod(Role.prefill))
-    assert pod is not None
+    pod = facts(worker_pod(Role.prefill))
     assert is_peer_gone(Loss(pod, cause, None), object_gone=object_gone) is gone
 
 
@@ -76,8 +74,7 @@ def test_only_a_pod_that_cannot_run_is_gone(
 def test_a_maybe_alive_pod_is_settled_once_it_ended_or_is_gone(
     make: Any, object_gone: bool, settled: bool
 ) -> None:
-    pod = parse_pod_facts(make(worker_pod(Role.prefill)))
-    assert pod is not None
+    pod = facts(make(worker_pod(Role.prefill)))
     assert is_settled_by(pod, object_gone=object_gone) is settled
 
 

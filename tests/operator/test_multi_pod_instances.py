@@ -16,7 +16,6 @@ from pdcluster.operator import names
 from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.operator.builders.workers import InstanceKey, build_instance, build_worker_pod
 from pdcluster.operator.failover.peers import PodIndex
-from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
 from pdcluster.operator.failover.prefill_peers import compute_prefill_peers, decode_targets
 from pdcluster.operator.reconcile.instances import Health, ObservedInstance, judge
 from pdcluster.operator.reconcile.observed import (
@@ -29,7 +28,7 @@ from pdcluster.operator.render import PLACEHOLDER_LEADER_ADDRESS, render_objects
 from pdcluster.runtime.spec import Role
 
 from .helpers import UID, Sim, make_cluster
-from .podmaker import worker_pod
+from .podmaker import facts, worker_pod
 
 TWO_POD = {
     "prefill": {"topology": {"tp": 2}, "gpusPerPod": 1, "restart": {"backoffSeconds": 1}},
@@ -383,12 +382,6 @@ def follower_pod(role: Role, ip: str, leader_ip: str) -> dict[str, Any]:
     base = worker_pod(role, spec=TWO_POD, ip=ip)
     pod["metadata"].update(uid=f"uid-{role.value}-0-1", creationTimestamp="2026-01-01T00:00:00Z")
     pod["status"] = base["status"]
-    return pod
-
-
-def facts(raw: dict[str, Any]) -> PodFacts:
-    pod = parse_pod_facts(raw)
-    assert pod is not None
     return pod
 
 

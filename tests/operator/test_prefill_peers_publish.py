@@ -5,18 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from pdcluster.operator.failover.pod_facts import parse_pod_facts
 from pdcluster.operator.failover.prefill_peers import compute_prefill_peers, decode_targets
 from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.spec import Role
 
-from .podmaker import terminated, worker_pod
+from .podmaker import facts, terminated, worker_pod
 from .served import serving
 from .test_failover_io import TOKEN, make_failover
 
@@ -47,12 +45,6 @@ async def decode() -> AsyncIterator[FakeDecode]:
     d = FakeDecode()
     async with serving((d.app, d.port)):
         yield d
-
-
-def facts(pod: dict[str, Any]) -> Any:
-    f = parse_pod_facts(pod)
-    assert f is not None
-    return f
 
 
 def test_the_set_is_every_running_prefill_of_the_cluster() -> None:

@@ -13,7 +13,6 @@ import pytest
 
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVLayout
-from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
@@ -25,10 +24,12 @@ from tests.transfer.transfer_helpers import (
     next_id,
     random_pool,
     random_table,
+    whole_job,
 )
 
 PAGE = 4
 TOKENS = (0, 22)
+# Every layer and head of the test shape: what `whole_job` moves.
 LAYERS = (0, 1, 2)
 HEADS = (0, 4)
 FRAMES = SenderConfig(max_frame_bytes=2048, min_frame_bytes=512, checksum=True)
@@ -44,27 +45,20 @@ def transfer(
 ) -> list[tuple[int, int, str]]:
     """Move TOKENS reading source pages `read_table`, writing destination pages
     `write_table` (what each side's transfer path was told)."""
-    room = 300 + next_id()
     failures: list[tuple[int, int, str]] = []
-    notify = b"pc-%d" % room
-    job = TransferJob(
-        room=room,
-        generation=0,
-        peer=link.decode.address,
-        src_slots=token_slots(read_table, *TOKENS, PAGE),
-        token_start=TOKENS[0],
-        token_end=TOKENS[1],
-        src_layers=LAYERS,
-        dst_layers=LAYERS,
-        src_heads=HEADS,
-        dst_heads=HEADS,
-        notify=notify,
-        is_last=True,
-        dst_slots=token_slots(write_table, *TOKENS, PAGE) if backend == "shm" else None,
+    dst_table = write_table if backend == "shm" else None  # tcp places frames on receipt
+    job = whole_job(
+        read_table,
+        dst_table,
+        link.decode.address,
+        "pc",
+        page_size=PAGE,
+        tokens=TOKENS,
+        room=300 + next_id(),
     )
     if backend == "tcp":
         rooms = Rooms()
-        rooms.open(room, 0, write_table)
+        rooms.open(job.room, 0, write_table)
         receiver = KVReceiver(
             dst, rooms, on_failure=lambda *a: failures.append(a), require_checksum=True
         )
@@ -79,8 +73,8 @@ def transfer(
     sender.start()
     try:
         assert sender.submit(job)
-        link.inbox.wait_for(notify)
-        assert sender.drain(room, timeout=5)
+        link.inbox.wait_for(job.notify)
+        assert sender.drain(job.room, timeout=5)
     finally:
         sender.close()
     return failures

@@ -17,11 +17,16 @@ For every size (MiB of KV moved for one request):
   with its own agent (as a decode rank does), timed from submit to the
   completion message, which the sender sends only after every WRITE handle
   reported done;
+- nixl to DONE: the same, timed from submit until the sender reports the
+  job complete (every WRITE handle DONE, the point where prefill's control
+  plane takes over), without a completion message: where raw NIXL stops;
 - raw NIXL: the same two processes and the same descriptors (the page units
   of lists prepared once, per-frame descriptors for partial pages, per frame
   the sender would cut), made and posted directly by the agent, all in
   flight at once, until every handle is DONE (no sender, no control plane);
-  nixl / raw NIXL is our plumbing's cost. Both are checked to land the right
+  nixl to DONE / raw NIXL is our plumbing's cost (sender thread, planner,
+  posted-WRITE bookkeeping), nixl / raw NIXL that plus the completion
+  message through two endpoints. Both are checked to land the right
   bytes in the other process's pool. The UCX transports that carried the
   bytes are printed (from UCX's info logs of both processes);
 - tcp+curve (`--curve`): the tcp path again between two endpoints running
@@ -43,7 +48,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import msgspec
@@ -79,6 +84,8 @@ class Row:
     nixl_gibs: float | None = None  # the nixl extra imports
     raw_nixl_gibs: float | None = None
     nixl_over_raw: float | None = None
+    nixl_done_gibs: float | None = None
+    nixl_done_over_raw: float | None = None
     nixl_over_tcp: float | None = None
     ucx_transports: str | None = None
     curve_gibs: float | None = None  # --curve: the tcp path under CURVE
@@ -298,9 +305,28 @@ class NixlPair:
         self.src_agent = NixlAgent("bench-prefill", bench.src, progress_thread=False)
         self.transport = NixlTransport(bench.prefill, self.src_agent)
         self.transport.register_peer(bench.decode.address, self.region, shape)
-        self.sender = KVSender(bench.src, self.transport, config)
+        self.completed = threading.Condition()
+        self.completed_rooms: set[int] = set()
+        self.sender = KVSender(bench.src, self.transport, config, on_complete=self._on_complete)
         self.sender.start()
         self._prepare_raw(config)
+
+    def _on_complete(self, job: TransferJob) -> None:
+        with self.completed:
+            self.completed_rooms.add(job.room)
+            self.completed.notify_all()
+
+    def to_done(self) -> float:
+        """Seconds from submit until the sender reports every WRITE of the job DONE
+        (no completion message: the end point raw NIXL has)."""
+        job = replace(self.bench.job(one_sided=True), notify=None)
+        start = time.perf_counter()
+        self.sender.submit(job)
+        with self.completed:
+            assert self.completed.wait_for(lambda: job.room in self.completed_rooms, timeout=120)
+            elapsed = time.perf_counter() - start
+            self.completed_rooms.discard(job.room)
+        return elapsed
 
     def _prepare_raw(self, config: SenderConfig) -> None:
         """The raw baseline's WRITEs: per frame the sender cuts, the page units and
@@ -474,8 +500,10 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         }
         if pair is not None:
             runs["nixl"] = bench.timed(pair.sender, one_sided=True)
+            runs["nixl_done"] = pair.to_done
             runs["raw_nixl"] = pair.raw
             pair.check(runs["nixl"])
+            pair.check(runs["nixl_done"])
             pair.check(runs["raw_nixl"])
         if curved is not None:
             assert bench.decode_curve is not None
@@ -511,6 +539,10 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
             round(rates["nixl"].gibs / rates["raw_nixl"].gibs, 2) if "nixl" in rates else None
         ),
         nixl_over_tcp=round(rates["nixl"].gibs / rates["tcp"].gibs, 2) if "nixl" in rates else None,
+        nixl_done_gibs=round(rates["nixl_done"].gibs, 2) if "nixl" in rates else None,
+        nixl_done_over_raw=(
+            round(rates["nixl_done"].gibs / rates["raw_nixl"].gibs, 2) if "nixl" in rates else None
+        ),
         ucx_transports=transports,
         curve_gibs=round(rates["curve"].gibs, 2) if "curve" in rates else None,
         curve_over_tcp=(
@@ -545,6 +577,8 @@ NIXL_TABLE: list[Column] = [
     ("raw NIXL GiB/s", "{r.raw_nixl_gibs:.2f}", RIGHT),
     ("nixl GiB/s", "{r.nixl_gibs:.2f}", RIGHT),
     ("nixl / raw NIXL", "{r.nixl_over_raw:.2f}", RIGHT),
+    ("nixl to DONE GiB/s", "{r.nixl_done_gibs:.2f}", RIGHT),
+    ("to DONE / raw NIXL", "{r.nixl_done_over_raw:.2f}", RIGHT),
     ("nixl / tcp", "{r.nixl_over_tcp:.2f}", RIGHT),
     ("UCX transports", "{r.ucx_transports}", LEFT),
 ]

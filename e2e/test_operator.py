@@ -382,6 +382,38 @@ def watch_status(k8s_cluster: ClusterInfo, ns: str, log: StatusLog) -> threading
     return thread
 
 
+def fail_fast_when_a_pod_dies(
+    node_agent: NodeAgentClient,
+    ns: str,
+    decode_url: str,
+    admin: dict[str, str],
+    *,
+    frozen: dict[str, Any],
+    killed: dict[str, Any],
+) -> float:
+    """Freeze the prefill pod `frozen`, open a decode room waiting for its KV, then
+    kill the pod `killed` (of the same instance): decode fails the room by the
+    operator's fast path, pod event → operator → /admin/fail_peer, well before its
+    heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered."""
+    node_agent.freeze_pod(ns, frozen["metadata"]["name"])
+    request = DecodeRequest(decode_url, frozen["status"]["podIP"], admin, timeout_s=90)
+    try:
+        wait_until(request.room_open, 30, "decode to open the room")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}: rooms {request.rooms}, answer {request.answer}") from err
+    killed_at = time.monotonic()
+    node_agent.kill_pod(ns, killed["metadata"]["name"])
+    answer = request.join(60)
+    assert answer, "decode never answered"
+    took: float = answer["at"] - killed_at
+    assert answer["status"] == 502 and "prefill_pod_lost" in answer["text"], answer
+    assert FAST_PATH_BOUND_S < HEARTBEAT_S
+    assert took < FAST_PATH_BOUND_S, f"decode failed the room {took:.2f}s after the kill"
+    failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
+    assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
+    return took
+
+
 def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
     demo: dict[str, Any],
     operator: Operator,
@@ -391,29 +423,13 @@ def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
     ns: str,
 ) -> None:
     prefill, decode = one_pod(kube, ns, "prefill"), one_pod(kube, ns, "decode")
-    prefill_ip, decode_ip = prefill["status"]["podIP"], decode["status"]["podIP"]
     admin = {"Authorization": f"Bearer {token(kube, ns)}"}
-    decode_url = f"http://{decode_ip}:8000"
+    decode_url = f"http://{decode['status']['podIP']}:8000"
     log = StatusLog()
     watch_status(k8s_cluster, ns, log)
 
-    # A request whose KV must come from a prefill that hangs: decode waits for it.
-    node_agent.freeze_pod(ns, prefill["metadata"]["name"])
-    request = DecodeRequest(decode_url, prefill_ip, admin, timeout_s=90)
-    try:
-        wait_until(request.room_open, 30, "decode to open the room")
-    except TimeoutError as err:
-        raise AssertionError(f"{err}: rooms {request.rooms}, answer {request.answer}") from err
-    killed_at = time.monotonic()
-    node_agent.kill_pod(ns, prefill["metadata"]["name"])
-    answer = request.join(60)
-    assert answer, "decode never answered"
-    took = answer["at"] - killed_at
-    # Fast path: pod event → operator → /admin/fail_peer; the heartbeat would need 60 s.
-    assert answer["status"] == 502 and "prefill_pod_lost" in answer["text"], answer
-    assert took < 3.0, f"decode failed the room {took:.2f}s after the kill"
-    failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
-    assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
+    # A request whose KV must come from a prefill that hangs, then the prefill dies.
+    fail_fast_when_a_pod_dies(node_agent, ns, decode_url, admin, frozen=prefill, killed=prefill)
     assert (
         operator.metric("pdcluster_operator_failovers_total", role="prefill", cause="failed") >= 1
     )
@@ -763,26 +779,13 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     (decode,) = cluster_pods(kube, namespace, "decode")
     admin = {"Authorization": f"Bearer {token(kube, namespace, MULTI)}"}
     decode_url = f"http://{decode['status']['podIP']}:8000"
-    node_agent.freeze_pod(namespace, leader["metadata"]["name"])
-    request = DecodeRequest(decode_url, leader["status"]["podIP"], admin, timeout_s=90)
-    try:
-        wait_until(request.room_open, 30, "decode to open the room")
-    except TimeoutError as err:
-        raise AssertionError(f"{err}: rooms {request.rooms}, answer {request.answer}") from err
     old_uids = {leader["metadata"]["uid"], follower["metadata"]["uid"]}
-    killed_at = time.monotonic()
-    node_agent.kill_pod(namespace, follower["metadata"]["name"])
-    answer = request.join(60)
-    assert answer, "decode never answered"
-    took = answer["at"] - killed_at
-    # Fast path: the follower's pod event → operator → /admin/fail_peer naming the
-    # instance by its leader's bootstrap address. The heartbeat would need 2 x 30 s.
-    assert answer["status"] == 502 and "prefill_pod_lost" in answer["text"], answer
-    assert FAST_PATH_BOUND_S < HEARTBEAT_S
-    assert took < FAST_PATH_BOUND_S, f"decode failed the room {took:.2f}s after the kill"
+    # The follower's pod event makes the operator name the instance by its
+    # leader's bootstrap address.
+    took = fail_fast_when_a_pod_dies(
+        node_agent, namespace, decode_url, admin, frozen=leader, killed=follower
+    )
     print(f"decode failed the room {took * 1000:.0f} ms after the non-leader pod was killed")
-    failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
-    assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
 
     def replaced(obj: dict[str, Any]) -> bool:
         now = cluster_pods(kube, namespace, "prefill")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 
 import httpx
 
@@ -38,21 +39,14 @@ PeersDown = Mapping[str, Mapping[str, str]]
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class HealthChecker:
-    def __init__(
-        self,
-        pool: WorkerPool,
-        client: httpx.AsyncClient,
-        *,
-        interval_s: float,
-        timeout_s: float,
-        on_transition: Callable[[Worker, bool], None] | None = None,
-    ) -> None:
-        self.pool = pool
-        self.client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._on_transition = on_transition
+    pool: WorkerPool
+    client: httpx.AsyncClient
+    _: KW_ONLY
+    interval_s: float
+    timeout_s: float
+    on_transition: Callable[[Worker, bool], None] | None = None
 
     async def _fetch_info(self, worker: Worker) -> ServerInfo:
         resp = await self.client.get(f"{worker.url}/get_server_info", timeout=self.timeout_s)
@@ -107,8 +101,8 @@ class HealthChecker:
             self._notify(worker, True)
 
     def _notify(self, worker: Worker, healthy: bool) -> None:
-        if self._on_transition is not None:
-            self._on_transition(worker, healthy)
+        if self.on_transition is not None:
+            self.on_transition(worker, healthy)
 
     async def probe_all(self) -> None:
         workers = self.pool.all()

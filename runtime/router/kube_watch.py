@@ -15,6 +15,7 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from pdcluster.runtime.router.discovery import (
@@ -46,25 +47,18 @@ def _load_api(settings: KubernetesDiscoverySettings) -> Any:
     return client.CoreV1Api()
 
 
+@dataclass(eq=False)
 class KubernetesDiscovery:
-    def __init__(
-        self,
-        settings: KubernetesDiscoverySettings,
-        publish: Callable[[list[WorkerTarget]], None],
-        loop: asyncio.AbstractEventLoop,
-        *,
-        api: Any = None,
-        new_watch: Callable[[], Any] | None = None,
-    ) -> None:
-        """``api`` (a CoreV1Api) and ``new_watch`` default to the real client's."""
-        self.settings = settings
-        self._publish = publish
-        self._loop = loop
-        self._api = api
-        self._new_watch = new_watch
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._watch: Any = None
+    settings: KubernetesDiscoverySettings
+    publish: Callable[[list[WorkerTarget]], None]
+    loop: asyncio.AbstractEventLoop
+    _: KW_ONLY
+    # A CoreV1Api and a Watch factory; None: the real client's.
+    api: Any = None
+    new_watch: Callable[[], Any] | None = None
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _watch: Any = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="router-kube-watch", daemon=True)
@@ -78,17 +72,17 @@ class KubernetesDiscovery:
 
     def _emit(self, cache: PodCache) -> None:
         targets = targets_from_pods(cache.pods(), self.settings)
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._publish, targets)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.publish, targets)
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        new_watch = self._new_watch or _kube("watch").Watch
+        new_watch = self.new_watch or _kube("watch").Watch
         cache = PodCache()
-        api = self._api
+        api = self.api
         while not self._stop.is_set():
             try:
                 if api is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass, field
 
 import httpx
 
@@ -42,29 +43,23 @@ class _Restart(Exception):
     """Take a new snapshot."""
 
 
+@dataclass(eq=False)
 class PrefixFollower:
-    def __init__(
-        self,
-        index: PrefixIndex,
-        client: httpx.AsyncClient,
-        workers: Callable[[], Iterable[Worker]],
-        *,
-        timeout_s: float,
-        poll_wait_s: float = POLL_WAIT_S,
-        max_backoff_s: float = 10.0,
-    ) -> None:
-        self.index = index
-        self.client = client
-        self._workers = workers
-        self.timeout_s = timeout_s
-        self.poll_wait_s = poll_wait_s
-        self.max_backoff_s = max_backoff_s
-        self._tasks: dict[str, tuple[Worker, asyncio.Task[None]]] = {}
-        self.num_snapshots = 0  # snapshots taken (all workers, since start)
+    index: PrefixIndex
+    client: httpx.AsyncClient
+    workers: Callable[[], Iterable[Worker]]  # the workers to follow, asked at each sync
+    _: KW_ONLY
+    timeout_s: float
+    poll_wait_s: float = POLL_WAIT_S
+    max_backoff_s: float = 10.0
+    num_snapshots: int = field(default=0, init=False)  # snapshots taken (all workers, since start)
+    _tasks: dict[str, tuple[Worker, asyncio.Task[None]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def sync(self) -> None:
         """Follow exactly the eligible workers: start new tasks, stop stale ones."""
-        wanted = {w.url: w for w in self._workers() if w.healthy and w.dp_size == 1}
+        wanted = {w.url: w for w in self.workers() if w.healthy and w.dp_size == 1}
         for url, (worker, task) in list(self._tasks.items()):
             if wanted.get(url) is not worker or task.done():
                 task.cancel()

@@ -32,7 +32,7 @@ import enum
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -60,27 +60,22 @@ T = TypeVar("T")
 JSON = {"content-type": "application/json"}
 
 
+# repr=False: the exception's own repr (its message), as in tracebacks.
+@dataclass(eq=False, repr=False)
 class LegError(Exception):
-    def __init__(
-        self,
-        worker: Worker,
-        status: int,
-        message: str,
-        reason: str,
-        *,
-        may_run: bool = False,
-        retry_after: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.status = status
-        self.message = message
-        self.reason = reason
-        # The worker may still be working on the request (so it needs an abort).
-        self.may_run = may_run
-        # A worker's 503 with Retry-After (a full prefill queue): backpressure
-        # the client sees as such, not as a broken worker.
-        self.retry_after = retry_after
+    worker: Worker
+    status: int
+    message: str
+    reason: str
+    _: KW_ONLY
+    # The worker may still be working on the request (so it needs an abort).
+    may_run: bool = False
+    # A worker's 503 with Retry-After (a full prefill queue): backpressure
+    # the client sees as such, not as a broken worker.
+    retry_after: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def to_router_error(self) -> RouterError:
         role = self.worker.role.value

@@ -306,3 +306,20 @@ def parse_time(text: str) -> float:
     """Inverse of `format_time`; raises ValueError on anything else."""
     moment = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
     return moment.timestamp()
+
+
+def read_api_time(value: Any, *, naive_is_utc: bool) -> float | None:
+    """Epoch seconds of an RFC 3339 time as the API server writes it (with or
+    without fractions); None when absent or unreadable. A time without a zone
+    is read as UTC when `naive_is_utc`, else it is unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        if not naive_is_utc:
+            return None
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()

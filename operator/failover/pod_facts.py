@@ -14,13 +14,12 @@ Pure module.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator import names
-from pdcluster.operator.api import KIND
+from pdcluster.operator.api import KIND, read_api_time
 from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
 from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
@@ -106,15 +105,7 @@ class PodFacts:
 
 def parse_time(value: Any) -> float | None:
     """RFC 3339 (with or without fractions) to epoch seconds; None when absent or bad."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        moment = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=dt.UTC)
-    return moment.timestamp()
+    return read_api_time(value, naive_is_utc=True)
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

@@ -11,13 +11,13 @@ Pure module.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from pdcluster.operator import names
+from pdcluster.operator.api import read_api_time
 from pdcluster.operator.builders.meta import ObjectKey
 from pdcluster.runtime.spec import Role
 
@@ -143,16 +143,8 @@ def _is_ready(status: Mapping[str, Any]) -> bool:
 
 
 def _time(text: Any) -> float | None:
-    """Epoch seconds of an RFC 3339 time as the API writes it; None when absent or unreadable."""
-    if not isinstance(text, str):
-        return None
-    try:
-        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        return None  # a time without a zone could be any moment: no grace counts from it
-    return moment.timestamp()
+    # A time without a zone could be any moment: no grace counts from it.
+    return read_api_time(text, naive_is_utc=False)
 
 
 def _ready_changed_at(status: Mapping[str, Any]) -> float | None:

@@ -175,27 +175,24 @@ def init_distributed(
 def host_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
     """A TCP store served on `host:port` only, and the socket it serves on (keep it open)."""
     listener = _bound_listener(host, port)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host,
-        port,
-        None,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.fileno(),
-    )
-    return store, listener
+    return _tcp_store(host, port, timeout_s, listen_fd=listener.fileno()), listener
 
 
 def dial_store(host: str, port: int, timeout_s: float) -> Any:
     """A client of the TCP store on `host:port` (retries until it answers or `timeout_s`)."""
+    return _tcp_store(host, port, timeout_s)
+
+
+def _tcp_store(host: str, port: int, timeout_s: float, listen_fd: int | None = None) -> Any:
+    """The store's server on `listen_fd` (a socket bound to `host:port`), or a client of it."""
     return dist.TCPStore(  # type: ignore[attr-defined]
         host,
         port,
         None,
-        is_master=False,
+        is_master=listen_fd is not None,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from pdcluster.runtime.prefix_keys import (
@@ -125,32 +125,28 @@ class EventBatch:
         }
 
 
+@dataclass(eq=False)
 class KeyEventLog:
     """The worker's side: numbered events, a bounded buffer, the current keys."""
 
-    def __init__(
-        self,
-        epoch: str,
-        *,
-        salt: bytes,
-        page_size: int,
-        tokenizer: str = "",
-        max_keys: int = DEFAULT_MAX_EVENT_KEYS,
-    ) -> None:
-        _check_epoch(epoch)
-        check_page_size(page_size)
+    epoch: str
+    _: KW_ONLY
+    salt: bytes
+    page_size: int
+    tokenizer: str = ""
+    max_keys: int = DEFAULT_MAX_EVENT_KEYS
+    _keys: set[PageKey] = field(default_factory=set, init=False, repr=False)
+    _events: deque[KeyEvent] = field(default_factory=deque, init=False, repr=False)
+    _num_buffered_keys: int = field(default=0, init=False, repr=False)
+    _seq: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_epoch(self.epoch)
+        check_page_size(self.page_size)
+        max_keys = self.max_keys
         if not isinstance(max_keys, int) or isinstance(max_keys, bool) or max_keys < 1:
             raise ValueError(f"max_keys must be a positive integer, got {max_keys!r}")
-        root_key(salt)  # a bad salt fails here, not at the first snapshot
-        self.epoch = epoch
-        self.salt = salt
-        self.page_size = page_size
-        self.tokenizer = tokenizer
-        self.max_keys = max_keys
-        self._keys: set[PageKey] = set()
-        self._events: deque[KeyEvent] = deque()
-        self._num_buffered_keys = 0
-        self._seq = 0
+        root_key(self.salt)  # a bad salt fails here, not at the first snapshot
 
     @property
     def last_seq(self) -> int:

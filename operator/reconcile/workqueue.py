@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -37,32 +38,28 @@ def retry_delay(failures: int, first_s: float, max_s: float) -> float:
     return float(min(first_s * 2**exponent, max_s))
 
 
+@dataclass(eq=False)
 class WorkQueue(Generic[K]):
-    def __init__(
-        self,
-        handler: Callable[[K], Awaitable[float | None]],
-        num_workers: int = 4,
-        retry_delay_s: float = 1.0,
-        max_retry_delay_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if num_workers < 1:
+    handler: Callable[[K], Awaitable[float | None]]
+    num_workers: int = 4
+    # First retry after a failed run; doubles per failure up to the max.
+    retry_delay_s: float = 1.0
+    max_retry_delay_s: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _due: dict[K, float] = field(default_factory=dict, init=False, repr=False)
+    _running: set[K] = field(default_factory=set, init=False, repr=False)
+    _rerun: set[K] = field(default_factory=set, init=False, repr=False)
+    _failures: dict[K, int] = field(default_factory=dict, init=False, repr=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
+    _idle: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
             raise ValueError("num_workers must be >= 1")
-        self._handler = handler
-        self._num_workers = num_workers
-        self._retry_delay_s = retry_delay_s
-        self._max_retry_delay_s = max_retry_delay_s
-        self._clock = clock
-        self._due: dict[K, float] = {}
-        self._running: set[K] = set()
-        self._rerun: set[K] = set()
-        self._failures: dict[K, int] = {}
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._idle = asyncio.Condition()
 
     def add(self, key: K, delay_s: float = 0.0) -> None:
-        due = self._clock() + max(0.0, delay_s)
+        due = self.clock() + max(0.0, delay_s)
         if key in self._running and delay_s <= 0:
             self._rerun.add(key)
             return
@@ -85,7 +82,7 @@ class WorkQueue(Generic[K]):
 
     def start(self) -> None:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._worker()) for _ in range(self._num_workers)]
+            self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.num_workers)]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -97,7 +94,7 @@ class WorkQueue(Generic[K]):
         """Wait until nothing is due now and nothing runs (tests, shutdown)."""
 
         def idle() -> bool:
-            now = self._clock()
+            now = self.clock()
             return not self._running and all(d > now for d in self._due.values())
 
         async with self._idle:
@@ -105,7 +102,7 @@ class WorkQueue(Generic[K]):
 
     def _take(self) -> tuple[K | None, float | None]:
         """The next due key not running, or the time until the earliest due."""
-        now = self._clock()
+        now = self.clock()
         best: tuple[float, K] | None = None
         for key, due in self._due.items():
             if key in self._running:
@@ -136,7 +133,7 @@ class WorkQueue(Generic[K]):
                 raise
             except Exception:  # a bug in the retry path must not end the worker
                 log.exception("work queue: run of %s failed; retrying it later", key)
-                self.add(key, self._max_retry_delay_s)
+                self.add(key, self.max_retry_delay_s)
             finally:
                 self._running.discard(key)
                 if key in self._rerun:
@@ -148,13 +145,13 @@ class WorkQueue(Generic[K]):
 
     async def _run(self, key: K) -> None:
         try:
-            again = await self._handler(key)
+            again = await self.handler(key)
         except asyncio.CancelledError:
             raise
         except Exception:
             failures = self._failures.get(key, 0) + 1
             self._failures[key] = failures
-            delay = retry_delay(failures, self._retry_delay_s, self._max_retry_delay_s)
+            delay = retry_delay(failures, self.retry_delay_s, self.max_retry_delay_s)
             log.exception(
                 "reconcile of %s failed (%d in a row); retrying in %.1fs", key, failures, delay
             )

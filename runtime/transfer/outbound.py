@@ -35,7 +35,7 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import zmq
@@ -77,39 +77,30 @@ class _Tracked:
     error: str | None = None  # set when its peer was dropped before it left
 
 
+# repr=False: `key` and `curve` are secrets.
+@dataclass(eq=False, repr=False)
 class Outbound:
     """Connections to peers, their outboxes, and the payloads libzmq still holds."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context[Any],
-        poller: zmq.Poller,
-        stats: Counter[str],
-        *,
-        send_hwm: int,
-        send_timeout: float,
-        curve: CurveKeys | None = None,
-        sender: bytes = b"",
-        key: bytes | None = None,
-        max_peers: int = 256,
-        idle_timeout: float = 300.0,
-        copy_below: int = 0,
-    ) -> None:
-        if max_peers < 1 or idle_timeout <= 0:
+    ctx: zmq.Context[Any]
+    poller: zmq.Poller
+    stats: Counter[str]
+    _: KW_ONLY
+    send_hwm: int
+    send_timeout: float
+    curve: CurveKeys | None = None
+    sender: bytes = b""
+    key: bytes = field(default_factory=lambda: identity_key(""))
+    max_peers: int = 256
+    idle_timeout: float = 300.0
+    copy_below: int = 0
+    # Least recently used first.
+    _peers: OrderedDict[str, _Peer] = field(default_factory=OrderedDict, init=False)
+    _trackers: list[_Tracked] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_peers < 1 or self.idle_timeout <= 0:
             raise ValueError("max_peers must be >= 1 and idle_timeout > 0")
-        self._ctx = ctx
-        self._poller = poller
-        self._stats = stats
-        self._send_hwm = send_hwm
-        self._send_timeout = send_timeout
-        self._curve = curve
-        self._sender = sender
-        self._key = identity_key("") if key is None else key
-        self._max_peers = max_peers
-        self._idle_timeout = idle_timeout
-        self._copy_below = copy_below
-        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
-        self._trackers: list[_Tracked] = []
 
     def poll_timeout(self) -> int | None:
         """Milliseconds the I/O loop may sleep before `service` has work again."""
@@ -144,13 +135,13 @@ class Outbound:
                 return
         self._peers.move_to_end(addr)
         peer.used_at = time.monotonic()
-        parts = [parts[0], self._sender, peer.proof, *parts[1:]]
+        parts = [parts[0], self.sender, peer.proof, *parts[1:]]
         if peer.outbox:
             peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
             return
         if not self._try_send(addr, peer, parts, on_sent):
             peer.outbox.append(_Outgoing(parts, on_sent, tag, time.monotonic()))
-            self._poller.register(peer.socket, zmq.POLLOUT)
+            self.poller.register(peer.socket, zmq.POLLOUT)
 
     def discard(self, tag: int) -> None:
         for peer in self._peers.values():
@@ -159,20 +150,20 @@ class Outbound:
             kept: deque[_Outgoing] = deque()
             for item in peer.outbox:
                 if item.tag == tag:
-                    self._stats["send_discarded"] += 1
+                    self.stats["send_discarded"] += 1
                     self._notify(item.on_sent, "discarded")
                 else:
                     kept.append(item)
             peer.outbox = kept
             if not kept:
-                self._poller.unregister(peer.socket)
+                self.poller.unregister(peer.socket)
 
     def drop(self, addr: str, reason: str, linger_ms: int = 0) -> None:
         peer = self._peers.pop(addr, None)
         if peer is None:
             return
         if peer.outbox:
-            self._poller.unregister(peer.socket)
+            self.poller.unregister(peer.socket)
         # LINGER 0: libzmq discards what it still queues. Its trackers complete
         # once libzmq let go of the payloads; report those as not delivered.
         peer.socket.close(linger_ms)
@@ -180,7 +171,7 @@ class Outbound:
             if tracked.peer == addr and tracked.error is None:
                 tracked.error = reason
         while peer.outbox:
-            self._stats["send_dropped"] += 1
+            self.stats["send_dropped"] += 1
             self._notify(peer.outbox.popleft().on_sent, reason)
 
     def service(self, events: dict[Any, int]) -> None:
@@ -192,7 +183,7 @@ class Outbound:
                 self._expire(peer)
         self.reap()
         self._drop_stalled()
-        self._close_idle(time.monotonic() - self._idle_timeout)
+        self._close_idle(time.monotonic() - self.idle_timeout)
 
     def _is_idle(self, addr: str, peer: _Peer) -> bool:
         return not peer.outbox and not any(t.peer == addr for t in self._trackers)
@@ -202,7 +193,7 @@ class Outbound:
             if peer.used_at >= unused_since:
                 break  # least recently used first: the rest are newer
             if self._is_idle(addr, peer):
-                self._stats["peer_idle_closed"] += 1
+                self.stats["peer_idle_closed"] += 1
                 self._retire(addr)
 
     def _retire(self, addr: str) -> None:
@@ -224,15 +215,15 @@ class Outbound:
     def _drop_stalled(self) -> None:
         if not self._trackers:
             return
-        deadline = time.monotonic() - self._send_timeout
+        deadline = time.monotonic() - self.send_timeout
         stalled = {
             t.peer
             for t in self._trackers
             if t.taken_at < deadline and t.error is None and t.peer in self._peers
         }
         for addr in stalled:
-            self._stats["peer_stalled"] += 1
-            log.warning("peer %s took no data for %.1fs: dropping it", addr, self._send_timeout)
+            self.stats["peer_stalled"] += 1
+            log.warning("peer %s took no data for %.1fs: dropping it", addr, self.send_timeout)
             self.drop(addr, "peer_stalled")
 
     def close(self) -> None:
@@ -254,37 +245,37 @@ class Outbound:
     # ---- internals -------------------------------------------------------
 
     def _connect(self, addr: str) -> _Peer:
-        if len(self._peers) >= self._max_peers:
+        if len(self._peers) >= self.max_peers:
             victim = next((a for a, p in self._peers.items() if self._is_idle(a, p)), None)
             if victim is None:
-                self._stats["peers_over_cap"] += 1  # all busy: exceed rather than fail a send
+                self.stats["peers_over_cap"] += 1  # all busy: exceed rather than fail a send
             else:
-                self._stats["peer_evicted"] += 1
+                self.stats["peer_evicted"] += 1
                 self._retire(victim)
         routing_id = new_routing_id()
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
         sock.setsockopt(zmq.RCVHWM, 16)  # peers send us only refusals here; never read
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+        sock.setsockopt(zmq.SNDHWM, self.send_hwm)
         # Queue nothing inside libzmq for a peer that is not connected: such
         # messages wait in our outbox, where they can time out or be dropped.
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        if self._curve is not None:
-            make_client(sock, self._curve)
+        if self.curve is not None:
+            make_client(sock, self.curve)
         try:
             sock.connect(addr)
         except zmq.ZMQError:
             sock.close(0)
             raise
-        peer = _Peer(sock, prove(self._key, routing_id, self._sender))
+        peer = _Peer(sock, prove(self.key, routing_id, self.sender))
         self._peers[addr] = peer
         return peer
 
     def _try_send(
         self, addr: str, peer: _Peer, parts: list[Any], on_sent: SentCallback | None
     ) -> bool:
-        copy = on_sent is not None and _num_bytes(parts) < self._copy_below
+        copy = on_sent is not None and _num_bytes(parts) < self.copy_below
         try:
             tracker = peer.socket.send_multipart(
                 parts, flags=zmq.NOBLOCK, copy=copy, track=on_sent is not None and not copy
@@ -292,11 +283,11 @@ class Outbound:
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
-            self._stats["send_failed"] += 1
+            self.stats["send_failed"] += 1
             self._notify(on_sent, f"send_failed: {exc}")
             return True
         if copy:
-            self._stats["kv_copied"] += 1
+            self.stats["kv_copied"] += 1
             self._notify(on_sent, None)  # libzmq holds its own copy: the buffer is free
         elif on_sent is not None:
             assert isinstance(tracker, zmq.MessageTracker)
@@ -309,16 +300,16 @@ class Outbound:
             if not self._try_send(addr, peer, item.parts, item.on_sent):
                 return
             peer.outbox.popleft()
-        self._poller.unregister(peer.socket)
+        self.poller.unregister(peer.socket)
 
     def _expire(self, peer: _Peer) -> None:
         # Oldest first: failing only from the front keeps the rest in order.
-        deadline = time.monotonic() - self._send_timeout
+        deadline = time.monotonic() - self.send_timeout
         while peer.outbox and peer.outbox[0].queued_at < deadline:
-            self._stats["send_timeout"] += 1
+            self.stats["send_timeout"] += 1
             self._notify(peer.outbox.popleft().on_sent, "send_timeout")
         if not peer.outbox:
-            self._poller.unregister(peer.socket)
+            self.poller.unregister(peer.socket)
 
     def _notify(self, on_sent: SentCallback | None, error: str | None) -> None:
         if on_sent is None:
@@ -326,7 +317,7 @@ class Outbound:
         try:
             on_sent(error)
         except Exception:
-            self._stats["callback_error"] += 1
+            self.stats["callback_error"] += 1
             log.exception("on_sent callback failed")
 
 

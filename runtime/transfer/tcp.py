@@ -24,7 +24,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -93,23 +93,27 @@ class ReceiveProgress:
     last_from: frozenset[int] = frozenset()  # src ranks whose is_last frame arrived
 
 
-@dataclass(eq=False)
 class KVReceiver:
     """Places received KV frames into the local pool; see the module docstring."""
 
-    pool: KVPool
-    resolve: Resolver
-    _: KW_ONLY
-    on_progress: ProgressCallback | None = None
-    on_failure: FailureCallback | None = None
-    require_checksum: bool = False
-    _stats: Counter[str] = field(default_factory=Counter, init=False, repr=False)
-    _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
-    # The room whose frame is between resolve and write.
-    _writing: int | None = field(default=None, init=False, repr=False)
-    _progress: dict[int, dict[int, ReceiveProgress]] = field(
-        default_factory=dict, init=False, repr=False
-    )
+    def __init__(
+        self,
+        pool: KVPool,
+        resolve: Resolver,
+        *,
+        on_progress: ProgressCallback | None = None,
+        on_failure: FailureCallback | None = None,
+        require_checksum: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.resolve = resolve
+        self.on_progress = on_progress
+        self.on_failure = on_failure
+        self.require_checksum = require_checksum
+        self._stats: Counter[str] = Counter()
+        self._cond = threading.Condition()
+        self._writing: int | None = None  # room whose frame is between resolve and write
+        self._progress: dict[int, dict[int, ReceiveProgress]] = {}
 
     @property
     def stats(self) -> dict[str, int]:

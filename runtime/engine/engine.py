@@ -33,6 +33,7 @@ from pdcluster.runtime.engine.runner import (
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from pdcluster.runtime.engine.sequence import Sequence, SequenceMode, SequenceStatus
+from pdcluster.runtime.engine.token_ids import first_bad_token, is_token
 from pdcluster.runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
@@ -176,13 +177,15 @@ class LLMEngine:
         ids = req.prompt_token_ids
         if not isinstance(ids, list):
             raise RequestRejected("prompt_token_ids must be a list of token ids")
-        bad = next((t for t in ids if not _is_token(t) or t >= vocab), None)
+        bad = first_bad_token(ids, vocab)
         if bad is not None:
-            raise RequestRejected(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise RequestRejected(
+                f"prompt token id {ids[bad]!r} is outside the vocabulary [0, {vocab})"
+            )
         if req.mode == SequenceMode.prefilled:
             if req.page_table is None or req.first_token is None:
                 raise RequestRejected("a prefilled request needs page_table and first_token")
-            if not _is_token(req.first_token) or req.first_token >= vocab:
+            if not is_token(req.first_token) or req.first_token >= vocab:
                 raise RequestRejected(f"first_token {req.first_token!r} is outside the vocabulary")
         elif req.page_table is not None or req.first_token is not None:
             raise RequestRejected("page_table and first_token are only for mode 'prefilled'")
@@ -331,7 +334,3 @@ class StepFailed(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.rids = rids
         self.cause = cause
-
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -84,6 +84,7 @@ from pdcluster.runtime.engine.sequence import (
     SequenceMode,
     SequenceStatus,
 )
+from pdcluster.runtime.engine.token_ids import first_bad_token, is_token
 from pdcluster.runtime.spec import pages_for
 
 __all__ = [
@@ -176,10 +177,6 @@ class _Plan:
 
 def _arrival(seq: Sequence) -> int:
     return seq.arrival
-
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class Scheduler:
@@ -320,9 +317,11 @@ class Scheduler:
             raise RequestRejected(f"max_tokens must be an integer, got {seq.max_tokens!r}")
         if not isinstance(seq.prompt_token_ids, list) or not isinstance(seq.output_token_ids, list):
             raise RequestRejected("prompt_token_ids and output_token_ids must be lists")
-        bad = [t for t in seq.prompt_token_ids if not _is_token(t)]
-        if bad:
-            raise RequestRejected(f"prompt token ids must be non-negative integers, got {bad[0]!r}")
+        bad = first_bad_token(seq.prompt_token_ids)
+        if bad is not None:
+            raise RequestRejected(
+                f"prompt token ids must be non-negative integers, got {seq.prompt_token_ids[bad]!r}"
+            )
         if seq.status is not _S.WAITING or seq.finish_reason is not None:
             raise RequestRejected(f"sequence {seq.rid!r} is not new (status {seq.status.name})")
         self.check_admissible(
@@ -339,7 +338,7 @@ class Scheduler:
         self._validate_prefilled(seq)
 
     def _validate_prefilled(self, seq: Sequence) -> None:
-        if len(seq.output_token_ids) != 1 or not _is_token(seq.output_token_ids[0]):
+        if len(seq.output_token_ids) != 1 or not is_token(seq.output_token_ids[0]):
             raise RequestRejected(
                 f"prefilled sequence {seq.rid!r} needs exactly one first token, "
                 f"got {seq.output_token_ids!r}"
@@ -538,7 +537,7 @@ class Scheduler:
             entry = in_flight.get(rid)
             if entry is None or not entry[0].sample:
                 raise SchedulerError(f"sampled token for {rid!r}, which was not sampled this step")
-            if not _is_token(token):
+            if not is_token(token):
                 raise SchedulerError(
                     f"sampled token for {rid!r} must be an int >= 0, got {token!r}"
                 )

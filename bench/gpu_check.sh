@@ -1,31 +1,68 @@
 #!/usr/bin/env bash
-# GPU check of the nixl backend, on one GPU, no network, installs nothing (< 8 min).
+# GPU check of the engine and the transfer backends, on one GPU, no network,
+# installs nothing (< 8 min).
 #
-#   bash bench/gpu_check.sh            # from the repository root, with .venv set up
+#   bash bench/gpu_check.sh                       # from the repository root, with .venv set up
+#   PY=python3 bash bench/gpu_check.sh            # another interpreter with the packages
+#   GPU_CHECK_DEVICE=cpu bash bench/gpu_check.sh  # the same plumbing on a machine with no GPU
 #
-# 1. engine on cuda, bfloat16, TP1: PD == colocated on 1P1D with nixl between two
+# 1. the tests marked `gpu` (engine on cuda against the CPU, tcp/shm/nixl from
+#    device pools, bit for bit);
+# 2. engine on cuda, bfloat16, TP1: PD == colocated on 1P1D with nixl between two
 #    processes on the one GPU (UCX CUDA IPC), KV pools registered as VRAM;
-# 2. bench/kv_transfer.py --device cuda: nixl / raw NIXL next to a device-to-device copy.
-# Prints what UCX negotiated. Exits non-zero, naming it, when a package or the GPU is missing.
-set -euo pipefail
+#    prints what the prefill worker negotiated;
+# 3. bench/kv_transfer.py --device cuda: tcp / shm / nixl / raw NIXL next to a
+#    device-to-device copy.
+# Every step runs even when one before it failed; the script exits non-zero
+# naming the steps that failed, or at once when a package or the GPU is missing.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+LIMIT=${GPU_CHECK_STEP_TIMEOUT:-300}  # seconds each step may take
+export PYTHONUNBUFFERED=1
 
-$PY - <<'PYCHECK'
-import importlib, sys
-missing = [m for m in ("torch", "nixl._api") if importlib.util.find_spec(m.split(".")[0]) is None]
+DEVICE=$DEVICE $PY - <<'PYCHECK' || exit 2
+import importlib.util, os, sys
+missing = [m for m in ("torch", "nixl", "zmq", "fastapi", "msgspec") if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu_check: missing packages: {missing}; install '.[dev,nixl]' first")
 import torch
-if not torch.cuda.is_available():
+if os.environ["DEVICE"] == "cuda" and not torch.cuda.is_available():
     sys.exit("gpu_check: torch sees no CUDA device")
-print("gpu:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print("gpu:", name, "| torch", torch.__version__, "| python", sys.version.split()[0])
 PYCHECK
 
-echo "== 1. PD (nixl, cuda, bfloat16) == colocated on 1P1D"
-timeout 300 $PY - "$OUT" <<'PYPD'
-import sys, time, random
+failed=()
+step() {
+    local name=$1
+    shift
+    echo "== $name"
+    local start=$SECONDS
+    if "$@"; then
+        echo "-- ok: $name ($((SECONDS - start)) s)"
+    else
+        echo "-- FAILED: $name ($((SECONDS - start)) s)"
+        failed+=("$name")
+    fi
+}
+
+gpu_tests() {
+    # Each folder alone (--confcutdir): the top-level conftest imports the
+    # operator's test helpers, which a GPU box without kopf cannot import.
+    local ok=0
+    for dir in tests/engine tests/transfer; do
+        timeout "$LIMIT" $PY -m pytest -q -p no:cacheprovider -m gpu --confcutdir="$dir" "$dir" || ok=1
+    done
+    return $ok
+}
+
+pd_equals_colocated() {
+    DEVICE=$DEVICE timeout "$LIMIT" $PY - "$OUT" <<'PYPD'
+import os, random, sys
 from pathlib import Path
 import httpx, yaml
 sys.path.insert(0, ".")
@@ -33,13 +70,14 @@ from pdcluster.runtime.cli import load_manifest
 from tests.local.cluster import local_cluster
 from tests.pd_integration.reference import colocated_outputs
 
-out = Path(sys.argv[1])
+out, device = Path(sys.argv[1]), os.environ["DEVICE"]
 doc = yaml.safe_load(Path("examples/pd-1p1d-nixl.yaml").read_text())
+doc["metadata"]["name"] = f"pd-1p1d-nixl-{device}"
 doc["spec"]["model"] = {"name": "tiny", "computeDtype": "bfloat16"}
 doc["spec"]["kvCache"]["dtype"] = "bfloat16"
 for role in ("prefill", "decode"):
-    doc["spec"][role].setdefault("engine", {})["device"] = "cuda"
-path = out / "pd-1p1d-nixl-cuda.yaml"
+    doc["spec"][role]["device"] = device
+path = out / f"pd-1p1d-nixl-{device}.yaml"
 path.write_text(yaml.safe_dump(doc))
 rng = random.Random(3)
 prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (1, 16, 17, 300, 2000)]
@@ -47,19 +85,33 @@ expected = colocated_outputs(load_manifest(str(path)), prompts, 8)
 with local_cluster(path, out / "state") as cluster:
     got = []
     for p in prompts:
-        r = httpx.post(cluster.endpoint + "/generate", timeout=120, json={
+        r = httpx.post(cluster.endpoint + "/generate", headers=cluster.auth, timeout=120, json={
             "input_ids": p,
             "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}})
         r.raise_for_status()
         got.append(r.json()["output_ids"])
     for proc in cluster.state["processes"]:
-        if proc["role"] == "prefill":
+        if proc["role"] in ("prefill", "decode"):
             info = httpx.get(proc["url"] + "/get_server_info", headers=cluster.auth).json()
-            print("negotiated:", info["kv_transport"])
+            keys = ("transport", "ucx", "backend", "device")
+            print(proc["role"], "negotiated:",
+                  {k: v for k, v in info.items() if any(w in k for w in keys)})
 assert got == expected, f"PD {got} != colocated {expected}"
-print("PD == colocated:", len(prompts), "prompts")
+print("PD == colocated:", len(prompts), "prompts, device", device)
 PYPD
+}
 
-echo "== 2. kv_transfer on cuda"
-timeout 300 $PY bench/kv_transfer.py --device cuda --sizes 1,16,256 --repeats 3 --json "$OUT/kv_transfer_cuda.json"
+kv_transfer() {
+    timeout "$LIMIT" $PY bench/kv_transfer.py --device "$DEVICE" --sizes 1,16,256 --repeats 3 \
+        --json "$OUT/kv_transfer_$DEVICE.json"
+}
+
+step "1. tests marked gpu" gpu_tests
+step "2. PD (nixl, $DEVICE, bfloat16) == colocated on 1P1D" pd_equals_colocated
+step "3. kv_transfer on $DEVICE" kv_transfer
 echo "results in $OUT"
+if ((${#failed[@]})); then
+    printf 'gpu_check: failed: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "gpu_check: all steps passed"

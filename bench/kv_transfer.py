@@ -8,7 +8,8 @@ For every size (MiB of KV moved for one request):
 - tcp: KVSender (gather from shuffled pages into staging) -> Endpoint ->
   KVReceiver (scatter into shuffled pages), timed from submit to the arrival
   of the completion message, which travels behind the last frame;
-- memcpy: one torch copy of the same number of contiguous bytes;
+- memcpy: one torch copy of the same number of contiguous bytes, on the
+  pools' device (`--device cuda`: a device-to-device copy);
 - shm: KVSender (gather) -> ShmTransport (scatter into the peer's pool file),
   timed from submit to completion;
 - nixl (when the `nixl` extra imports): KVSender -> NixlTransport, NIXL
@@ -169,13 +170,17 @@ def raw_zmq(frame_bytes: list[int]) -> Timed:
     return run
 
 
-def memcpy(nbytes: int) -> Timed:
-    src = torch.randn(nbytes // 4)
+def memcpy(nbytes: int, device: str) -> Timed:
+    """One copy of `nbytes` contiguous bytes on `device` (device to device on a GPU)."""
+    src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
 
     def run() -> float:
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         return time.perf_counter() - start
 
     return run
@@ -495,7 +500,7 @@ def run_size(size_mib: int, args: argparse.Namespace) -> Row:
         runs = {
             "raw": raw,
             "tcp": bench.timed(tcp, one_sided=False),
-            "memcpy": memcpy(nbytes),
+            "memcpy": memcpy(nbytes, args.device),
             "shm": bench.timed(shm, one_sided=True),
         }
         if pair is not None:

@@ -7,7 +7,7 @@ trial, so machine noise hits both alike. TTFT = time from sending a
 streaming `/generate` through the router to the first SSE event carrying a
 token.
 
-    .venv/bin/python bench/pd_overhead.py [--trials 10] [--lengths 16 2000] [--nixl]
+    .venv/bin/python bench/pd_overhead.py [--trials 10] [--lengths 16 2000] [--nixl] [--device cuda]
 
 Prints median/p90 TTFT per prompt length and the PD / colocated ratio (per backend).
 """
@@ -22,10 +22,13 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import start_example, ttft  # noqa: E402
+from harness import ROOT, start_doc, ttft  # noqa: E402
+
+from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
 
 NEW_TOKENS = 4
 
@@ -35,7 +38,16 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2000])
     ap.add_argument("--nixl", action="store_true", help="also 1P1D over nixl (the nixl extra)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="every role's engine")
     args = ap.parse_args()
+
+    def start_example(example: str, state: Path) -> LocalCluster:
+        doc = yaml.safe_load((ROOT / "examples" / example).read_text())
+        for role in ("colocated", "prefill", "decode"):
+            if role in doc["spec"]:
+                doc["spec"][role]["device"] = args.device
+        return start_doc(doc, state)
+
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {"colocated": start_example("colocated.yaml", Path(tmp))}

@@ -84,4 +84,7 @@ def test_bfloat16_on_cuda_is_deterministic() -> None:
     config = dataclasses.replace(CUDA64, compute_dtype="bfloat16", kv_dtype="bfloat16")
     first = generate(LLMEngine(config), REQUESTS)
     assert first == generate(LLMEngine(config), REQUESTS)
-    assert all(len(tokens) == 16 for tokens, _ in first.values())
+    # The tiny model can sample EOS (these requests do not ignore it): each one ran
+    # to its 16 tokens, or stopped early on EOS.
+    for tokens, reason in first.values():
+        assert (reason, len(tokens)) == ("length", 16) or (reason == "stop" and tokens), first

@@ -11,7 +11,18 @@ from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.tcp import KVReceiver, TcpTransport
-from tests.transfer.transfer_helpers import Link, Rooms, bits, make_shape, random_table, slots
+from tests.transfer.transfer_helpers import (
+    Link,
+    Rooms,
+    bits,
+    expected_pool,
+    make_shape,
+    random_pool,
+    random_table,
+    send_one_job,
+    slots,
+    whole_job,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,3 +93,44 @@ def test_shm_from_a_gpu_pool_into_a_shared_memory_pool(tmp_path):
     want = src.gather_tokens((0, 1, 2), torch.tensor(job.src_slots, device="cuda")).cpu()
     got = dst.gather_tokens((0, 1, 2), torch.tensor(job.dst_slots))
     assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("dst_device", ["cuda", "cpu"])
+def test_nixl_writes_from_a_gpu_pool_are_bit_identical(link, dst_device):
+    # The pools register as VRAM (a cuda pool) or DRAM: prefill tp=1 (8 heads) ->
+    # the decode rank of tp=2 that owns heads 4..8.
+    from pdcluster.runtime.transfer.nixl import NixlTransport
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
+
+    src = cuda_pool(make_shape(num_kv_heads=8, dtype="bfloat16"), seed=8)
+    dst_shape = make_shape(num_kv_heads=4, dtype="bfloat16")
+    dst = cuda_pool(dst_shape, seed=9) if dst_device == "cuda" else random_pool(dst_shape, 9)
+    src_table, dst_table = random_table(8, 32, 10), random_table(8, 32, 11)
+    job = whole_job(
+        src_table, dst_table, link.decode.address, "gpu-nixl", tokens=(1, 29),
+        src_heads=(4, 8), dst_heads=(0, 4),
+    )  # fmt: skip
+    want = expected_pool(
+        host_copy(src), host_copy(dst), job.src_slots, job.dst_slots,
+        (0, 1, 2), (0, 1, 2), (4, 8), (0, 4),
+    )  # fmt: skip
+    prefill_agent = NixlAgent(f"gpu-prefill-{dst_device}", src)
+    decode_agent = NixlAgent(f"gpu-decode-{dst_device}", dst)
+    assert prefill_agent.mem_type == "VRAM"
+    assert decode_agent.mem_type == ("VRAM" if dst_device == "cuda" else "DRAM")
+    transport = NixlTransport(link.prefill, prefill_agent)
+    transport.register_peer(link.decode.address, decode_agent.region(), dst.shape)
+    try:
+        assert send_one_job(link, src, transport, job, drain_s=10) == [job]
+    finally:
+        transport.close()
+        decode_agent.close()
+        prefill_agent.close()
+    assert torch.equal(bits(dst.buffer.cpu()), bits(want))
+    assert transport.stats["writes"] >= 1 and transport.stats["errors"] == 0
+
+
+def host_copy(pool: KVPool) -> KVPool:
+    copy = KVPool(pool.shape)
+    copy.buffer.copy_(pool.buffer.cpu())
+    return copy

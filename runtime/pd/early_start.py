@@ -11,10 +11,16 @@ fill up with prompts decode has not admitted while the prompts decode did
 admit wait for pages on prefill, until the bootstrap timeout failed them.
 So unpaired prompts together hold at most `limit` tokens:
 
-- `limit = min(chunk_size, pool_tokens - max_prompt_tokens)`: one step's
-  worth of prefill is all it takes to hide a round trip, and what stays
-  free is always enough for the longest prompt a paired room may bring
-  (paired rooms always progress: their pages on decode are reserved);
+- `limit = pool_tokens - max_prompt_tokens`: what stays free is always
+  enough for the longest prompt a paired room may bring (paired rooms
+  always progress: their pages on decode are reserved). A prompt of any
+  length may start unpaired: the engine takes all of a prompt's pages when
+  it admits it, so a long prompt counts whole, but its first chunk's
+  compute hides the round trip as well as a short prompt's does. (With the
+  budget at one chunk, every prompt longer than a chunk waited for pairing:
+  2.6 ms of a 2,000-token request, docs/benchmarks.md.) What unpaired
+  prompts cost is pages: under a saturated decode, prefill holds computed
+  KV for rooms decode has queued, and paired rooms share the rest;
 - a prompt past the budget starts when it is paired, as it always did;
 - a prompt leaves the budget when it is paired or forgotten (failed,
   released), whichever comes first, once.
@@ -25,9 +31,9 @@ Pure module.
 from __future__ import annotations
 
 
-def early_start_limit(pool_tokens: int, max_prompt_tokens: int, chunk_size: int) -> int:
+def early_start_limit(pool_tokens: int, max_prompt_tokens: int) -> int:
     """Tokens unpaired prompts may hold at once (0: never start one unpaired)."""
-    return max(0, min(chunk_size, pool_tokens - max_prompt_tokens))
+    return max(0, pool_tokens - max_prompt_tokens)
 
 
 class EarlyStartBudget:

@@ -502,7 +502,7 @@ def _early_start_budget(
     engine = service.engine
     cfg = engine.scheduler.config
     pool_tokens = engine.num_total_pages * cfg.page_size
-    return EarlyStartBudget(early_start_limit(pool_tokens, cfg.max_prompt_tokens, cfg.chunk_size))
+    return EarlyStartBudget(early_start_limit(pool_tokens, cfg.max_prompt_tokens))
 
 
 def build_pd_backend(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from pdcluster.runtime.pd.early_start import early_start_limit
 from pdcluster.runtime.spec import Role
 from tests.faults.harness import (
@@ -29,19 +31,19 @@ from tests.pd_integration.reference import colocated_outputs
 MAX_TOKENS = 4
 
 
+@pytest.mark.parametrize("length", [40, 1200], ids=["one-chunk", "three-chunks"])
 def test_a_prompt_computed_before_decode_paired_it_is_sent_whole_and_equals_colocated(
-    pd: FaultCluster,
+    pd: FaultCluster, length: int
 ) -> None:
     rng = random.Random(7)
-    prompt = [rng.randrange(1, 256) for _ in range(40)]  # 3 pages, one chunk
+    prompt = [rng.randrange(1, 256) for _ in range(length)]
     spec = pd.manifest.spec
     prefill = spec.role_spec(Role.prefill)
     assert prefill is not None
+    assert (length > prefill.engine.chunk_size) == (length == 1200)
     info = pd.info("prefill-0")
     limit = early_start_limit(
-        info["num_total_pages"] * spec.kv_cache.page_size,
-        info["max_prompt_tokens"],
-        prefill.engine.chunk_size,
+        info["num_total_pages"] * spec.kv_cache.page_size, info["max_prompt_tokens"]
     )
     assert len(prompt) <= limit, "the prompt must start before it is paired"
     expected = colocated_outputs(pd.manifest, [prompt], MAX_TOKENS)[0]

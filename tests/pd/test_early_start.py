@@ -28,19 +28,19 @@ from pdcluster.runtime.serving.engine_service import EngineService
 
 
 @pytest.mark.parametrize(
-    ("pool", "max_prompt", "chunk", "limit"),
+    ("pool", "max_prompt", "limit"),
     [
-        (8192, 4096, 512, 512),  # one chunk: enough to hide a round trip
-        (8192, 8000, 512, 192),  # what the longest prompt leaves free
-        (4096, 4096, 512, 0),  # nothing left beside the longest prompt: never unpaired
-        (1024, 4096, 512, 0),  # a pool smaller than the longest prompt
-        (8192, 1, 16, 16),
+        (8192, 4096, 4096),  # a 2,000-token prompt starts unpaired too
+        (8192, 8000, 192),  # what the longest prompt leaves free
+        (4096, 4096, 0),  # nothing left beside the longest prompt: never unpaired
+        (1024, 4096, 0),  # a pool smaller than the longest prompt
+        (8192, 1, 8191),
     ],
 )
-def test_the_limit_is_one_chunk_at_most_and_leaves_room_for_the_longest_prompt(
-    pool: int, max_prompt: int, chunk: int, limit: int
+def test_the_limit_leaves_room_for_the_longest_prompt(
+    pool: int, max_prompt: int, limit: int
 ) -> None:
-    assert early_start_limit(pool, max_prompt, chunk) == limit
+    assert early_start_limit(pool, max_prompt) == limit
 
 
 def test_prompts_start_until_the_budget_is_spent_and_leaving_gives_it_back() -> None:

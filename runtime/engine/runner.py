@@ -6,7 +6,9 @@ builds it from the scheduler's batch). The first pipeline stage embeds the
 tokens, later stages receive hidden states from the stage before; the last
 stage of the cp = 0, tp = 0 pipeline samples and hands the tokens to the
 leader. A rank fires `on_prefill_chunk` once its own layers have written a
-prefill chunk's KV — the moment the transfer engine may ship those pages.
+prefill chunk's KV — the moment the transfer engine may ship those pages. On
+a GPU, "written" means queued on the device's stream: whatever reads the pool
+outside that stream's order waits for it first (`transfer/sender.py`).
 """
 
 from __future__ import annotations

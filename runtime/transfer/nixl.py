@@ -269,7 +269,7 @@ class NixlTransport:
         `slots`), not yet posted: page units, then the rest."""
         job, peer, geo = plan.job, plan.peer, plan.peer.geometry
         ps, end = self.local.page_size, start + num_tokens
-        src_slots = slots.cpu().numpy()
+        src_slots = slots.numpy()  # host indices: the sender gives direct transports those
         local = remote = np.zeros(0, dtype=np.int32)
         runs: list[tuple[int, int, int]] = []
         grid_tokens = 0 if plan.grid is None else plan.grid[0].shape[2] * ps

@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 
 # A WRITE still in progress after this long is cancelled (the peer is hung or gone).
 HANDLE_TIMEOUT_S = 30.0
-# Poll period of the progress thread while handles are in flight.
-POLL_S = 0.0005
+# Poll period of the progress thread while handles are in flight: short after a
+# post or a completion (a WRITE over CUDA IPC or RDMA finishes on its own within
+# milliseconds, and each poll period of delay adds to the transfer), doubling
+# while nothing finishes, so a slow peer costs no more than a poll every MAX.
+MIN_POLL_S = 0.00005
+MAX_POLL_S = 0.0005
 
 
 @dataclass(eq=False)  # compared by identity: one posted WRITE each
@@ -78,6 +82,7 @@ class PostedWrites:
         self._notes: list[_Note] = []  # in the order they were sent
         self._closed = False
         self._stats: dict[str, int] = {"errors": 0, "done_at_post": 0}
+        self._posted = 0  # handles handed to the progress thread, ever
         self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
         self._thread.start()
 
@@ -101,6 +106,7 @@ class PostedWrites:
                 continue
             with self._lock:
                 self._writes.append(_Write(room, peer, handle, on_done, time.monotonic()))
+                self._posted += 1
                 self._lock.notify_all()
 
     def notify(self, peer: str, data: bytes) -> None:
@@ -162,12 +168,15 @@ class PostedWrites:
                 log.warning("nixl: notification to %s failed: %s", note.peer, err)
 
     def _progress(self) -> None:
+        pause, seen = MIN_POLL_S, 0
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._writes or self._notes or self._closed)
                 if self._closed:
                     return
                 writes = list(self._writes)
+                if self._posted != seen:
+                    pause, seen = MIN_POLL_S, self._posted
             now = time.monotonic()
             finished: list[tuple[_Write, str | None]] = []
             for w in writes:
@@ -196,5 +205,8 @@ class PostedWrites:
                 except Exception:
                     log.exception("nixl: frame callback of room %d failed", w.room)
             self._send_notes(notes)
-            if not finished and not notes:
-                time.sleep(POLL_S)
+            if finished or notes:
+                pause = MIN_POLL_S
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, MAX_POLL_S)

@@ -296,8 +296,18 @@ class KVSender:
         frame_shape = (len(job.src_layers), 2, 0, job.num_heads, shape.head_dim)
         bytes_per_token = job_bytes_per_token(job, shape)
         plan = plan_job_frames(job, shape, cfg)
-        slots = torch.as_tensor(list(job.src_slots), dtype=torch.int64, device=pool.device)
         direct = self._direct
+        # A direct transport takes slots as host indices (nixl plans descriptors from
+        # them, shm indexes a host pool): no copy to a device and back per frame.
+        slots = torch.as_tensor(
+            list(job.src_slots), dtype=torch.int64, device="cpu" if direct else pool.device
+        )
+        if direct and pool.device.type == "cuda":
+            # The job's KV was queued on the stream before its submit (the prefill hook
+            # fires after the forward is queued, not finished). A gather is ordered
+            # behind it by the stream; a WRITE from the pool (UCX's copy engines) is
+            # not, so the job waits here until the stream has written it.
+            torch.cuda.current_stream(pool.device).synchronize()
         for index, (start, end) in enumerate(plan):
             with self._cond:
                 if run.error is not None:

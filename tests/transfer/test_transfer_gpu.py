@@ -134,3 +134,36 @@ def host_copy(pool: KVPool) -> KVPool:
     copy = KVPool(pool.shape)
     copy.buffer.copy_(pool.buffer.cpu())
     return copy
+
+
+def test_a_nixl_write_waits_for_kv_the_stream_has_not_written_yet(link):
+    # As in a prefill step: the chunk's KV is queued on the stream (here behind
+    # ~50 ms of GPU sleep) when its job is submitted. The WRITE must read it
+    # written, not what the pool held before.
+    from pdcluster.runtime.transfer.nixl import NixlTransport
+    from pdcluster.runtime.transfer.nixl_agent import NixlAgent
+
+    shape = make_shape(num_kv_heads=4, dtype="bfloat16")
+    src, dst = cuda_pool(shape, seed=12), cuda_pool(shape, seed=13)
+    fresh = torch.randn(src.buffer.shape, device="cuda").to(src.buffer.dtype)
+    src_table, dst_table = random_table(8, 32, 14), random_table(8, 32, 15)
+    job = whole_job(src_table, dst_table, link.decode.address, "gpu-nixl-late", tokens=(0, 30))
+    prefill_agent = NixlAgent("gpu-prefill-late", src)
+    decode_agent = NixlAgent("gpu-decode-late", dst)
+    transport = NixlTransport(link.prefill, prefill_agent)
+    transport.register_peer(link.decode.address, decode_agent.region(), dst.shape)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda._sleep(100_000_000)  # about 50 ms of the device's clock
+        src.buffer.copy_(fresh)  # the "forward": queued behind the sleep
+        assert send_one_job(link, src, transport, job, drain_s=10) == [job]
+    finally:
+        transport.close()
+        decode_agent.close()
+        prefill_agent.close()
+    torch.cuda.synchronize()
+    want = expected_pool(
+        host_copy(src), host_copy(dst), job.src_slots, job.dst_slots,
+        (0, 1, 2), (0, 1, 2), (0, 4), (0, 4),
+    )  # fmt: skip
+    assert torch.equal(bits(dst.buffer.cpu()), bits(want))

@@ -12,7 +12,9 @@
 #    processes on the one GPU (UCX CUDA IPC), KV pools registered as VRAM;
 #    prints what the prefill worker negotiated;
 # 3. bench/kv_transfer.py --device cuda: tcp / shm / nixl / raw NIXL next to a
-#    device-to-device copy.
+#    device-to-device copy, at page sizes 16 and 64 (CUDA IPC pays per descriptor);
+# 4. bench/pd_overhead.py --device cuda --nixl: TTFT of PD (tcp, nixl) against
+#    colocated, every engine on the GPU.
 # Every step runs even when one before it failed; the script exits non-zero
 # naming the steps that failed, or at once when a package or the GPU is missing.
 set -uo pipefail
@@ -103,12 +105,19 @@ PYPD
 
 kv_transfer() {
     timeout "$LIMIT" $PY bench/kv_transfer.py --device "$DEVICE" --sizes 1,16,256 --repeats 3 \
-        --json "$OUT/kv_transfer_$DEVICE.json"
+        --json "$OUT/kv_transfer_$DEVICE.json" &&
+        timeout "$LIMIT" $PY bench/kv_transfer.py --device "$DEVICE" --sizes 16,256 --repeats 3 \
+            --page-size 64 --json "$OUT/kv_transfer_${DEVICE}_page64.json"
+}
+
+pd_overhead() {
+    timeout "$LIMIT" $PY bench/pd_overhead.py --device "$DEVICE" --trials 20 --lengths 16 2000 --nixl
 }
 
 step "1. tests marked gpu" gpu_tests
 step "2. PD (nixl, $DEVICE, bfloat16) == colocated on 1P1D" pd_equals_colocated
 step "3. kv_transfer on $DEVICE" kv_transfer
+step "4. pd_overhead on $DEVICE" pd_overhead
 echo "results in $OUT"
 if ((${#failed[@]})); then
     printf 'gpu_check: failed: %s\n' "${failed[@]}"

@@ -204,7 +204,7 @@ class NixlTransport:
         job: TransferJob,
         header: KVFrameHeader,
         pool: KVPool,
-        slots: torch.Tensor,
+        slots: np.ndarray,
         on_done: FrameDone,
     ) -> None:
         """Post the frame's WRITEs; `on_done` fires once NIXL reports all of them finished."""
@@ -253,7 +253,7 @@ class NixlTransport:
         geo, ps = peer.geometry, self.local.page_size
         if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
             whole = len(src) // ps * ps  # a partial last page is planned by its frame
-            pages = whole_pages(src[:whole], dst[:whole], ps)
+            pages = whole_pages(job.src_slots[:whole], job.dst_slots[:whole], ps)
             if pages is not None:
                 grid = page_unit_grid(
                     self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
@@ -263,13 +263,12 @@ class NixlTransport:
         return plan
 
     def _make_writes(
-        self, plan: _JobPlan, start: int, num_tokens: int, slots: torch.Tensor
+        self, plan: _JobPlan, start: int, num_tokens: int, src_slots: np.ndarray
     ) -> list[Any]:
         """The WRITE requests of the job's tokens `[start, start + num_tokens)` (from
         `slots`), not yet posted: page units, then the rest."""
         job, peer, geo = plan.job, plan.peer, plan.peer.geometry
         ps, end = self.local.page_size, start + num_tokens
-        src_slots = slots.numpy()  # host indices: the sender gives direct transports those
         local = remote = np.zeros(0, dtype=np.int32)
         runs: list[tuple[int, int, int]] = []
         grid_tokens = 0 if plan.grid is None else plan.grid[0].shape[2] * ps

@@ -100,7 +100,7 @@ class ShmTransport:
         job: TransferJob,
         header: KVFrameHeader,
         pool: KVPool,
-        slots: torch.Tensor,
+        slots: np.ndarray,
         on_done: FrameDone,
     ) -> None:
         """Copy a frame from a CPU pool straight into the peer's pages: one copy.
@@ -117,15 +117,15 @@ class ShmTransport:
         dst, peer_slots = found
         start = header.token_start - job.token_start
         dst_slots = np.asarray(peer_slots[start : start + header.num_tokens], dtype=np.int64)
-        src_slots = slots.numpy()
-        runs = copy_runs(src_slots, dst_slots, pool.shape.page_size, dst.shape.page_size)
+        runs = copy_runs(slots, dst_slots, pool.shape.page_size, dst.shape.page_size)
         frame_bytes = (
             header.num_tokens
             * (len(header.layers) * 2 * header.num_heads * pool.shape.head_dim)
             * pool.buffer.element_size()
         )
         if frame_bytes // len(runs) < self.min_run_bytes:
-            staged = pool.gather_tokens(job.src_layers, slots, slice(*job.src_heads))
+            index = torch.from_numpy(slots)
+            staged = pool.gather_tokens(job.src_layers, index, slice(*job.src_heads))
             self.send_frame(job, header, staged, on_done)
             return
         src_heads, dst_heads = slice(*job.src_heads), slice(*job.dst_heads)

@@ -45,7 +45,7 @@ from pdcluster.runtime.transfer.frames import (
     validate_header,
     validate_target,
 )
-from pdcluster.runtime.transfer.job import TransferJob
+from pdcluster.runtime.transfer.job import TransferJob, check_job
 from pdcluster.runtime.transfer.sender import FrameDone
 from pdcluster.runtime.transfer.staging import scatter_bytes
 
@@ -67,6 +67,7 @@ class TcpTransport:
         self.endpoint = endpoint
 
     def check(self, job: TransferJob, src: PoolGeometry) -> None:
+        check_job(job, src)
         if job.dst_slots is not None:
             raise ValueError("tcp jobs leave placement to the receiver: dst_slots must be None")
 

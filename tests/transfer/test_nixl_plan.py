@@ -344,3 +344,23 @@ def test_a_frame_outside_the_jobs_grid_is_refused() -> None:
     grid = page_unit_grid(g, g, np.array([[0, 1], [2, 3]]), [(0, 0)], (0, 4), (0, 4))
     with pytest.raises(PlanError, match="outside the job"):
         frame_page_units(grid[0], 1, 3)
+
+
+def test_whole_pages_reads_plain_lists_and_tuples_as_a_worker_builds_them() -> None:
+    # token_slots gives lists; a job may carry any sequence.
+    assert whole_pages([0, 1, 2, 3, 8, 9, 10, 11], (4, 5, 6, 7, 0, 1, 2, 3), 4).tolist() == [
+        [0, 1],
+        [2, 0],
+    ]
+    assert whole_pages([0, 1, 3, 2], [0, 1, 2, 3], 4) is None  # a page's tokens out of order
+
+
+@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND])
+def test_a_grid_is_its_own_array_though_jobs_share_their_layers_bases(layout) -> None:
+    g = geo(layout=layout)
+    pages = np.array([[0, 1], [2, 3]])
+    first, _ = page_unit_grid(g, g, pages, [(0, 0), (1, 1)], (0, 4), (0, 4))
+    want = first.copy()
+    first[...] = -1  # a caller scribbling on its grid
+    again, _ = page_unit_grid(g, g, pages, [(0, 0), (1, 1)], (0, 4), (0, 4))
+    assert again.tolist() == want.tolist() and again.dtype == np.int32

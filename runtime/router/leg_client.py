@@ -22,6 +22,9 @@ What this module fixes so the relay reads the same as before:
   as SSE is read (no line-length limit: a long cumulative event is one
   line), in one list per chunk read: a relay waits once per chunk, not once
   per line (an event is two lines); `response_lines` one by one;
+- `finish_response`: a stream relayed to its `[DONE]` is read to its end
+  before its connection goes back to the pool (the terminator trails the
+  last event), so it is reused instead of dropped;
 - `classify`: which aiohttp failure means "never reached the worker"
   (unreachable), "the connection broke" (the worker may still run the
   request), or "the answer was not HTTP we can read".
@@ -29,6 +32,7 @@ What this module fixes so the relay reads the same as before:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator, Mapping
 
@@ -39,6 +43,10 @@ from pdcluster.runtime.http.limits import DEFAULT_LIMITS
 # Seconds an idle pooled connection is reused; the workers keep one for
 # DEFAULT_LIMITS.keep_alive_s (uvicorn's keep-alive timeout).
 KEEPALIVE_S = DEFAULT_LIMITS.keep_alive_s / 2
+# What `finish_response` waits for after a stream's last event: the chunked
+# terminator, which a worker sends at once.
+FINISH_TIMEOUT_S = 1.0
+FINISH_MAX_BYTES = 64 * 1024
 
 
 def leg_session(
@@ -92,6 +100,33 @@ def close_response(resp: aiohttp.ClientResponse) -> None:
         resp.release()
     else:
         resp.close()
+
+
+async def finish_response(
+    resp: aiohttp.ClientResponse,
+    timeout_s: float = FINISH_TIMEOUT_S,
+    max_bytes: int = FINISH_MAX_BYTES,
+) -> None:
+    """Read the rest of a body whose last event came, then give the connection back.
+
+    A worker writes the chunked body's terminator right after `[DONE]`, often in
+    a segment of its own: a relay that stops at `[DONE]` finds the body not yet
+    at its end, and `close_response` would drop the connection (and the next
+    leg to that worker would pay for a new one). What follows `[DONE]` is read
+    and dropped, for at most `timeout_s` and `max_bytes`; past either, the
+    connection is closed as a half-read one.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            left = max_bytes
+            while left > 0 and not resp.content.at_eof():
+                chunk = await resp.content.readany()
+                if not chunk:
+                    break
+                left -= len(chunk)
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    close_response(resp)
 
 
 class LegFailure(enum.Enum):

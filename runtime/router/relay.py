@@ -46,6 +46,7 @@ from pdcluster.runtime.router.leg_client import (
     LegFailure,
     classify,
     close_response,
+    finish_response,
     response_line_batches,
     response_lines,
 )
@@ -222,12 +223,17 @@ class Relay:
         if self._phase is RelayPhase.closed:
             return
         started = self._phase is not RelayPhase.planned
+        ended_cleanly = self._phase is RelayPhase.main_done
         if self._phase < RelayPhase.main_done:
             self.abandon("incomplete")
         self._advance(RelayPhase.closed)
         resp = self._main_resp
         if resp is not None:
-            close_response(resp)
+            if ended_cleanly and not resp.content.at_eof():
+                # Relayed to its [DONE]; the body's terminator may still be on its way.
+                self.ctx.spawn(finish_response(resp))
+            else:
+                close_response(resp)
         if started:
             self.ctx.pool.release(self.plan.main)
         room = self.plan.room

@@ -318,6 +318,8 @@ class NixlTransport:
 
 def _joined(on_done: FrameDone, num_results: int) -> FrameDone:
     """`on_done` once, after `num_results` calls, with the first error among them."""
+    if num_results == 1:
+        return on_done  # the usual frame: one WRITE of page units
     lock = threading.Lock()
     left = [num_results]
     errors: list[str] = []

@@ -52,6 +52,9 @@ class Behaviour:
     start_delay_s: float = 0.0
     # End a stream without `data: [DONE]` (a truncated stream).
     omit_done: bool = False
+    # Seconds between `data: [DONE]` and the end of the body (its chunked
+    # terminator), as a worker's last segment can trail its last event.
+    end_delay_s: float = 0.0
     # Report this as disaggregation_mode instead of the real role.
     mode_override: str | None = None
     # Decode serves without its prefill leg (a decode that recomputes the prompt).
@@ -76,6 +79,7 @@ class Received:
     body: dict[str, Any]
     at: float
     raw: bytes = b""  # the bytes as they arrived
+    client_port: int = 0  # the sender's port: one per connection
 
 
 class Rendezvous:
@@ -251,7 +255,8 @@ class StandinWorker:
     async def _serve(self, path: str, request: Request) -> Response:
         raw = await request.body()
         body = json.loads(raw)
-        self.received.append(Received(path, body, time.monotonic(), raw))
+        port = request.client.port if request.client is not None else 0
+        self.received.append(Received(path, body, time.monotonic(), raw, port))
         # Registered before any wait, so an early abort is never lost.
         self._running.setdefault(body["rid"], asyncio.Event())
         b = self.behaviour
@@ -303,6 +308,8 @@ class StandinWorker:
             yield f"data: {json.dumps(chunk)}\n\n"
         if not self.behaviour.omit_done:
             yield "data: [DONE]\n\n"
+        if self.behaviour.end_delay_s:
+            await asyncio.sleep(self.behaviour.end_delay_s)
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> FastAPI:

@@ -149,6 +149,25 @@ def test_generate_stream_passthrough_ends_with_done(cluster: Cluster) -> None:
     assert {p["meta_info"]["id"] for p in payloads} == {rid}
 
 
+def test_streams_relayed_to_their_done_leave_the_leg_connections_reusable(
+    cluster: Cluster,
+) -> None:
+    """A worker's chunked terminator comes after `[DONE]`, in a write of its own:
+    the router reads it before pooling the connection, so one after another,
+    streamed requests reach each worker over one connection."""
+    for worker in cluster.workers():
+        worker.behaviour.set(end_delay_s=0.02)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 3}, "stream": True}
+    with cluster.client() as http:
+        for _ in range(6):
+            with http.stream("POST", "/generate", json=body) as resp:
+                assert [line for line in resp.iter_lines() if line][-1] == "data: [DONE]"
+            wait_until(lambda: not cluster.state.ctx.tasks, timeout=5)
+    for worker in cluster.workers():
+        assert {r.client_port for r in worker.received if r.path == "/generate"} != {0}
+        assert len({r.client_port for r in worker.received if r.path == "/generate"}) == 1
+
+
 def test_generate_non_stream_passthrough(cluster: Cluster) -> None:
     with cluster.client() as http:
         resp = http.post("/generate", json={"input_ids": [1, 2, 3]})

@@ -15,6 +15,7 @@ from pdcluster.runtime.router.leg_client import (
     LegFailure,
     classify,
     close_response,
+    finish_response,
     leg_session,
     response_lines,
 )
@@ -231,3 +232,85 @@ async def test_an_idle_connection_is_dropped_before_the_worker_drops_it() -> Non
             close_response(resp)
             time.sleep(1.2)  # noqa: ASYNC251 - a loop too busy to see the close
     assert counting.connections == 2
+
+
+class TrailingTerminator(KeepAliveServer):
+    """Streams `data: 1` and `data: [DONE]`, then the chunked terminator `delay_s`
+    later in a write of its own (as a worker's last segment can come)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(lambda _: b"")
+        self.delay_s = delay_s
+        self.handlers: list[asyncio.Task[None]] = []
+
+    async def stop(self) -> None:
+        """End the handlers still writing (a delay past the test's end)."""
+        for task in self.handlers:
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+    async def handler(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.append(task)
+        try:
+            await self.serve_connection(reader, writer)
+        finally:
+            writer.close()
+
+    async def serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.connections += 1
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                break
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for event in (b"data: 1\n\n", b"data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(self.delay_s)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+
+async def read_to_done(resp: aiohttp.ClientResponse) -> None:
+    async for line in response_lines(resp):
+        if line == "data: [DONE]":
+            return
+    raise AssertionError("no [DONE]")
+
+
+async def test_a_stream_finished_after_its_done_is_reused(
+    session: aiohttp.ClientSession,
+) -> None:
+    trailing = TrailingTerminator(delay_s=0.05)
+    server, url = await serve(trailing.handler)
+    async with server:
+        for _ in range(3):
+            resp = await session.post(url, data=b"{}")
+            await read_to_done(resp)
+            assert not resp.content.at_eof()  # the terminator is still on its way
+            await finish_response(resp)
+        await trailing.stop()
+    assert trailing.connections == 1
+
+
+async def test_a_stream_that_does_not_end_after_its_done_is_closed(
+    session: aiohttp.ClientSession,
+) -> None:
+    trailing = TrailingTerminator(delay_s=5.0)
+    server, url = await serve(trailing.handler)
+    async with server:
+        resp = await session.post(url, data=b"{}")
+        await read_to_done(resp)
+        started = time.monotonic()
+        await finish_response(resp, timeout_s=0.1)
+        assert time.monotonic() - started < 2.0
+        resp = await session.post(url, data=b"{}")
+        await read_to_done(resp)
+        close_response(resp)
+        await trailing.stop()
+    assert trailing.connections == 2

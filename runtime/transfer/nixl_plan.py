@@ -309,14 +309,14 @@ def page_unit_grid(
     num_heads = src_heads[1] - src_heads[0]
     if num_heads < 1 or dst_heads[1] - dst_heads[0] != num_heads:
         raise PlanError(f"head slices {src_heads} and {dst_heads} differ in size or are empty")
+    # Checked in plain Python (a job has a few pages, a few dozen layers): numpy
+    # calls on arrays this small cost more than the loop, most of all cold.
     p = np.asarray(pages, dtype=np.int64).reshape(-1, 2)
-    if len(p):
-        lowest, highest = p.min(axis=0).tolist(), p.max(axis=0).tolist()
-        for col, geo, whose in ((0, src, "our"), (1, dst, "the peer's")):
-            if lowest[col] < 0 or highest[col] >= geo.num_pages:
-                raise PlanError(f"{whose} pages outside 0..{geo.num_pages - 1}")
-    src_layers = tuple(int(pair[0]) for pair in layer_pairs)
-    dst_layers = tuple(int(pair[1]) for pair in layer_pairs)
+    src_pages, dst_pages = p.T.tolist()
+    for col, geo, whose in ((src_pages, src, "our"), (dst_pages, dst, "the peer's")):
+        if col and (min(col) < 0 or max(col) >= geo.num_pages):
+            raise PlanError(f"{whose} pages outside 0..{geo.num_pages - 1}")
+    src_layers, dst_layers = zip(*layer_pairs, strict=True) if layer_pairs else ((), ())
     return (
         _grid_side(src, src_layers, src_heads[0], num_heads, p[:, 0], "our"),
         _grid_side(dst, dst_layers, dst_heads[0], num_heads, p[:, 1], "the peer's"),

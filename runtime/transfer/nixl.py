@@ -74,8 +74,6 @@ class _JobPlan:
 
     job: TransferJob
     peer: _Peer
-    src_slots: np.ndarray  # [tokens] int64
-    dst_slots: np.ndarray  # [tokens] int64
     layer_pairs: list[tuple[int, int]]
     # The job's page-unit indices (ours, the peer's) by page, when its tokens up to
     # its last whole page are whole pages on both sides (`page_unit_grid`); frames
@@ -246,19 +244,17 @@ class NixlTransport:
         if plan is not None and plan.job is job and plan.peer is peer:
             return plan
         assert job.dst_slots is not None  # check() guarantees it
-        src = np.asarray(job.src_slots, dtype=np.int64)
-        dst = np.asarray(job.dst_slots, dtype=np.int64)
         layer_pairs = list(zip(job.src_layers, job.dst_layers, strict=True))
         grid = None
         geo, ps = peer.geometry, self.local.page_size
         if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
-            whole = len(src) // ps * ps  # a partial last page is planned by its frame
+            whole = len(job.src_slots) // ps * ps  # a partial last page is planned by its frame
             pages = whole_pages(job.src_slots[:whole], job.dst_slots[:whole], ps)
             if pages is not None:
                 grid = page_unit_grid(
                     self.local, geo, pages, layer_pairs, job.src_heads, job.dst_heads
                 )
-        plan = _JobPlan(job, peer, src, dst, layer_pairs, grid)
+        plan = _JobPlan(job, peer, layer_pairs, grid)
         self._job_plan = plan
         return plan
 
@@ -269,19 +265,20 @@ class NixlTransport:
         `slots`), not yet posted: page units, then the rest."""
         job, peer, geo = plan.job, plan.peer, plan.peer.geometry
         ps, end = self.local.page_size, start + num_tokens
-        local = remote = np.zeros(0, dtype=np.int32)
+        local = remote = _NO_UNITS
         runs: list[tuple[int, int, int]] = []
         grid_tokens = 0 if plan.grid is None else plan.grid[0].shape[2] * ps
         if plan.grid is not None and start % ps == 0 and end % ps == 0 and end <= grid_tokens:
             # The usual frame: whole pages of a whole-page job, cut from its grid.
             if len(src_slots) != num_tokens or (
-                num_tokens and src_slots[0] != plan.src_slots[start]
+                num_tokens and src_slots[0] != job.src_slots[start]
             ):
                 raise ValueError("the frame's slots are not the job's")
             local = frame_page_units(plan.grid[0], start // ps, end // ps)
             remote = frame_page_units(plan.grid[1], start // ps, end // ps)
         else:
-            dst_slots = plan.dst_slots[start:end]
+            assert job.dst_slots is not None  # check() guarantees it
+            dst_slots = np.asarray(job.dst_slots[start:end], dtype=np.int64)
             runs = copy_runs(src_slots, dst_slots, ps, geo.page_size)
             if can_use_page_units(self.local, geo, job.src_heads, job.dst_heads):
                 pages, runs = split_runs(runs, ps)
@@ -314,6 +311,10 @@ class NixlTransport:
             self._stats["descriptors"] += descriptors
             self._stats["bytes"] += nbytes
         return handles
+
+
+_NO_UNITS = np.zeros(0, dtype=np.int32)
+_NO_UNITS.flags.writeable = False
 
 
 def _joined(on_done: FrameDone, num_results: int) -> FrameDone:

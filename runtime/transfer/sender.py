@@ -117,7 +117,9 @@ class SenderConfig:
 
 def job_bytes_per_token(job: TransferJob, src: PoolGeometry) -> int:
     """Bytes one token of `job` occupies in a frame (its layers, K and V, its heads)."""
-    item_size = KVDtype(src.dtype).itemsize
+    item_size = KVDtype.itemsize_of(src.dtype)
+    if item_size is None:
+        raise ValueError(f"kv dtype {src.dtype!r} is not one of {[d.value for d in KVDtype]}")
     return len(job.src_layers) * 2 * job.num_heads * src.head_dim * item_size
 
 

@@ -4,6 +4,7 @@ which failure is which (never reached / connection broke / unreadable answer).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -283,27 +284,31 @@ async def read_to_done(resp: aiohttp.ClientResponse) -> None:
     raise AssertionError("no [DONE]")
 
 
+@contextlib.asynccontextmanager
+async def trailing_server(delay_s: float) -> AsyncIterator[tuple[TrailingTerminator, str]]:
+    trailing = TrailingTerminator(delay_s)
+    server, url = await serve(trailing.handler)
+    async with server:
+        yield trailing, url
+        await trailing.stop()
+
+
 async def test_a_stream_finished_after_its_done_is_reused(
     session: aiohttp.ClientSession,
 ) -> None:
-    trailing = TrailingTerminator(delay_s=0.05)
-    server, url = await serve(trailing.handler)
-    async with server:
+    async with trailing_server(delay_s=0.05) as (trailing, url):
         for _ in range(3):
             resp = await session.post(url, data=b"{}")
             await read_to_done(resp)
             assert not resp.content.at_eof()  # the terminator is still on its way
             await finish_response(resp)
-        await trailing.stop()
     assert trailing.connections == 1
 
 
 async def test_a_stream_that_does_not_end_after_its_done_is_closed(
     session: aiohttp.ClientSession,
 ) -> None:
-    trailing = TrailingTerminator(delay_s=5.0)
-    server, url = await serve(trailing.handler)
-    async with server:
+    async with trailing_server(delay_s=5.0) as (trailing, url):
         resp = await session.post(url, data=b"{}")
         await read_to_done(resp)
         started = time.monotonic()
@@ -312,5 +317,4 @@ async def test_a_stream_that_does_not_end_after_its_done_is_closed(
         resp = await session.post(url, data=b"{}")
         await read_to_done(resp)
         close_response(resp)
-        await trailing.stop()
     assert trailing.connections == 2

@@ -51,7 +51,7 @@ fmt: setup
 	$(VENV)/bin/ruff format runtime operator tests e2e bench
 	$(VENV)/bin/ruff check --fix runtime operator tests e2e bench
 
-# CRD YAML and the PDCluster reference are generated from runtime/spec.py and operator/api.py.
+# CRD YAML and the PDCluster reference are generated from runtime/spec/ and operator/api.py.
 crds: setup
 	$(PY) -m pdcluster.operator.crd.crdgen -o crds/pdcluster.io_pdclusters.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
 	$(PY) -m pdcluster.operator.crd.crdgen --kind PDClusterRoleScaler -o crds/pdcluster.io_pdclusterrolescalers.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusterrolescalers.yaml

@@ -26,7 +26,7 @@ then hosts the group's torch store and internal HTTP API at its own
 address (runtime/pod_rendezvous.py says how the pods learn it).
 
 Pure module: no imports beyond the standard library, so the manifest
-models (runtime/spec.py) and the operator can both use it.
+models (runtime/spec/) and the operator can both use it.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ Invariants checked here (mirrored as CEL rules in the CRD):
   `autoscaling.maxTotalGPUs`, the roles' minimums fit the budget together and
   each role's maximum fits beside the other role's minimum.
 
+A section with a module of its own lives beside this one in the package
+(`base.py` holds the shared model base); this module assembles the whole
+manifest and re-exports every name callers import from `runtime.spec`.
+
 Pure module: no I/O beyond parsing text that the caller already read.
 """
 
@@ -30,24 +34,14 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
 
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
+from pdcluster.runtime.spec.base import SpecError, SpecModel
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
 KIND = "PDCluster"
-
-
-class SpecError(ValueError):
-    """A manifest is invalid; the message names the field and the problem."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
 
 
 class KVDtype(enum.StrEnum):
@@ -134,7 +128,7 @@ class SelectionPolicy(enum.StrEnum):
     cache_aware = "cache_aware"
 
 
-class ModelSpec(_Model):
+class ModelSpec(SpecModel):
     """Which model every role serves.
 
     `name: tiny` is the built-in deterministic model (no download). Otherwise
@@ -155,7 +149,7 @@ class ModelSpec(_Model):
         return self
 
 
-class KVCacheSpec(_Model):
+class KVCacheSpec(SpecModel):
     page_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV page")
     dtype: KVDtype = KVDtype.float32
     layout: KVLayout = KVLayout.NHD
@@ -168,7 +162,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class HeartbeatSpec(_Model):
+class HeartbeatSpec(SpecModel):
     interval_seconds: float = Field(default=5.0, gt=0, le=3600)
     failure_threshold: int = Field(default=2, ge=1, le=100)
     # A prefill instance no room used for this long stops being probed and
@@ -176,7 +170,7 @@ class HeartbeatSpec(_Model):
     idle_seconds: float = Field(default=300.0, gt=0, le=86400)
 
 
-class UcxSpec(_Model):
+class UcxSpec(SpecModel):
     """UCX settings of the `nixl` backend, passed to every worker process.
 
     Unset fields leave UCX's own choice (all transports it finds). The
@@ -194,7 +188,7 @@ class UcxSpec(_Model):
     require_rdma: bool = False
 
 
-class TransferSpec(_Model):
+class TransferSpec(SpecModel):
     backend: TransferBackend = TransferBackend.tcp
     allocation_policy: AllocationPolicy = AllocationPolicy.early
     bootstrap_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
@@ -228,7 +222,7 @@ class TransferSpec(_Model):
 MAX_RANKS_PER_INSTANCE = 64
 
 
-class Topology(_Model):
+class Topology(SpecModel):
     dp: int = Field(default=1, ge=1, le=64)
     tp: int = Field(default=1, ge=1, le=64)
     cp: int = Field(default=1, ge=1, le=64)
@@ -239,7 +233,7 @@ class Topology(_Model):
         return self.dp * self.tp * self.cp * self.pp
 
 
-class RestartPolicySpec(_Model):
+class RestartPolicySpec(SpecModel):
     backoff_seconds: float = Field(default=1.0, ge=0, le=3600)
     max_backoff_seconds: float = Field(default=60.0, ge=0, le=86400)
     budget: int = Field(default=10, ge=0, le=10000, description="restarts allowed per hour")
@@ -254,7 +248,7 @@ class RestartPolicySpec(_Model):
     )
 
 
-class EngineSpec(_Model):
+class EngineSpec(SpecModel):
     max_running_requests: int = Field(default=64, ge=1, le=4096)
     max_batch_tokens: int = Field(default=2048, ge=16, le=1 << 20)
     chunk_size: int = Field(default=512, ge=16, le=1 << 20, description="prefill chunk, tokens")
@@ -305,7 +299,7 @@ AUTOSCALING_METRICS: dict[Role, tuple[AutoscalingMetric, ...]] = {
 }
 
 
-class AutoscalingTarget(_Model):
+class AutoscalingTarget(SpecModel):
     metric: AutoscalingMetric
     value: float = Field(gt=0, le=1e9, description="the metric's target value")
 
@@ -316,7 +310,7 @@ class AutoscalingTarget(_Model):
         return self
 
 
-class ScaleUpSpec(_Model):
+class ScaleUpSpec(SpecModel):
     stabilization_seconds: float = Field(
         default=30.0,
         ge=0,
@@ -325,7 +319,7 @@ class ScaleUpSpec(_Model):
     )
 
 
-class ScaleDownSpec(_Model):
+class ScaleDownSpec(SpecModel):
     stabilization_seconds: float = Field(
         default=300.0,
         ge=0,
@@ -334,7 +328,7 @@ class ScaleDownSpec(_Model):
     )
 
 
-class RoleAutoscalingSpec(_Model):
+class RoleAutoscalingSpec(SpecModel):
     """The built-in autoscaler of one role (docs/kubernetes.md, Autoscaling)."""
 
     min_replicas: int = Field(default=1, ge=1, le=1024)
@@ -360,7 +354,7 @@ class RoleAutoscalingSpec(_Model):
         return self
 
 
-class ClusterAutoscalingSpec(_Model):
+class ClusterAutoscalingSpec(SpecModel):
     max_total_gpus: int | None = Field(
         default=None,
         alias="maxTotalGPUs",
@@ -384,18 +378,18 @@ _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
-class SchedulingSpec(_Model):
+class SchedulingSpec(SpecModel):
     gang: GangScheduling = GangScheduling.none
     scheduler_name: str | None = Field(
         default=None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN
     )
 
 
-class PlacementSpec(_Model):
+class PlacementSpec(SpecModel):
     topology_key: str | None = Field(default=None, min_length=1, max_length=317, pattern=_LABEL_KEY)
 
 
-class RoleSpec(_Model):
+class RoleSpec(SpecModel):
     replicas: int = Field(default=1, ge=0, le=1024, description="instances of this role")
     topology: Topology = Topology()
     gpus_per_pod: int | None = Field(default=None, ge=1, le=64)
@@ -439,7 +433,7 @@ class RoleSpec(_Model):
         return self.topology.num_ranks
 
 
-class RouterPolicySpec(_Model):
+class RouterPolicySpec(SpecModel):
     prefill: SelectionPolicy = SelectionPolicy.round_robin
     # Also the policy of a colocated cluster's workers.
     decode: SelectionPolicy = SelectionPolicy.round_robin
@@ -455,12 +449,12 @@ class RouterPolicySpec(_Model):
     )
 
 
-class RouterServiceSpec(_Model):
+class RouterServiceSpec(SpecModel):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(default=8000, ge=1, le=65535)
 
 
-class RouterSpec(_Model):
+class RouterSpec(SpecModel):
     replicas: int = Field(default=1, ge=0, le=64)
     policy: RouterPolicySpec = RouterPolicySpec()
     service: RouterServiceSpec = RouterServiceSpec()
@@ -474,7 +468,7 @@ class WorkerApiAccess(enum.StrEnum):
     open = "open"
 
 
-class AuthSpec(_Model):
+class AuthSpec(SpecModel):
     # Name of a Secret holding `token`; empty → the operator creates one.
     token_secret_name: str = ""
     # Router API keys are optional; none means the router API is open.
@@ -487,7 +481,7 @@ class AuthSpec(_Model):
     worker_api: WorkerApiAccess = WorkerApiAccess.token
 
 
-class PDClusterSpec(_Model):
+class PDClusterSpec(SpecModel):
     model: ModelSpec = ModelSpec()
     image: str = "pdcluster:0.1.0"
     kv_cache: KVCacheSpec = KVCacheSpec()

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null)
 
-.PHONY: setup run test lint links typecheck controlplane fmt crds clean
+.PHONY: setup run test lint links typecheck controlplane vllm-env fmt crds clean
 
 setup: $(VENV)/.installed
 
@@ -43,8 +43,13 @@ typecheck: setup links
 controlplane: setup
 	$(PY) -m e2e.controlplane.build
 
+# vLLM's CPU build in an interpreter of its own (its torch pin differs from ours),
+# cached under ~/.cache/pdcluster-vllm like the Kubernetes binaries.
+vllm-env: setup
+	$(PY) -m e2e.vllmenv.build
+
 # --durations: the slowest tests, to see where CI time goes.
-test: lint typecheck controlplane
+test: lint typecheck controlplane vllm-env
 	$(PY) -m pytest -q --durations=40
 
 fmt: setup

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, Role, SelectionPolicy
+from pdcluster.runtime.spec import (
+    FailurePolicy,
+    LogFormat,
+    PDClusterSpec,
+    Role,
+    SelectionPolicy,
+    TracingSpec,
+)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -61,6 +68,12 @@ class RouterConfig:
     # cache_aware: "tiny" or a model directory with tokenizer.json, to turn
     # text prompts into token ids; None: only token-id prompts are matched.
     tokenizer: str | None = None
+    # The PDCluster's name: the `pdcluster` label of `pdcluster_router_info`.
+    cluster_name: str = ""
+    # The p90 TTFT the manifest promises (`spec.ttft_slo_seconds`), exported for the alert.
+    ttft_slo_s: float | None = None
+    tracing: TracingSpec = field(default_factory=TracingSpec)
+    log_format: LogFormat | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -135,6 +148,7 @@ class RouterConfig:
         colocated_urls: Sequence[str] = (),
         kubernetes: KubernetesDiscoverySettings | None = None,
         api_keys: Sequence[str] = (),
+        cluster_name: str = "",
     ) -> RouterConfig:
         """Settings of a PDCluster manifest plus the addresses the caller knows."""
         aliases = (spec.model.path,) if spec.model.path else ()
@@ -155,6 +169,10 @@ class RouterConfig:
             failure_policy=spec.transfer.failure_policy.value,
             max_load_gap=spec.router.policy.max_load_gap,
             tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
+            cluster_name=cluster_name,
+            ttft_slo_s=spec.ttft_slo_seconds,
+            tracing=spec.observability.tracing,
+            log_format=spec.observability.log_format,
         )
 
     @property

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from pdcluster.runtime.telemetry.span_plan import RequestStamps
 
 
 class Lenient(BaseModel):
@@ -51,3 +54,8 @@ class PreparedRequest:
     # The worker minted `rid` (the caller sent none): it names the request on
     # this worker only and is never compared with the other leg's.
     rid_is_local: bool = False
+    # The caller's W3C trace context (headers), passed on to its spans and logs.
+    traceparent: str | None = None
+    tracestate: str | None = None
+    # Stage stamps for this worker's spans; None unless tracing is on.
+    stamps: RequestStamps | None = None

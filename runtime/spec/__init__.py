@@ -39,6 +39,14 @@ from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
 from pdcluster.runtime.spec.base import SpecError, SpecModel
 
+# Re-exported: callers import every manifest name from `runtime.spec`.
+from pdcluster.runtime.spec.observability import (  # noqa: F401
+    LogFormat,
+    ObservabilitySpec,
+    SloSpec,
+    TracingSpec,
+)
+
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
 KIND = "PDCluster"
@@ -492,6 +500,7 @@ class PDClusterSpec(SpecModel):
     router: RouterSpec = RouterSpec()
     auth: AuthSpec = AuthSpec()
     autoscaling: ClusterAutoscalingSpec = ClusterAutoscalingSpec()
+    observability: ObservabilitySpec = ObservabilitySpec()
 
     @model_validator(mode="after")
     def _roles(self) -> PDClusterSpec:
@@ -576,6 +585,18 @@ class PDClusterSpec(SpecModel):
     @property
     def is_disaggregated(self) -> bool:
         return self.colocated is None
+
+    @property
+    def ttft_slo_seconds(self) -> float | None:
+        """The p90 TTFT the cluster promises: `observability.slo`, else a prefill
+        `ttftP90Seconds` autoscaling target (None: the manifest states none)."""
+        stated = self.observability.slo.ttft_p90_seconds
+        if stated is not None:
+            return stated
+        scaling = self.prefill.autoscaling if self.prefill is not None else None
+        if scaling is not None and scaling.target.metric is AutoscalingMetric.ttft_p90_seconds:
+            return scaling.target.value
+        return None
 
     def role_spec(self, role: Role) -> RoleSpec | None:
         """The spec of `role` (None when this cluster has no such role)."""

@@ -162,6 +162,13 @@ class WorkerMetrics:
             "transports",
             "tcp_fallback",
         )
+        self.kv_rdma_missing = m.gauge(
+            "kv_rdma_missing",
+            "1 when the manifest asks for RDMA or GPU-direct and UCX negotiated none (nixl)",
+        )
+        self.engine_stalled = m.gauge(
+            "engine_stalled", "1 while work is pending and no engine step finished in time"
+        )
         self.ttft_seconds = m.histogram("time_to_first_token_seconds", "TTFT")
         self.tpot_seconds = m.histogram(
             "time_per_output_token_seconds",

@@ -371,6 +371,7 @@ def _serve_engine(
         },
     )
     metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
+    metrics.engine_stalled.set_function(lambda: 1.0 if service.is_stalled else 0.0)
     metrics.watch_prefix_cache(lambda: engine.prefix_cache_stats())
     model = settings.manifest.spec.model
     info = WorkerInfo(

@@ -101,6 +101,7 @@ class Controller:
         """Drop what is remembered of a deleted cluster."""
         self.last_plans.pop(key, None)
         self.write_failures.pop(key, None)
+        self.metrics.forget_cluster(*key)
 
     async def reconcile(self, key: tuple[str, str]) -> float | None:
         """One pass for (namespace, name); returns seconds until the next wanted pass."""
@@ -218,6 +219,7 @@ class Controller:
         status = compute_status(
             cluster, plan, hashes, desired.revision, prev, now, tuple(failed_writes), transports
         )
+        self.metrics.observe_status(cluster, status, now)
         if status_changed(stored, status):
             try:
                 await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))

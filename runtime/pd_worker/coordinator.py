@@ -65,6 +65,7 @@ from pdcluster.runtime.spec import (
 )
 from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.telemetry.span_plan import KV_BACKEND, KV_BYTES, RequestStamps, Stage
+from pdcluster.runtime.transfer.ucx_report import is_rdma_requested
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -267,6 +268,8 @@ class _Coordinator:
                 self.metrics.kv_transport.remove(*old)
             self.metrics.kv_transport.labels(*labels).set(1)
             self._transport_labels = labels
+            missing = labels[2] == "true" and is_rdma_requested(self.agent.ctx.transfer)
+            self.metrics.kv_rdma_missing.set(1 if missing else 0)
 
     def _export_gauges(self) -> None:
         self._export_rejects()

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcluster.runtime.bounds import require_positive
+from pdcluster.runtime.spec import TracingSpec
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -57,6 +58,9 @@ class OperatorSettings:
     # bootstrap server this long gets a Warning Event (read at each poll).
     registration_warn_s: float = 60.0
     kubeconfig: str | None = None
+    # OTLP/HTTP collector of the PDClusters that turn tracing on and name none
+    # (spec.observability.tracing.endpoint); empty: such clusters export to localhost.
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -76,6 +80,11 @@ class OperatorSettings:
             raise ValueError("max_retry_delay_s must be >= retry_delay_s")
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"num_workers must be 1..64, got {self.num_workers}")
+        if self.otlp_endpoint:
+            try:
+                TracingSpec(endpoint=self.otlp_endpoint)
+            except ValueError as err:
+                raise ValueError(f"otlp_endpoint: {err}") from None
         for entry in self.image_allowlist:
             if not entry or entry != entry.strip() or any(c.isspace() for c in entry):
                 raise ValueError(f"image allowlist entry {entry!r} is empty or has spaces")
@@ -115,6 +124,8 @@ class OperatorSettings:
             kwargs["image_allowlist"] = tuple(e.strip() for e in text.split(",") if e.strip())
         if env.get("PDCLUSTER_OPERATOR_NAMESPACE"):
             kwargs["operator_namespace"] = env["PDCLUSTER_OPERATOR_NAMESPACE"]
+        if env.get("PDCLUSTER_OPERATOR_OTLP_ENDPOINT"):
+            kwargs["otlp_endpoint"] = env["PDCLUSTER_OPERATOR_OTLP_ENDPOINT"].strip()
         if env.get("KUBECONFIG"):
             kwargs["kubeconfig"] = env["KUBECONFIG"]
         try:

@@ -202,6 +202,7 @@ def _worker_env(
         meta.env_value(names.ENV_FIRST_RANK, str(layout.rank_range(pod_index).start)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
+        meta.log_format_env(cluster.spec),
     ]
 
 

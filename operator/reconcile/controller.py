@@ -37,7 +37,12 @@ from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.reconcile.actions import Action, EventType, Reason
-from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
+from pdcluster.operator.reconcile.cluster import (
+    Cluster,
+    cluster_from_body,
+    ref_from_body,
+    with_operator_defaults,
+)
 from pdcluster.operator.reconcile.executor import Executor
 from pdcluster.operator.reconcile.kv_transport import TransportReport, compute_kv_transport
 from pdcluster.operator.reconcile.observed import Observed, PodGroupApi, observe
@@ -123,7 +128,7 @@ class Controller:
         now = self._clock()
         prev = parse_status(body.get("status"))
         try:
-            cluster = cluster_from_body(body)
+            cluster = with_operator_defaults(cluster_from_body(body), self.settings.otlp_endpoint)
             desired = build_desired(cluster, operator_namespace=self.settings.operator_namespace)
         except (SpecError, BuildError, InvalidNameError) as err:
             await self._report_invalid(body, prev, str(err), now)

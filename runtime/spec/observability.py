@@ -25,6 +25,8 @@ from pydantic import Field, field_validator
 
 from pdcluster.runtime.spec.base import SpecModel
 
+# Set by the operator in every pod it builds: the manifest's logFormat, json if unset.
+LOG_FORMAT_ENV = "PDCLUSTER_LOG_FORMAT"
 # scheme://host[:port][/path]: what the OTLP/HTTP exporter accepts as a base URL.
 _ENDPOINT = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
 

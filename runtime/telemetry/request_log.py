@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.runtime.spec import LogFormat
+from pdcluster.runtime.spec.observability import LOG_FORMAT_ENV
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
-# Set by the operator in every pod it builds (the manifest's logFormat, json if unset).
-LOG_FORMAT_ENV = "PDCLUSTER_LOG_FORMAT"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdcluster.runtime.bounds import require_positive
-from pdcluster.runtime.spec import TracingSpec
+from pdcluster.runtime.spec.observability import check_endpoint
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -82,9 +82,9 @@ class OperatorSettings:
             raise ValueError(f"num_workers must be 1..64, got {self.num_workers}")
         if self.otlp_endpoint:
             try:
-                TracingSpec(endpoint=self.otlp_endpoint)
+                check_endpoint(self.otlp_endpoint)
             except ValueError as err:
-                raise ValueError(f"otlp_endpoint: {err}") from None
+                raise ValueError(f"PDCLUSTER_OPERATOR_OTLP_ENDPOINT: {err}") from None
         for entry in self.image_allowlist:
             if not entry or entry != entry.strip() or any(c.isspace() for c in entry):
                 raise ValueError(f"image allowlist entry {entry!r} is empty or has spaces")

@@ -204,8 +204,9 @@ class WorkerState:
         from pdcluster.runtime.telemetry.span_plan import plan_worker_spans
 
         failure = None if outcome in SUCCESS_REASONS else (detail or outcome)
+        role = str(self.backend.role)  # SGLang names a colocated worker's mode "null"
         records = plan_worker_spans(
-            self.backend.role,
+            role if role in ("prefill", "decode") else "colocated",
             stamps,
             RequestOutcome(
                 time.monotonic_ns(),

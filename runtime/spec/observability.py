@@ -31,6 +31,13 @@ LOG_FORMAT_ENV = "PDCLUSTER_LOG_FORMAT"
 _ENDPOINT = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
 
 
+def check_endpoint(value: str) -> str:
+    """`value` if it is an OTLP/HTTP base URL; else ValueError saying what one looks like."""
+    if not _ENDPOINT.match(value):
+        raise ValueError(f"must be an http(s):// URL without query or fragment, got {value!r}")
+    return value
+
+
 class LogFormat(enum.StrEnum):
     text = "text"
     json = "json"
@@ -57,9 +64,7 @@ class TracingSpec(SpecModel):
     @field_validator("endpoint")
     @classmethod
     def _endpoint_is_a_url(cls, value: str | None) -> str | None:
-        if value is not None and not _ENDPOINT.match(value):
-            raise ValueError(f"must be an http(s):// URL without query or fragment, got {value!r}")
-        return value
+        return None if value is None else check_endpoint(value)
 
 
 class SloSpec(SpecModel):

@@ -37,7 +37,7 @@ class Unit(enum.StrEnum):
     bytes_per_second = "Bps"
     per_second = "reqps"
     ratio = "percentunit"
-    count = "short"
+    number = "short"
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Panel:
     title: str
     source: Source
     queries: tuple[Query, ...]
-    unit: Unit = Unit.count
+    unit: Unit = Unit.number
     description: str = ""
     stacked: bool = False
 
@@ -131,7 +131,7 @@ OVERVIEW: tuple[Panel, ...] = (
                 "generated",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Requests answered, by finish reason",
@@ -179,7 +179,7 @@ OVERVIEW: tuple[Panel, ...] = (
                 "{{role}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
 )
 
@@ -193,7 +193,7 @@ PD: tuple[Panel, ...] = (
                 "{{role}} {{state}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
         stacked=True,
     ),
     Panel(
@@ -232,7 +232,7 @@ PD: tuple[Panel, ...] = (
                 "{{role}} {{backend}} [{{transports}}] tcp_fallback={{tcp_fallback}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
         "1 per negotiated backend and UCX transport set; tcp_fallback=true: no RDMA lane",
     ),
     Panel(
@@ -292,7 +292,7 @@ CAPACITY: tuple[Panel, ...] = (
                 "{{role}} {{stage}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Requests in flight",
@@ -302,7 +302,7 @@ CAPACITY: tuple[Panel, ...] = (
                 f"sum by (role) (pdcluster_requests_in_flight {worker(labels='role')})", "{{role}}"
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "KV pages in use",
@@ -326,7 +326,7 @@ CAPACITY: tuple[Panel, ...] = (
                 "{{pdcluster_instance}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Legs in flight per worker (router)",
@@ -337,7 +337,7 @@ CAPACITY: tuple[Panel, ...] = (
                 "{{role}} {{worker}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Replicas per role",
@@ -348,7 +348,7 @@ CAPACITY: tuple[Panel, ...] = (
                 "{{role}} {{state}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Autoscaler decisions",
@@ -360,7 +360,7 @@ CAPACITY: tuple[Panel, ...] = (
                 "{{role}} {{direction}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
         "Replica changes the autoscaler applied over the shown range",
     ),
 )
@@ -393,7 +393,7 @@ OPERATOR: tuple[Panel, ...] = (
                 "{{role}} {{cause}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Failure detection and failover time",
@@ -422,7 +422,7 @@ OPERATOR: tuple[Panel, ...] = (
                 "{{role}} {{cause}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Restart budget used",
@@ -445,7 +445,7 @@ OPERATOR: tuple[Panel, ...] = (
                 "{{type}} {{reason}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
     Panel(
         "Failed rooms the workers report",
@@ -456,7 +456,7 @@ OPERATOR: tuple[Panel, ...] = (
                 "{{role}} {{reason}}",
             ),
         ),
-        Unit.count,
+        Unit.number,
     ),
 )
 

@@ -37,15 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
-from pdcluster.runtime.spec.base import SpecError, SpecModel
 
-# Re-exported: callers import every manifest name from `runtime.spec`.
-from pdcluster.runtime.spec.observability import (  # noqa: F401
-    LogFormat,
-    ObservabilitySpec,
-    SloSpec,
-    TracingSpec,
-)
+# Re-exported (`X as X`): callers import every manifest name from `runtime.spec`.
+from pdcluster.runtime.spec.base import SpecError as SpecError
+from pdcluster.runtime.spec.base import SpecModel as SpecModel
+from pdcluster.runtime.spec.observability import LogFormat as LogFormat
+from pdcluster.runtime.spec.observability import ObservabilitySpec as ObservabilitySpec
+from pdcluster.runtime.spec.observability import SloSpec as SloSpec
+from pdcluster.runtime.spec.observability import TracingSpec as TracingSpec
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"

@@ -8,13 +8,19 @@ streaming `/generate` through the router to the first SSE event carrying a
 token.
 
     .venv/bin/python bench/pd_overhead.py [--trials 10] [--lengths 16 2000] [--nixl] [--device cuda]
+        [--tracing]
 
 Prints median/p90 TTFT per prompt length and the PD / colocated ratio (per backend).
+With `--tracing`, a third 1P1D cluster runs with `observability.tracing` on
+(every request sampled), exporting to a real OpenTelemetry Collector
+(`e2e/otelcol`), and the table adds what tracing costs: its p50 minus the
+untraced 1P1D's p50, in ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -39,22 +45,36 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2000])
     ap.add_argument("--nixl", action="store_true", help="also 1P1D over nixl (the nixl extra)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="every role's engine")
+    ap.add_argument("--tracing", action="store_true", help="also 1P1D with tracing on")
     args = ap.parse_args()
 
-    def start_example(example: str, state: Path) -> LocalCluster:
+    def start_example(
+        example: str, state: Path, tracing_endpoint: str | None = None
+    ) -> LocalCluster:
         doc = yaml.safe_load((ROOT / "examples" / example).read_text())
         for role in ("colocated", "prefill", "decode"):
             if role in doc["spec"]:
                 doc["spec"][role]["device"] = args.device
+        if tracing_endpoint is not None:
+            doc["metadata"]["name"] += "-traced"
+            doc["spec"]["observability"] = {
+                "tracing": {"enabled": True, "endpoint": tracing_endpoint, "sampleRatio": 1.0}
+            }
         return start_doc(doc, state)
 
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         clusters = {"colocated": start_example("colocated.yaml", Path(tmp))}
         try:
             clusters["pd"] = start_example("pd-1p1d.yaml", Path(tmp))
             if args.nixl:
                 clusters["pd-nixl"] = start_example("pd-1p1d-nixl.yaml", Path(tmp))
+            if args.tracing:
+                sys.path.insert(0, str(ROOT))
+                from e2e.otelcol.receiver import otlp_receiver
+
+                receiver = stack.enter_context(otlp_receiver(Path(tmp) / "otel"))
+                clusters["pd-traced"] = start_example("pd-1p1d.yaml", Path(tmp), receiver.endpoint)
             with httpx.Client(timeout=120) as client:
                 rows = []
                 for n in args.lengths:
@@ -77,6 +97,8 @@ def main() -> None:
     header = f"{'prompt':>7} {'colocated p50':>14}"
     for name in pds:
         header += f" {name + ' p50':>12} {name + ' p90':>12} {name + ' ratio':>12}"
+    if "pd-traced" in clusters:
+        header += f" {'tracing cost':>13}"
     print(header)
     for n, times in rows:
         c50 = statistics.median(times["colocated"])
@@ -85,6 +107,9 @@ def main() -> None:
             p50 = statistics.median(times[name])
             p90 = statistics.quantiles(times[name], n=10)[-1]
             line += f" {p50 * 1e3:>9.1f} ms {p90 * 1e3:>9.1f} ms {p50 / c50:>12.2f}"
+        if "pd-traced" in times:
+            cost = statistics.median(times["pd-traced"]) - statistics.median(times["pd"])
+            line += f" {cost * 1e3:>+10.2f} ms"
         print(line)
 
 

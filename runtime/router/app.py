@@ -62,7 +62,7 @@ from pdcluster.runtime.router.prefix_feed import PrefixFollower
 from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
 from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
 from pdcluster.runtime.router.relay import Relay, RelayContext
-from pdcluster.runtime.router.request_record import RequestRecord, start_request_span
+from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
 from pdcluster.runtime.router.streaming import (
     DISCONNECT_SCOPE_KEY,
@@ -322,11 +322,7 @@ class RouterState:
             raw = await _read_body(request, self.config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        record = RequestRecord()
-        plan_span = None
-        if self.tracing is not None:
-            span, plan_span = start_request_span(self.tracing, request.headers, endpoint.value)
-            record = RequestRecord(self.tracing, span)
+        record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
         try:
             client_request = check_request(
                 endpoint,
@@ -348,12 +344,10 @@ class RouterState:
             plan = await self._plan(client_request)
         except RouterError as err:
             record.set_outcome(err.reason)
-            if plan_span is not None:
-                self.tracing.end_span(plan_span, err.reason)
+            record.planned(err.reason)
             record.finish(self.metrics)
             raise
-        if plan_span is not None:
-            self.tracing.end_span(plan_span)
+        record.planned()
         relay = Relay(self.ctx, plan, record)
         stage_trace.mark(relay.plan.room, "router.recv", received_ns)
         stage_trace.mark(relay.plan.room, "router.planned")

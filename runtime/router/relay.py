@@ -263,7 +263,7 @@ class Relay:
                 await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
                 plan = self.plan
-                headers = self.record.leg_headers("prefill", worker.url, plan.rid, plan.room)
+                headers = self.record.leg_headers("prefill", worker.url)
                 async with self.ctx.legs.post(
                     worker.url + plan.path, data=plan.content, headers=headers
                 ) as resp:
@@ -422,7 +422,7 @@ class Relay:
         self._main_sending.set()
         stage_trace.mark(self.plan.room, "router.main_send")
         plan = self.plan
-        headers = self.record.leg_headers(plan.main.role.value, plan.main.url, plan.rid, plan.room)
+        headers = self.record.leg_headers(plan.main.role.value, plan.main.url)
         self._main_resp = await self.ctx.legs.post(
             plan.main.url + plan.path, data=plan.content, headers=headers
         )

@@ -8,19 +8,28 @@ request (`pdcluster_router_request_success_total` by finish reason or
 `..._request_failure_total` by reason, the token counters) and ends the
 spans.
 
-With tracing on (`telemetry/tracing.py`) the record holds the request's
-spans: `router.request` (server span, the client's `traceparent` as
-parent), `router.plan`, and one client span per leg, whose context goes
-out as the leg's `traceparent` so each worker's spans join the same trace.
+With tracing on the record decides the request's trace when it arrives
+(`telemetry/trace_context.py`: the client's `traceparent` continued, or a
+new trace sampled at the manifest's ratio), mints the span id of each leg,
+which goes out as the leg's `traceparent` so each worker's spans join the
+same trace, and stamps the plan's and the legs' times. Its spans —
+`router.request` (server; the client's span its parent), `router.plan` and
+one client span per leg — are built off the request's path once it ended
+(`Tracing.submit`).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.metrics import SUCCESS_REASONS, RouterMetrics
 from pdcluster.runtime.telemetry import request_log
+from pdcluster.runtime.telemetry.span_plan import AttributeValue, SpanKind, SpanRecord
+from pdcluster.runtime.telemetry.trace_context import RequestTrace, new_id
 
 # The SSE comment a worker's stream ends with (`server/responses.py`, usage_comment).
 USAGE_COMMENT = ": usage "
@@ -52,21 +61,50 @@ def usage_of(payload: Any) -> tuple[int, int, str | None]:
     )
 
 
+@dataclass
+class _Leg:
+    span_id: int
+    url: str
+    start_ns: int
+    end_ns: int | None = None
+    error: str | None = None
+
+
 class RequestRecord:
-    def __init__(self, tracing: Any = None, span: Any = None) -> None:
+    """One request's outcome, tokens and (tracing on) span ids and stage times."""
+
+    def __init__(self, tracing: Any = None, trace: RequestTrace | None = None) -> None:
         self.tracing = tracing
-        self.span = span  # router.request (tracing on)
+        self.trace = trace  # tracing on: ids and the sampling decision, made on arrival
+        self.started_ns = time.monotonic_ns()
         self.outcome: str | None = None
         self.prompt_tokens = 0
         self.output_tokens = 0
-        self._legs: dict[str, Any] = {}
+        self._span_id = 0 if trace is None else new_id(tracing.rng, 64)
+        self._plan: tuple[int, int, str | None] | None = None
+        self._legs: dict[str, _Leg] = {}
+        self._path = ""
         self._rid: str | None = None
+        self._room: int | None = None
         self._finished = False
+
+    @classmethod
+    def arriving(cls, tracing: Any, headers: Mapping[str, str], path: str) -> RequestRecord:
+        """A request that just arrived: its trace decided when tracing is on."""
+        if tracing is None:
+            return cls()
+        record = cls(tracing, tracing.request_trace(headers))
+        record._path = path
+        return record
 
     # ------------------------------------------------------------- facts
     def set_outcome(self, reason: str) -> None:
         if self.outcome is None:
             self.outcome = reason
+
+    def planned(self, error: str | None = None) -> None:
+        """The legs are planned (or planning failed with `error`)."""
+        self._plan = (self.started_ns, time.monotonic_ns(), error)
 
     def read_answer(self, payload: Any, failed: str | None) -> None:
         """A whole (non-streamed) answer; `failed`: the reason when it reports an error."""
@@ -83,38 +121,25 @@ class RequestRecord:
         if finish is not None:
             self.set_outcome(finish)
 
-    # ------------------------------------------------------------- spans
     def started(self, rid: str, room: int | None) -> None:
         """The legs are planned: the request's log lines name it from now on."""
-        self._rid = rid
-        trace_id = None
-        if self.span is not None:
-            attributes: dict[str, Any] = {"pdcluster.rid": rid}
-            if room is not None:
-                attributes["pdcluster.room"] = room
-            self.span.set_attributes(attributes)
-            trace_id = self.tracing.trace_id(self.span)
+        self._rid, self._room = rid, room
+        trace_id = self.trace.trace_id_hex if self.trace is not None else None
         request_log.bind(rid, room, trace_id)
 
-    def leg_headers(self, role: str, url: str, rid: str, room: int | None) -> dict[str, str]:
-        """Headers of a leg's request: JSON, and with tracing its span's `traceparent`."""
-        if self.span is None:
+    # ------------------------------------------------------------- legs
+    def leg_headers(self, role: str, url: str) -> dict[str, str]:
+        """Headers of a leg's request: JSON, and with tracing the leg span's `traceparent`."""
+        if self.trace is None:
             return JSON_CONTENT
-        from opentelemetry.trace import SpanKind
-
-        attributes: dict[str, Any] = {"pdcluster.rid": rid, "server.address": url}
-        if room is not None:
-            attributes["pdcluster.room"] = room
-        leg = self.tracing.start_span(
-            f"router.{role}_leg", self.tracing.context_of(self.span), SpanKind.CLIENT, attributes
-        )
-        self._legs[role] = leg
-        return {**JSON_CONTENT, **self.tracing.headers_for(leg)}
+        span_id = new_id(self.tracing.rng, 64)
+        self._legs[role] = _Leg(span_id, url, time.monotonic_ns())
+        return {**JSON_CONTENT, **self.trace.child_header(span_id)}
 
     def end_leg(self, role: str, error: str | None = None) -> None:
-        leg = self._legs.pop(role, None)
-        if leg is not None:
-            self.tracing.end_span(leg, error)
+        leg = self._legs.get(role)
+        if leg is not None and leg.end_ns is None:
+            leg.end_ns, leg.error = time.monotonic_ns(), error
 
     # ------------------------------------------------------------ the end
     def finish(self, metrics: RouterMetrics) -> None:
@@ -125,29 +150,53 @@ class RequestRecord:
         metrics.count_outcome(outcome, self.prompt_tokens, self.output_tokens)
         if self._rid is not None:
             request_log.unbind(self._rid)
-        if self.span is None:
-            return
-        from pdcluster.runtime.router.metrics import SUCCESS_REASONS
+        if self.trace is not None and self.trace.sampled:
+            failure = None if outcome in SUCCESS_REASONS else outcome
+            self.tracing.submit(self.trace, self.spans(time.monotonic_ns(), failure))
 
-        error = None if outcome in SUCCESS_REASONS else outcome
-        for role in list(self._legs):
-            self.end_leg(role, error)
-        self.tracing.end_span(
-            self.span,
-            error,
-            {
-                "pdcluster.prompt_tokens": self.prompt_tokens,
-                "pdcluster.output_tokens": self.output_tokens,
-            },
-        )
-
-
-def start_request_span(tracing: Any, headers: Any, path: str) -> tuple[Any, Any]:
-    """`router.request` (the client's `traceparent` its parent) and `router.plan` under it."""
-    from opentelemetry.trace import SpanKind
-
-    span = tracing.start_span(
-        "router.request", tracing.incoming(headers), SpanKind.SERVER, {"http.route": path}
-    )
-    plan = tracing.start_span("router.plan", tracing.context_of(span), SpanKind.INTERNAL)
-    return span, plan
+    def spans(self, end_ns: int, failure: str | None) -> list[SpanRecord]:
+        """The router's spans of this request: the request, its plan, its legs."""
+        ids: dict[str, AttributeValue] = {}
+        if self._rid is not None:
+            ids["pdcluster.rid"] = self._rid
+        if self._room is not None:
+            ids["pdcluster.room"] = self._room
+        head: dict[str, AttributeValue] = {
+            **ids,
+            "http.route": self._path,
+            "pdcluster.prompt_tokens": self.prompt_tokens,
+            "pdcluster.output_tokens": self.output_tokens,
+        }
+        if failure is not None:
+            head["pdcluster.failure_reason"] = failure
+        records = [
+            SpanRecord(
+                "router.request",
+                self.started_ns,
+                end_ns,
+                head,
+                failure,
+                SpanKind.server,
+                self._span_id,
+            )
+        ]
+        if self._plan is not None:
+            start, end, error = self._plan
+            records.append(SpanRecord("router.plan", start, end, {}, error))
+        for role, leg in self._legs.items():
+            attributes: dict[str, AttributeValue] = {**ids, "server.address": leg.url}
+            error = leg.error if leg.end_ns is not None else failure
+            if error is not None:
+                attributes["pdcluster.failure_reason"] = error
+            records.append(
+                SpanRecord(
+                    f"router.{role}_leg",
+                    leg.start_ns,
+                    leg.end_ns or end_ns,
+                    attributes,
+                    error,
+                    SpanKind.client,
+                    leg.span_id,
+                )
+            )
+        return records

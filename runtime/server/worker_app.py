@@ -150,9 +150,10 @@ class WorkerState:
         self.backend.check(req)
         if headers is not None:
             req.traceparent = headers.get("traceparent")
-            req.tracestate = headers.get("tracestate")
             if self.tracing is not None:
-                req.stamps = RequestStamps()
+                req.trace = self.tracing.request_trace(headers)
+                if req.trace.sampled:
+                    req.stamps = RequestStamps()
         return req
 
     async def run(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
@@ -160,7 +161,8 @@ class WorkerState:
         self.in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
         room = req.bootstrap.bootstrap_room
-        request_log.bind(req.rid, room, request_log.trace_id_of(req.traceparent))
+        trace_id = req.trace.trace_id_hex if req.trace is not None else None
+        request_log.bind(req.rid, room, trace_id or request_log.trace_id_of(req.traceparent))
         started, first, finished = time.monotonic(), True, False
         first_at, num_tokens = started, 0
         outcome, detail = "client_disconnect", None
@@ -197,9 +199,7 @@ class WorkerState:
     def _trace(
         self, req: PreparedRequest, stamps: RequestStamps, outcome: str, detail: str | None, n: int
     ) -> None:
-        """Export this worker's spans of a finished request (`span_plan.py`)."""
-        from opentelemetry.trace import SpanKind
-
+        """Queue this worker's spans of a finished request (`span_plan.py`)."""
         from pdcluster.runtime.metrics import SUCCESS_REASONS
         from pdcluster.runtime.telemetry.span_plan import plan_worker_spans
 
@@ -217,9 +217,8 @@ class WorkerState:
                 failure,
             ),
         )
-        headers = {"traceparent": req.traceparent or "", "tracestate": req.tracestate or ""}
-        parent = self.tracing.incoming({k: v for k, v in headers.items() if v})
-        self.tracing.emit(records, parent, SpanKind.SERVER)
+        if req.trace is not None:
+            self.tracing.submit(req.trace, records)
 
     async def collect(self, req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
         text, ids = "", []

@@ -27,6 +27,7 @@ Pure module: stamps in, records out; the clock is read only by `mark`.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,15 +76,26 @@ class RequestStamps:
         self.attributes[key] = value
 
 
+class SpanKind(enum.StrEnum):
+    server = "server"
+    client = "client"
+    internal = "internal"
+
+
 @dataclass(frozen=True)
 class SpanRecord:
-    """A finished span: monotonic ns times; the first record of a list is the parent."""
+    """A finished span, monotonic ns times. In a list the first record is the
+    parent of the others unless a record names its `parent_id`; a `span_id`
+    of 0 is left to the exporter to choose."""
 
     name: str
     start_ns: int
     end_ns: int
     attributes: Mapping[str, AttributeValue]
     error: str | None = None
+    kind: SpanKind = SpanKind.internal
+    span_id: int = 0
+    parent_id: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
 
 from pdcluster.runtime.spec import SpecError, TracingSpec, parse_spec
-from pdcluster.runtime.telemetry.span_plan import SpanRecord
+from pdcluster.runtime.telemetry.span_plan import SpanKind, SpanRecord
 from pdcluster.runtime.telemetry.tracing import Tracing, start_tracing, traces_url
 
 PD: dict[str, Any] = {"prefill": {}, "decode": {}}
@@ -68,46 +68,51 @@ def tracer(ratio: float = 1.0) -> tuple[Tracing, InMemorySpanExporter]:
 
 
 RECORDS = [
-    SpanRecord("decode.request", 1_000, 9_000, {"pdcluster.rid": "r"}),
+    SpanRecord("decode.request", 1_000, 9_000, {"pdcluster.rid": "r"}, kind=SpanKind.server),
     SpanRecord("decode.wait_kv", 2_000, 5_000, {}, "waiting_timeout"),
 ]
+CALLER = {"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"}
 
 
-def test_emitted_records_are_one_parent_and_its_children_at_their_own_times() -> None:
+def test_submitted_records_become_one_parent_and_its_children_at_their_own_times() -> None:
     tracing, exporter = tracer()
-    parent = Tracing.incoming({"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"})
-    tracing.emit(RECORDS, parent, SpanKind.SERVER)
+    request = tracing.request_trace(CALLER)
+    tracing.submit(request, RECORDS)
     tracing.shutdown()
     spans = {s.name: s for s in exporter.get_finished_spans()}
     head, child = spans["decode.request"], spans["decode.wait_kv"]
     assert format(head.context.trace_id, "032x") == TRACE
+    assert head.parent is not None and format(head.parent.span_id, "016x") == "00f067aa0ba902b7"
     assert child.parent is not None and child.parent.span_id == head.context.span_id
-    assert head.kind is SpanKind.SERVER
+    assert head.kind is trace.SpanKind.SERVER
     assert head.end_time - head.start_time == 8_000  # monotonic gaps kept exactly
     assert child.start_time - head.start_time == 1_000
     assert child.status.description == "waiting_timeout"
 
 
-def test_a_sampled_caller_is_followed_whatever_the_ratio_and_a_new_trace_follows_it() -> None:
+def test_spans_keep_the_ids_the_request_chose_on_arrival() -> None:
+    tracing, exporter = tracer()
+    request = tracing.request_trace({})  # a new trace
+    records = [
+        SpanRecord("router.request", 0, 10, {}, kind=SpanKind.server, span_id=0xAB),
+        SpanRecord("router.prefill_leg", 1, 5, {}, kind=SpanKind.client, span_id=0xCD),
+    ]
+    tracing.submit(request, records)
+    tracing.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["router.request"].context.span_id == 0xAB
+    assert spans["router.request"].context.trace_id == request.trace_id
+    assert spans["router.request"].parent is None
+    leg = spans["router.prefill_leg"]
+    assert leg.context.span_id == 0xCD and leg.parent is not None and leg.parent.span_id == 0xAB
+    # What the leg's request carried names that span:
+    assert request.child_header(0xCD)["traceparent"] == f"00-{request.trace_id_hex}-{0xCD:016x}-01"
+
+
+def test_only_sampled_requests_are_built() -> None:
     tracing, exporter = tracer(ratio=0.0)
-    tracing.emit(RECORDS, Tracing.incoming({}), SpanKind.SERVER)  # new trace: ratio 0 drops it
-    sampled = Tracing.incoming({"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"})
-    tracing.emit(RECORDS, sampled, SpanKind.SERVER)
-    unsampled = Tracing.incoming({"traceparent": f"00-{TRACE}-00f067aa0ba902b7-00"})
-    tracing.emit(RECORDS, unsampled, SpanKind.SERVER)
+    assert not tracing.request_trace({}).sampled  # new trace at ratio 0
+    for headers in ({}, CALLER, {"traceparent": f"00-{TRACE}-00f067aa0ba902b7-00"}):
+        tracing.submit(tracing.request_trace(headers), RECORDS)
     tracing.shutdown()
-    assert len(exporter.get_finished_spans()) == 2  # only the sampled caller's
-
-
-def test_a_leg_s_traceparent_names_the_leg_span() -> None:
-    tracing, _ = tracer()
-    span = tracing.start_span("router.prefill_leg", None, SpanKind.CLIENT)
-    headers = Tracing.headers_for(span)
-    trace_id = Tracing.trace_id(span)
-    assert trace_id is not None
-    span_id = format(span.get_span_context().span_id, "016x")
-    version, trace, parent, flags = headers["traceparent"].split("-")
-    assert (version, trace, parent) == ("00", trace_id, span_id)
-    assert int(flags, 16) & 1  # sampled
-    tracing.end_span(span)
-    tracing.shutdown()
+    assert len(exporter.get_finished_spans()) == 2  # only the sampled caller's request

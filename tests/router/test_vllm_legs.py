@@ -92,7 +92,11 @@ def test_the_decode_leg_is_the_clients_body_with_the_prefills_answer() -> None:
         ({"kv_transfer_params": {**ANSWER, "do_remote_prefill": False}}, "do not offer its KV"),
         ({"kv_transfer_params": {**ANSWER, "remote_host": None}}, "lack remote_host"),
         (
-            {"kv_transfer_params": {k: v for k, v in ANSWER.items() if not k.startswith("remote_")}},
+            {
+                "kv_transfer_params": {
+                    k: v for k, v in ANSWER.items() if not k.startswith("remote_")
+                }
+            },
             "lack remote_engine_id, remote_block_ids, remote_host, remote_port",
         ),
     ],

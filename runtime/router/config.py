@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
 from pdcluster.runtime.spec import (
+    EngineKind,
     FailurePolicy,
     LogFormat,
     PDClusterSpec,
@@ -74,6 +75,9 @@ class RouterConfig:
     ttft_slo_s: float | None = None
     tracing: TracingSpec = field(default_factory=TracingSpec)
     log_format: LogFormat | None = None
+    # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
+    # on /health alone and their legs go one after the other (leg_plan.LegFlow).
+    engine: EngineKind = EngineKind.builtin
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -101,6 +105,11 @@ class RouterConfig:
             or self.max_load_gap < 0
         ):
             raise ValueError(f"max_load_gap must be an integer >= 0, got {self.max_load_gap!r}")
+        if not isinstance(self.engine, EngineKind):
+            valid = ", ".join(e.value for e in EngineKind)
+            raise ValueError(f"engine={self.engine!r} is not one of: {valid}")
+        if self.engine is EngineKind.vllm and self.cache_aware_roles:
+            raise ValueError("cache_aware needs page keys, which vLLM workers do not publish")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -128,6 +137,16 @@ class RouterConfig:
         if self.disaggregated is not None:
             return self.disaggregated
         return bool(self.prefill_urls or self.decode_urls)
+
+    @property
+    def reads_server_info(self) -> bool:
+        """Whether workers answer /get_server_info (bootstrap port, dp size, role)."""
+        return self.engine is EngineKind.builtin
+
+    @property
+    def aborts_by_rid(self) -> bool:
+        """Whether workers take `/abort_request {rid}` (vLLM: closing the leg aborts it)."""
+        return self.engine is EngineKind.builtin
 
     @property
     def is_prefill_failure_final(self) -> bool:
@@ -173,6 +192,7 @@ class RouterConfig:
             ttft_slo_s=spec.ttft_slo_seconds,
             tracing=spec.observability.tracing,
             log_format=spec.observability.log_format,
+            engine=spec.engine.kind,
         )
 
     @property

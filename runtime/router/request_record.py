@@ -82,7 +82,7 @@ class RequestRecord:
         self.output_tokens = 0
         self._span_id = 0 if trace is None else new_id(tracing.rng, 64)
         self._plan: tuple[int, int, str | None] | None = None
-        self._legs: dict[str, _Leg] = {}
+        self._legs: list[tuple[str, _Leg]] = []  # in order; a role may have retries
         self._path = ""
         self._rid: str | None = None
         self._room: int | None = None
@@ -133,13 +133,15 @@ class RequestRecord:
         if self.trace is None:
             return JSON_CONTENT
         span_id = new_id(self.tracing.rng, 64)
-        self._legs[role] = _Leg(span_id, url, time.monotonic_ns())
+        self._legs.append((role, _Leg(span_id, url, time.monotonic_ns())))
         return {**JSON_CONTENT, **self.trace.child_header(span_id)}
 
     def end_leg(self, role: str, error: str | None = None) -> None:
-        leg = self._legs.get(role)
-        if leg is not None and leg.end_ns is None:
-            leg.end_ns, leg.error = time.monotonic_ns(), error
+        """The latest open leg of `role` ended (with `error` when it failed)."""
+        for name, leg in reversed(self._legs):
+            if name == role and leg.end_ns is None:
+                leg.end_ns, leg.error = time.monotonic_ns(), error
+                return
 
     # ------------------------------------------------------------ the end
     def finish(self, metrics: RouterMetrics) -> None:
@@ -183,7 +185,7 @@ class RequestRecord:
         if self._plan is not None:
             start, end, error = self._plan
             records.append(SpanRecord("router.plan", start, end, {}, error))
-        for role, leg in self._legs.items():
+        for role, leg in self._legs:
             attributes: dict[str, AttributeValue] = {**ids, "server.address": leg.url}
             error = leg.error if leg.end_ns is not None else failure
             if error is not None:

@@ -18,7 +18,8 @@ Invariants checked here (mirrored as CEL rules in the CRD):
 - autoscaling: minReplicas <= maxReplicas; the target metric belongs to the
   role (`AUTOSCALING_METRICS`); only prefill and decode autoscale; with
   `autoscaling.maxTotalGPUs`, the roles' minimums fit the budget together and
-  each role's maximum fits beside the other role's minimum.
+  each role's maximum fits beside the other role's minimum;
+- `engine.kind: vllm`: only what vLLM can run (`serving_engine.vllm_refusal`).
 
 A section with a module of its own lives beside this one in the package
 (`base.py` holds the shared model base); this module assembles the whole
@@ -30,6 +31,7 @@ Pure module: no I/O beyond parsing text that the caller already read.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import yaml
@@ -45,6 +47,12 @@ from pdcluster.runtime.spec.observability import LogFormat as LogFormat
 from pdcluster.runtime.spec.observability import ObservabilitySpec as ObservabilitySpec
 from pdcluster.runtime.spec.observability import SloSpec as SloSpec
 from pdcluster.runtime.spec.observability import TracingSpec as TracingSpec
+from pdcluster.runtime.spec.serving_engine import EngineKind as EngineKind
+from pdcluster.runtime.spec.serving_engine import KVBufferDevice as KVBufferDevice
+from pdcluster.runtime.spec.serving_engine import ServingEngineSpec as ServingEngineSpec
+from pdcluster.runtime.spec.serving_engine import VllmKVConnector as VllmKVConnector
+from pdcluster.runtime.spec.serving_engine import VllmSpec as VllmSpec
+from pdcluster.runtime.spec.serving_engine import vllm_refusal
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
@@ -491,6 +499,7 @@ class AuthSpec(SpecModel):
 class PDClusterSpec(SpecModel):
     model: ModelSpec = ModelSpec()
     image: str = "pdcluster:0.1.0"
+    engine: ServingEngineSpec = ServingEngineSpec()
     kv_cache: KVCacheSpec = KVCacheSpec()
     transfer: TransferSpec = TransferSpec()
     prefill: RoleSpec | None = None
@@ -522,6 +531,9 @@ class PDClusterSpec(SpecModel):
                 )
         self._check_cache_aware()
         self._check_autoscaling()
+        refusal = vllm_refusal(self)
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
 
     def _check_cache_aware(self) -> None:
@@ -596,6 +608,13 @@ class PDClusterSpec(SpecModel):
         if scaling is not None and scaling.target.metric is AutoscalingMetric.ttft_p90_seconds:
             return scaling.target.value
         return None
+
+    def roles(self) -> Iterator[tuple[Role, RoleSpec]]:
+        """The roles this cluster has, with their specs (prefill before decode)."""
+        for role in Role:
+            spec = self.role_spec(role)
+            if spec is not None:
+                yield role, spec
 
     def role_spec(self, role: Role) -> RoleSpec | None:
         """The spec of `role` (None when this cluster has no such role)."""

@@ -27,6 +27,9 @@ from pdcluster.runtime.spec.base import SpecModel
 
 # Set by the operator in every pod it builds: the manifest's logFormat, json if unset.
 LOG_FORMAT_ENV = "PDCLUSTER_LOG_FORMAT"
+# Where spans go when neither the manifest nor the operator names a collector.
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"
+TRACES_PATH = "/v1/traces"
 # scheme://host[:port][/path]: what the OTLP/HTTP exporter accepts as a base URL.
 _ENDPOINT = re.compile(r"^https?://[^\s/?#]+(/[^\s?#]*)?$")
 
@@ -60,6 +63,12 @@ class TracingSpec(SpecModel):
         le=1,
         description="share of new traces recorded; a sampled incoming traceparent is kept",
     )
+
+    @property
+    def traces_url(self) -> str:
+        """The OTLP/HTTP traces URL of `endpoint` (the default collector when unset)."""
+        base = (self.endpoint or DEFAULT_OTLP_ENDPOINT).rstrip("/")
+        return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
     @field_validator("endpoint")
     @classmethod

@@ -47,9 +47,6 @@ from pdcluster.runtime.telemetry.trace_context import RequestTrace, decide, pars
 
 log = logging.getLogger(__name__)
 
-# Where spans go when neither the manifest nor the operator names a collector.
-DEFAULT_ENDPOINT = "http://localhost:4318"
-TRACES_PATH = "/v1/traces"
 # Requests whose spans may wait for the builder thread; beyond, they are dropped.
 MAX_QUEUED_REQUESTS = 4096
 MAX_EXPORT_QUEUE = 16384
@@ -163,12 +160,6 @@ def _finish(span: Span, error: str | None, end_ns: int) -> None:
     span.end(end_time=end_ns)
 
 
-def traces_url(endpoint: str | None) -> str:
-    """The OTLP/HTTP traces URL of a collector's base URL."""
-    base = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
-    return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
-
-
 def start_tracing(
     spec: TracingSpec,
     service_name: str,
@@ -187,7 +178,7 @@ def start_tracing(
     )
     provider.add_span_processor(
         BatchSpanProcessor(
-            exporter or OTLPSpanExporter(endpoint=traces_url(spec.endpoint)),
+            exporter or OTLPSpanExporter(endpoint=spec.traces_url),
             max_queue_size=MAX_EXPORT_QUEUE,
             schedule_delay_millis=EXPORT_INTERVAL_MS,
         )

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdcluster.runtime.spec import SpecError, TracingSpec, parse_spec
 from pdcluster.runtime.telemetry.span_plan import SpanKind, SpanRecord
-from pdcluster.runtime.telemetry.tracing import Tracing, start_tracing, traces_url
+from pdcluster.runtime.telemetry.tracing import Tracing, start_tracing
 
 PD: dict[str, Any] = {"prefill": {}, "decode": {}}
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -55,9 +55,9 @@ def test_the_ttft_slo_is_the_stated_one_else_the_prefill_autoscaling_target() ->
 
 
 def test_the_traces_url_of_an_endpoint() -> None:
-    assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
-    assert traces_url("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
-    assert traces_url(None) == "http://localhost:4318/v1/traces"
+    assert TracingSpec(endpoint="http://c:4318").traces_url == "http://c:4318/v1/traces"
+    assert TracingSpec(endpoint="http://c:4318/v1/traces").traces_url == "http://c:4318/v1/traces"
+    assert TracingSpec().traces_url == "http://localhost:4318/v1/traces"
 
 
 def tracer(ratio: float = 1.0) -> tuple[Tracing, InMemorySpanExporter]:

@@ -11,10 +11,13 @@ token.
         [--tracing]
 
 Prints median/p90 TTFT per prompt length and the PD / colocated ratio (per backend).
-With `--tracing`, a third 1P1D cluster runs with `observability.tracing` on
-(every request sampled), exporting to a real OpenTelemetry Collector
-(`e2e/otelcol`), and the table adds what tracing costs: its p50 minus the
-untraced 1P1D's p50, in ms.
+With `--tracing`, a third 1P1D cluster runs with `observability.tracing` on,
+exporting to a real OpenTelemetry Collector (`e2e/otelcol`). Its requests
+alternate between a sampled `traceparent` (`pd-traced`: spans on the router,
+prefill and decode) and an unsampled one (`pd-unsampled`: the same
+processes, no spans), so the tracing cost is read on one cluster, free of
+the noise between two clusters: the table's last column is `pd-traced`'s p50
+minus `pd-unsampled`'s.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from harness import ROOT, start_doc, ttft  # noqa: E402
 from pdcluster.runtime.local.launcher import LocalCluster  # noqa: E402
 
 NEW_TOKENS = 4
+# The traced cluster's two kinds of request: a caller's sampled and unsampled trace.
+_TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7"
+TRACE_HEADERS = {
+    "pd-traced": {"traceparent": f"{_TRACE}-01"},
+    "pd-unsampled": {"traceparent": f"{_TRACE}-00"},
+}
 
 
 def main() -> None:
@@ -74,7 +83,9 @@ def main() -> None:
                 from e2e.otelcol.receiver import otlp_receiver
 
                 receiver = stack.enter_context(otlp_receiver(Path(tmp) / "otel"))
-                clusters["pd-traced"] = start_example("pd-1p1d.yaml", Path(tmp), receiver.endpoint)
+                traced = start_example("pd-1p1d.yaml", Path(tmp), receiver.endpoint)
+                clusters["pd-traced"] = traced
+                clusters["pd-unsampled"] = traced
             with httpx.Client(timeout=120) as client:
                 rows = []
                 for n in args.lengths:
@@ -86,12 +97,13 @@ def main() -> None:
                         # after another one's request (whose tail may still be running).
                         shift = trial % len(order)
                         for name, cl in order[shift:] + order[:shift]:
-                            t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS)
+                            headers = TRACE_HEADERS.get(name)
+                            t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS, headers)
                             if trial:
                                 times[name].append(t)
                     rows.append((n, times))
         finally:
-            for cl in clusters.values():
+            for cl in {id(c): c for c in clusters.values()}.values():
                 cl.stop()
     pds = [name for name in clusters if name != "colocated"]
     header = f"{'prompt':>7} {'colocated p50':>14}"
@@ -108,7 +120,7 @@ def main() -> None:
             p90 = statistics.quantiles(times[name], n=10)[-1]
             line += f" {p50 * 1e3:>9.1f} ms {p90 * 1e3:>9.1f} ms {p50 / c50:>12.2f}"
         if "pd-traced" in times:
-            cost = statistics.median(times["pd-traced"]) - statistics.median(times["pd"])
+            cost = statistics.median(times["pd-traced"]) - statistics.median(times["pd-unsampled"])
             line += f" {cost * 1e3:>+10.2f} ms"
         print(line)
 

@@ -56,6 +56,7 @@ from pdcluster.runtime.router.prefill_watch import PrefillWatch
 from pdcluster.runtime.router.request_record import JSON_CONTENT, USAGE_COMMENT, RequestRecord
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
 from pdcluster.runtime.router.workers import Worker, WorkerPool
+from pdcluster.runtime.telemetry.request_log import request_fields
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -230,7 +231,13 @@ class Relay:
         if not main_done:
             self.ctx.send_abort(plan.main, plan.rid, reason)
         self.record.set_outcome(reason)
-        log.info("request %s room %s abandoned: %s", plan.rid, plan.room, reason)
+        log.info(
+            "request %s room %s abandoned: %s",
+            plan.rid,
+            plan.room,
+            reason,
+            extra=request_fields(plan.room, plan.rid),
+        )
 
     async def aclose(self) -> None:
         if self._phase is RelayPhase.closed:
@@ -330,6 +337,7 @@ class Relay:
                 err.worker.url,
                 err.message,
                 "" if self.ctx.config.is_prefill_failure_final else "; decode recomputes",
+                extra=request_fields(self.plan.room, self.plan.rid),
             )
             if err.may_run:
                 self.ctx.send_abort(err.worker, self.plan.rid, err.reason)
@@ -393,6 +401,7 @@ class Relay:
                 plan.main.role.value,
                 plan.main.url,
                 err.message,
+                extra=request_fields(plan.room, plan.rid),
             )
             if self._phase < RelayPhase.main_done:
                 self._advance(RelayPhase.main_done)

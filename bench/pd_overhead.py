@@ -98,7 +98,13 @@ def main() -> None:
                         shift = trial % len(order)
                         for name, cl in order[shift:] + order[:shift]:
                             headers = TRACE_HEADERS.get(name)
-                            t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS, headers)
+                            if name == "pd-unsampled":
+                                # The traced cluster's second request of the trial: a prompt
+                                # of its own, or it would hit that cluster's prefix cache.
+                                own = [rng.randrange(1, 256) for _ in range(n)]
+                                t = ttft(client, cl.plan.endpoint, own, NEW_TOKENS, headers)
+                            else:
+                                t = ttft(client, cl.plan.endpoint, prompt, NEW_TOKENS, headers)
                             if trial:
                                 times[name].append(t)
                     rows.append((n, times))

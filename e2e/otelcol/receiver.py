@@ -119,3 +119,30 @@ def otlp_receiver(workdir: Path) -> Iterator[ReceivedSpans]:
         yield ReceivedSpans(endpoint, out)
     finally:
         stop(record, grace_s=10)
+
+
+def format_trace_tree(spans: list[Span]) -> str:
+    """One trace as an indented tree: service, span name, duration, status, room/rid."""
+    by_parent: dict[str, list[Span]] = {}
+    ids = {s.span_id for s in spans}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        parent = span.parent_id if span.parent_id in ids else ""
+        by_parent.setdefault(parent, []).append(span)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for span in by_parent.get(parent, []):
+            ms = (span.end_ns - span.start_ns) / 1e6
+            status = f" ERROR({span.status_message})" if span.is_error else ""
+            facts = {
+                k.removeprefix("pdcluster."): v
+                for k, v in span.attributes.items()
+                if k in ("pdcluster.room", "pdcluster.kv.bytes", "pdcluster.kv.backend")
+            }
+            lines.append(
+                f"{'  ' * depth}{span.name} [{span.service}] {ms:.1f} ms{status} {facts or ''}"
+            )
+            walk(span.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(line.rstrip() for line in lines)

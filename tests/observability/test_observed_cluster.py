@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.otelcol.receiver import ReceivedSpans, Span, otlp_receiver
+from e2e.otelcol.receiver import ReceivedSpans, Span, format_trace_tree, otlp_receiver
 from e2e.prometheus_server import PrometheusApi, finite_points, prometheus_server
 from pdcluster.operator.observability.generate import RULES_FILE
 from pdcluster.operator.observability.panels import DASHBOARDS, Panel, Source, all_panels
@@ -217,7 +217,8 @@ DECODE_SPANS = {"decode.request", "decode.wait_kv", "decode.first_token", "decod
 def test_one_request_is_one_trace_across_router_prefill_and_decode(observed: Observed) -> None:
     wanted = ROUTER_SPANS | PREFILL_SPANS | DECODE_SPANS
     spans = _trace(observed.spans, CLIENT_TRACE, wanted)
-    assert wanted <= spans.keys(), sorted(wanted - spans.keys())
+    tree = format_trace_tree(list(spans.values()))
+    assert wanted <= spans.keys(), f"missing {sorted(wanted - spans.keys())} in\n{tree}"
     parent = {name: spans[name].parent_id for name in wanted}
     ids = {name: spans[name].span_id for name in wanted}
     assert parent["router.request"] == CLIENT_SPAN  # the client's traceparent honoured
@@ -258,9 +259,12 @@ def test_a_failed_rooms_trace_carries_the_failure_reason(observed: Observed) -> 
         time.sleep(0.5)
     assert decode, f"no decode.request span for {rid}"
     spans = _trace(observed.spans, decode[0].trace_id, {"router.request", "decode.wait_kv"})
-    reason = spans["decode.request"].attributes.get("pdcluster.failure_reason", "")
-    assert spans["decode.request"].is_error and "waiting_timeout" in reason, reason
-    assert "waiting_timeout" in spans["decode.wait_kv"].status_message, spans["decode.wait_kv"]
+    reason = str(spans["decode.request"].attributes.get("pdcluster.failure_reason", ""))
+    # Whichever deadline fires first: decode's wait for KV, or prefill's own transfer
+    # phase (decode then hears prefill's Failed status); both bound the hung step.
+    assert spans["decode.request"].is_error, reason
+    assert re.search(r"\b(waiting_timeout|transfer_timeout)\b", reason), reason
+    assert spans["decode.wait_kv"].status_message == reason  # the stage it failed in
     assert spans["router.request"].is_error
     assert spans["router.request"].attributes["pdcluster.failure_reason"]
 

@@ -157,18 +157,50 @@ def _torch_threads() -> int:
     return max(1, int(os.environ.get("PDCLUSTER_TORCH_THREADS", "1")))
 
 
-def engine_config(settings: WorkerSettings, dp_rank: int) -> Any:
+def engine_config(settings: WorkerSettings, dp_rank: int, group_rank: int = 0) -> Any:
     from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+    from pdcluster.runtime.engine.model_dir import ModelDirError, resolve_model_dir
     from pdcluster.runtime.engine.topology import ParallelConfig
 
     shm_dir = None
     if settings.shm_dir is not None:
         shm_dir = os.path.join(settings.shm_dir, f"dp{dp_rank}")
         os.makedirs(shm_dir, exist_ok=True)
-    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, shm_dir)
+    try:
+        model_dir = resolve_model_dir(settings.manifest.spec.model, os.environ)
+    except ModelDirError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
+    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, shm_dir, model_dir)
     topo = settings.role_spec.topology
+    placement = _place_rank(settings, dp_rank * topo.cp * topo.tp * topo.pp + group_rank)
     # One torch world per dp group: see the module docstring.
-    return replace(cfg, parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp))
+    return replace(
+        cfg,
+        device=placement.device,
+        parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp),
+    )
+
+
+def _place_rank(settings: WorkerSettings, global_rank: int) -> Any:
+    """This rank's GPU and NIC (engine/rank_placement.py); its UCX_NET_DEVICES is set
+    here, in the rank's own process, before its NIXL agent exists."""
+    from pdcluster.runtime.engine.rank_placement import RankPlacementError, place_rank
+
+    device = settings.role_spec.device
+    visible = 0
+    if device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+    try:
+        placement = place_rank(
+            settings.layout, global_rank, device, visible, settings.manifest.spec.transfer.ucx
+        )
+    except RankPlacementError as err:
+        raise SystemExit(f"pdcluster worker: rank {global_rank}: {err}") from None
+    if placement.ucx_net_devices is not None:
+        os.environ["UCX_NET_DEVICES"] = placement.ucx_net_devices
+    return placement
 
 
 def _init_group(
@@ -180,7 +212,7 @@ def _init_group(
     from pdcluster.runtime.engine.parallel import init_distributed
     from pdcluster.runtime.engine.rendezvous import RankGate
 
-    cfg = engine_config(settings, dp_rank)
+    cfg = engine_config(settings, dp_rank, group_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
     # dp group 0's rank 0 on the leader pod of a multi-pod dp > 1 instance

@@ -86,6 +86,8 @@ class CreateTokenSecret:
 class Delete:
     key: ObjectKey
     uid: str
+    # Seconds the object's processes get to stop (a pod's drain); None: its own setting.
+    grace_period_s: int | None = None
 
 
 @dataclass(frozen=True)

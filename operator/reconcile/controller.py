@@ -123,7 +123,11 @@ class Controller:
         prev = parse_status(body.get("status"))
         try:
             cluster = cluster_from_body(body)
-            desired = build_desired(cluster, operator_namespace=self.settings.operator_namespace)
+            desired = build_desired(
+                cluster,
+                operator_namespace=self.settings.operator_namespace,
+                scrape=self.settings.scrape_source,
+            )
         except (SpecError, BuildError, InvalidNameError) as err:
             await self._report_invalid(body, prev, str(err), now)
             self.metrics.reconciles.labels(result="invalid").inc()

@@ -342,7 +342,9 @@ class FakeApi:
         self._maybe_fail("create", str(manifest["kind"]))
         return self.store.put(manifest, create_only=True)
 
-    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+    async def delete(
+        self, kind: str, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> bool:
         self._maybe_fail("delete")
         try:
             return self.store.remove(kind, name, uid)

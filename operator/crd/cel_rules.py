@@ -217,7 +217,8 @@ MODEL_SOURCE_RULES = (
         message="model.source: an hf:// source needs cacheClaim (the cache PVC)",
     ),
     CelRule(
-        rule="self.uri.startsWith('hf://') || (!has(self.cacheClaim) && !has(self.tokenSecretName))",
+        rule="self.uri.startsWith('hf://') || "
+        "(!has(self.cacheClaim) && !has(self.tokenSecretName))",
         message="model.source: cacheClaim and tokenSecretName belong to hf:// only",
     ),
     CelRule(
@@ -266,7 +267,8 @@ POD_RULES = (
     ),
     CelRule(
         rule="!has(self.volumeMounts) || "
-        f"self.volumeMounts.all(m, !has(m.mountPath) || !m.mountPath.matches('{_reserved_mount_regex()}'))",
+        "self.volumeMounts.all(m, !has(m.mountPath) || "
+        f"!m.mountPath.matches('{_reserved_mount_regex()}'))",
         message="pod.volumeMounts: a mountPath that overlaps a path the operator mounts",
     ),
     CelRule(

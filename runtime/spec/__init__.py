@@ -37,14 +37,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
-from pdcluster.runtime.spec.base import SpecError, SpecModel
+
+# The sections with a module of their own, re-exported (`X as X`): callers import
+# every manifest name from runtime.spec.
+from pdcluster.runtime.spec.base import (
+    SpecError as SpecError,
+)
+from pdcluster.runtime.spec.base import (
+    SpecModel as SpecModel,
+)
 from pdcluster.runtime.spec.disruption import (
     DRAIN_MARGIN_SECONDS as DRAIN_MARGIN_SECONDS,
 )
 from pdcluster.runtime.spec.disruption import (
-    DisruptionBudgetSpec,
-    DrainSpec,
-    RolloutSpec,
+    DisruptionBudgetSpec as DisruptionBudgetSpec,
+)
+from pdcluster.runtime.spec.disruption import (
+    DrainSpec as DrainSpec,
+)
+from pdcluster.runtime.spec.disruption import (
+    RolloutSpec as RolloutSpec,
 )
 from pdcluster.runtime.spec.model_source import (
     MODEL_MOUNT_PATH as MODEL_MOUNT_PATH,
@@ -56,12 +68,14 @@ from pdcluster.runtime.spec.model_source import (
     ModelSourceKind as ModelSourceKind,
 )
 from pdcluster.runtime.spec.model_source import (
-    ModelSourceSpec,
+    ModelSourceSpec as ModelSourceSpec,
 )
 from pdcluster.runtime.spec.model_source import (
     parse_model_uri as parse_model_uri,
 )
-from pdcluster.runtime.spec.pod_overlay import PodOverlaySpec
+from pdcluster.runtime.spec.pod_overlay import (
+    PodOverlaySpec as PodOverlaySpec,
+)
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"

@@ -95,7 +95,7 @@ class PodOverlaySpec(SpecModel):
     # Capabilities added to the worker container (it drops ALL first), e.g. IPC_LOCK.
     capabilities: list[str] = Field(default_factory=list, max_length=16)
     host_network: bool = False
-    host_ipc: bool = False
+    host_ipc: bool = Field(default=False, alias="hostIPC")
 
     @model_validator(mode="after")
     def _nothing_we_own(self) -> PodOverlaySpec:

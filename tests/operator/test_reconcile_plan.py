@@ -12,8 +12,7 @@ from pdcluster.operator.reconcile.actions import Apply, Create, CreateTokenSecre
 from pdcluster.operator.reconcile.instances import Health, group_instances
 from pdcluster.operator.reconcile.plan import manifest_hash, stamp
 from pdcluster.operator.reconcile.restarts import backoff_delay
-from pdcluster.runtime.spec import RolloutSpec
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import Role, RolloutSpec
 
 from .helpers import PD, Sim, observe_store
 

@@ -39,6 +39,8 @@ class Reason(StrEnum):
     # `gang: podGroup`, but the apiserver serves no PodGroups (no CRD, no RBAC grant).
     PodGroupUnavailable = "PodGroupUnavailable"
     ApplyFailed = "ApplyFailed"
+    # The namespace's Pod Security admission refused pods: the level they need.
+    PodSecurityRefused = "PodSecurityRefused"
     # Refused by the operator's policy (`policy.py`): nothing is changed.
     ImageNotAllowed = "ImageNotAllowed"
     SecretNotAllowed = "SecretNotAllowed"

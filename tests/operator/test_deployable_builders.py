@@ -349,3 +349,50 @@ def test_the_workers_policy_admits_the_scrapers_to_the_metrics_port_only() -> No
         == workers["spec"]["ingress"][:-1]
     )
     need("kubernetes_validate").validate(workers, K8S_VERSION, strict=True)
+
+
+# ------------------------------------------------------------- the worked example
+def test_the_worked_gpu_example_renders_pods_a_reviewer_accepts() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from pdcluster.operator.render import cluster_for_render, render_objects
+    from pdcluster.runtime.spec import load_manifest_text
+
+    text = (Path(__file__).parents[2] / "examples" / "llama-8b-pvc-4p4d-nixl-rdma.yaml").read_text()
+    manifest = load_manifest_text(text)
+    assert (
+        manifest.spec.transfer.backend.value == "nixl" and manifest.spec.transfer.ucx.require_rdma
+    )
+    objects = render_objects(cluster_for_render(yaml.safe_load(text), "llm"))
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    assert (
+        sorted(p["metadata"]["labels"]["pdcluster.io/role"] for p in pods)
+        == ["decode"] * 4 + ["prefill"] * 4
+    )
+    for pod in pods:
+        c = container(pod)
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert env_of(c)["PDCLUSTER_MODEL_DIR"] == "/models/llama-3.1-8b-instruct"
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {
+            "claimName": "models",
+            "readOnly": True,
+        }
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 300 + DRAIN_MARGIN_SECONDS
+        assert pod_security_level(pod["spec"])[0] == "privileged"
+        need("kubernetes_validate").validate(pod, K8S_VERSION, strict=True)
+    budgets = {
+        o["metadata"]["name"]: o["spec"]["minAvailable"]
+        for o in objects
+        if o["kind"] == "PodDisruptionBudget"
+    }
+    assert budgets == {
+        "llama-8b-prefill-budget": 3,
+        "llama-8b-decode-budget": 3,
+        "llama-8b-router-budget": 1,
+    }

@@ -142,6 +142,8 @@ def build_spec_schema() -> Schema:
     ucx = props["transfer"]["properties"]["ucx"]
     ucx["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.UCX_RULES)
     props["model"]["description"] = _description(ModelSpec)
+    vllm = props["engine"]["properties"]["vllm"]
+    vllm["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.VLLM_RULES)
     for path, node in walk(spec, ""):
         doc = field_docs.lookup(path.lstrip("."))
         if doc and "description" not in node:

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from pdcluster.runtime.spec.base import SpecModel
+from pdcluster.runtime.spec.serving_engine import OWNED_ENV as VLLM_OWNED_ENV
 
 OWNED_PREFIX = "pdcluster.io/"
 RESERVED_ENV_PREFIX = "PDCLUSTER_"
@@ -44,6 +45,7 @@ RESERVED_ENV_NAMES = frozenset(
         "HF_HUB_OFFLINE",
         "HF_TOKEN",
         "CUDA_VISIBLE_DEVICES",
+        *VLLM_OWNED_ENV,
     }
 )
 RESERVED_VOLUME_NAMES = frozenset(

@@ -48,7 +48,9 @@ BASELINE_CAPABILITIES = frozenset(
         "SYS_CHROOT",
     }
 )
-# Volume kinds the restricted level admits; baseline admits every kind but hostPath.
+# Volume kinds the restricted level admits (image volumes too, as the v1.37
+# admission plugin does: e2e/test_deployable.py asks it); baseline admits every
+# kind but hostPath.
 RESTRICTED_VOLUME_KINDS = frozenset(
     {
         "configMap",
@@ -56,6 +58,7 @@ RESTRICTED_VOLUME_KINDS = frozenset(
         "downwardAPI",
         "emptyDir",
         "ephemeral",
+        "image",
         "persistentVolumeClaim",
         "projected",
         "secret",

@@ -249,6 +249,7 @@ def test_an_overlay_touching_what_we_own_is_refused_naming_the_field(
         ({"hostIPC": True}, None, "privileged"),
         ({}, "host:///data/llama", "privileged"),
         ({}, "pvc://models/llama", "restricted"),
+        ({}, "oci://registry.example/llama:1", "restricted"),
     ],
 )
 def test_the_pod_security_level_a_pod_needs(

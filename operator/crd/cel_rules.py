@@ -154,9 +154,11 @@ def _vllm_role_rules(role: str) -> tuple[CelRule, ...]:
 
 VLLM_SPEC_RULES = (
     _vllm_rule(
-        "has(self.model) && has(self.model.path) && size(self.model.path) > 0",
+        "has(self.model) && ((has(self.model.path) && size(self.model.path) > 0) || "
+        "has(self.model.source))",
         "model.path: engine.kind vllm serves the model at `path` (a directory or a "
-        "Hugging Face id); the built-in tiny model runs on the builtin engine only",
+        "Hugging Face id) or from `source`; the built-in tiny model runs on the builtin "
+        "engine only",
     ),
     _vllm_rule(
         f"{_get_str('model.computeDtype', 'float32')} != 'float64'",

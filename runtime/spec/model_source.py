@@ -149,3 +149,27 @@ class ModelSourceSpec(SpecModel):
     @property
     def parsed(self) -> ModelSource:
         return parse_model_uri(self.uri)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What an engine that takes a folder or a hub id is given for a model: the
+    folder the pod mounted, or (hf://) the repository and revision, which it
+    reads from the hub cache the pod mounted (HF_HUB_CACHE, offline)."""
+
+    location: str
+    revision: str | None = None
+
+
+def engine_model(path: str | None, source: ModelSourceSpec | None) -> EngineModel:
+    """The model argument of an engine's command line, for `model.path` or `model.source`."""
+    if source is None:
+        if not path:
+            raise SpecError("model: neither path nor source names a model folder")
+        return EngineModel(path)
+    parsed = source.parsed
+    if parsed.kind is ModelSourceKind.hf:
+        return EngineModel(parsed.repo, parsed.revision)
+    if parsed.kind is ModelSourceKind.pvc and parsed.path:
+        return EngineModel(f"{MODEL_MOUNT_PATH}/{parsed.path}")
+    return EngineModel(MODEL_MOUNT_PATH)

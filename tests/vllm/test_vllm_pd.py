@@ -1,0 +1,307 @@
+"""Stock vLLM prefill and decode (NixlConnector) behind our router, in local mode.
+
+One cluster for the module: `pdcluster up` on a `kind: vllm` manifest with
+two prefill instances and one decode (real `vllm serve` processes from the
+cached vLLM CPU environment, the tiny random Llama). The colocated
+reference is the same decode vLLM answering the request alone (no
+`kv_transfer_params`): greedy, so PD must give the same tokens.
+
+- interop: `/v1/completions` and `/v1/chat/completions`, streamed and not,
+  through the official `openai` client, on 1P1D (the second prefill held out
+  at the router) and 2P1D (both prefills in turn): tokens equal colocated,
+  and the decode really read the KV (its NIXL reads count up);
+- a client that leaves mid-stream or mid-prefill leaves no request running
+  or waiting and no KV block held on any vLLM (their own metrics);
+- kill -9 of a prefill during a burst: requests that already stream finish
+  unchanged; those still waiting for its KV start again on the other prefill
+  at once (same tokens); with no other prefill they end at once with a 502
+  naming the lost worker; the decode keeps serving with nothing held; the
+  supervisor restarts the prefill (`pdcluster ps`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.local.cluster import RunningCluster, local_cluster, ps_rows, write_manifest
+from tests.vllm.harness import MODEL_NAME, is_idle, read_metrics, vllm_spec, wait_for
+
+# The module's cluster starts inside the first test's time.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 10
+MESSAGES = [{"role": "user", "content": "Tell me a story about a fox and a dog. " * 8}]
+# vLLM starts slowly on a busy 2-core box; the launcher waits this long.
+READY_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, vllm_python: str, vllm_model: Path
+) -> Iterator[RunningCluster]:
+    tmp = tmp_path_factory.mktemp("vllm-pd")
+    manifest = write_manifest(tmp, "vllm-2p1d", vllm_spec(vllm_model, prefills=2))
+    state = tmp / "state"
+    state.mkdir()
+    args = ["--vllm", vllm_python, "--ready-timeout", str(READY_TIMEOUT_S)]
+    with local_cluster(manifest, state, timeout=READY_TIMEOUT_S + 60, args=args) as running:
+        yield running
+
+
+def url_of(cluster: RunningCluster, name: str) -> str:
+    return str(cluster.worker(name)["url"])
+
+
+def client(cluster: RunningCluster, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused", **kwargs)
+
+
+def generate(
+    cluster: RunningCluster, endpoint: str, stream: bool, max_tokens: int = 24
+) -> list[int]:
+    """The output token ids of one greedy request through the router."""
+    oai = client(cluster, timeout=300)
+    extra = {"return_token_ids": True}
+    if endpoint == "completions":
+        if not stream:
+            c = oai.completions.create(
+                model=MODEL_NAME,
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body=extra,
+            )
+            return list(c.choices[0].model_extra["token_ids"])
+        ids: list[int] = []
+        for chunk in oai.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body=extra,
+        ):
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+        return ids
+    if not stream:
+        r = oai.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body=extra,
+        )
+        return list(r.choices[0].model_extra["token_ids"])
+    ids = []
+    for chunk in oai.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        temperature=0,  # type: ignore[arg-type]
+        stream=True,
+        extra_body=extra,
+    ):
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+    return ids
+
+
+def colocated(cluster: RunningCluster, endpoint: str, max_tokens: int = 24) -> list[int]:
+    """The same request served by the decode vLLM alone (no kv_transfer_params)."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0}
+    body["return_token_ids"] = True
+    if endpoint == "completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = MESSAGES
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    resp = httpx.post(
+        url_of(cluster, "decode-0") + path,
+        json=body,
+        headers=cluster.auth,
+        timeout=300,
+    )
+    resp.raise_for_status()
+    return list(resp.json()["choices"][0]["token_ids"])
+
+
+def router_health(cluster: RunningCluster) -> dict[str, bool]:
+    workers = httpx.get(cluster.endpoint + "/health", timeout=10).json()["workers"]
+    return {w["url"]: w["healthy"] for w in workers}
+
+
+def hold(cluster: RunningCluster, name: str, held: bool) -> None:
+    path = "/admin/hold_worker" if held else "/admin/admit_worker"
+    body = {"url": url_of(cluster, name), "reason": "held out by the test"}
+    httpx.post(cluster.endpoint + path, json=body, headers=cluster.auth, timeout=10)
+    url = url_of(cluster, name)
+    wait_for(lambda: router_health(cluster)[url] is not held, 30, f"{name} held={held}")
+
+
+REFERENCE: dict[str, list[int]] = {}
+
+
+@pytest.mark.parametrize("topology", ["1P1D", "2P1D"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_pd_output_equals_colocated(
+    cluster: RunningCluster, topology: str, endpoint: str, stream: bool
+) -> None:
+    hold(cluster, "prefill-1", held=topology == "1P1D")
+    if endpoint not in REFERENCE:
+        REFERENCE[endpoint] = colocated(cluster, endpoint)
+    decode = url_of(cluster, "decode-0")
+    prefills = [url_of(cluster, f"prefill-{i}") for i in range(2)]
+    reads = read_metrics(decode).kv_reads
+    served = [read_metrics(p).prompt_tokens for p in prefills]
+    # Two requests: round robin gives one to each prefill in 2P1D.
+    for _ in range(2):
+        assert generate(cluster, endpoint, stream) == REFERENCE[endpoint]
+    assert read_metrics(decode).kv_reads >= reads + 2, "the decode read the prompt's KV"
+    grew = [
+        read_metrics(p).prompt_tokens > before for p, before in zip(prefills, served, strict=True)
+    ]
+    assert grew == ([True, False] if topology == "1P1D" else [True, True])
+
+
+def test_a_client_leaving_leaves_nothing_running_or_held(cluster: RunningCluster) -> None:
+    hold(cluster, "prefill-1", held=False)
+    oai = client(cluster, timeout=300)
+    # Mid-stream: a few tokens of a long answer, then the client goes.
+    stream = oai.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=500, temperature=0, stream=True
+    )
+    for n, _ in enumerate(stream):
+        if n == 3:
+            break
+    stream.close()
+    # Mid-prefill: a request given up 0.3 s after it was sent.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            cluster.endpoint + "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": PROMPT * 2, "max_tokens": 500},
+            timeout=0.3,
+        )
+    for name in ("prefill-0", "prefill-1", "decode-0"):
+        url = url_of(cluster, name)
+        # A prefill keeps the blocks a decode never read for vLLM's KV lease (30 s).
+        wait_for(lambda url=url: is_idle(url), 45, f"{name} idle with no KV held")
+
+
+def prompt_of(i: int) -> str:
+    """A prompt no other request shares (no prefix-cache hit: each prefill computes)."""
+    return f"Request {i}: " + PROMPT
+
+
+def burst(cluster: RunningCluster, first: int, n: int) -> list[concurrent.futures.Future[Any]]:
+    """`n` streamed requests at once (prompts `first`..), each read to its end."""
+    pool = concurrent.futures.ThreadPoolExecutor(n)
+
+    def one(i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"i": i, "ids": []}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt_of(i),
+            "max_tokens": 48,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        url = cluster.endpoint + "/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=300) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                out["error"] = json.loads(r.read())["error"]["message"]
+            for line in r.iter_lines() if r.status_code == 200 else ():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]["message"]
+                else:
+                    out["ids"] += event["choices"][0].get("token_ids") or []
+        out["ended_at"] = time.monotonic()
+        return out
+
+    futures = [pool.submit(one, i) for i in range(first, first + n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def colocated_ids(cluster: RunningCluster, i: int) -> list[int]:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt_of(i),
+        "max_tokens": 48,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    decode = url_of(cluster, "decode-0")
+    resp = httpx.post(decode + "/v1/completions", json=body, headers=cluster.auth, timeout=300)
+    resp.raise_for_status()
+    return list(resp.json()["choices"][0]["token_ids"])
+
+
+def kill_when_busy(cluster: RunningCluster, name: str) -> float:
+    """kill -9 of the instance's process group (the pod dies) once a prefill leg is
+    in flight on it; when."""
+    url = url_of(cluster, name)
+
+    def busy() -> bool:
+        workers = httpx.get(cluster.endpoint + "/health", timeout=10).json()["workers"]
+        return any(w["url"] == url and w["outstanding"] > 0 for w in workers)
+
+    wait_for(busy, 60, f"a prefill leg on {name}")
+    os.killpg(int(cluster.worker(name)["pid"]), signal.SIGKILL)
+    return time.monotonic()
+
+
+def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
+    hold(cluster, "prefill-1", held=False)
+    reference = {i: colocated_ids(cluster, i) for i in range(14)}
+    decode = url_of(cluster, "decode-0")
+
+    # Two prefills: the killed one's requests start again on the other.
+    futures = burst(cluster, 0, 8)
+    kill_when_busy(cluster, "prefill-0")
+    results = [f.result(timeout=600) for f in futures]
+    assert [r["status"] for r in results] == [200] * 8, results
+    assert [r["ids"] for r in results] == [reference[i] for i in range(8)]
+    metrics = httpx.get(cluster.endpoint + "/metrics", timeout=10).text
+    assert 'pdcluster_router_leg_failures_total{reason="prefill_lost",role="prefill"}' in metrics
+
+    # One prefill left (prefill-0 restarts): killing it ends the requests still
+    # waiting for its KV at once, with an error naming it; none hangs, and one
+    # already streaming finishes unchanged.
+    futures = burst(cluster, 8, 6)
+    lost = url_of(cluster, "prefill-1")
+    killed_at = kill_when_busy(cluster, "prefill-1")
+    results = [f.result(timeout=600) for f in futures]
+    failed = [r for r in results if "error" in r]
+    assert failed, "a prefill leg was in flight on the killed prefill"
+    for r in failed:
+        assert r["status"] == 502 and lost in r["error"] and "lost" in r["error"], r
+        assert r["ended_at"] - killed_at < 10, "ended at once, not at vLLM's timeouts"
+    for r in results:
+        if "error" not in r:
+            assert r["ids"] == reference[r["i"]]
+
+    # The decode is unharmed: nothing running or held, and it serves again once
+    # the supervisor has restarted prefill-0.
+    wait_for(lambda: is_idle(decode), 45, "decode idle with no KV held")
+    assert ps_rows(cluster.state_dir)["prefill-0"]["RESTARTS"] == "1"
+    wait_for(lambda: router_health(cluster)[url_of(cluster, "prefill-0")], 600, "prefill-0 back")
+    assert ps_rows(cluster.state_dir)["prefill-0"]["STATE"] == "running"
+    futures = burst(cluster, 0, 1)
+    assert futures[0].result(timeout=300)["ids"] == reference[0]

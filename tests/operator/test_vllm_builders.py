@@ -139,3 +139,15 @@ def test_the_fast_path_tells_and_polls_only_pods_with_our_admin_api(engine: Engi
     loss = Loss(prefill, LossCause.deleted, happened_at=None)
     text = loss_message(loss, [], 30.0)
     assert ("the router ends its requests" in text) is not builtin
+
+
+def test_the_engine_is_part_of_the_revision_only_when_set() -> None:
+    from pdcluster.operator.reconcile.revision import compute_cluster_revision
+    from pdcluster.runtime.spec import parse_spec
+
+    builtin = parse_spec({"prefill": {}, "decode": {}})
+    explicit = parse_spec({"prefill": {}, "decode": {}, "engine": {"kind": "builtin"}})
+    assert compute_cluster_revision(builtin) == compute_cluster_revision(explicit)
+    vllm = make_cluster(VLLM).spec
+    args = {**VLLM, "engine": {"kind": "vllm", "vllm": {"extraArgs": ["--max-num-seqs", "8"]}}}
+    assert compute_cluster_revision(vllm) != compute_cluster_revision(make_cluster(args).spec)

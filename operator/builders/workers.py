@@ -39,7 +39,10 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
+from pdcluster.operator.builders.disruption import worker_grace_period_s
 from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.model_volume import build_model_mount
+from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
 from pdcluster.operator.builders.vllm_pods import build_vllm_container, vllm_labels
 from pdcluster.operator.reconcile.cluster import Cluster
@@ -57,6 +60,7 @@ from pdcluster.runtime.pod_rendezvous import (
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+WORKER_CONTAINER = "worker"
 # A model may take minutes to load (up to PERIOD * FAILURES = 10 min); liveness
 # only starts once /health answered. A short period makes a fresh pod Ready soon.
 STARTUP_PROBE_PERIOD_S = 2
@@ -315,9 +319,9 @@ def build_worker_pod(
             names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
         }
         labels.update(vllm_labels())
-        return _pod(cluster, spec, role, index, name, labels, annotations, vllm)
+        return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, vllm)
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": WORKER_CONTAINER,
         "image": cluster.spec.image,
         "command": ["pdcluster"],
         "args": _worker_args(role, index, pod_index),
@@ -336,28 +340,37 @@ def build_worker_pod(
         # (engine_stalled): the kubelet restarts it; a worker still waiting
         # for its peers stays alive (readiness keeps it out of the pool).
         container["livenessProbe"] = meta.http_probe(10, 3, timeout_s=5, path="/health/live")
-    return _pod(cluster, spec, role, index, name, labels, annotations, container)
+    return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, container)
 
 
 def _pod(
     cluster: Cluster,
     spec: RoleSpec,
-    role: Role,
-    index: int,
+    where: tuple[Role, int, int],
     name: str,
     labels: dict[str, str],
     annotations: dict[str, str],
     container: dict[str, Any],
 ) -> Manifest:
-    """The pod every worker container runs in, the cluster token file mounted."""
+    """The pod every worker container runs in (`where`: role, instance, pod index): the
+    cluster token file and the model mounted, the drain's grace, the user's overlay."""
+    role, index, pod_index = where
     volumes, mounts = podsecurity.writable_volumes()
     token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
     volumes.append(token_volume)
     mounts.append(token_mount)
+    model = build_model_mount(cluster.spec)
+    volumes.extend(model.volumes)
+    mounts.extend(model.mounts)
+    container["env"].extend(model.env)
     container["volumeMounts"] = mounts
+    # A worker that cannot start (no model at its source) says why in the pod's status.
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     pod_spec: dict[str, Any] = {
         # A rank that dies must fail the pod so the whole gang restarts.
         "restartPolicy": "Never",
+        # The drain (builders/disruption.py): never cut at Kubernetes' 30 s.
+        "terminationGracePeriodSeconds": worker_grace_period_s(cluster, spec, pod_index),
         "serviceAccountName": names.runtime_account_name(cluster.name),
         # Workers never call the API (leaders are found through the bootstrap
         # Service), so they carry no service-account token.
@@ -373,16 +386,21 @@ def _pod(
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
+    if model.init_containers:
+        pod_spec["initContainers"] = list(model.init_containers)
+    pod_meta = meta.object_meta(
+        cluster.ref,
+        name,
+        component="worker",
+        labels=labels,
+        annotations=annotations,
+    )
+    # Last: the user's overlay joins whatever the engine's container is.
+    apply_pod_overlay(pod_meta, pod_spec, spec.pod, WORKER_CONTAINER)
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": meta.object_meta(
-            cluster.ref,
-            name,
-            component="worker",
-            labels=labels,
-            annotations=annotations,
-        ),
+        "metadata": pod_meta,
         "spec": pod_spec,
     }
     return build_pod_scheduling(cluster, role, index).apply_to(pod)

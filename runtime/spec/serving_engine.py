@@ -168,10 +168,11 @@ def vllm_refusal(spec: PDClusterSpec) -> str | None:
     if not spec.engine.is_vllm:
         return None
     model, kv = spec.model, spec.kv_cache
-    if not model.path:
+    if not model.path and model.source is None:
         return (
             "model.path: engine.kind vllm serves the model at `path` (a directory or a "
-            "Hugging Face id); the built-in tiny model runs on the builtin engine only"
+            "Hugging Face id) or from `source`; the built-in tiny model runs on the builtin "
+            "engine only"
         )
     if model.compute_dtype.value == "float64":
         return "model.computeDtype: vLLM computes in float32, float16 or bfloat16, not float64"

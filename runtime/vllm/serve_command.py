@@ -39,6 +39,7 @@ from pdcluster.runtime.spec import (
     SpecError,
     VllmKVConnector,
 )
+from pdcluster.runtime.spec.model_source import engine_model
 
 # vLLM's default NIXL side-channel port (its `VLLM_NIXL_SIDE_CHANNEL_PORT`).
 DEFAULT_SIDE_CHANNEL_PORT = 5600
@@ -100,8 +101,10 @@ def build_vllm_serve(
     if rs is None:
         raise SpecError(f"the cluster has no {role.value} role")
     model = spec.model
-    assert model.path, "vllm_refusal guarantees model.path"
-    names = [model.name] if model.name == model.path else [model.name, model.path]
+    # A folder the pod mounted, or a hub id read from the mounted cache
+    # (model.source: runtime/spec/model_source.py; the operator mounts it).
+    served = engine_model(model.path, model.source)
+    names = [model.name] if model.name == served.location else [model.name, served.location]
     topology = rs.topology
     flags = [
         "--served-model-name",
@@ -134,9 +137,11 @@ def build_vllm_serve(
                 env["UCX_TLS"] = ucx.tls
             if ucx.net_devices:
                 env["UCX_NET_DEVICES"] = ucx.net_devices
+    if served.revision is not None:
+        flags += ["--revision", served.revision]
     flags += spec.engine.vllm.extra_args
     env.update(spec.engine.vllm.env)
-    return VllmServe(model=model.path, flags=tuple(flags), env=env, side_channel_port=side)
+    return VllmServe(model=served.location, flags=tuple(flags), env=env, side_channel_port=side)
 
 
 def side_channel_ports(serve: VllmServe, dp: int) -> tuple[int, ...]:

@@ -154,3 +154,30 @@ def test_the_argv_uses_the_cli_or_the_api_server_module(program: str, interprete
     else:
         assert argv[:3] == [program, "serve", "/models/llama"]
     assert argv[-len(serve.flags) :] == list(serve.flags)
+
+
+@pytest.mark.parametrize(
+    ("source", "location", "revision"),
+    [
+        ({"uri": "pvc://models/llama-8b"}, "/models/llama-8b", None),
+        ({"uri": "host:///srv/llama"}, "/models", None),
+        ({"uri": "oci://registry.example/llama:1"}, "/models", None),
+        (
+            {"uri": "hf://meta-llama/Llama-3.1-8B@v2", "cacheClaim": "hf"},
+            "meta-llama/Llama-3.1-8B",
+            "v2",
+        ),
+    ],
+)
+def test_a_model_source_is_served_from_where_the_pod_mounts_it(
+    source: dict[str, Any], location: str, revision: str | None
+) -> None:
+    # The mount itself is the operator's, the same for every engine
+    # (operator/builders/model_volume.py); hf:// reads the mounted hub cache offline.
+    serve = build_vllm_serve(
+        spec_of(model={"name": "llama", "source": source}), Role.decode, port=8000
+    )
+    assert serve.model == location
+    assert ("--revision" in serve.flags) is (revision is not None)
+    if revision is not None:
+        assert flag(serve.flags, "--revision") == revision

@@ -2,14 +2,7 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (stream and not),
 ``/v1/models``, ``/generate`` (SGLang passthrough), ``/health``, ``/metrics``,
-and, guarded by the cluster token, ``POST /admin/hold_worker`` and
-``POST /admin/admit_worker`` ``{"url": worker URL, "reason"?: str}``: a
-supervisor that saw a worker die keeps it out of the pool until it has
-restarted it (local mode; a probe cannot readmit a held worker);
-``POST /admin/add_worker`` ``{"url", "role"}`` and ``POST
-/admin/remove_worker`` ``{"url"}``: local-mode autoscaling adds a started
-instance (it serves after its first good probe) and removes a drained one
-(409 while legs are still in flight on it).
+and the supervisor's ``/admin/*`` (`admin_api.py`).
 Handlers only read the body, validate, plan and hand the request to a
 `Relay`; every error leaves as OpenAI-style JSON (or an SSE error event once
 a stream has started).
@@ -35,9 +28,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdcluster.runtime import stage_trace
-from pdcluster.runtime.http.auth import bearer_headers, check_bearer
-from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
+from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.http.middleware import HttpMiddleware
+from pdcluster.runtime.router.admin_api import add_admin_routes, read_body
 from pdcluster.runtime.router.bodies import (
     ClientRequest,
     Endpoint,
@@ -58,9 +51,7 @@ from pdcluster.runtime.router.leg_client import leg_session
 from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.policies import make_policy
-from pdcluster.runtime.router.prefix_feed import PrefixFollower
-from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
-from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
+from pdcluster.runtime.router.prefix_routing import PrefixRouting
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
@@ -72,7 +63,7 @@ from pdcluster.runtime.router.streaming import (
     run_until_disconnect,
 )
 from pdcluster.runtime.router.vllm_relay import VllmRelay
-from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget, normalize_url
+from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger(__name__)
@@ -128,34 +119,22 @@ def _error_response(err: RouterError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    try:
-        return await read_limited(request.stream(), request.headers.get("content-length"), limit)
-    except BadLength as err:
-        raise RouterError(400, str(err), reason="bad_length") from None
-    except BodyTooLarge:
-        raise RouterError(
-            413, f"request body is over the {limit}-byte limit", reason="body_too_large"
-        ) from None
-
-
 class RouterState:
     """Everything one router app owns; created by `create_router_app`."""
 
     def __init__(self, config: RouterConfig, rng: RandomSource) -> None:
         self.config = config
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
-        # Page keys each worker has cached, for cache_aware (`prefix_index.py`).
-        self.prefix_index = PrefixIndex()
+        # cache_aware: the prefix index, its tokenizer and its follower.
+        self.prefix = PrefixRouting(config)
         roles = (Role.prefill, Role.decode) if config.is_disaggregated else (Role.colocated,)
         self.metrics = RouterMetrics(
             self.pool.all,
-            self._indexed_pages if config.cache_aware_roles else None,
+            self.prefix.indexed_pages if config.cache_aware_roles else None,
             roles=roles,
             cluster=config.cluster_name,
             ttft_slo_s=config.ttft_slo_s,
         )
-        self.follower: PrefixFollower | None = None
         # Request tracing (`telemetry/tracing.py`); None: off.
         self.tracing: Any = None
         if config.tracing.enabled:
@@ -174,7 +153,7 @@ class RouterState:
             colocated_policy=self._policy(config.colocated_policy),
             rids=RidMinter(rng),
             rooms_source=rng,
-            prompt_tokens=self._prompt_reader() if config.cache_aware_roles else None,
+            prompt_tokens=self.prefix.prompt_reader(),
             engine=config.engine,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
@@ -188,24 +167,8 @@ class RouterState:
     def _policy(self, name: str) -> Any:
         cfg = self.config
         return make_policy(
-            name, cfg.policy_seed, index=self.prefix_index, max_load_gap=cfg.max_load_gap
+            name, cfg.policy_seed, index=self.prefix.index, max_load_gap=cfg.max_load_gap
         )
-
-    def _prompt_reader(self) -> Any:
-        tokenizer = _load_tokenizer(self.config.tokenizer)
-
-        def read(request: ClientRequest) -> PromptTokens | None:
-            return prompt_tokens(request, tokenizer)
-
-        return read
-
-    def _indexed_pages(self, url: str) -> int | None:
-        replica = self.prefix_index.replica(url)
-        return None if replica is None else len(replica.keys)
-
-    def _follow_workers(self) -> None:
-        if self.follower is not None:
-            self.follower.sync()
 
     # ------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -228,33 +191,27 @@ class RouterState:
             control,
             interval_s=cfg.health_check_interval_s,
             timeout_s=cfg.health_check_timeout_s,
-            on_transition=self._on_transition,
+            on_transition=self.on_transition,
             reads_server_info=cfg.reads_server_info,
         )
         if cfg.kubernetes is None:
-            self.pool.sync(static_targets(cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls))
+            targets = static_targets(
+                cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls, dict(cfg.kv_events)
+            )
+            self.pool.sync(targets)
             await self.checker.probe_all()
         else:
             self._discovery = KubernetesDiscovery(
                 cfg.kubernetes, self.apply_targets, asyncio.get_running_loop()
             )
             self._discovery.start()
-        roles = cfg.cache_aware_roles
-        if roles:
-            self.follower = PrefixFollower(
-                self.prefix_index,
-                control,
-                lambda: [w for w in self.pool.all() if w.role in roles],
-                timeout_s=cfg.health_check_timeout_s,
-            )
-            self._follow_workers()
+        self.prefix.start(self.pool.all, control, self.metrics)
         health_loop = asyncio.create_task(self.checker.run())
         try:
             yield
         finally:
             health_loop.cancel()
-            if self.follower is not None:
-                await self.follower.close()
+            await self.prefix.close()
             if self._discovery is not None:
                 self._discovery.stop()
             pending = list(self.ctx.tasks)
@@ -276,16 +233,16 @@ class RouterState:
         for worker in change.removed:
             log.info("worker %s (%s) removed by discovery", worker.url, worker.role)
             self._prefill_lost(worker, "removed by discovery")
-        self._follow_workers()
+        self.prefix.sync()
         if self.ctx is not None and self.checker is not None:
             for worker in change.added:
                 self.ctx.spawn(self.checker.probe(worker))
 
-    def _on_transition(self, worker: Worker, healthy: bool) -> None:
+    def on_transition(self, worker: Worker, healthy: bool) -> None:
         to = "healthy" if healthy else "unhealthy"
         self.metrics.health_transitions.labels(worker.role.value, to).inc()
         self._pool_changed.set()
-        self._follow_workers()
+        self.prefix.sync()
         if not healthy:
             self._prefill_lost(worker, worker.last_error or "unhealthy")
 
@@ -342,7 +299,7 @@ class RouterState:
         received_ns = time.monotonic_ns()
         self.check_auth(request)
         try:
-            raw = await _read_body(request, self.config.max_body_bytes)
+            raw = await read_body(request, self.config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
@@ -403,86 +360,6 @@ class RouterState:
             if not handed_off:
                 await relay.aclose()
 
-    async def _admin_body(self, request: Request) -> dict[str, Any] | None:
-        """The JSON body of an admin call once its token is checked (None: client left)."""
-        if not self.config.worker_token:
-            raise RouterError(403, "the router has no cluster token: its admin API is off")
-        denied = check_bearer(request.headers.get("authorization"), self.config.worker_token)
-        if denied is not None:
-            raise RouterError(denied.status, denied.message, reason="unauthorized")
-        try:
-            return parse_json_object(await _read_body(request, 4096))
-        except ClientDisconnect:
-            return None
-
-    async def add_worker(self, request: Request) -> JSONResponse:
-        """`/admin/add_worker {url, role}`: a new instance; probed at once."""
-        body = await self._admin_body(request)
-        if body is None:
-            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-        roles = (Role.prefill, Role.decode) if self.config.is_disaggregated else (Role.colocated,)
-        names = [r.value for r in roles]
-        url, role = body.get("url"), body.get("role")
-        if not isinstance(url, str) or role not in names:
-            raise RouterError(422, f"body must be {{url: str, role: one of {names}}}")
-        try:
-            worker = self.pool.add(url, Role(role))
-        except ValueError as err:
-            raise RouterError(409 if "in the pool as" in str(err) else 422, str(err)) from None
-        assert self.ctx is not None and self.checker is not None
-        log.info("worker %s (%s) added by its supervisor", worker.url, worker.role)
-        self.ctx.spawn(self.checker.probe(worker))
-        return JSONResponse(worker.describe())
-
-    def _pool_worker(self, url: str) -> Worker:
-        """The pool's worker at an admin body's `url`: 422 if it is not a URL, 404 if unknown."""
-        try:
-            worker = self.pool.get(normalize_url(url))
-        except ValueError as err:
-            raise RouterError(422, str(err)) from None
-        if worker is None:
-            raise RouterError(404, f"no worker {url} in the pool")
-        return worker
-
-    async def remove_worker(self, request: Request) -> JSONResponse:
-        """`/admin/remove_worker {url}`: a drained instance leaves the pool."""
-        body = await self._admin_body(request)
-        if body is None:
-            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-        url = body.get("url")
-        if not isinstance(url, str):
-            raise RouterError(422, "body must be {url: str}")
-        worker = self._pool_worker(url)
-        try:
-            self.pool.remove(worker)
-        except ValueError as err:
-            raise RouterError(409, str(err)) from None
-        if worker.healthy:
-            worker.healthy = False
-            self._on_transition(worker, False)
-        log.info("worker %s (%s) removed by its supervisor", worker.url, worker.role)
-        return JSONResponse(worker.describe())
-
-    async def hold(self, request: Request, *, held: bool) -> JSONResponse:
-        """`/admin/hold_worker` (held) and `/admin/admit_worker`."""
-        body = await self._admin_body(request)
-        if body is None:
-            return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
-        url, reason = body.get("url"), body.get("reason", "held out by its supervisor")
-        if not isinstance(url, str) or not isinstance(reason, str) or len(reason) > 256:
-            raise RouterError(422, "body must be {url: str, reason?: str}")
-        worker = self._pool_worker(url)
-        assert self.ctx is not None and self.checker is not None
-        if held:
-            if self.pool.hold_out(worker, reason):
-                log.warning("worker %s (%s) held out: %s", worker.url, worker.role, reason)
-                self._on_transition(worker, False)
-        else:
-            self.pool.let_in(worker)
-            log.info("worker %s (%s) admitted again", worker.url, worker.role)
-            self.ctx.spawn(self.checker.probe(worker))
-        return JSONResponse(worker.describe())
-
     def models(self) -> dict[str, Any]:
         created = self.started_at
         return {
@@ -502,20 +379,6 @@ class RouterState:
             "workers": [w.describe() for w in self.pool.all()],
         }
         return not missing, body
-
-
-def _load_tokenizer(source: str | None) -> RouterTokenizer | None:
-    """The model's tokenizer, for cache_aware's text prompts (None: ids only)."""
-    if source is None:
-        return None
-    # The one engine module the router reads: plain Python, no torch.
-    from pdcluster.runtime.engine.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(source)
-    except Exception as err:  # a missing or unreadable tokenizer must not stop the router
-        log.warning("cache_aware: no tokenizer from %s (%s); text prompts go by load", source, err)
-        return None
 
 
 # The inference routes, served without FastAPI (see `RouterApp`).
@@ -613,21 +476,7 @@ def create_router_app(config: RouterConfig, *, rng: RandomSource | None = None) 
         ok, body = state.health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.post("/admin/hold_worker")
-    async def hold_worker(request: Request) -> JSONResponse:
-        return await state.hold(request, held=True)
-
-    @app.post("/admin/admit_worker")
-    async def admit_worker(request: Request) -> JSONResponse:
-        return await state.hold(request, held=False)
-
-    @app.post("/admin/add_worker")
-    async def add_worker(request: Request) -> JSONResponse:
-        return await state.add_worker(request)
-
-    @app.post("/admin/remove_worker")
-    async def remove_worker(request: Request) -> JSONResponse:
-        return await state.remove_worker(request)
+    add_admin_routes(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
+from pdcluster.runtime.router.workers import KVEventPorts
 from pdcluster.runtime.spec import (
     EngineKind,
     FailurePolicy,
@@ -78,6 +79,11 @@ class RouterConfig:
     # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
     # on /health alone and their legs go one after the other (leg_plan.LegFlow).
     engine: EngineKind = EngineKind.builtin
+    # cache_aware over vLLM workers: where each statically listed worker
+    # publishes its prefix-cache events (Kubernetes: pod annotations), and
+    # vLLM's block size (`kvCache.pageSize`, its `--block-size`).
+    kv_events: tuple[tuple[str, KVEventPorts], ...] = ()
+    vllm_block_size: int = 16
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -89,7 +95,9 @@ class RouterConfig:
             if self.disaggregated is None:
                 raise ValueError("kubernetes discovery needs `disaggregated` set (True or False)")
         else:
-            static_targets(self.prefill_urls, self.decode_urls, self.colocated_urls)
+            static_targets(
+                self.prefill_urls, self.decode_urls, self.colocated_urls, dict(self.kv_events)
+            )
             if self.disaggregated is not None and self.disaggregated != bool(
                 self.prefill_urls or self.decode_urls
             ):
@@ -108,8 +116,12 @@ class RouterConfig:
         if not isinstance(self.engine, EngineKind):
             valid = ", ".join(e.value for e in EngineKind)
             raise ValueError(f"engine={self.engine!r} is not one of: {valid}")
-        if self.engine is EngineKind.vllm and self.cache_aware_roles:
-            raise ValueError("cache_aware needs page keys, which vLLM workers do not publish")
+        if self.kv_events and self.kubernetes is not None:
+            raise ValueError("kv_events name static workers; Kubernetes pods carry their own")
+        if len(dict(self.kv_events)) != len(self.kv_events):
+            raise ValueError("kv_events lists a worker twice")
+        if not isinstance(self.vllm_block_size, int) or self.vllm_block_size < 1:
+            raise ValueError(f"vllm_block_size must be >= 1, got {self.vllm_block_size!r}")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -193,6 +205,7 @@ class RouterConfig:
             tracing=spec.observability.tracing,
             log_format=spec.observability.log_format,
             engine=spec.engine.kind,
+            vllm_block_size=spec.kv_cache.page_size,
         )
 
     @property

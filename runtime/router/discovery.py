@@ -24,18 +24,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.runtime.bounds import require_positive
-from pdcluster.runtime.router.workers import WorkerTarget, normalize_url
+from pdcluster.runtime.router.workers import KVEventPorts, WorkerTarget, normalize_url
 from pdcluster.runtime.spec import Role
 
 ROLE_LABEL = "pdcluster.io/role"
 PORT_ANNOTATION = "pdcluster.io/http-port"
 POD_INDEX_LABEL = "pdcluster.io/pod-index"
+# A vLLM pod that publishes its prefix-cache events (cache_aware): its PUB and
+# replay ports (`vllm/kv_events.py`), set by the operator.
+KV_EVENTS_PORT_ANNOTATION = "pdcluster.io/kv-events-port"
+KV_REPLAY_PORT_ANNOTATION = "pdcluster.io/kv-replay-port"
 
 
 def static_targets(
-    prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = ()
+    prefill: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    colocated: Sequence[str] = (),
+    kv_events: Mapping[str, KVEventPorts] | None = None,
 ) -> list[WorkerTarget]:
-    """Validate static worker lists; raise ValueError naming the problem."""
+    """Validate static worker lists; raise ValueError naming the problem.
+    `kv_events`: worker URL → where that vLLM worker publishes its cache events."""
     if colocated and (prefill or decode):
         raise ValueError("list either colocated workers or prefill+decode workers, not both")
     if not colocated:
@@ -57,6 +65,14 @@ def static_targets(
                 raise ValueError(f"worker {url} is listed twice ({seen[url].value}, {role.value})")
             seen[url] = role
             targets.append(WorkerTarget(url=url, role=role))
+    if kv_events:
+        ports = {normalize_url(url): p for url, p in kv_events.items()}
+        unknown = sorted(set(ports) - set(seen))
+        if unknown:
+            raise ValueError(f"kv events given for {', '.join(unknown)}, not a listed worker")
+        targets = [
+            WorkerTarget(url=t.url, role=t.role, kv_events=ports.get(t.url)) for t in targets
+        ]
     return targets
 
 
@@ -170,7 +186,18 @@ def decide_pod(pod: Mapping[str, Any], settings: KubernetesDiscoverySettings) ->
     except ValueError as err:
         return skip(str(err))
     revision = str(labels.get(REVISION_LABEL, ""))
-    return PodDecision(name=name, target=WorkerTarget(url=url, role=role, revision=revision))
+    target = WorkerTarget(url=url, role=role, revision=revision, kv_events=_kv_events(annotations))
+    return PodDecision(name=name, target=target)
+
+
+def _kv_events(annotations: Mapping[str, Any]) -> KVEventPorts | None:
+    """The pod's event ports; None when it publishes none (or names them wrong:
+    it is then routed by load, not refused)."""
+    publish = _parse_port(annotations.get(KV_EVENTS_PORT_ANNOTATION))
+    replay = _parse_port(annotations.get(KV_REPLAY_PORT_ANNOTATION))
+    if publish is None or replay is None or publish == replay:
+        return None
+    return KVEventPorts(publish, replay)
 
 
 def targets_from_pods(

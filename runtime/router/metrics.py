@@ -133,6 +133,28 @@ class RouterMetrics:
         self.health_transitions = m.counter(
             "worker_health_transitions_total", "Workers entering or leaving the pool", "role", "to"
         )
+        # cache_aware over vLLM workers: following their prefix-cache events
+        # (router/vllm_prefix_feed.py).
+        self.kv_event_batches = m.counter(
+            "vllm_kv_event_batches_total",
+            "vLLM prefix-cache event batches read, by worker and outcome (applied, duplicate, "
+            "bad_<why>: refused and dropped)",
+            "worker",
+            "outcome",
+        )
+        self.kv_event_resyncs = m.counter(
+            "vllm_kv_event_resyncs_total",
+            "Times a vLLM worker's index entries were dropped and rebuilt, by worker and reason",
+            "worker",
+            "reason",
+        )
+        self.kv_event_unindexed = m.counter(
+            "vllm_kv_event_unindexed_blocks_total",
+            "Blocks a vLLM worker cached that the router's index leaves out, by worker and "
+            "reason (another tier or block size, LoRA, extra hash keys, unknown parent)",
+            "worker",
+            "reason",
+        )
         r.register(_PoolCollector(workers, prefix_pages, roles))
 
     def count_outcome(self, reason: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:

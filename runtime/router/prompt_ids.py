@@ -9,6 +9,12 @@ without one, or for any body the worker would read differently (batched
 prompts, unknown roles), the answer is None and the request goes by load. A
 wrong guess only costs a cache miss: the worker decides what it computes.
 
+vLLM reads a body its own way (`engine=EngineKind.vllm`): the tokenizer
+adds its special tokens (BOS) to a completion's text but not to a rendered
+chat, whose template writes its own, unless the body's
+`add_special_tokens` says otherwise; a chat that asks vLLM for another
+template or rendering (`chat_template`, `tools`, …) is not guessed.
+
 Pure module: the tokenizer is passed in.
 """
 
@@ -19,6 +25,7 @@ from typing import Any, Protocol
 
 from pdcluster.runtime.router.bodies import ClientRequest, Endpoint
 from pdcluster.runtime.router.prefix_index import PromptTokens
+from pdcluster.runtime.spec import EngineKind
 
 __all__ = ["RouterTokenizer", "prompt_tokens"]
 
@@ -55,8 +62,40 @@ def _text(content: object) -> str | None:
     return None
 
 
-def prompt_tokens(request: ClientRequest, tokenizer: RouterTokenizer | None) -> PromptTokens | None:
-    """The prompt's token ids, or None when the router cannot know them."""
+# Chat fields that change how vLLM renders the messages into a prompt.
+_VLLM_RENDERING = (
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+    "mm_processor_kwargs",
+)
+
+
+def _special_tokens(request: ClientRequest, engine: EngineKind) -> bool | None:
+    """Whether the worker's tokenizer adds special tokens to the text (None: unknown)."""
+    if engine is not EngineKind.vllm:
+        return True
+    body = request.body
+    chat = request.endpoint is Endpoint.chat
+    if chat and (
+        any(body.get(k) is not None for k in _VLLM_RENDERING)
+        or body.get("add_generation_prompt", True) is not True
+        or body.get("continue_final_message", False) is not False
+    ):
+        return None
+    given = body.get("add_special_tokens", not chat)
+    return given if isinstance(given, bool) else None
+
+
+def prompt_tokens(
+    request: ClientRequest,
+    tokenizer: RouterTokenizer | None,
+    *,
+    engine: EngineKind = EngineKind.builtin,
+) -> PromptTokens | None:
+    """The prompt's token ids as `engine`'s workers will read them, or None
+    when the router cannot know them."""
     body = request.body
     text: str | None = None
     if request.endpoint is Endpoint.generate:
@@ -83,10 +122,11 @@ def prompt_tokens(request: ClientRequest, tokenizer: RouterTokenizer | None) -> 
             text = tokenizer.apply_chat_template(messages)
         except (ValueError, TypeError, KeyError):
             return None  # the worker will refuse it too
-    if text is None or tokenizer is None:
+    special = _special_tokens(request, engine)
+    if text is None or tokenizer is None or special is None:
         return None
     try:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, add_special_tokens=special)
     except (ValueError, TypeError):
         return None
     return PromptTokens(tuple(ids), tokenizer.fingerprint) if ids else None

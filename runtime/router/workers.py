@@ -67,6 +67,23 @@ def normalize_url(url: str) -> str:
 
 
 @dataclass(frozen=True)
+class KVEventPorts:
+    """Where a vLLM worker publishes its prefix-cache events, on its own host
+    (`vllm/kv_events.py`): the PUB socket and the replay socket."""
+
+    publish: int
+    replay: int
+
+    def __post_init__(self) -> None:
+        for name in ("publish", "replay"):
+            port = getattr(self, name)
+            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+                raise ValueError(f"kv events {name} port must be in 1..65535, got {port!r}")
+        if self.publish == self.replay:
+            raise ValueError(f"kv events publish and replay ports are both {self.publish}")
+
+
+@dataclass(frozen=True)
 class WorkerTarget:
     """A worker that discovery says should exist."""
 
@@ -74,6 +91,8 @@ class WorkerTarget:
     role: Role
     # Compatibility revision (pod label); prefill and decode pair only when equal.
     revision: str = ""
+    # A vLLM worker that publishes its prefix-cache events (cache_aware), or None.
+    kv_events: KVEventPorts | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +141,8 @@ class Worker:
     held: bool = False
     # Rotates the dp group chosen for this worker's rooms.
     next_dp_rank: int = field(default=0, repr=False)
+    # vLLM: where it publishes its prefix-cache events (cache_aware), or None.
+    kv_events: KVEventPorts | None = None
 
     @property
     def host(self) -> str:
@@ -189,9 +210,11 @@ class WorkerPool:
         """Make the pool hold exactly ``targets``; keep state of workers that stay."""
         wanted: dict[str, Role] = {}
         revisions: dict[str, str] = {}
+        kv_events: dict[str, KVEventPorts | None] = {}
         for target in targets:
             url = normalize_url(target.url)
             revisions[url] = target.revision
+            kv_events[url] = target.kv_events
             previous = wanted.get(url)
             if previous is not None and previous is not target.role:
                 raise ValueError(
@@ -206,11 +229,14 @@ class WorkerPool:
         added = []
         for url, role in wanted.items():
             if url not in self._workers:
-                worker = Worker(url=url, role=role, revision=revisions[url])
+                worker = Worker(
+                    url=url, role=role, revision=revisions[url], kv_events=kv_events[url]
+                )
                 self._workers[url] = worker
                 added.append(worker)
             else:
                 self._workers[url].revision = revisions[url]
+                self._workers[url].kv_events = kv_events[url]
         return PoolChange(added=tuple(added), removed=tuple(removed))
 
     def record_probe_success(self, worker: Worker, info: ServerInfo | None) -> bool:
@@ -270,7 +296,7 @@ class WorkerPool:
         worker.held = True
         return self.mark_unreachable(worker, reason)
 
-    def add(self, url: str, role: Role) -> Worker:
+    def add(self, url: str, role: Role, kv_events: KVEventPorts | None = None) -> Worker:
         """Add a worker by hand (it starts unhealthy: its first good probe admits it).
         Adding one that is there with the same role returns it; another role is an error."""
         url = normalize_url(url)
@@ -279,7 +305,7 @@ class WorkerPool:
             if worker.role is not role:
                 raise ValueError(f"worker {url} is in the pool as {worker.role.value}")
             return worker
-        worker = Worker(url=url, role=role)
+        worker = Worker(url=url, role=role, kv_events=kv_events)
         self._workers[url] = worker
         return worker
 

@@ -471,7 +471,18 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
 
     # ------------------------------------------------------------- peer input
 
-    def _on_source_message(self, msg: Status | Ready | AbortAck, now: float) -> list[Action]:
+    def on_message(self, msg: Message, now: float, sender: str | None = None) -> list[Action]:
+        """A decoded prefill message. A Status, Ready or AbortAck names its
+        source by `rank` only: it counts when `sender` (the endpoint its
+        connection proved) is that source's endpoint, so a peer holding the
+        token cannot conclude, fail or release another source's room."""
+        if isinstance(msg, Status | Ready | AbortAck):
+            return self._on_source_message(msg, now, sender)
+        return super().on_message(msg, now, sender)
+
+    def _on_source_message(
+        self, msg: Status | Ready | AbortAck, now: float, sender: str | None = None
+    ) -> list[Action]:
         """A message about one room from one of its sources, of the room's generation."""
         r = self._rooms.get(msg.room)
         if r is None:
@@ -481,6 +492,8 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         s = r.sources.get(msg.rank) if r.sources is not None else None
         if s is None:
             return [Dropped(msg.room, type(msg).__name__, "unknown_source")]
+        if sender is not None and sender != s.source.endpoint:
+            return [Dropped(msg.room, type(msg).__name__, "wrong_sender")]
         return self._source_handlers[type(msg)](self, r, s, msg, now)
 
     def _on_layout_ack(self, msg: LayoutAck, now: float) -> list[Action]:
@@ -553,9 +566,7 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
 
     handlers: ClassVar[Mapping[type, Handler]] = {
         LayoutAck: _on_layout_ack,
-        Status: _on_source_message,
-        Ready: _on_source_message,
-        AbortAck: _on_source_message,
+        # Status, Ready and AbortAck: `on_message` binds them to their sender first.
     }
     # The same for a message of one source of a room, once `_on_source_message` found both.
     _source_handlers: ClassVar[Mapping[type, Callable[..., list[Action]]]] = {

@@ -381,7 +381,7 @@ class RankAgent:
             self.ctx.stats["reject:sender_mismatch"] += 1
             return
         stage_trace.mark_message(self.ctx.role, "rx", msg)
-        self.run_or_post(lambda: self.on_message(msg, time.monotonic()))
+        self.run_or_post(lambda: self.on_message(msg, time.monotonic(), sender))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
         """Leader bookkeeping (stats, reports) here; every other command to the role."""
@@ -407,7 +407,8 @@ class RankAgent:
             return
         self.group_sink(msg)
 
-    def on_message(self, msg: Any, now: float) -> None:
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        """A peer's message; `sender`: the endpoint its connection proved."""
         raise NotImplementedError
 
     # The group commands a role's ranks follow: message type -> handler (each

@@ -301,8 +301,8 @@ class DecodeAgent(RankAgent):
         self._sweep(room)
 
     # ------------------------------------------------------------ events
-    def on_message(self, msg: Any, now: float) -> None:
-        self.perform(self.table.on_message(msg, now))
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        self.perform(self.table.on_message(msg, now, sender))
         room = getattr(msg, "room", None)
         if room is not None:
             self._sweep(room)

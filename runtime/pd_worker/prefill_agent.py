@@ -198,8 +198,10 @@ class PrefillAgent(RankAgent):
                 del self.rid_room[r.rid]
 
     # ------------------------------------------------------------ events
-    def on_message(self, msg: Any, now: float) -> None:
-        acts = self.table.on_message(msg, now)
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        # Decode's messages name their sender (`decode_endpoint`), which the
+        # endpoint already held against the proven one (`_on_control`).
+        acts = self.table.on_message(msg, now, sender)
         if isinstance(msg, KVLayoutRegister) and self.one_sided:
             acts = self._check_shm_layout(msg, acts)
         self.perform(acts)

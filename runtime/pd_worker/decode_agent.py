@@ -15,6 +15,9 @@ Whatever path ends the room (success, abort, timeout, a heartbeat or operator
 verdict), `released` also waits until no frame of it is still being scattered
 into its pages: a frame already past resolve when the room failed finishes
 before the pages can go to another request (`_sweep`, `release_fenced`).
+A room every source concluded reports `complete` only once no frame of it
+is still landing either (`_complete`, `complete_fenced`): the engine reads
+those pages next, and the byte count must see every write.
 """
 
 from __future__ import annotations
@@ -141,8 +144,10 @@ class DecodeAgent(RankAgent):
         self._kv_sources: dict[int, frozenset[str]] = {}
         self.endpoint.accept_kv = self._accept_kv
         self.rooms: dict[int, _Room] = {}
-        # Rooms out of the table whose `released` waits for a write in flight.
+        # Rooms out of the table whose `complete` or `released` waits for a write in flight.
         self._fenced: set[int] = set()
+        # Rooms every source concluded, whose `complete` waits for that write.
+        self._completing: dict[int, tuple[A.TransferComplete, tuple[int, tuple[int, ...]] | None]] = {}
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
         # What this rank decides about its prefill peers; it only performs.
@@ -172,16 +177,16 @@ class DecodeAgent(RankAgent):
             return None
         return entry[1]
 
-    def _missing_kv(self, room: int) -> str | None:
+    def _missing_kv(self, room: int, entry: tuple[int, tuple[int, ...]] | None) -> str | None:
         """Why the room's KV is incomplete although every source said Success, or None.
 
+        `entry`: the room's (generation, pages) while it was receiving.
         Every source sends Success after its frames, on the same connection,
         so they were all placed by now — unless the connection dropped and
         came back in between (libzmq then loses messages silently). Decoding
         from pages that were never written would be garbage nobody notices.
         """
         r = self.rooms.get(room)
-        entry = self._receiving.get(room)
         if self.one_sided or r is None or entry is None:
             return None  # shm writes land in place; nothing travels to be lost
         ctx = self.ctx
@@ -254,14 +259,8 @@ class DecodeAgent(RankAgent):
             if isinstance(act, A.Send):
                 self.send(act.endpoint, act.message)
             elif isinstance(act, A.TransferComplete):
-                missing = self._missing_kv(act.room)
-                self._stop_receiving(act.room)
-                if missing is None:
-                    missing = self._bad_checksum(act)
-                if missing is not None:
-                    self._report_failed(act.room, act.rid, missing)
-                    continue
-                self.report(act.room, "complete", first_token=act.first_token)
+                self._completing[act.room] = (act, self._receiving.get(act.room))
+                self._complete(act.room)
             elif isinstance(act, A.RoomFailed):
                 self._receiving.pop(act.room, None)
                 self._report_failed(act.room, act.rid, act.reason)
@@ -273,6 +272,33 @@ class DecodeAgent(RankAgent):
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
 
+    def _complete(self, room: int) -> None:
+        """Report `complete` once no frame of the room is still landing in its pages.
+
+        Every source said Success, so nothing more is accepted for the room;
+        a frame already past resolve (one a source sent after its Success)
+        may still be scattering, and the engine must not read the pages, nor
+        the checks below judge them, before it returned: until then the room
+        waits here and a later tick retries (`complete_fenced`).
+        """
+        act, entry = self._completing[room]
+        self._receiving.pop(room, None)
+        if not self.receiver.quiesce(room, timeout=FENCE_WAIT_S):
+            if room not in self._fenced:
+                self._fenced.add(room)
+                self.ctx.stats["complete_fenced"] += 1
+            return
+        self._fenced.discard(room)
+        del self._completing[room]
+        missing = self._missing_kv(room, entry)  # before `clear` drops the byte count
+        self.receiver.clear(room)
+        if missing is None:
+            missing = self._bad_checksum(act)
+        if missing is not None:
+            self._report_failed(room, act.rid, missing)
+            return
+        self.report(room, "complete", first_token=act.first_token)
+
     def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
         log.warning("decode rank %s: room %s rid %s failed: %s", self.ctx.coord, room, rid, reason)
         self.ctx.stats[failure_key(reason)] += 1
@@ -281,6 +307,10 @@ class DecodeAgent(RankAgent):
     def _sweep(self, room: int) -> None:
         """Report `released` once the room left this rank's table and no frame
         of it is still being written into its pages (else a later tick retries)."""
+        if room in self._completing:
+            self._complete(room)
+            if room in self._completing:
+                return  # `complete` first, once its frames landed
         if room in self.rooms and room not in self.table:
             if not self._stop_receiving(room):
                 if room not in self._fenced:

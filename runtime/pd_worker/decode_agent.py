@@ -85,6 +85,8 @@ log = logging.getLogger("pdcluster.pd.decode")
 # How long one sweep waits for a frame still being written into a finished
 # room's pages before leaving `released` to a later tick (seconds).
 FENCE_WAIT_S = 0.05
+# A room's (generation, page table) while its frames are taken.
+_Receiving = tuple[int, tuple[int, ...]]
 
 
 @dataclass
@@ -129,7 +131,7 @@ class DecodeAgent(RankAgent):
             ctx.room_settings,
         )
         # room -> (generation, pages) while frames for it may be written here.
-        self._receiving: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._receiving: dict[int, _Receiving] = {}
         self.receiver = KVReceiver(
             pool,
             self._resolve,
@@ -147,7 +149,7 @@ class DecodeAgent(RankAgent):
         # Rooms out of the table whose `complete` or `released` waits for a write in flight.
         self._fenced: set[int] = set()
         # Rooms every source concluded, whose `complete` waits for that write.
-        self._completing: dict[int, tuple[A.TransferComplete, tuple[int, tuple[int, ...]] | None]] = {}
+        self._completing: dict[int, tuple[A.TransferComplete, _Receiving | None]] = {}
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
         # What this rank decides about its prefill peers; it only performs.
@@ -177,7 +179,7 @@ class DecodeAgent(RankAgent):
             return None
         return entry[1]
 
-    def _missing_kv(self, room: int, entry: tuple[int, tuple[int, ...]] | None) -> str | None:
+    def _missing_kv(self, room: int, entry: _Receiving | None) -> str | None:
         """Why the room's KV is incomplete although every source said Success, or None.
 
         `entry`: the room's (generation, pages) while it was receiving.

@@ -38,7 +38,7 @@ from pdcluster.operator.autoscale.router_metrics import (
     is_read_from_router,
     status_patch_with_sources,
 )
-from pdcluster.operator.autoscale.scaler_sync import ScalerSync, compute_scaler_sync
+from pdcluster.operator.autoscale.scaler_sync import GpuBudget, ScalerSync, compute_scaler_sync
 from pdcluster.operator.autoscale.step import AutoscaleStep
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.scaler import build_role_scaler, build_role_scaler_status
@@ -124,6 +124,20 @@ def _scaler_numbers(scaler: Mapping[str, Any]) -> tuple[int, int | None]:
     return replicas, synced
 
 
+def gpu_budget(cluster: Cluster, role: Role) -> GpuBudget | None:
+    """`spec.autoscaling.maxTotalGPUs` for `role`'s scaler (None: no budget)."""
+    spec = cluster.spec
+    total, role_spec = spec.autoscaling.max_total_gpus, spec.role_spec(role)
+    if total is None or role_spec is None or role not in (Role.prefill, Role.decode):
+        return None  # the budget counts prefill and decode GPUs only
+    others = sum(
+        s.replicas * s.gpus_per_instance
+        for r in (Role.prefill, Role.decode)
+        if r is not role and (s := spec.role_spec(r)) is not None
+    )
+    return GpuBudget(total, role_spec.gpus_per_instance, others)
+
+
 def plan_scaler(
     cluster: Cluster, role: Role, scaler: Mapping[str, Any] | None, existing: int
 ) -> ScalerPlan:
@@ -141,7 +155,12 @@ def plan_scaler(
     else:
         scaler_replicas, synced = _scaler_numbers(scaler)
     sync = compute_scaler_sync(
-        role, role_spec.replicas, scaler_replicas, synced, role_spec.autoscaling
+        role,
+        role_spec.replicas,
+        scaler_replicas,
+        synced,
+        role_spec.autoscaling,
+        gpu_budget(cluster, role),
     )
     if create is not None and sync.scaler_replicas is not None:
         create = {**create, "spec": {**create["spec"], "replicas": sync.scaler_replicas}}

@@ -151,6 +151,44 @@ def test_both_edited_the_scaler_wins_with_an_event() -> None:
     assert [e.reason for e in plan.sync.events] == ["ReplicasConflict"]
 
 
+# maxTotalGPUs 4: prefill autoscales 1..2 (tp2: 2 GPUs an instance), decode is left alone.
+BUDGETED: dict[str, Any] = {
+    "autoscaling": {"maxTotalGPUs": 4},
+    "prefill": {"replicas": 1, "topology": {"tp": 2}, "autoscaling": {**AUTO, "maxReplicas": 1}},
+    "decode": {"replicas": 1},
+}
+
+
+def budgeted_scaler(role: Role, replicas: int, synced: int) -> dict[str, Any]:
+    obj = copy.deepcopy(build_role_scaler(make_cluster(BUDGETED), role))
+    obj["spec"]["replicas"], obj["status"] = replicas, {"syncedReplicas": synced}
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("scaled_to", "taken"),
+    [(5, 2), (2, 2), (1, 1), (0, 0)],
+)
+def test_kubectl_scale_of_a_role_never_takes_the_cluster_past_max_total_gpus(
+    scaled_to: int, taken: int
+) -> None:
+    """prefill holds 2 of the 4 GPUs: decode (1 GPU an instance) may grow to 2."""
+    plan = plan_scaler(make_cluster(BUDGETED), D, budgeted_scaler(D, scaled_to, 1), existing=1)
+    assert plan.sync.synced == taken
+    assert plan.sync.cluster_replicas == (None if taken == 1 else taken)
+    if scaled_to > taken:
+        assert plan.sync.scaler_replicas == taken
+        assert plan.sync.reason is SyncReason.clamped
+        (event,) = plan.sync.events
+        assert event.reason == "ReplicasClamped"
+        assert event.message == (
+            f"decode: replicas {scaled_to} from the scaler would need {scaled_to} GPUs with "
+            f"2 held by the other roles, over autoscaling.maxTotalGPUs (4): set to {taken}"
+        )
+    else:
+        assert plan.sync.scaler_replicas is None and plan.sync.events == ()
+
+
 def test_a_scaler_with_a_lost_status_takes_the_clusters_replicas() -> None:
     raw = scaler_obj(3, synced=None)
     raw["status"] = {"syncedReplicas": "three"}

@@ -37,6 +37,16 @@ Ready again is forgotten: it is alive and acks for itself.
 Peers are told concurrently, each with its own timeout, so a dead peer
 never delays the others. Nothing here raises into the watch: a failed call
 is logged and counted.
+
+Which cluster a pod belongs to: the watch selects pods by label, and labels
+can be written by anyone who may create a pod. A pod counts only if its
+controller owner is the PDCluster its label names, by that object's uid
+(read from the API once, and again when a pod names another uid: the
+cluster may have been created anew). Another's pod — of a PDCluster
+deleted and created again under the same name, or a pod made to look like
+one of ours — is ignored (`foreign_pods_total`): it never takes the place
+of the cluster's decodes when the prefill set is published, is never sent
+a Secret its own spec names, and its losses are reported to nobody.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import asyncio
 import base64
 import functools
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -120,6 +131,9 @@ def rooms_failed_message(role: Role, reason: str) -> str:
     return f"rooms failed at {role.value} workers: {reason}"
 
 
+# The longest a cluster's uid is trusted when a pod names another (it may be new).
+CLUSTER_UID_REFRESH_S = 5.0
+
 # A decode pod still loading does not answer its admin API yet: ask again.
 PUBLISH_ATTEMPTS = 60
 PUBLISH_RETRY_S = 1.0
@@ -157,6 +171,8 @@ class Failover:
         # Called with a cluster's key when its workers' transport reports changed.
         self.on_transport_change: Callable[[tuple[str, str]], None] | None = None
         self._publish_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # (namespace, name) -> (the PDCluster's uid or None: no such object, when read).
+        self._cluster_uids: dict[tuple[str, str], tuple[str | None, float]] = {}
 
     # ------------------------------------------------------------ pod events
     async def on_pod_event(self, event_type: str | None, raw: Mapping[str, Any]) -> Loss | None:
@@ -164,6 +180,17 @@ class Failover:
         received = time.monotonic()
         pod = parse_pod_facts(raw)
         if pod is None:
+            return None
+        if not await self._is_owned_by_its_cluster(pod):
+            self.metrics.foreign_pods.inc()
+            log.warning(
+                "%s/%s: pod %s carries the cluster's labels but is controlled by another "
+                "PDCluster (uid %s); ignored",
+                pod.namespace,
+                pod.cluster,
+                pod.name,
+                pod.cluster_uid,
+            )
             return None
         gone = event_type == "DELETED"
         self.index.update(pod, gone=gone)
@@ -185,6 +212,24 @@ class Failover:
         self._cancel_recheck(pod.uid)
         await self.handle_loss(verdict.loss, received, object_gone=gone)
         return verdict.loss
+
+    async def _is_owned_by_its_cluster(self, pod: PodFacts) -> bool:
+        """Whether the pod's controller owner is the PDCluster its label names (uid)."""
+        uid, read_at = self._cluster_uids.get(pod.key, (None, -math.inf))
+        if uid == pod.cluster_uid:
+            return True
+        if time.monotonic() - read_at < CLUSTER_UID_REFRESH_S:
+            return False
+        try:
+            body = await self.api.get("PDCluster", pod.namespace, pod.cluster)
+        except ApiError as err:
+            # Unverified is not accepted; the pod's next event asks again.
+            log.warning("cannot read PDCluster %s/%s: %s", pod.namespace, pod.cluster, err)
+            return False
+        found = ((body or {}).get("metadata") or {}).get("uid")
+        uid = found if isinstance(found, str) and found else None
+        self._cluster_uids[pod.key] = (uid, time.monotonic())
+        return uid == pod.cluster_uid
 
     async def _settle(self, pod: PodFacts, *, object_gone: bool) -> None:
         """A pod reported with `gone: false` is seen again: gone now, or back?"""
@@ -223,6 +268,7 @@ class Failover:
             self._maybe_alive.pop(pod.uid, None)
         self.index.forget_cluster((namespace, name))
         self.transports.forget((namespace, name))
+        self._cluster_uids.pop((namespace, name), None)
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace}
 
     def _schedule_recheck(self, pod: PodFacts, at: float) -> None:

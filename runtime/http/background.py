@@ -13,7 +13,7 @@ import asyncio
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import uvicorn
 
@@ -60,13 +60,14 @@ class BackgroundServer:
     def _run(self) -> None:
         asyncio.run(self._server.serve(sockets=[self._sock]))
 
-    def start(self, timeout_s: float = 10.0) -> None:
+    def start(self, timeout_s: float = 10.0) -> Self:
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"server on {self.url} did not start")
             time.sleep(0.01)
+        return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop serving and free the port (idempotent; also fine if never started)."""

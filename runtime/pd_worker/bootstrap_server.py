@@ -226,10 +226,6 @@ class BootstrapServer(BackgroundServer):
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__(app, host, port, name="bootstrap-server")
 
-    def start(self, timeout_s: float = 10.0) -> BootstrapServer:
-        super().start(timeout_s)
-        return self
-
     def __enter__(self) -> BootstrapServer:
         return self.start()
 

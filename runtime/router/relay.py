@@ -47,6 +47,7 @@ from pdcluster.runtime.router.leg_client import (
     classify,
     close_response,
     finish_response,
+    leg_data,
     response_line_batches,
     response_lines,
 )
@@ -257,7 +258,7 @@ class Relay:
                 await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
                 async with self.ctx.legs.post(
-                    worker.url + self.plan.path, data=self.plan.content, headers=JSON
+                    worker.url + self.plan.path, data=leg_data(self.plan.content), headers=JSON
                 ) as resp:
                     if resp.status >= 400:
                         raw = await resp.read()
@@ -411,7 +412,7 @@ class Relay:
         self._main_sending.set()
         stage_trace.mark(self.plan.room, "router.main_send")
         self._main_resp = await self.ctx.legs.post(
-            self.plan.main.url + self.plan.path, data=self.plan.content, headers=JSON
+            self.plan.main.url + self.plan.path, data=leg_data(self.plan.content), headers=JSON
         )
         stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp

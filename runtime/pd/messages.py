@@ -61,6 +61,7 @@ from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.spec import pages_for
 
 # 2: TransferMeta carries decode's PromptId, and the rid of TransferMeta,
 # Bootstrap and Abort is the caller's or None. A version-1 peer would read
@@ -85,6 +86,20 @@ REJECT_INVALID_FIELD: Final = "invalid_field"
 MAX_ROOM: Final = (1 << 63) - 1
 # Page indices per TransferMeta: at <= 5 bytes each this stays under the frame limit.
 MAX_PAGES_PER_ROOM: Final = 1 << 17
+
+
+def room_size_problem(num_tokens: int, page_size: int) -> str | None:
+    """Why a prompt of `num_tokens` cannot travel as one PD room (more pages than
+    a TransferMeta names), or None: refused up front, before any room exists."""
+    pages = pages_for(num_tokens, page_size)
+    if pages <= MAX_PAGES_PER_ROOM:
+        return None
+    return (
+        f"prompt_too_long: a {num_tokens}-token prompt takes {pages} pages of {page_size} "
+        f"tokens; a PD request moves at most {MAX_PAGES_PER_ROOM} pages "
+        f"({MAX_PAGES_PER_ROOM * page_size} tokens)"
+    )
+
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
 Generation = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]

@@ -39,14 +39,19 @@ from pdcluster.runtime.pd.instance_counts import RankCountsBook
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, ZmqEndpoint
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
+    GroupFail,
     GroupMessage,
+    GroupOpen,
+    GroupPageKeys,
     GroupProtocolError,
     GroupReport,
     GroupStats,
+    OpenAssembly,
     ReportKind,
     decode_group,
     encode_group,
     is_group_frame,
+    wire_messages,
 )
 from pdcluster.runtime.spec import Role, TransferSpec
 from pdcluster.runtime.transfer.curve import cluster_keys
@@ -174,6 +179,8 @@ class RankAgent:
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
         self.leader_address: ZmqEndpoint | None = None
         self.follower_addresses: list[ZmqEndpoint] = []
+        # Follower: room openings whose page keys are still arriving (group.py).
+        self.openings = OpenAssembly()
         # Leader only: where this rank's own reports go (the coordinator's queue).
         self.report_sink: Callable[[GroupReport], None] | None = None
         self.group_sink: Callable[[GroupReport], None] | None = None
@@ -417,9 +424,27 @@ class RankAgent:
     group_handlers: ClassVar[Mapping[type, Callable[[Any, Any, float], None]]] = {}
 
     def on_group(self, msg: GroupMessage, now: float) -> None:
+        if isinstance(msg, GroupOpen | GroupPageKeys):
+            opened = self._assemble(msg)
+            if opened is None:
+                return
+            msg = opened
+        elif isinstance(msg, GroupFail):
+            self.openings.forget(msg.room)
         handler = self.group_handlers.get(type(msg))
         if handler is not None:
             handler(self, msg, now)
+
+    def _assemble(self, msg: GroupOpen | GroupPageKeys) -> GroupOpen | None:
+        """The opening to act on once every page key of it arrived, else None."""
+        try:
+            return self.openings.take(msg)
+        except GroupProtocolError as err:
+            code = str(err).split(":", 1)[0]
+            self.ctx.stats[f"group_reject:{code}"] += 1
+            log.warning("rank %s: room %s cannot open: %s", self.ctx.coord, msg.room, err)
+            self.report(msg.room, "failed", f"rejected: {code}")
+            return None
 
     # ------------------------------------------------------------ outbound
     def send(self, endpoint: str, message: Any) -> None:
@@ -449,9 +474,11 @@ class RankAgent:
         is free (`run_or_post`), for a room's opening and its pages.
         """
         stage_trace.mark_message(self.ctx.role, "bcast", msg)
-        data = encode_group(msg)
+        # A room's opening may go as several frames (its page keys in chunks).
+        frames = [encode_group(part) for part in wire_messages(msg)]
         for addr in self.follower_addresses:
-            self.send_group(addr, data)
+            for data in frames:
+                self.send_group(addr, data)
         apply = lambda: self.on_group(msg, time.monotonic())  # noqa: E731
         if here_now:
             self.run_or_post(apply)

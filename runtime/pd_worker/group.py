@@ -172,6 +172,50 @@ class GroupProtocolError(ValueError):
     pass
 
 
+# ------------------------------------------------------------ endpoints at start-up
+# Each rank's control endpoint, exchanged once over the group's gloo world as
+# fixed-size frames (a 2-byte length, msgpack, zero padding): typed and
+# bounded, never a pickle, so nothing a peer sends there is executed.
+ENDPOINT_FRAME_BYTES: Final = 320
+
+
+class RankEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    endpoint: Annotated[str, msgspec.Meta(min_length=7, max_length=256, pattern=r"^tcp://")]
+
+
+_endpoint_decoder = msgspec.msgpack.Decoder(RankEndpoint)
+
+
+def pack_endpoint(rank: int, endpoint: str) -> bytes:
+    """Rank `rank`'s frame of `ENDPOINT_FRAME_BYTES`; GroupProtocolError if it cannot be one."""
+    try:
+        data = _encoder.encode(msgspec.convert({"rank": rank, "endpoint": endpoint}, RankEndpoint))
+    except msgspec.ValidationError as err:
+        raise GroupProtocolError(f"bad_endpoint: {err}") from None
+    if len(data) + 2 > ENDPOINT_FRAME_BYTES:
+        raise GroupProtocolError(f"bad_endpoint: {endpoint!r:.80} is too long")
+    return (len(data).to_bytes(2, "little") + data).ljust(ENDPOINT_FRAME_BYTES, b"\0")
+
+
+def unpack_endpoints(frames: list[bytes]) -> list[str]:
+    """Every rank's endpoint, in rank order, from the frames gathered in rank order;
+    GroupProtocolError naming the rank whose frame is not its own well-formed one."""
+    out: list[str] = []
+    for rank, frame in enumerate(frames):
+        size = int.from_bytes(frame[:2], "little")
+        if len(frame) != ENDPOINT_FRAME_BYTES or size > ENDPOINT_FRAME_BYTES - 2:
+            raise GroupProtocolError(f"bad_endpoint: rank {rank}'s frame is malformed")
+        try:
+            msg = _endpoint_decoder.decode(frame[2 : 2 + size])
+        except msgspec.DecodeError as err:
+            raise GroupProtocolError(f"bad_endpoint: rank {rank}: {err}") from None
+        if msg.rank != rank:
+            raise GroupProtocolError(f"bad_endpoint: rank {rank} sent rank {msg.rank}'s frame")
+        out.append(msg.endpoint)
+    return out
+
+
 def is_group_frame(data: bytes) -> bool:
     return data[: len(GROUP_MAGIC)] == GROUP_MAGIC
 

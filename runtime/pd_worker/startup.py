@@ -13,6 +13,11 @@ from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import shape_of
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
+from pdcluster.runtime.pd_worker.group import (
+    ENDPOINT_FRAME_BYTES,
+    pack_endpoint,
+    unpack_endpoints,
+)
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
@@ -106,11 +111,24 @@ def _exchange_addresses(agent: Any, runner: Any, leader: bool) -> None:
     dist_ctx = runner.dist
     if dist_ctx is None:
         return
-    import torch.distributed as dist
-
-    addresses: list[Any] = [None] * dist_ctx.world_size
-    dist.all_gather_object(addresses, agent.address, group=dist_ctx.control_group)
+    addresses = exchange_endpoints(dist_ctx, agent.address)
     if leader:
         agent.follower_addresses = [a for i, a in enumerate(addresses) if i != runner.info.rank]
     else:
         agent.leader_address = addresses[runner.info.leader_rank]
+
+
+def exchange_endpoints(dist_ctx: Any, address: str) -> list[str]:
+    """Every rank's control endpoint, in rank order, as typed fixed-size frames
+    (group.py): nothing gathered here is unpickled."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.frombuffer(
+        bytearray(pack_endpoint(dist_ctx.info.rank, address)), dtype=torch.uint8
+    )
+    frames = [
+        torch.empty(ENDPOINT_FRAME_BYTES, dtype=torch.uint8) for _ in range(dist_ctx.world_size)
+    ]
+    dist.all_gather(frames, mine, group=dist_ctx.control_group)
+    return unpack_endpoints([bytes(f.numpy().tobytes()) for f in frames])

@@ -69,7 +69,10 @@ from pdcluster.runtime.spec import pages_for
 # 3: TransferMeta may carry `reuse` (decode holds the leading pages; prefill
 # must not write them). A version-2 prefill would ignore it and overwrite
 # pages other sequences read, so a version-2 frame is refused too.
-PROTOCOL_VERSION: Final = 3
+# 4: KVLayoutRegister may carry the decode rank's `incarnation`. A version-3
+# prefill refuses the unknown field (and the layout with it): refused at the
+# frame header instead, where the version names the cause.
+PROTOCOL_VERSION: Final = 4
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)
@@ -113,6 +116,7 @@ Path = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 LayerOrHead = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 Checksum = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]  # 63-bit digest
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 class ProtocolError(ValueError):
@@ -174,6 +178,10 @@ class KVLayoutRegister(_Msg, tag="layout", frozen=True):
     shm_pool_path: Path | None = None
     # The pool registered with this rank's NIXL agent (`nixl` transport).
     nixl: NixlRegion | None = None
+    # Version 4: which start of the decode rank's pod (its uid; None in local
+    # mode): an operator report about a predecessor at the same address then
+    # fails none of this one's rooms (`incarnations`).
+    incarnation: Incarnation | None = None
 
     def __post_init__(self) -> None:
         if self.layer_end <= self.layer_start:

@@ -93,6 +93,11 @@ class AgentContext:
     advertise_host: str
     bootstrap_address: BootstrapAddress  # prefill: this instance's bootstrap server
     curve: bool = False  # spec.auth.zmqCurve: encrypt and authenticate ZMQ with token keys
+    # Which start of this rank's pod (its uid on Kubernetes, $PDCLUSTER_INCARNATION);
+    # None in local mode. Registered with the bootstrap server (prefill) or in
+    # the KV layout (decode), so a peer tells a loss report about this pod from
+    # one about its predecessor at the same address.
+    incarnation: str | None = None
     stats: Counter[str] = field(default_factory=Counter)
 
 

@@ -419,12 +419,13 @@ def _admin_routes(
                     {"error": {"message": "body must be {peer, reason?, gone?}", "code": 422}}, 422
                 )
             log.warning(
-                "admin: fail_peer %s (%s, %s)",
+                "admin: fail_peer %s (%s, %s, incarnation %s)",
                 call.peer,
                 call.reason,
                 "gone" if call.gone else "may resume",
+                call.incarnation,
             )
-            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
+            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
             # Other dp groups have their own tables: relay to their leaders.
             headers = {"authorization": request.headers.get("authorization", "")}
             async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:

@@ -34,6 +34,7 @@ from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
+from pdcluster.runtime.pd.incarnations import ReportScope
 from pdcluster.runtime.pd.instance_counts import failure_key
 from pdcluster.runtime.pd.peer_liveness import (
     CheckRestart,
@@ -127,6 +128,7 @@ class DecodeAgent(RankAgent):
                 shm_pool_path=shm_pool_path if self.one_sided else None,
                 one_sided=self.one_sided,
                 nixl=None if self.nixl_agent is None else self.nixl_agent.region(),
+                incarnation=ctx.incarnation,
             ),
             ctx.room_settings,
         )
@@ -361,7 +363,28 @@ class DecodeAgent(RankAgent):
         # write any more. Otherwise (NotReady) it may be hung and resume: on a
         # one-sided transport its rooms' pages stay quarantined like after a
         # heartbeat verdict, until it acks, restarts elsewhere or is gone.
-        self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone)
+        scope = self.table.report_scope(msg.peer, msg.incarnation)
+        if scope is not ReportScope.CURRENT:
+            # About a start of the peer this rank never saw, or one a successor
+            # replaced at the same address: nothing of the successor's (its
+            # connections, its cached route, new rooms) is touched.
+            self.ctx.stats[f"fail_peer_{scope.value}"] += 1
+            log.info(
+                "decode rank %s: report about %s incarnation %s is %s here",
+                self.ctx.coord,
+                msg.peer,
+                msg.incarnation,
+                scope.value,
+            )
+            if scope is ReportScope.STALE:
+                self.perform(
+                    self.table.fail_peer(
+                        msg.peer, msg.reason, now, definitive=msg.gone, incarnation=msg.incarnation
+                    )
+                )
+                self._sweep_all()
+            return
+        self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone, incarnation=msg.incarnation)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
@@ -444,13 +467,21 @@ class DecodeAgent(RankAgent):
             self._fail(room, f"unsupported_topology: {err3}")
             return
         endpoints = {a.rank: a.endpoint for a in info.ranks}
+        incarnations = {a.rank: a.incarnation for a in info.ranks}
         sources = []
         for prefill_rank in dict.fromkeys(s.prefill_rank for s in slices):
             endpoint = endpoints.get(prefill_rank)
             if endpoint is None:
                 self._fail(room, f"bootstrap_error: no address for prefill rank {prefill_rank}")
                 return
-            sources.append(Source(prefill_rank, endpoint, topo.num_destinations(prefill_rank)))
+            sources.append(
+                Source(
+                    prefill_rank,
+                    endpoint,
+                    topo.num_destinations(prefill_rank),
+                    incarnations.get(prefill_rank),
+                )
+            )
         # One slice per prefill rank (its layers and heads in common with ours).
         per_rank = [s.prefill_rank for s in slices]
         r.slices = {
@@ -460,7 +491,7 @@ class DecodeAgent(RankAgent):
         }
         now = time.monotonic()
         self._kv_sources[room] = frozenset(s.endpoint for s in sources)
-        self.perform(self.table.resolve(room, sources, now))
+        self.perform(self.table.resolve(room, sources, now, info.incarnation))
         r.resolved = True
         if r.pending_pages is not None and room in self.table:
             pages, r.pending_pages = r.pending_pages, None
@@ -552,6 +583,7 @@ class DecodeAgent(RankAgent):
                 now,
                 definitive=act.definitive,
                 until_recovered=act.until_recovered,
+                incarnation=act.incarnation,
             )
         )
         self._sweep_all()
@@ -562,7 +594,14 @@ class DecodeAgent(RankAgent):
         self.bootstrap.discard(act.peer)
 
     def _peer_lost(
-        self, peer: str, reason: str, now: float, *, definitive: bool, until_recovered: bool = False
+        self,
+        peer: str,
+        reason: str,
+        now: float,
+        *,
+        definitive: bool,
+        until_recovered: bool = False,
+        incarnation: str | None = None,
     ) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
         routes = {}
@@ -577,6 +616,7 @@ class DecodeAgent(RankAgent):
             until_recovered=until_recovered,
             rooms=[view.peers for view in self.table.list_rooms(now)],
             routes=routes,
+            incarnation=incarnation,
         )
         self.act(acts, now)
 

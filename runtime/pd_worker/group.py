@@ -113,11 +113,13 @@ class GroupFailPeer(msgspec.Struct, tag="fail_peer", frozen=True, forbid_unknown
     `gone`: the peer's processes can no longer run (pod deleted, exited). False
     when it may merely hang (NotReady): a decode rank on a one-sided transport
     then keeps the failed rooms' pages until the peer acks or is declared gone.
+    `incarnation`: which start of the peer (a pod uid); None: whatever serves there.
     """
 
     peer: str
     reason: str
     gone: bool = True
+    incarnation: str | None = None
 
 
 ReportKind = Literal["start", "paired", "ready", "complete", "failed", "released", "succeeded"]

@@ -128,7 +128,11 @@ class PrefillAgent(RankAgent):
             self.ctx.bootstrap_address, self.ctx.token or None, retry=RetryPolicy(attempts=1)
         )
         reg = RankRegistration(
-            rank=self.ctx.coord, shape=self.ctx.shape, endpoint=self.address, compat=self.ctx.compat
+            rank=self.ctx.coord,
+            shape=self.ctx.shape,
+            endpoint=self.address,
+            compat=self.ctx.compat,
+            incarnation=self.ctx.incarnation,
         )
 
         async def go() -> None:
@@ -226,7 +230,7 @@ class PrefillAgent(RankAgent):
     def _on_group_fail_peer(self, msg: GroupFailPeer, now: float) -> None:
         # `gone` does not matter here: a decode never writes into prefill's
         # pages, so even a hung one that resumes cannot touch what is freed.
-        self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+        self.perform(self.table.fail_peer(msg.peer, msg.reason, now, msg.incarnation))
 
     def fail_room(self, room: int, reason: str, now: float) -> None:
         if room in self.table:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
+from pdcluster.runtime.pd.bootstrap_registry import INCARNATION_ENV
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.messages import PROTOCOL_VERSION
@@ -80,6 +82,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
             f"{settings.leader_advertise_host}:{settings.bootstrap_port}"
         ),
         curve=bool(spec.auth.zmq_curve),
+        incarnation=os.environ.get(INCARNATION_ENV) or None,
     )
 
 

@@ -9,9 +9,11 @@ killed prefill makes decode fail its rooms in well under a second
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
 of the decode role's scaler); a real HPA reads the decode scaler's /scale
 (the harness has no metrics API, so it cannot act); deleting the PDCluster
-removes everything. A prefill instance of two pods serves, and killing
-its non-leader pod fails decode's rooms at once and replaces both; one
-that no node can take stays Pending and is never restarted. An invalid
+removes everything. A prefill instance of two pods serves over nixl, and
+killing its non-leader pod fails decode's rooms at once, with ABORTs,
+while their pages stay held until the surviving leader answers, and
+replaces both; one that no node can take stays Pending and is never
+restarted. An invalid
 manifest (or one above the rank cap, or autoscaling beyond its GPU budget)
 is refused by the API; the operator refuses a foreign Secret reference,
 reports a quota that refuses its pods as ApplyFailed, and never applies
@@ -390,11 +392,12 @@ def fail_fast_when_a_pod_dies(
     *,
     frozen: dict[str, Any],
     killed: dict[str, Any],
-) -> float:
+) -> tuple[float, DecodeRequest]:
     """Freeze the prefill pod `frozen`, open a decode room waiting for its KV, then
     kill the pod `killed` (of the same instance): decode fails the room by the
     operator's fast path, pod event → operator → /admin/fail_peer, well before its
-    heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered."""
+    heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered,
+    and the request."""
     node_agent.freeze_pod(ns, frozen["metadata"]["name"])
     request = DecodeRequest(decode_url, frozen["status"]["podIP"], admin, timeout_s=90)
     try:
@@ -411,7 +414,60 @@ def fail_fast_when_a_pod_dies(
     assert took < FAST_PATH_BOUND_S, f"decode failed the room {took:.2f}s after the kill"
     failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
     assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
-    return took
+    return took, request
+
+
+# How long the test holds the surviving writer frozen after the loss, looking at the pages.
+HOLD_S = 6.0
+
+
+def held_until_the_frozen_writer_answers(
+    node_agent: NodeAgentClient,
+    kube: KubeApi,
+    ns: str,
+    decode_url: str,
+    admin: dict[str, str],
+    room: int,
+    frozen: dict[str, Any],
+) -> float:
+    """One-sided writes (nixl): decode failed the room and sent ABORT, and freed
+    nothing: the killed pod's ranks are settled (gone), but the frozen pod's may
+    still write into the room's pages. They stay the room's while that pod runs
+    (frozen, maybe terminating: its gang is being restarted); once it answers
+    (thawed, it acks the ABORT or ends) they come back. How long they were held."""
+
+    def view() -> dict[str, Any] | None:
+        rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()["rooms"]
+        return next((r for r in rooms if r["room"] == room), None)
+
+    failed_at = time.monotonic()
+    # Both reports landed: the instance's (failing, not gone), pod 1's own (gone).
+    wait_until(
+        lambda: "unsettled=1" in (view() or {}).get("detail", ""),
+        10,
+        f"decode to settle only the killed pod's source of room {room} ({view()})",
+    )
+    held = view()
+    assert held is not None and held["state"] == "Failed", held
+    info = httpx.get(f"{decode_url}/get_server_info", headers=admin, timeout=5).json()
+    assert info["pd_stats"].get("abort_sent", 0) >= 1, info["pd_stats"]
+    path = f"/api/v1/namespaces/{ns}/pods/{frozen['metadata']['name']}"
+    while time.monotonic() < failed_at + HOLD_S:
+        leader = kube.get(path)
+        running = (
+            leader is not None
+            and leader["metadata"]["uid"] == frozen["metadata"]["uid"]
+            and not any(
+                "terminated" in (cs.get("state") or {})
+                for cs in (leader.get("status") or {}).get("containerStatuses") or []
+            )
+        )
+        assert running, "the frozen pod ended before the test thawed it"
+        assert view() is not None, f"room {room}'s pages were released while a writer ran"
+        time.sleep(0.5)
+    node_agent.thaw_pod(ns, frozen["metadata"]["name"])
+    wait_until(lambda: view() is None, 90, f"decode to release room {room} once its writer answers")
+    return time.monotonic() - failed_at
 
 
 def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
@@ -732,8 +788,11 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     tmp_path: Path,
 ) -> None:
     """prefill tp2 with gpusPerPod 1: one instance of two pods (leader + one) that
-    meet over pod IPs, placed on one node; killing the non-leader pod fails decode's
-    rooms at once and replaces both. A gang that cannot be scheduled is never restarted."""
+    meet over pod IPs, placed on one node, moving KV with nixl (one-sided WRITEs);
+    killing the non-leader pod fails decode's rooms at once, with ABORTs, and
+    frees no page while the leader (frozen) may still write; both pods are
+    replaced and serve the same answer. A gang that cannot be scheduled is never
+    restarted."""
     prefill = {
         "replicas": 1,
         "topology": {"tp": 2},
@@ -741,8 +800,12 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
         "restart": {"backoffSeconds": 1},
         "scheduling": {"gang": "podGroup"},
     }
+    transfer = {**manifest()["spec"]["transfer"], "backend": "nixl"}
     apply(
-        kubectl, tmp_path, namespace, manifest(MULTI, prefill={**prefill, "placement": PLACEMENT})
+        kubectl,
+        tmp_path,
+        namespace,
+        manifest(MULTI, prefill={**prefill, "placement": PLACEMENT}, transfer=transfer),
     )
     apply(kubectl, tmp_path, namespace, unschedulable_manifest())
 
@@ -781,11 +844,16 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     decode_url = f"http://{decode['status']['podIP']}:8000"
     old_uids = {leader["metadata"]["uid"], follower["metadata"]["uid"]}
     # The follower's pod event makes the operator name the instance by its
-    # leader's bootstrap address.
-    took = fail_fast_when_a_pod_dies(
+    # leader's bootstrap address (failing, not gone: its leader runs) and the
+    # follower by its own address (gone).
+    took, request = fail_fast_when_a_pod_dies(
         node_agent, namespace, decode_url, admin, frozen=leader, killed=follower
     )
     print(f"decode failed the room {took * 1000:.0f} ms after the non-leader pod was killed")
+    held = held_until_the_frozen_writer_answers(
+        node_agent, kube, namespace, decode_url, admin, request.room, leader
+    )
+    print(f"its pages were held {held:.1f} s, until the leader answered")
 
     def replaced(obj: dict[str, Any]) -> bool:
         now = cluster_pods(kube, namespace, "prefill")

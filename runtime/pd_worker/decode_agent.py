@@ -36,6 +36,7 @@ from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
 from pdcluster.runtime.pd.incarnations import ReportScope
 from pdcluster.runtime.pd.instance_counts import failure_key
+from pdcluster.runtime.pd.messages import Abort, AbortAck
 from pdcluster.runtime.pd.peer_liveness import (
     CheckRestart,
     DeclareUnreachable,
@@ -261,6 +262,8 @@ class DecodeAgent(RankAgent):
     def perform(self, acts: list[Any]) -> None:
         for act in acts:
             if isinstance(act, A.Send):
+                if isinstance(act.message, Abort):
+                    self.ctx.stats["abort_sent"] += 1
                 self.send(act.endpoint, act.message)
             elif isinstance(act, A.TransferComplete):
                 self._completing[act.room] = (act, self._receiving.get(act.room))
@@ -336,6 +339,8 @@ class DecodeAgent(RankAgent):
 
     # ------------------------------------------------------------ events
     def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        if isinstance(msg, AbortAck):
+            self.ctx.stats["abort_ack_received"] += 1
         self.perform(self.table.on_message(msg, now, sender))
         room = getattr(msg, "room", None)
         if room is not None:

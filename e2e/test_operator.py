@@ -23,10 +23,12 @@ over an object that replaced one of its own.
 from __future__ import annotations
 
 import base64
+import os
 import secrets
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,13 +394,17 @@ def fail_fast_when_a_pod_dies(
     *,
     frozen: dict[str, Any],
     killed: dict[str, Any],
+    freeze: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[float, DecodeRequest]:
     """Freeze the prefill pod `frozen`, open a decode room waiting for its KV, then
     kill the pod `killed` (of the same instance): decode fails the room by the
     operator's fast path, pod event → operator → /admin/fail_peer, well before its
     heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered,
     and the request."""
-    node_agent.freeze_pod(ns, frozen["metadata"]["name"])
+    if freeze is None:
+        node_agent.freeze_pod(ns, frozen["metadata"]["name"])
+    else:
+        freeze(frozen)
     request = DecodeRequest(decode_url, frozen["status"]["podIP"], admin, timeout_s=90)
     try:
         wait_until(request.room_open, 30, "decode to open the room")
@@ -417,11 +423,22 @@ def fail_fast_when_a_pod_dies(
     return took, request
 
 
-# How long the test holds the surviving writer frozen after the loss, looking at the pages.
-HOLD_S = 6.0
+def freeze_as_a_kubelet_would_find_it(node_agent: NodeAgentClient, pod: dict[str, Any]) -> None:
+    """SIGSTOP the pod's processes directly. The node agent's own freeze makes its
+    termination send SIGCONT with SIGTERM; unknown to it, the pod stays frozen
+    through its termination (a kubelet sends SIGTERM alone) until it is killed."""
+    (entry,) = [p for p in node_agent.pods() if p["uid"] == pod["metadata"]["uid"]]
+    pids = [c["pid"] for c in entry["containers"] if c["pid"]]
+    assert pids, entry
+    for pid in pids:
+        os.killpg(pid, signal.SIGSTOP)
 
 
-def held_until_the_frozen_writer_answers(
+# How long the test watches the frozen writer's room before it kills that writer.
+HOLD_S = 8.0
+
+
+def held_until_the_frozen_writer_is_gone(
     node_agent: NodeAgentClient,
     kube: KubeApi,
     ns: str,
@@ -429,45 +446,53 @@ def held_until_the_frozen_writer_answers(
     admin: dict[str, str],
     room: int,
     frozen: dict[str, Any],
-) -> float:
+) -> None:
     """One-sided writes (nixl): decode failed the room and sent ABORT, and freed
-    nothing: the killed pod's ranks are settled (gone), but the frozen pod's may
-    still write into the room's pages. They stay the room's while that pod runs
-    (frozen, maybe terminating: its gang is being restarted); once it answers
-    (thawed, it acks the ABORT or ends) they come back. How long they were held."""
+    nothing of it: the killed pod's ranks are settled (gone), but the frozen
+    pod's may still write into the room's pages. They stay the room's while that
+    pod runs (frozen, then terminating: the gang restart deletes it) and come
+    back only once it is gone (it cannot acknowledge while frozen)."""
 
     def view() -> dict[str, Any] | None:
         rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()["rooms"]
         return next((r for r in rooms if r["room"] == room), None)
 
-    failed_at = time.monotonic()
-    # Both reports landed: the instance's (failing, not gone), pod 1's own (gone).
-    wait_until(
-        lambda: "unsettled=1" in (view() or {}).get("detail", ""),
-        10,
-        f"decode to settle only the killed pod's source of room {room} ({view()})",
-    )
-    held = view()
-    assert held is not None and held["state"] == "Failed", held
     info = httpx.get(f"{decode_url}/get_server_info", headers=admin, timeout=5).json()
     assert info["pd_stats"].get("abort_sent", 0) >= 1, info["pd_stats"]
     path = f"/api/v1/namespaces/{ns}/pods/{frozen['metadata']['name']}"
-    while time.monotonic() < failed_at + HOLD_S:
-        leader = kube.get(path)
-        running = (
-            leader is not None
-            and leader["metadata"]["uid"] == frozen["metadata"]["uid"]
-            and not any(
-                "terminated" in (cs.get("state") or {})
-                for cs in (leader.get("status") or {}).get("containerStatuses") or []
-            )
-        )
-        assert running, "the frozen pod ended before the test thawed it"
-        assert view() is not None, f"room {room}'s pages were released while a writer ran"
-        time.sleep(0.5)
-    node_agent.thaw_pod(ns, frozen["metadata"]["name"])
-    wait_until(lambda: view() is None, 90, f"decode to release room {room} once its writer answers")
-    return time.monotonic() - failed_at
+
+    def writer() -> str:
+        """frozen (not asked to stop), terminating (still frozen), or ended."""
+        pod = kube.get(path)
+        if pod is None or pod["metadata"]["uid"] != frozen["metadata"]["uid"]:
+            return "ended"
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if any("terminated" in (cs.get("state") or {}) for cs in statuses):
+            return "ended"
+        return "terminating" if pod["metadata"].get("deletionTimestamp") else "frozen"
+
+    seen: list[tuple[str, bool]] = []  # (the writer's state, the room still held), in order
+    started = time.monotonic()
+    killed = False
+    while True:
+        state = writer()
+        held = view()
+        if held is None:
+            seen.append((writer(), False))  # the writer's state once released
+            break
+        seen.append((state, True))
+        # Failed at once; held, with only the frozen writer's source unsettled.
+        assert held["state"] == "Failed", held
+        elapsed = time.monotonic() - started
+        if not killed and elapsed > HOLD_S:
+            node_agent.kill_pod(ns, frozen["metadata"]["name"])  # held long enough: it goes
+            killed = True
+        assert elapsed < HOLD_S + 60, f"room {room} never came back: {held}, {seen[-5:]}"
+        time.sleep(0.25)
+    held_states = {state for state, held in seen if held}
+    assert seen[0][1], f"room {room} was released at once: {seen}"
+    assert seen[-1][0] == "ended", f"room {room} was released while its writer ran: {seen}"
+    print(f"room {room} held while its writer was {sorted(held_states)}; released once it ended")
 
 
 def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
@@ -847,13 +872,18 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     # leader's bootstrap address (failing, not gone: its leader runs) and the
     # follower by its own address (gone).
     took, request = fail_fast_when_a_pod_dies(
-        node_agent, namespace, decode_url, admin, frozen=leader, killed=follower
+        node_agent,
+        namespace,
+        decode_url,
+        admin,
+        frozen=leader,
+        killed=follower,
+        freeze=lambda pod: freeze_as_a_kubelet_would_find_it(node_agent, pod),
     )
     print(f"decode failed the room {took * 1000:.0f} ms after the non-leader pod was killed")
-    held = held_until_the_frozen_writer_answers(
+    held_until_the_frozen_writer_is_gone(
         node_agent, kube, namespace, decode_url, admin, request.room, leader
     )
-    print(f"its pages were held {held:.1f} s, until the leader answered")
 
     def replaced(obj: dict[str, Any]) -> bool:
         now = cluster_pods(kube, namespace, "prefill")

@@ -6,7 +6,7 @@
 Handlers only translate kopf's triggers into work-queue keys; the
 reconcile itself lives in `controller.py`. Triggers:
 - PDCluster created, changed or found at start-up → reconcile it;
-- a labelled child (pod, service, deployment, configmap, networkpolicy) changed or was
+- a labelled child (pod, service, deployment, configmap, networkpolicy, pdb) changed or was
   deleted → reconcile its cluster (deleted children come back);
 - the queue re-runs every cluster at the resync interval and at the
   deadlines the planner names (back-off ends, budget windows);
@@ -124,7 +124,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     metrics = OperatorMetrics()
     if op.metrics_port:
         start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
-    recorder = EventRecorder(client, clock=time.time, min_interval_s=op.event_min_interval_s)
+    recorder = EventRecorder(
+        client, clock=time.time, min_interval_s=op.event_min_interval_s, metrics=metrics
+    )
     failover = Failover(client, recorder, metrics, op)
     controller = Controller(
         client,
@@ -141,7 +143,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         max_retry_delay_s=op.max_retry_delay_s,
     )
     failover.on_transport_change = queue.add
-    autoscaler = Autoscaler(client, recorder, failover.token_for)
+    autoscaler = Autoscaler(client, recorder, failover.token_for, metrics=metrics)
     queue.start()
     tasks = (
         asyncio.create_task(_flush_events(recorder, op.event_min_interval_s)),
@@ -229,6 +231,7 @@ async def on_child_pod(
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=CHILD_LABELS)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
 async def on_child(
     namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
 ) -> None:

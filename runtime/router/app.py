@@ -50,7 +50,7 @@ from pdcluster.runtime.router.errors import (
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_client import leg_session
-from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
+from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.off_loop import PromptReader, read_request
 from pdcluster.runtime.router.policies import make_policy
@@ -58,13 +58,16 @@ from pdcluster.runtime.router.prefix_feed import PrefixFollower
 from pdcluster.runtime.router.prefix_index import PrefixIndex
 from pdcluster.runtime.router.prompt_ids import RouterTokenizer
 from pdcluster.runtime.router.relay import Relay, RelayContext
+from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
 from pdcluster.runtime.router.streaming import (
     DISCONNECT_SCOPE_KEY,
     ClientDisconnected,
+    ClientRelay,
     RelayStreamResponse,
     run_until_disconnect,
 )
+from pdcluster.runtime.router.vllm_relay import VllmRelay
 from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget, normalize_url
 from pdcluster.runtime.spec import Role
 
@@ -140,10 +143,25 @@ class RouterState:
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
         # Page keys each worker has cached, for cache_aware (`prefix_index.py`).
         self.prefix_index = PrefixIndex()
+        roles = (Role.prefill, Role.decode) if config.is_disaggregated else (Role.colocated,)
         self.metrics = RouterMetrics(
-            self.pool.all, self._indexed_pages if config.cache_aware_roles else None
+            self.pool.all,
+            self._indexed_pages if config.cache_aware_roles else None,
+            roles=roles,
+            cluster=config.cluster_name,
+            ttft_slo_s=config.ttft_slo_s,
         )
         self.follower: PrefixFollower | None = None
+        # Request tracing (`telemetry/tracing.py`); None: off.
+        self.tracing: Any = None
+        if config.tracing.enabled:
+            from pdcluster.runtime.telemetry.tracing import start_tracing
+
+            self.tracing = start_tracing(
+                config.tracing,
+                "pdcluster-router",
+                {"pdcluster.cluster": config.cluster_name, "pdcluster.role": "router"},
+            )
         self.leg_planner = LegPlanner(
             pool=self.pool,
             disaggregated=config.is_disaggregated,
@@ -152,6 +170,7 @@ class RouterState:
             colocated_policy=self._policy(config.colocated_policy),
             rids=RidMinter(rng),
             rooms_source=rng,
+            engine=config.engine,
         )
         # cache_aware: the prompt, read and keyed off the loop (`off_loop.py`).
         self.prompts = (
@@ -203,6 +222,7 @@ class RouterState:
             interval_s=cfg.health_check_interval_s,
             timeout_s=cfg.health_check_timeout_s,
             on_transition=self._on_transition,
+            reads_server_info=cfg.reads_server_info,
         )
         if cfg.kubernetes is None:
             self.pool.sync(static_targets(cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls))
@@ -236,6 +256,8 @@ class RouterState:
             await asyncio.gather(health_loop, *pending, return_exceptions=True)
             await legs.close()
             await control.aclose()
+            if self.tracing is not None:
+                self.tracing.shutdown()
 
     def apply_targets(self, targets: list[WorkerTarget]) -> None:
         """Discovery's view of the workers; new ones are probed at once."""
@@ -246,6 +268,7 @@ class RouterState:
             return
         for worker in change.removed:
             log.info("worker %s (%s) removed by discovery", worker.url, worker.role)
+            self._prefill_lost(worker, "removed by discovery")
         self._follow_workers()
         if self.ctx is not None and self.checker is not None:
             for worker in change.added:
@@ -256,6 +279,24 @@ class RouterState:
         self.metrics.health_transitions.labels(worker.role.value, to).inc()
         self._pool_changed.set()
         self._follow_workers()
+        if not healthy:
+            self._prefill_lost(worker, worker.last_error or "unhealthy")
+
+    def _prefill_lost(self, worker: Worker, reason: str) -> None:
+        """Requests still waiting on this prefill's KV start again elsewhere (vLLM)."""
+        if worker.role is not Role.prefill or self.ctx is None:
+            return
+        told = self.ctx.prefills.lost(worker, reason)
+        if told:
+            log.warning(
+                "prefill %s lost (%s): %d request(s) moved off it", worker.url, reason, told
+            )
+
+    def _relay_for(self, plan: LegPlan, record: RequestRecord) -> ClientRelay:
+        assert self.ctx is not None, "router app used outside its lifespan"
+        if plan.flow is LegFlow.kv_params and plan.prefill is not None:
+            return VllmRelay(self.ctx, plan, self.leg_planner.repick_prefill, record)
+        return Relay(self.ctx, plan, record)
 
     async def _plan(self, client_request: ClientRequest) -> LegPlan:
         """Plan the legs; with no healthy worker but a new one still on its first
@@ -298,20 +339,30 @@ class RouterState:
             raw = await _read_body(request, self.config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        client_request = await read_request(
-            endpoint, raw, disaggregated=self.config.is_disaggregated
-        )
-        model = client_request.model
-        if model is not None and model not in self.config.model_names:
-            raise RouterError(
-                404,
-                f"model {model!r} does not exist; this router serves {self.config.model_name!r}",
-                code="model_not_found",
-                param="model",
-                reason="unknown_model",
+        record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
+        try:
+            client_request = await read_request(
+                endpoint, raw, disaggregated=self.config.is_disaggregated
             )
-        assert self.ctx is not None, "router app used outside its lifespan"
-        relay = Relay(self.ctx, await self._plan(client_request))
+            model = client_request.model
+            if model is not None and model not in self.config.model_names:
+                raise RouterError(
+                    404,
+                    f"model {model!r} does not exist; this router serves "
+                    f"{self.config.model_name!r}",
+                    code="model_not_found",
+                    param="model",
+                    reason="unknown_model",
+                )
+            assert self.ctx is not None, "router app used outside its lifespan"
+            plan = await self._plan(client_request)
+        except RouterError as err:
+            record.set_outcome(err.reason)
+            record.planned(err.reason)
+            record.finish(self.metrics)
+            raise
+        record.planned()
+        relay = self._relay_for(plan, record)
         stage_trace.mark(relay.plan.room, "router.recv", received_ns)
         stage_trace.mark(relay.plan.room, "router.planned")
         relay.start()

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, Role, SelectionPolicy
+from pdcluster.runtime.spec import (
+    EngineKind,
+    FailurePolicy,
+    LogFormat,
+    PDClusterSpec,
+    Role,
+    SelectionPolicy,
+    TracingSpec,
+)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -61,6 +69,15 @@ class RouterConfig:
     # cache_aware: "tiny" or a model directory with tokenizer.json, to turn
     # text prompts into token ids; None: only token-id prompts are matched.
     tokenizer: str | None = None
+    # The PDCluster's name: the `pdcluster` label of `pdcluster_router_info`.
+    cluster_name: str = ""
+    # The p90 TTFT the manifest promises (`spec.ttft_slo_seconds`), exported for the alert.
+    ttft_slo_s: float | None = None
+    tracing: TracingSpec = field(default_factory=TracingSpec)
+    log_format: LogFormat | None = None
+    # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
+    # on /health alone and their legs go one after the other (leg_plan.LegFlow).
+    engine: EngineKind = EngineKind.builtin
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -88,6 +105,11 @@ class RouterConfig:
             or self.max_load_gap < 0
         ):
             raise ValueError(f"max_load_gap must be an integer >= 0, got {self.max_load_gap!r}")
+        if not isinstance(self.engine, EngineKind):
+            valid = ", ".join(e.value for e in EngineKind)
+            raise ValueError(f"engine={self.engine!r} is not one of: {valid}")
+        if self.engine is EngineKind.vllm and self.cache_aware_roles:
+            raise ValueError("cache_aware needs page keys, which vLLM workers do not publish")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -117,6 +139,16 @@ class RouterConfig:
         return bool(self.prefill_urls or self.decode_urls)
 
     @property
+    def reads_server_info(self) -> bool:
+        """Whether workers answer /get_server_info (bootstrap port, dp size, role)."""
+        return self.engine is EngineKind.builtin
+
+    @property
+    def aborts_by_rid(self) -> bool:
+        """Whether workers take `/abort_request {rid}` (vLLM: closing the leg aborts it)."""
+        return self.engine is EngineKind.builtin
+
+    @property
     def is_prefill_failure_final(self) -> bool:
         """Whether a failed prefill leg ends the request (False: decode recomputes)."""
         return self.failure_policy != FailurePolicy.recompute.value
@@ -135,6 +167,7 @@ class RouterConfig:
         colocated_urls: Sequence[str] = (),
         kubernetes: KubernetesDiscoverySettings | None = None,
         api_keys: Sequence[str] = (),
+        cluster_name: str = "",
     ) -> RouterConfig:
         """Settings of a PDCluster manifest plus the addresses the caller knows."""
         aliases = (spec.model.path,) if spec.model.path else ()
@@ -155,6 +188,11 @@ class RouterConfig:
             failure_policy=spec.transfer.failure_policy.value,
             max_load_gap=spec.router.policy.max_load_gap,
             tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
+            cluster_name=cluster_name,
+            ttft_slo_s=spec.ttft_slo_seconds,
+            tracing=spec.observability.tracing,
+            log_format=spec.observability.log_format,
+            engine=spec.engine.kind,
         )
 
     @property

@@ -178,6 +178,11 @@ def init_distributed(
             wait_for_workers=False,
             master_listen_fd=listener.fileno() if listener is not None else None,
         )
+        if listener is not None:
+            # The store owns the descriptor now and closes it when it goes; the
+            # socket object must not close it again (by then the number may be
+            # another file's: a ZMQ context's, a pipe's).
+            listener.detach()
     if gate is not None:
         pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
@@ -198,14 +203,17 @@ def init_distributed(
         if rank in ranks:
             control_group = group
     ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
-    ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
+    ctx.store_listener = listener  # detached: the store serves on (and owns) its descriptor
     return ctx
 
 
 def host_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
-    """A TCP store served on `host:port` only, and the socket it serves on (keep it open)."""
+    """A TCP store served on `host:port` only, and the socket it was bound with
+    (detached: the store owns its descriptor and closes it when it goes)."""
     listener = _bound_listener(host, port)
-    return _tcp_store(host, port, timeout_s, listen_fd=listener.fileno()), listener
+    store = _tcp_store(host, port, timeout_s, listen_fd=listener.fileno())
+    listener.detach()  # the store owns (and closes) the descriptor from here on
+    return store, listener
 
 
 def dial_store(host: str, port: int, timeout_s: float) -> Any:

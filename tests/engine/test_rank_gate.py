@@ -103,7 +103,7 @@ def _rendezvous_of_two(token: str = "tok") -> str:
         assert "error" not in out, out
         return str(peer.get(proof_key(1)).decode())
     finally:
-        listener.close()
+        assert listener.fileno() == -1  # the store owns (and closes) its descriptor
 
 
 def test_a_proof_read_in_one_rendezvous_is_refused_in_the_next() -> None:
@@ -121,7 +121,7 @@ def test_a_proof_read_in_one_rendezvous_is_refused_in_the_next() -> None:
         assert "rank 1 did not prove" in str(out["error"])
         assert not impostor.get(VERDICT_KEY).decode().startswith("ok")
     finally:
-        listener.close()
+        assert listener.fileno() == -1  # the store owns (and closes) its descriptor
 
 
 def test_a_verdict_written_without_the_token_admits_no_rank() -> None:
@@ -143,7 +143,7 @@ def test_a_verdict_written_without_the_token_admits_no_rank() -> None:
         assert isinstance(out.get("error"), RendezvousError), out
         assert "not signed" in str(out["error"])
     finally:
-        listener.close()
+        assert listener.fileno() == -1  # the store owns (and closes) its descriptor
 
 
 def exchanged_endpoints(rank: int, world_size: int, port: int) -> list[str]:
@@ -160,3 +160,24 @@ def exchanged_endpoints(rank: int, world_size: int, port: int) -> list[str]:
 def test_ranks_learn_each_others_endpoints_without_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
     got = spawn_ranks(exchanged_endpoints, 2, timeout_s=120)
     assert got == [["tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001"]] * 2
+
+
+def test_a_hosted_store_alone_closes_its_descriptor() -> None:
+    """The store takes the bound socket's descriptor over and closes it when it goes:
+    the socket object must never close that number again (it may be another file's
+    by then: a ZMQ context's, a pipe's)."""
+    import gc
+    import os
+
+    store, listener = host_store("127.0.0.1", free_port(), 10)
+    assert listener.fileno() == -1
+    read, write = os.pipe()
+    try:
+        del store
+        gc.collect()
+        listener.close()  # a no-op: it owns nothing
+        os.write(write, b"x")
+        assert os.read(read, 1) == b"x"
+    finally:
+        os.close(read)
+        os.close(write)

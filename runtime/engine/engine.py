@@ -269,7 +269,7 @@ class LLMEngine:
         try:
             plan = self._plan(batch)
             if self.dist is not None:
-                self.dist.broadcast_plan(plan)
+                self.dist.broadcast_plan(plan, StepPlan)
             sampled = self.runner.execute(plan)
         except BaseException as err:
             failed = [seq.rid for seq in self.scheduler.fail_step()]
@@ -286,7 +286,7 @@ class LLMEngine:
             return
         self._closed = True
         if self.dist is not None:
-            self.dist.broadcast_plan(StepPlan(shutdown=True))
+            self.dist.broadcast_plan(StepPlan(shutdown=True), StepPlan)
 
     # ---- internals ------------------------------------------------------
 

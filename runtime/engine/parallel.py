@@ -7,6 +7,8 @@ Two kinds of traffic, two kinds of groups:
 - control traffic (the leader's step plan, sampled tokens back to the
   leader) always uses gloo groups on CPU, so the plan never makes a GPU
   round trip and the leader can block on it without holding a stream.
+  The plan travels as msgpack decoded into its own types (`broadcast_plan`),
+  never as a pickle: a follower executes nothing it receives.
 
 `torch.distributed.new_group` must be called by every process in the same
 order, even for groups it is not in, so groups are created from the fixed
@@ -24,14 +26,20 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from pdcluster.runtime.engine.rendezvous import RankGate, pass_gate
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
 from pdcluster.runtime.ports import free_port
+
+T = TypeVar("T")
+# A step plan's bytes at most (a 4M-token chunk's ids and page table take ~40 MB).
+MAX_PLAN_BYTES = 256 << 20
+_PLAN_ENCODER = msgspec.msgpack.Encoder()
 
 __all__ = [
     "DistContext",
@@ -64,12 +72,34 @@ class DistContext:
         if self.tp_group is not None:
             dist.all_reduce(tensor, group=self.tp_group)
 
-    def broadcast_plan(self, plan: object | None) -> Any:
-        """Leader: send `plan` to its dp group. Others: pass None, get the plan."""
-        box = [plan if self.info.is_leader else None]
-        if self.info.parallel.group_size > 1:
-            dist.broadcast_object_list(box, src=self.info.leader_rank, group=self.control_group)
-        return box[0]
+    def broadcast_plan(self, plan: T | None, kind: type[T]) -> T:
+        """Leader: send `plan` to its dp group. Others: pass None, get the plan,
+        decoded as a `kind` (its size first, then its bytes; over `MAX_PLAN_BYTES`
+        or not a `kind` raises, and the rank stops)."""
+        if self.info.parallel.group_size == 1:
+            assert plan is not None, "a one-rank group has no plan to receive"
+            return plan
+        src, group = self.info.leader_rank, self.control_group
+        if self.info.is_leader:
+            assert plan is not None, "the leader sends a plan"
+            data = _PLAN_ENCODER.encode(plan)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(size, src=src, group=group)
+            dist.broadcast(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=group
+            )
+            return plan
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=src, group=group)
+        n = int(size.item())
+        if not 0 < n <= MAX_PLAN_BYTES:
+            raise RuntimeError(f"the leader's step plan is {n} bytes (limit {MAX_PLAN_BYTES})")
+        buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=group)
+        try:
+            return msgspec.msgpack.decode(buf.numpy().tobytes(), type=kind)
+        except msgspec.DecodeError as err:
+            raise RuntimeError(f"the leader's step plan is not a {kind.__name__}: {err}") from None
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """To the next pipeline stage of this rank's pipeline."""
@@ -148,6 +178,11 @@ def init_distributed(
             wait_for_workers=False,
             master_listen_fd=listener.fileno() if listener is not None else None,
         )
+        if listener is not None:
+            # The store owns the descriptor now and closes it when it goes; the
+            # socket object must not close it again (by then the number may be
+            # another file's: a ZMQ context's, a pipe's).
+            listener.detach()
     if gate is not None:
         pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
@@ -168,14 +203,17 @@ def init_distributed(
         if rank in ranks:
             control_group = group
     ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
-    ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
+    ctx.store_listener = listener  # detached: the store serves on (and owns) its descriptor
     return ctx
 
 
 def host_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
-    """A TCP store served on `host:port` only, and the socket it serves on (keep it open)."""
+    """A TCP store served on `host:port` only, and the socket it was bound with
+    (detached: the store owns its descriptor and closes it when it goes)."""
     listener = _bound_listener(host, port)
-    return _tcp_store(host, port, timeout_s, listen_fd=listener.fileno()), listener
+    store = _tcp_store(host, port, timeout_s, listen_fd=listener.fileno())
+    listener.detach()  # the store owns (and closes) the descriptor from here on
+    return store, listener
 
 
 def dial_store(host: str, port: int, timeout_s: float) -> Any:

@@ -171,9 +171,7 @@ def run_follower(runner: ModelRunner) -> None:
     if dist is None or dist.info.is_leader:
         raise ValueError("run_follower() is for non-leader ranks of a multi-rank instance")
     while True:
-        plan = dist.broadcast_plan(None)
-        if not isinstance(plan, StepPlan):
-            raise RuntimeError(f"leader sent {type(plan).__name__}, expected a StepPlan")
+        plan = dist.broadcast_plan(None, StepPlan)
         if plan.shutdown:
             return
         runner.execute(plan)

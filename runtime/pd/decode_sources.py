@@ -28,6 +28,7 @@ class Source:
     prefill_rank: RankCoord
     endpoint: str  # the prefill rank's control endpoint
     num_destinations: int  # decode ranks that prefill rank serves for one room
+    incarnation: str | None = None  # which start of its pod registered it (None: unknown)
 
 
 @dataclass
@@ -66,6 +67,9 @@ class DecodeRoom:
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     prompt: PromptId | None = None  # the decode leg's prompt, sent in TransferMeta
     rid_is_local: bool = False  # this worker minted `rid`: it never goes to prefill
+    # Which start of the prefill instance the room resolved against (its leader
+    # pod's uid, from /route); None until resolved or when the instance says none.
+    incarnation: str | None = None
 
     @property
     def caller_rid(self) -> str | None:

@@ -67,6 +67,7 @@ class Dest:
     ready_sent: bool = False
     aborted: bool = False
     dead: bool = False
+    incarnation: str | None = None  # the decode rank's pod, as its layout said when it claimed
 
 
 @dataclass

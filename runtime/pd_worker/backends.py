@@ -47,6 +47,7 @@ from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.early_start import EarlyStartBudget, early_start_limit
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
+from pdcluster.runtime.pd.messages import room_size_problem
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group, shape_of
@@ -139,6 +140,9 @@ class _PDBackend:
             )
         except DpRankConflict as err:
             raise BadRequest(str(err)) from None
+        too_large = room_size_problem(len(req.prompt_ids), self.agent.ctx.page_size)
+        if too_large is not None:
+            raise BadRequest(too_large)
         check_capacity(self.service.engine, req)
         engine_request(req)
 
@@ -427,12 +431,13 @@ def _admin_routes(
                     {"error": {"message": "body must be {peer, reason?, gone?}", "code": 422}}, 422
                 )
             log.warning(
-                "admin: fail_peer %s (%s, %s)",
+                "admin: fail_peer %s (%s, %s, incarnation %s)",
                 call.peer,
                 call.reason,
                 "gone" if call.gone else "may resume",
+                call.incarnation,
             )
-            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
+            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
             # Other dp groups have their own tables: relay to their leaders.
             headers = {"authorization": request.headers.get("authorization", "")}
             async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:

@@ -129,7 +129,11 @@ class PrefillAgent(RankAgent):
             self.ctx.bootstrap_address, self.ctx.token or None, retry=RetryPolicy(attempts=1)
         )
         reg = RankRegistration(
-            rank=self.ctx.coord, shape=self.ctx.shape, endpoint=self.address, compat=self.ctx.compat
+            rank=self.ctx.coord,
+            shape=self.ctx.shape,
+            endpoint=self.address,
+            compat=self.ctx.compat,
+            incarnation=self.ctx.incarnation,
         )
 
         async def go() -> None:
@@ -200,8 +204,10 @@ class PrefillAgent(RankAgent):
                 del self.rid_room[r.rid]
 
     # ------------------------------------------------------------ events
-    def on_message(self, msg: Any, now: float) -> None:
-        acts = self.table.on_message(msg, now)
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        # Decode's messages name their sender (`decode_endpoint`), which the
+        # endpoint already held against the proven one (`_on_control`).
+        acts = self.table.on_message(msg, now, sender)
         if isinstance(msg, KVLayoutRegister) and self.one_sided:
             acts = self._check_shm_layout(msg, acts)
         self.perform(acts)
@@ -226,7 +232,7 @@ class PrefillAgent(RankAgent):
     def _on_group_fail_peer(self, msg: GroupFailPeer, now: float) -> None:
         # `gone` does not matter here: a decode never writes into prefill's
         # pages, so even a hung one that resumes cannot touch what is freed.
-        self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+        self.perform(self.table.fail_peer(msg.peer, msg.reason, now, msg.incarnation))
 
     def fail_room(self, room: int, reason: str, now: float) -> None:
         if room in self.table:

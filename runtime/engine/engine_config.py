@@ -28,7 +28,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     compute_dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
     page_size: int = 16  # tokens per KV page
-    num_pages: int = 512  # KV pages per rank
+    # KV pages per rank; None: on CUDA, what fits `gpu_memory_utilization` of
+    # the device (engine/pool_sizing.py), on the CPU the fixed default (512).
+    num_pages: int | None = 512
+    gpu_memory_utilization: float = 0.9  # share of the device a rank may use, weights included
     kv_dtype: str = "float32"
     kv_layout: KVLayout = KVLayout.NHD
     max_running_requests: int = 64
@@ -53,6 +56,12 @@ class EngineConfig:
             raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.model, str) or not self.model:
             raise EngineConfigError("model must be 'tiny' or a model directory path")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise EngineConfigError(f"num_pages must be >= 2 or None, got {self.num_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_new_tokens < 1:
             raise EngineConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         try:

@@ -76,8 +76,6 @@ def _pack_for_cpu(weight: torch.Tensor | None) -> torch.Tensor | None:
     """
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    if not torch.backends.mkldnn.is_available():
-        return None
     try:
         packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
     except (RuntimeError, AttributeError):
@@ -125,7 +123,6 @@ class LlamaModel:
         self._cos = angles.cos().to(self.dtype).to(self.device).unsqueeze(1)  # [size, 1, D]
         self._sin = angles.sin().to(self.dtype).to(self.device).unsqueeze(1)  # [size, 1, D]
         self._lm_head_packed = _pack_for_cpu(weights.lm_head)
-
 
     @property
     def is_first_stage(self) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcluster.runtime.engine.sampling import SamplingParams, uniform_for
+from pdcluster.runtime.engine.sampling import SamplingParams, TokenLogprobs, uniform_for
 
 __all__ = ["SampleSpec", "SampledTokens", "TokenLogprobs", "penalise", "sample"]
 
@@ -45,14 +45,6 @@ class SampleSpec:
     # Only for a request with penalties (empty otherwise): its tokens so far.
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities at one output position, under the model's own distribution."""
-
-    logprob: float  # of the token that was sampled
-    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely, best first
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,14 @@ class SamplingParams:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one output position, under the model's own distribution."""
+
+    logprob: float  # of the token that was sampled
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely, best first
+
+
 def position_seed(seed: int, index: int) -> int:
     """A 63-bit mix of (seed, index) (splitmix64): the key of output position `index`."""
     x = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64

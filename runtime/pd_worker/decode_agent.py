@@ -261,7 +261,12 @@ class DecodeAgent(RankAgent):
                 if missing is not None:
                     self._report_failed(act.room, act.rid, missing)
                     continue
-                self.report(act.room, "complete", first_token=act.first_token)
+                self.report(
+                    act.room,
+                    "complete",
+                    first_token=act.first_token,
+                    first_logprobs=act.first_logprobs,
+                )
             elif isinstance(act, A.RoomFailed):
                 self._receiving.pop(act.room, None)
                 self._report_failed(act.room, act.rid, act.reason)

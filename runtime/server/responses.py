@@ -33,7 +33,13 @@ class Output:
     def add(self, text: str, token_ids: Sequence[int], logprobs: Sequence[Any]) -> None:
         self.text += text
         self.token_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
+        self.logprobs.extend(aligned(token_ids, logprobs))
+
+
+def aligned(token_ids: Sequence[int], logprobs: Sequence[Any]) -> list[Any]:
+    """One logprobs entry per token: None for tokens an event carried none for (a PD
+    prefill leg's answer, an error's)."""
+    return [*logprobs, *[None] * (len(token_ids) - len(logprobs))]
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -89,7 +95,7 @@ def generate_logprobs(
         return [value, token, token_text(token) if token_text is not None else None]
 
     chosen, tops = [], []
-    for token, lp in zip(token_ids, logprobs, strict=True):
+    for token, lp in zip(token_ids, aligned(token_ids, logprobs), strict=True):
         chosen.append(entry(token, None if lp is None else lp.logprob))
         tops.append([] if lp is None else [entry(t, v) for t, v in lp.top[:num_top]])
     out: dict[str, Any] = {"output_token_logprobs": chosen}
@@ -103,7 +109,7 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """OpenAI's legacy completion `logprobs` object; `offset`: text before these tokens."""
     tokens, values, tops, offsets = [], [], [], []
-    for token, lp in zip(token_ids, logprobs, strict=True):
+    for token, lp in zip(token_ids, aligned(token_ids, logprobs), strict=True):
         piece = token_text(token)
         tokens.append(piece)
         values.append(None if lp is None else lp.logprob)
@@ -128,7 +134,7 @@ def chat_logprobs(
         return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
 
     content = []
-    for token, lp in zip(token_ids, logprobs, strict=True):
+    for token, lp in zip(token_ids, aligned(token_ids, logprobs), strict=True):
         item = entry(token, None if lp is None else lp.logprob)
         item["top_logprobs"] = [] if lp is None else [entry(t, v) for t, v in lp.top]
         content.append(item)

@@ -37,7 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
-from pdcluster.runtime.spec.base import SpecError, SpecModel
+from pdcluster.runtime.spec.base import SpecError as SpecError
+from pdcluster.runtime.spec.base import SpecModel
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"

@@ -45,6 +45,8 @@ class EngineConfig:
     shm_dir: str | None = None
     # Reuse the KV of cached full prompt pages (spec.engine.prefixCache).
     prefix_cache: bool = False
+    # Decode steps replayed from CUDA graphs where the device allows (engine/cuda_graphs.py).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "kv_dtype"):
@@ -141,4 +143,5 @@ def engine_config_from_spec(
         parallel=ParallelConfig(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
         shm_dir=shm_dir,
         prefix_cache=eng.prefix_cache,
+        cuda_graphs=eng.cuda_graphs,
     )

@@ -74,6 +74,10 @@ class ForwardBatch:
     prefill: tuple[PrefillChunk, ...]
     varlen: VarlenLayout | None  # only when asked for (`build_forward_batch(varlen=True)`)
     page_size: int
+    # [T] int64, captured decode steps only (`cuda_graphs.py`): the row whose K/V
+    # each row writes. A padding row repeats a real row's slot and writes that
+    # row's K/V, so the slot gets the same bytes whichever write lands last.
+    write_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -175,7 +175,10 @@ class LlamaModel:
         q, k, v = torch.split(qkv, [nq * d, nkv * d, nkv * d], dim=-1)
         q = apply_rope(q.view(-1, nq, d), cos, sin)  # [T, nq, D]
         k = apply_rope(k.view(-1, nkv, d), cos, sin)  # [T, nkv, D]
-        pool.write(local, batch.slots, k, v.reshape(-1, nkv, d))
+        v = v.reshape(-1, nkv, d)  # [T, nkv, D]
+        if batch.write_rows is not None:
+            k, v = k[batch.write_rows], v[batch.write_rows]
+        pool.write(local, batch.slots, k, v)
         out = self.attention(q, pool, local, batch)  # [T, nq, D]
         o = F.linear(out.reshape(-1, nq * d), layer.o)  # [T, hidden] (partial when tp > 1)
         if self.all_reduce is not None:

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pdcluster.runtime.engine.attention import select_attention
+from pdcluster.runtime.engine.cuda_graphs import DecodeGraphs
 from pdcluster.runtime.engine.engine_config import EngineConfig
 from pdcluster.runtime.engine.forward_batch import build_forward_batch
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool, KVPoolShape
 from pdcluster.runtime.engine.model import LlamaModel
 from pdcluster.runtime.engine.parallel import DistContext
 from pdcluster.runtime.engine.pool_sizing import DEFAULT_CPU_PAGES, num_pages_for_device
-from pdcluster.runtime.engine.sampler import SampleSpec, TokenLogprobs, sample
+from pdcluster.runtime.engine.sampler import SampledTokens, SampleSpec, TokenLogprobs, sample
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.step_plan import ChunkPlan, StepPlan
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo
@@ -74,15 +75,26 @@ class ModelRunner:
         self.info: RankInfo = dist.info if dist is not None else ParallelConfig().rank_info(0)
         self.device = torch.device(config.device) if dist is None else dist.device
         all_reduce = dist.all_reduce_tp if dist is not None and dist.tp_group is not None else None
+        max_len = config.scheduler_config(weights.config.max_position_embeddings).max_model_len
         self.model = LlamaModel(
             weights,
             all_reduce,
-            max_positions=config.scheduler_config(
-                weights.config.max_position_embeddings
-            ).max_model_len,
+            max_positions=max_len,
             attention=select_attention(pool, weights.layers[0].qkv.dtype, weights.num_q_heads),
         )
         self.on_prefill_chunk: PrefillChunkHook | None = None
+        self.graphs: DecodeGraphs | None = None
+        one_rank = config.parallel.world_size // config.parallel.dp == 1
+        if (
+            config.cuda_graphs
+            and self.device.type == "cuda"
+            and one_rank
+            and self.model.attention.needs_varlen
+        ):
+            graphs = DecodeGraphs(
+                self.model, pool, max_batch=config.max_running_requests, max_model_len=max_len
+            )
+            self.graphs = graphs if graphs.capture() else None
 
     @classmethod
     def build(cls, config: EngineConfig, dist: DistContext | None = None) -> ModelRunner:
@@ -133,8 +145,15 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult()
         info, dist = self.info, self.dist
+        chunks = [(c.token_ids, c.start_pos, c.page_table) for c in plan.chunks]
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(chunks):
+            # A decode-only step (every chunk samples): replay its graph.
+            specs = [c.sample for c in plan.chunks if c.sample is not None]
+            if len(specs) == len(chunks):
+                return _result(plan, sample(graphs.run(chunks), specs))
         batch = build_forward_batch(
-            [(c.token_ids, c.start_pos, c.page_table) for c in plan.chunks],
+            chunks,
             self.config.page_size,
             self.device,
             samples=[c.sample is not None for c in plan.chunks],
@@ -166,11 +185,7 @@ class ModelRunner:
         if sampled is None:
             assert dist is not None
             sampled = dist.recv_sampled()
-        rids = [c.rid for c in sampling]
-        logprobs = {
-            rid: lp for rid, lp in zip(rids, sampled.logprobs, strict=True) if lp is not None
-        }
-        return StepResult(dict(zip(rids, sampled.tokens, strict=True)), logprobs)
+        return _result(plan, sampled)
 
     def _fire_prefill_hooks(self, plan: StepPlan) -> None:
         hook = self.on_prefill_chunk
@@ -179,6 +194,13 @@ class ModelRunner:
         for c in plan.chunks:
             if c.is_prefill:
                 hook(c.rid, c.page_table, c.start_pos, c.start_pos + len(c.token_ids))
+
+
+def _result(plan: StepPlan, sampled: SampledTokens) -> StepResult:
+    """The leader's view of a step: each sampling chunk's token and logprobs."""
+    rids = [c.rid for c in plan.chunks if c.sample is not None]
+    logprobs = {rid: lp for rid, lp in zip(rids, sampled.logprobs, strict=True) if lp is not None}
+    return StepResult(dict(zip(rids, sampled.tokens, strict=True)), logprobs)
 
 
 def _pages_for_free_memory(

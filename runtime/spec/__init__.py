@@ -282,6 +282,13 @@ class EngineSpec(SpecModel):
         le=3600,
         description="work pending and no engine step finished this long: engine_stalled",
     )
+    cuda_graphs: bool = Field(
+        default=True,
+        description=(
+            "on cuda, replay decode steps from CUDA graphs (one per batch size up to "
+            "maxRunningRequests, captured at start); off: every step launches its kernels"
+        ),
+    )
     prefix_cache: bool = Field(
         default=True,
         description=(

@@ -169,9 +169,15 @@ def write_random_hf_dir(
     tensors = tiny_tensors(from_hf_config(raw), seed)
     names = sorted(tensors)
     half = len(names) // 2
+    weight_map = {}
     for i, part in enumerate((names[:half], names[half:])):
         shard = {n: tensors[n].to(torch.float32).contiguous() for n in part}
-        save_file(shard, str(root / f"model-{i + 1:05d}-of-00002.safetensors"))
+        filename = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(shard, str(root / filename))
+        weight_map.update(dict.fromkeys(part, filename))
+    # The index a sharded checkpoint ships with (transformers reads it; we glob).
+    index = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return root
 
 

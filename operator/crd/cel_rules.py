@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.runtime.spec import AUTOSCALING_METRICS, MAX_RANKS_PER_INSTANCE, Role
+from pdcluster.runtime.spec.serving_engine import OWNED_ENV, OWNED_FLAGS
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,112 @@ def _metric_rule(role: Role) -> CelRule:
     )
 
 
+def _get_str(path: str, default: str) -> str:
+    """`self.<path>` of a string field, or `default` when any part is absent."""
+    parts = path.split(".")
+    guards = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return f"({guards} ? self.{path} : '{default}')"
+
+
+# `engine.kind: vllm` (runtime/spec/serving_engine.py, `vllm_refusal`): each rule
+# holds for any other engine.
+_IS_VLLM = f"{_get_str('engine.kind', 'builtin')} == 'vllm'"
+
+
+def _vllm_rule(rule: str, message: str) -> CelRule:
+    return CelRule(rule=f"!({_IS_VLLM}) || ({rule})", message=message)
+
+
+def _vllm_role_rules(role: str) -> tuple[CelRule, ...]:
+    present = f"!has(self.{role})"
+    buffer = _get_str("engine.vllm.kvBufferDevice", "")
+    metric = f"self.{role}.autoscaling.target.metric"
+    return (
+        _vllm_rule(
+            f"{present} || {_get(f'{role}.topology.cp', 1)} == 1",
+            f"{role}.topology.cp: context parallelism is not mapped onto vLLM; use 1",
+        ),
+        _vllm_rule(
+            f"{present} || !has(self.{role}.gpusPerPod) || "
+            f"self.{role}.gpusPerPod == {_ranks(role)}",
+            f"{role}.gpusPerPod: a vLLM instance runs in one pod; leave gpusPerPod out "
+            "or set it to dp*tp*cp*pp",
+        ),
+        _vllm_rule(
+            f"{present} || {buffer} != 'cuda' || {_get_str(f'{role}.device', 'cpu')} == 'cuda'",
+            f"engine.vllm.kvBufferDevice cuda needs {role}.device cuda",
+        ),
+        _vllm_rule(
+            f"{present} || !has(self.{role}.autoscaling) || "
+            f"{metric} != 'queuedPrefillTokensPerInstance'",
+            f"{role}.autoscaling.target.metric queuedPrefillTokensPerInstance: vLLM "
+            "reports no queued prompt tokens; use ttftP90Seconds",
+        ),
+    )
+
+
+VLLM_SPEC_RULES = (
+    _vllm_rule(
+        "has(self.model) && has(self.model.path) && size(self.model.path) > 0",
+        "model.path: engine.kind vllm serves the model at `path` (a directory or a "
+        "Hugging Face id); the built-in tiny model runs on the builtin engine only",
+    ),
+    _vllm_rule(
+        f"{_get_str('model.computeDtype', 'float32')} != 'float64'",
+        "model.computeDtype: vLLM computes in float32, float16 or bfloat16, not float64",
+    ),
+    _vllm_rule(
+        "!has(self.kvCache) || !has(self.kvCache.dtype) || (has(self.model) && "
+        "has(self.model.computeDtype) && self.kvCache.dtype == self.model.computeDtype)",
+        "kvCache.dtype must equal model.computeDtype with engine.kind vllm "
+        "(vLLM keeps the KV cache in the model's dtype); leave it out to follow it",
+    ),
+    _vllm_rule(
+        f"{_get_str('kvCache.layout', 'NHD')} == 'NHD'",
+        "kvCache.layout: vLLM chooses its own KV layout; leave it NHD",
+    ),
+    _vllm_rule(
+        "!has(self.transfer) || !has(self.transfer.checksum) || !self.transfer.checksum",
+        "transfer.checksum: vLLM's connectors carry no page checksum",
+    ),
+    _vllm_rule(
+        f"has(self.colocated) || {_get_str('transfer.backend', 'tcp')} == 'nixl'",
+        "transfer.backend must be nixl with engine.vllm.kvConnector NixlConnector "
+        "(vLLM's connector moves the KV over NIXL)",
+    ),
+    *(rule for role in Role for rule in _vllm_role_rules(role.value)),
+    *(
+        _vllm_rule(
+            f"{_get_str(f'router.policy.{key}', 'round_robin')} != 'cache_aware'",
+            f"router.policy.{key}: cache_aware needs the page keys PDCluster's workers "
+            "publish, which vLLM does not; use least_outstanding",
+        )
+        for key in ("prefill", "decode")
+    ),
+)
+
+_OWNED_FLAGS = ", ".join(f"'{flag}'" for flag in OWNED_FLAGS)
+_OWNED_ENV = ", ".join(f"'{name}'" for name in OWNED_ENV)
+
+# On `spec.engine.vllm` (its field validators in serving_engine.py).
+VLLM_RULES = (
+    CelRule(
+        rule=f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in [{_OWNED_FLAGS}]) && "
+        f"![{_OWNED_FLAGS}].exists(f, a.startsWith(f + '=')))",
+        message="extraArgs: a flag the manifest sets (e.g. --port, --tensor-parallel-size) "
+        "is set from its field; change that field instead",
+    ),
+    CelRule(
+        rule="!has(self.env) || self.env.all(k, k.matches('^[A-Za-z_][A-Za-z0-9_]*$'))",
+        message="env: every key must be a variable name",
+    ),
+    CelRule(
+        rule=f"!has(self.env) || self.env.all(k, !(k in [{_OWNED_ENV}]))",
+        message="env: VLLM_API_KEY and VLLM_NIXL_SIDE_CHANNEL_* are set by PDCluster on "
+        "every vLLM pod",
+    ),
+)
+
 ROOT_RULES = (
     CelRule(
         rule="size(self.metadata.name) <= 63 && !self.metadata.name.contains('.')",
@@ -139,6 +246,7 @@ SPEC_RULES = (
     _metric_rule(Role.prefill),
     _metric_rule(Role.decode),
     *_budget_rules(),
+    *VLLM_SPEC_RULES,
 )
 
 ROLE_RULES = (

@@ -113,6 +113,8 @@ def build_spec_schema() -> Schema:
         role["properties"]["autoscaling"].pop("nullable", None)
     props["model"]["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.MODEL_RULES)
     props["model"]["description"] = _description(ModelSpec)
+    vllm = props["engine"]["properties"]["vllm"]
+    vllm["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.VLLM_RULES)
     for path, node in walk(spec, ""):
         doc = field_docs.lookup(path.lstrip("."))
         if doc and "description" not in node:

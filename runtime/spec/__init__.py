@@ -18,7 +18,8 @@ Invariants checked here (mirrored as CEL rules in the CRD):
 - autoscaling: minReplicas <= maxReplicas; the target metric belongs to the
   role (`AUTOSCALING_METRICS`); only prefill and decode autoscale; with
   `autoscaling.maxTotalGPUs`, the roles' minimums fit the budget together and
-  each role's maximum fits beside the other role's minimum.
+  each role's maximum fits beside the other role's minimum;
+- `engine.kind: vllm`: only what vLLM can run (`serving_engine.vllm_refusal`).
 
 A section with a module of its own lives beside this one in the package
 (`base.py` holds the shared model base); this module assembles the whole
@@ -30,6 +31,7 @@ Pure module: no I/O beyond parsing text that the caller already read.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import yaml
@@ -38,7 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
 from pdcluster.runtime.spec.base import SpecError as SpecError
-from pdcluster.runtime.spec.base import SpecModel
+from pdcluster.runtime.spec.base import SpecModel as SpecModel
+from pdcluster.runtime.spec.serving_engine import EngineKind as EngineKind
+from pdcluster.runtime.spec.serving_engine import KVBufferDevice as KVBufferDevice
+from pdcluster.runtime.spec.serving_engine import ServingEngineSpec as ServingEngineSpec
+from pdcluster.runtime.spec.serving_engine import VllmKVConnector as VllmKVConnector
+from pdcluster.runtime.spec.serving_engine import VllmSpec as VllmSpec
+from pdcluster.runtime.spec.serving_engine import vllm_refusal
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
@@ -513,6 +521,7 @@ class AuthSpec(SpecModel):
 class PDClusterSpec(SpecModel):
     model: ModelSpec = ModelSpec()
     image: str = "pdcluster:0.1.0"
+    engine: ServingEngineSpec = ServingEngineSpec()
     kv_cache: KVCacheSpec = KVCacheSpec()
     transfer: TransferSpec = TransferSpec()
     prefill: RoleSpec | None = None
@@ -543,6 +552,9 @@ class PDClusterSpec(SpecModel):
                 )
         self._check_cache_aware()
         self._check_autoscaling()
+        refusal = vllm_refusal(self)
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
 
     def _check_cache_aware(self) -> None:
@@ -619,6 +631,13 @@ class PDClusterSpec(SpecModel):
     def kv_dtype(self) -> KVDtype:
         """`kvCache.dtype`, or the compute dtype."""
         return self.kv_cache.dtype or self.compute_dtype
+
+    def roles(self) -> Iterator[tuple[Role, RoleSpec]]:
+        """The roles this cluster has, with their specs (prefill before decode)."""
+        for role in Role:
+            spec = self.role_spec(role)
+            if spec is not None:
+                yield role, spec
 
     def role_spec(self, role: Role) -> RoleSpec | None:
         """The spec of `role` (None when this cluster has no such role)."""

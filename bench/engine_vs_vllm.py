@@ -16,9 +16,13 @@ prompts (token ids, no tokenizer): the time of a `--new-tokens` generation
 minus the time of a one-token generation (both go through the same
 prefill), so tok/s = batch × (new tokens − 1) / difference. Prefix caching
 is off in both engines, `ignore_eos` on, no seeds (the default request).
-Each case runs `--repeats` times after one untimed warm-up; the median is
-reported. Both engines get `--threads` compute threads (vLLM: OpenMP
-threads, unbound; ours: torch intra-op threads).
+Both engines get `--threads` compute threads (vLLM: OpenMP threads,
+unbound; ours: torch intra-op threads).
+
+Every engine stays loaded for the whole run and they take turns: each
+repeat times every case on every engine, one after the other, so a change
+in the machine's load reaches all of them alike (the box this runs on is
+shared). The median of `--repeats` is reported, after one untimed warm-up.
 """
 
 from __future__ import annotations
@@ -60,40 +64,31 @@ def decode_tok_s(batch: int, new_tokens: int, t_full: float, t_first: float) -> 
     return batch * (new_tokens - 1) / max(t_full - t_first, 1e-9)
 
 
-def time_cases(
-    run: Any, cases: list[tuple[int, float]], prompt_len: int, new_tokens: int, repeats: int
-) -> list[dict[str, Any]]:
-    """`run(prompts, max_tokens, temperature)` generates and returns when all are done."""
+RESULT = "RESULT "  # the prefix of a worker's answer lines (engines log to stdout too)
+
+
+def serve_cases(run: Any, info: dict[str, Any], prompt_len: int, new_tokens: int) -> None:
+    """A worker's loop: warm up, say ready, then time one case per request line.
+
+    `run(prompts, max_tokens, temperature)` generates and returns when all are done.
+    """
     run(prompts_for(2, prompt_len, seed=99), new_tokens, 1.0)  # warm-up, untimed
-    rows = []
-    for batch, temperature in cases:
-        prompts = prompts_for(batch, prompt_len)
-        speeds, steps_ms = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(prompts, 1, temperature)
-            t1 = time.perf_counter()
-            run(prompts, new_tokens, temperature)
-            t2 = time.perf_counter()
-            speeds.append(decode_tok_s(batch, new_tokens, t2 - t1, t1 - t0))
-            steps_ms.append(1000 * ((t2 - t1) - (t1 - t0)) / (new_tokens - 1))
-        rows.append(
-            {
-                "batch": batch,
-                "temperature": temperature,
-                "decode_tok_s": statistics.median(speeds),
-                "ms_per_step": statistics.median(steps_ms),
-                "all_tok_s": [round(s, 1) for s in speeds],
-            }
-        )
-        print(f"  batch {batch} T={temperature}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    return rows
+    print(RESULT + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        case = json.loads(line)
+        prompts = prompts_for(case["batch"], prompt_len)
+        t0 = time.perf_counter()
+        run(prompts, 1, case["temperature"])
+        t1 = time.perf_counter()
+        run(prompts, new_tokens, case["temperature"])
+        t2 = time.perf_counter()
+        print(RESULT + json.dumps({"t_first": t1 - t0, "t_full": t2 - t1}), flush=True)
 
 
 # ---------------------------------------------------------------- workers (one process each)
 
 
-def ours_worker(args: argparse.Namespace) -> dict[str, Any]:
+def ours_worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -103,7 +98,7 @@ def ours_worker(args: argparse.Namespace) -> dict[str, Any]:
     from pdcluster.runtime.engine.sampling import SamplingParams
     from pdcluster.runtime.spec import pages_for
 
-    batch = max(b for b, _ in args.cases)
+    batch = max(args.batch)
     longest = args.prompt_len + args.new_tokens
     config = EngineConfig(
         model=args.model_dir,
@@ -132,17 +127,16 @@ def ours_worker(args: argparse.Namespace) -> dict[str, Any]:
                 if out.finished:
                     rids.discard(out.rid)
 
-    rows = time_cases(run, args.cases, args.prompt_len, args.new_tokens, args.repeats)
-    return {
+    info = {
         "engine": "ours",
         "source": str(Path(engine_module.__file__).resolve().parent.parent.parent),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "rows": rows,
     }
+    serve_cases(run, info, args.prompt_len, args.new_tokens)
 
 
-def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
+def vllm_worker(args: argparse.Namespace) -> None:
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -154,7 +148,7 @@ def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=not args.vllm_compile,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
-        max_num_seqs=max(b for b, _ in args.cases),
+        max_num_seqs=max(args.batch),
         seed=0,
     )
 
@@ -164,14 +158,13 @@ def vllm_worker(args: argparse.Namespace) -> dict[str, Any]:
         )
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    rows = time_cases(run, args.cases, args.prompt_len, args.new_tokens, args.repeats)
-    return {
+    info = {
         "engine": "vllm",
         "source": f"vllm {vllm.__version__}" + (" (compiled)" if args.vllm_compile else " (eager)"),
         "torch": torch.__version__,
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")),
-        "rows": rows,
     }
+    serve_cases(run, info, args.prompt_len, args.new_tokens)
 
 
 # ---------------------------------------------------------------- driver
@@ -201,35 +194,67 @@ def _baseline_pythonpath(rev: str, into: Path) -> Path:
     return checkout_pythonpath(tree)
 
 
-def _spawn(python: str, args: argparse.Namespace, worker: str, env: dict[str, str]) -> Any:
-    out = Path(args.workdir) / f"{worker}-{len(os.listdir(args.workdir))}.json"
-    cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        "--worker",
-        worker,
-        "--model-dir",
-        args.model_dir,
-        "--json-out",
-        str(out),
-        "--prompt-len",
-        str(args.prompt_len),
-        "--new-tokens",
-        str(args.new_tokens),
-        "--repeats",
-        str(args.repeats),
-        "--threads",
-        str(args.threads),
-        "--batch",
-        *[str(b) for b in args.batch],
-        "--temperature",
-        *[str(t) for t in args.temperature],
-    ] + (["--vllm-compile"] if args.vllm_compile else [])
-    started = time.monotonic()
-    subprocess.run(cmd, check=True, env={**os.environ, **env}, cwd=str(REPO))
-    result = json.loads(out.read_text())
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    return result
+class Worker:
+    """One engine's process: loaded once, then times the cases it is sent."""
+
+    def __init__(
+        self, label: str, python: str, args: argparse.Namespace, kind: str, env: dict[str, str]
+    ) -> None:
+        self.label = label
+        cmd = [
+            python,
+            str(Path(__file__).resolve()),
+            "--worker",
+            kind,
+            "--model-dir",
+            args.model_dir,
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--threads",
+            str(args.threads),
+            "--batch",
+            *[str(b) for b in args.batch],
+        ] + (["--vllm-compile"] if args.vllm_compile else [])
+        self._log = open(Path(args.workdir) / f"{label}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **env},
+            cwd=str(REPO),
+        )
+        started = time.monotonic()
+        self.info: dict[str, Any] = self._answer()
+        self.info["start_s"] = round(time.monotonic() - started, 1)
+        self.info["label"] = label
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(RESULT):
+                answer: dict[str, Any] = json.loads(line[len(RESULT) :])
+                return answer
+        raise RuntimeError(f"{self.label} exited ({self.proc.wait()}); see {self._log.name}")
+
+    def time_case(self, batch: int, temperature: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"batch": batch, "temperature": temperature}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -264,13 +289,11 @@ def main() -> None:
     # Internal: one engine's process.
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--json-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.cases = [(b, t) for b in args.batch for t in args.temperature]
 
     if args.worker is not None:
-        result = (ours_worker if args.worker == "ours" else vllm_worker)(args)
-        Path(args.json_out).write_text(json.dumps(result))
+        (ours_worker if args.worker == "ours" else vllm_worker)(args)
         return
 
     with tempfile.TemporaryDirectory(prefix="engine-vs-vllm-") as tmp:
@@ -278,11 +301,12 @@ def main() -> None:
         args.model_dir = str(Path(tmp) / "model")
         _write_model(Path(args.model_dir))
         threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
-        runs: list[tuple[str, str, dict[str, str]]] = []
+        runs: list[tuple[str, str, str, dict[str, str]]] = []
         if args.baseline:
             path = _baseline_pythonpath(args.baseline, Path(tmp) / "baseline")
-            runs.append((f"ours@{args.baseline}", "ours", {"PYTHONPATH": str(path)}))
-        runs.append(("ours", "ours", {}))
+            label = f"ours@{args.baseline}"
+            runs.append((label, sys.executable, "ours", {"PYTHONPATH": str(path)}))
+        runs.append(("ours", sys.executable, "ours", {}))
         if not args.skip_vllm:
             sys.path.insert(0, str(REPO))
             from e2e.vllmenv.build import ensure_vllm_env
@@ -292,16 +316,41 @@ def main() -> None:
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "VLLM_LOGGING_LEVEL": "WARNING",
             }
-            runs.append(("vLLM", str(ensure_vllm_env().python), vllm_env))
-        results = []
-        for label, python, env in runs:
-            print(f"== {label}", flush=True)
-            worker = "vllm" if label == "vLLM" else "ours"
-            python = sys.executable if worker == "ours" else python
-            result = _spawn(python, args, worker, {**threads, **env})
-            result["label"] = label
-            results.append(result)
-            print(f"   from {result['source']} (torch {result['torch']}, {result['wall_s']} s)")
+            runs.append(("vLLM", str(ensure_vllm_env().python), "vllm", vllm_env))
+        workers: list[Worker] = []
+        try:
+            for label, python, kind, env in runs:
+                print(f"== starting {label}", flush=True)
+                workers.append(Worker(label, python, args, kind, {**threads, **env}))
+                info = workers[-1].info
+                print(f"   {info['source']} (torch {info['torch']}, {info['start_s']} s)")
+            timings: dict[tuple[str, int, float], list[float]] = {}
+            for repeat in range(args.repeats):
+                for batch, temperature in args.cases:
+                    for worker in workers:  # the engines take turns, case by case
+                        t = worker.time_case(batch, temperature)
+                        speed = decode_tok_s(batch, args.new_tokens, t["t_full"], t["t_first"])
+                        timings.setdefault((worker.label, batch, temperature), []).append(speed)
+                        print(
+                            f"  [{repeat + 1}/{args.repeats}] {worker.label} batch {batch} "
+                            f"T={temperature}: {speed:.1f} tok/s",
+                            flush=True,
+                        )
+        finally:
+            for worker in workers:
+                worker.close()
+    results = []
+    for worker in workers:
+        rows = [
+            {
+                "batch": batch,
+                "temperature": temperature,
+                "decode_tok_s": statistics.median(timings[(worker.label, batch, temperature)]),
+                "all_tok_s": [round(v, 1) for v in timings[(worker.label, batch, temperature)]],
+            }
+            for batch, temperature in args.cases
+        ]
+        results.append({**worker.info, "rows": rows})
     print()
     print(
         f"decode tok/s, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "

@@ -9,18 +9,18 @@ that need it:
    sort their row (descending, stable) and keep the smallest prefix the
    filters allow; then each row draws by inverse CDF: the first token whose
    cumulative probability exceeds `uniform_for(seed, index)` times the row's
-   total;
+   total (found block by block: `_inverse_cdf`);
 4. rows asking for logprobs get them from the unmodified logits.
 Everything comes back to the host in one copy.
 
 Why inverse CDF with one uniform per row: the draw is a function of (seed,
 position, logits) alone: the uniform comes from `sampling.uniform_for`,
-every operation works row by row (no reduction crosses rows), and the
-cumulative sum runs along the row in a fixed order. So a request samples the
+every operation works row by row (no reduction crosses rows), and every
+sum runs along the row in a fixed order. So a request samples the
 same token whatever it is batched with, on a prefill or a decode instance,
-before or after a preemption (`sampling.py`). It costs a few passes over
-the row (max, exp, cumsum, a binary search), where per-element random noise
-would cost a hash per vocabulary entry.
+before or after a preemption (`sampling.py`). It costs two passes over the
+row (a softmax, block sums) and work on one block, where per-element random
+noise would cost a hash per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pdcluster.runtime.engine.sampling import SamplingParams, TokenLogprobs, uniform_for
 
 __all__ = ["SampleSpec", "SampledTokens", "TokenLogprobs", "penalise", "sample"]
+
+CDF_BLOCK = 256  # probabilities summed together in the first level of a draw
 
 
 @dataclass(frozen=True)
@@ -183,13 +186,30 @@ def _filter_mask(ordered: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 
 def _inverse_cdf(scaled: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """scaled: [R, V] logits (−inf: excluded); uniforms: [R] in [0, 1) → [R] column picked."""
-    # The cumulative sum runs in the logits' working dtype (float32 unless the
-    # model computes in float64): its rounding is the same for a row whatever
-    # the batch, and a float64 pass over a 128k vocabulary costs 3× as much.
-    cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)  # [R, V]
-    target = uniforms.to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]  # [R, 1], below the total
-    # The first column whose cumulative weight exceeds the target: a column of
-    # zero weight never does before the column ahead of it.
-    picks = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
-    return picks.clamp_(max=scaled.shape[1] - 1)
+    """scaled: [R, V] logits (−inf: excluded); uniforms: [R] in [0, 1) → [R] column picked.
+
+    In two levels, so no pass over the row is a sequential scan: the sums of
+    blocks of `CDF_BLOCK` probabilities (one vectorised pass), their running
+    sum in float64 to find the block the target falls in, then a running sum
+    inside that block alone. Every reduction runs along the row in a fixed
+    order, whatever the batch.
+    """
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    rows, vocab = probs.shape
+    num_blocks = -(-vocab // CDF_BLOCK)
+    if num_blocks * CDF_BLOCK != vocab:  # zeros past the end: never picked
+        probs = F.pad(probs, (0, num_blocks * CDF_BLOCK - vocab))
+    blocks = probs.view(rows, num_blocks, CDF_BLOCK)
+    cum = torch.cumsum(blocks.sum(dim=-1).double(), dim=-1)  # [R, nb]
+    target = uniforms.unsqueeze(1) * cum[:, -1:]  # [R, 1] float64, below the total
+    # The first block whose running sum exceeds the target (a block of zero
+    # weight never does before the one ahead of it).
+    block = torch.searchsorted(cum, target, right=True).clamp_(max=num_blocks - 1)  # [R, 1]
+    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp(min=0)), 0.0)  # [R, 1]
+    inside = blocks.gather(1, block.unsqueeze(2).expand(rows, 1, CDF_BLOCK)).squeeze(1)
+    picks = torch.searchsorted(torch.cumsum(inside.double(), dim=-1), target - before, right=True)
+    # Rounding may carry the target past the block's own running total: then
+    # its last token of any weight (the block has one, its sum is positive).
+    offsets = torch.arange(CDF_BLOCK, device=probs.device)
+    last = torch.where(inside > 0, offsets, 0).amax(dim=-1, keepdim=True)  # [R, 1]
+    return (block * CDF_BLOCK + torch.minimum(picks, last)).squeeze(1)

@@ -567,6 +567,7 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
             # Prefill reports Success only once its writes drained.
             s.drained = True
             s.first_token, s.checksum = msg.first_token, msg.checksum
+            s.first_logprobs = msg.first_logprobs
         assert r.sources is not None
         states = [x.poll.state if x.poll else KVPoll.WaitingForInput for x in r.sources.values()]
         overall = consensus(states)
@@ -633,8 +634,12 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         checksums = tuple(
             (rank, s.checksum) for rank, s in sorted(r.sources.items()) if s.checksum is not None
         )
+        # The source that sampled the first token sent its logprobs with it.
+        logprobs = next(
+            (s.first_logprobs for _, s in sorted(r.sources.items()) if s.first_logprobs), None
+        )
         self._conclude(r, _Ev.SUCCESS)
-        return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums)]
+        return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums, logprobs)]
 
     def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Action]:
         if r.state is KVPoll.Failed:

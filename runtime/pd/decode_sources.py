@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.messages import FirstLogprobs
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_phases import DECODE_STATE, DecodePhase
 
@@ -41,6 +42,7 @@ class SourceState:
     drained: bool = False  # AbortAck of our generation, or Success
     dead: bool = False
     first_token: int | None = None
+    first_logprobs: FirstLogprobs | None = None
     checksum: int | None = None
 
     @property

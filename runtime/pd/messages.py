@@ -56,6 +56,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from pdcluster.runtime.engine.sampling import MAX_LOGPROBS, TokenLogprobs
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
@@ -115,6 +116,8 @@ Token = Annotated[str, msgspec.Meta(max_length=512)]
 Path = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 LayerOrHead = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+# Alternatives a request's logprobs may list per position (engine/sampling.py).
+MAX_TOP_LOGPROBS: Final = MAX_LOGPROBS
 Checksum = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]  # 63-bit digest
 Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
@@ -251,12 +254,32 @@ class Ready(_RoomMsg, tag="ready", frozen=True):
     rank: RankCoord
 
 
+class FirstLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The first token's log-probabilities, computed where prefill sampled it
+    (only for a request that asked for logprobs)."""
+
+    logprob: float
+    top: Annotated[
+        tuple[tuple[TokenId, float], ...], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)
+    ] = ()
+
+    @classmethod
+    def of(cls, logprobs: TokenLogprobs | None) -> FirstLogprobs | None:
+        return None if logprobs is None else cls(logprobs.logprob, tuple(logprobs.top))
+
+    def to_engine(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, tuple(self.top))
+
+
 class Status(_RoomMsg, tag="status", frozen=True):
     rank: RankCoord
     state: KVPoll
     reason: Reason | None = None
     first_token: TokenId | None = None
     checksum: Checksum | None = None
+    # With Success, when the request asked for logprobs. Optional: a peer that
+    # does not know the field sends none, and one that does not read it skips it.
+    first_logprobs: FirstLogprobs | None = None
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):

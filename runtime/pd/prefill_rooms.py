@@ -95,6 +95,7 @@ from pdcluster.runtime.pd.messages import (
     Abort,
     AbortAck,
     Bootstrap,
+    FirstLogprobs,
     KVLayoutRegister,
     LayoutAck,
     Ready,
@@ -282,11 +283,12 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         now: float,
         *,
         checksums: Mapping[RankCoord, int] | None = None,
+        first_logprobs: FirstLogprobs | None = None,
     ) -> list[Action]:
         """The room's last KV write is enqueued; Success follows once every write drained.
 
         `checksums` (per decode rank, of the KV written to it) override
-        `checksum` in that rank's Success.
+        `checksum` in that rank's Success; `first_logprobs` go with the first token.
         """
         r = self._rooms.get(room)
         if r is None or r.state is KVPoll.Failed:
@@ -301,6 +303,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             check_int("checksum", value, 0, 1 << 63)
         r.checksums = dict(checksums or {})
         r.first_token = first_token
+        r.first_logprobs = first_logprobs
         r.checksum = checksum
         self._step(r, _Ev.FINISH, now)
         return self._maybe_succeed(r, now)

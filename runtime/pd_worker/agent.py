@@ -463,8 +463,11 @@ class RankAgent:
         reason: str | None = None,
         first_token: int | None = None,
         sent_tokens: int | None = None,
+        first_logprobs: pdmsg.FirstLogprobs | None = None,
     ) -> None:
-        rep = GroupReport(room, self.ctx.group_rank, kind, reason, first_token, sent_tokens)
+        rep = GroupReport(
+            room, self.ctx.group_rank, kind, reason, first_token, sent_tokens, first_logprobs
+        )
         if self.report_sink is not None:
             self.report_sink(rep)
         elif self.leader_address is not None:

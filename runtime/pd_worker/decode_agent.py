@@ -305,7 +305,9 @@ class DecodeAgent(RankAgent):
         if missing is not None:
             self._report_failed(room, act.rid, missing)
             return
-        self.report(room, "complete", first_token=act.first_token)
+        self.report(
+            room, "complete", first_token=act.first_token, first_logprobs=act.first_logprobs
+        )
 
     def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
         log.warning(

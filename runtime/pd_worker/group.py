@@ -31,6 +31,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from pdcluster.runtime.pd.messages import FirstLogprobs
 from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_common import RoomLeg
@@ -144,6 +145,7 @@ class GroupReport(msgspec.Struct, tag="report", frozen=True, forbid_unknown_fiel
     reason: str | None = None
     first_token: int | None = None
     sent_tokens: int | None = None
+    first_logprobs: FirstLogprobs | None = None  # with first_token, when asked for
 
 
 MAX_COUNTERS: Final = 1024

@@ -74,7 +74,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         page_size=cfg.page_size,
-        num_pages=cfg.num_pages,
+        num_pages=runner.pool.shape.num_pages,  # sized at start when the manifest gives none
         host=settings.host,
         advertise_host=settings.advertise_host,
         # Every pod's ranks register with the leader pod's bootstrap server.

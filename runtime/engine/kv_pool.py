@@ -112,15 +112,14 @@ class KVPool:
             self._gather(layer, 1, slots, slice(None)),
         )
 
-    def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """K and V of `slots` (any shape S) in one gather: [2, *S, H, D]."""
-        t = self.buffer[layer]  # [2, P, ...layout]
-        if self.shape.layout == KVLayout.NHD:
-            return t.view(2, -1, self.shape.num_kv_heads, self.shape.head_dim)[:, slots]
-        ps = self.shape.page_size
-        # Index tensors split by a slice put their dims first: [*S, 2, H, D].
-        out = t[:, slots // ps, :, slots % ps]
-        return out.movedim(-3, 0)
+    def read_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """K and V of whole pages (`pages`: any shape S) in one gather.
+
+        Returns [2, *S, page_size, H, D] in either layout (a view of the
+        gathered copy: token-major, as attention reads a context).
+        """
+        out = self.buffer[layer][:, pages]  # [2, *S, ...layout]
+        return out if self.shape.layout == KVLayout.NHD else out.transpose(-3, -2)
 
     def gather_tokens(
         self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)

@@ -47,6 +47,7 @@ from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.early_start import EarlyStartBudget, early_start_limit
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
+from pdcluster.runtime.pd.messages import room_size_problem
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group, shape_of
@@ -139,6 +140,9 @@ class _PDBackend:
             )
         except DpRankConflict as err:
             raise BadRequest(str(err)) from None
+        too_large = room_size_problem(len(req.prompt_ids), self.agent.ctx.page_size)
+        if too_large is not None:
+            raise BadRequest(too_large)
         check_capacity(self.service.engine, req)
         engine_request(req)
 
@@ -210,8 +214,15 @@ class _PDBackend:
                 "ignore_eos": req.sampling["ignore_eos"],
                 "stop_token_ids": req.sampling["stop_token_ids"],
                 "stop": req.stop_strings or None,
+                "presence_penalty": req.sampling.get("presence_penalty", 0.0),
+                "frequency_penalty": req.sampling.get("frequency_penalty", 0.0),
+                "repetition_penalty": req.sampling.get("repetition_penalty", 1.0),
             },
         }
+        num_logprobs = req.sampling.get("logprobs")
+        if num_logprobs is not None:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = num_logprobs
         b = req.bootstrap
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"):
             if getattr(b, name) is not None:
@@ -253,7 +264,10 @@ class _PDBackend:
                         async for _ in lines:
                             pass
                         ended = True
-                    yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
+                    lps = relayed_logprobs(data["meta_info"], n_ids, len(ids))
+                    yield TokenEvent(
+                        ids[n_ids:], full[len(text) :], fin is not None, fin, logprobs=lps
+                    )
                     text, n_ids = full, len(ids)
                     if ended:
                         return
@@ -427,12 +441,13 @@ def _admin_routes(
                     {"error": {"message": "body must be {peer, reason?, gone?}", "code": 422}}, 422
                 )
             log.warning(
-                "admin: fail_peer %s (%s, %s)",
+                "admin: fail_peer %s (%s, %s, incarnation %s)",
                 call.peer,
                 call.reason,
                 "gone" if call.gone else "may resume",
+                call.incarnation,
             )
-            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
+            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
             # Other dp groups have their own tables: relay to their leaders.
             headers = {"authorization": request.headers.get("authorization", "")}
             async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
@@ -572,3 +587,19 @@ def build_pd_backend(
             peers_route(app)
 
     return backend, routes, servers
+
+
+def relayed_logprobs(meta: dict[str, Any], start: int, end: int) -> list[Any]:
+    """The engine logprobs of output tokens [start, end) from a `/generate`
+    answer's meta_info (empty when it carries none)."""
+    from pdcluster.runtime.engine.sampling import TokenLogprobs
+
+    chosen = meta.get("output_token_logprobs")
+    if not chosen:
+        return []
+    tops = meta.get("output_top_logprobs") or [[] for _ in chosen]
+    out: list[Any] = []
+    for (value, _, _), top in zip(chosen[start:end], tops[start:end], strict=True):
+        alternatives = tuple((int(t), float(v)) for v, t, _ in top)
+        out.append(None if value is None else TokenLogprobs(float(value), alternatives))
+    return out

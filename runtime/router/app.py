@@ -31,12 +31,7 @@ from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.http.middleware import HttpMiddleware
 from pdcluster.runtime.router.admin_api import add_admin_routes, read_body
-from pdcluster.runtime.router.bodies import (
-    ClientRequest,
-    Endpoint,
-    check_request,
-    parse_json_object,
-)
+from pdcluster.runtime.router.bodies import ClientRequest, Endpoint
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import static_targets
 from pdcluster.runtime.router.errors import (
@@ -50,6 +45,7 @@ from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_client import leg_session
 from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.off_loop import read_request
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.prefix_routing import PrefixRouting
 from pdcluster.runtime.router.relay import Relay, RelayContext
@@ -153,7 +149,6 @@ class RouterState:
             colocated_policy=self._policy(config.colocated_policy),
             rids=RidMinter(rng),
             rooms_source=rng,
-            prompt_tokens=self.prefix.prompt_reader(),
             engine=config.engine,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
@@ -266,10 +261,11 @@ class RouterState:
         """Plan the legs; with no healthy worker but a new one still on its first
         probe (a rollout just swapped pods), wait up to the probe timeout for it."""
         assert self.ctx is not None
+        prompt = await self.prefix.read_prompt(client_request)
         deadline = time.monotonic() + self.config.health_check_timeout_s
         while True:
             try:
-                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use)
+                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use, prompt)
             except NoHealthyWorkerError:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.pool.has_unprobed():
@@ -304,11 +300,8 @@ class RouterState:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
         try:
-            client_request = check_request(
-                endpoint,
-                parse_json_object(raw),
-                disaggregated=self.config.is_disaggregated,
-                raw=raw,
+            client_request = await read_request(
+                endpoint, raw, disaggregated=self.config.is_disaggregated
             )
             model = client_request.model
             if model is not None and model not in self.config.model_names:

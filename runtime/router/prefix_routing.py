@@ -1,6 +1,6 @@
-"""cache_aware's parts in one router: the prefix index, the tokenizer that
-turns text prompts into token ids, and the follower that keeps the index
-current.
+"""cache_aware's parts in one router: the prefix index, the prompt reader
+that turns a request into page keys off the event loop (`off_loop.py`), and
+the follower that keeps the index current.
 
 The index and the policy are the same whatever the workers run; what fills
 the index differs:
@@ -22,16 +22,15 @@ import httpx
 from pdcluster.runtime.router.bodies import ClientRequest
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.off_loop import PromptReader
 from pdcluster.runtime.router.prefix_feed import PrefixFollower
 from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
-from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
+from pdcluster.runtime.router.prompt_ids import RouterTokenizer
 from pdcluster.runtime.router.vllm_prefix_feed import VllmPrefixFollower
 from pdcluster.runtime.router.workers import Worker
 from pdcluster.runtime.spec import EngineKind
 
 log = logging.getLogger(__name__)
-
-PromptReader = Callable[[ClientRequest], PromptTokens | None]
 
 
 class PrefixRouting:
@@ -41,18 +40,14 @@ class PrefixRouting:
         self.index = PrefixIndex()
         self.roles = config.cache_aware_roles
         self.tokenizer = _load_tokenizer(config.tokenizer) if self.roles else None
+        self.prompts = (
+            PromptReader(self.index, self.tokenizer, config.engine) if self.roles else None
+        )
         self.follower: PrefixFollower | VllmPrefixFollower | None = None
 
-    def prompt_reader(self) -> PromptReader | None:
-        """What `LegPlanner` asks for a request's tokens (None: no role is cache_aware)."""
-        if not self.roles:
-            return None
-        tokenizer, engine = self.tokenizer, self.config.engine
-
-        def read(request: ClientRequest) -> PromptTokens | None:
-            return prompt_tokens(request, tokenizer, engine=engine)
-
-        return read
+    async def read_prompt(self, request: ClientRequest) -> PromptTokens | None:
+        """The request's prompt keyed for the followed workers (None: go by load)."""
+        return None if self.prompts is None else await self.prompts.read(request)
 
     def indexed_pages(self, url: str) -> int | None:
         replica = self.index.replica(url)

@@ -33,7 +33,7 @@ __all__ = ["RouterTokenizer", "prompt_tokens"]
 class RouterTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
     @property
     def fingerprint(self) -> str: ...
@@ -112,6 +112,8 @@ def prompt_tokens(
         elif _is_ids(prompt) and prompt:
             return PromptTokens(tuple(prompt))
     elif request.endpoint is Endpoint.chat and tokenizer is not None:
+        if engine is EngineKind.vllm and _special_tokens(request, engine) is not False:
+            return None  # vLLM renders or tokenizes it otherwise than the template alone
         messages = []
         for message in body.get("messages") or ():
             content = _text(message.get("content")) if isinstance(message, Mapping) else None
@@ -119,9 +121,10 @@ def prompt_tokens(
                 return None
             messages.append({"role": message.get("role"), "content": content})
         try:
-            text = tokenizer.apply_chat_template(messages)
+            chat_ids = tokenizer.encode_chat(messages)
         except (ValueError, TypeError, KeyError):
             return None  # the worker will refuse it too
+        return PromptTokens(tuple(chat_ids), tokenizer.fingerprint) if chat_ids else None
     special = _special_tokens(request, engine)
     if text is None or tokenizer is None or special is None:
         return None

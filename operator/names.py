@@ -54,6 +54,10 @@ LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 ANNOTATION_HTTP_PORT = "pdcluster.io/http-port"
 ANNOTATION_BOOTSTRAP_PORT = "pdcluster.io/bootstrap-port"
 ANNOTATION_DIST_PORT = "pdcluster.io/dist-port"
+# A vLLM pod whose cache the router follows (cache_aware): the ports of its
+# prefix-cache events (PUB) and of their replays (runtime/router/discovery.py).
+ANNOTATION_KV_EVENTS_PORT = "pdcluster.io/kv-events-port"
+ANNOTATION_KV_REPLAY_PORT = "pdcluster.io/kv-replay-port"
 # On a pod k > 0: the leader pod's IP it was started with ($PDCLUSTER_LEADER_ADDRESS).
 ANNOTATION_LEADER_ADDRESS = "pdcluster.io/leader-address"
 # Pods in the instance the pod belongs to, so a gang is judged complete or

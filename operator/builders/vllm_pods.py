@@ -11,6 +11,9 @@ container differs from ours:
   (`nixl-side`, one per dp group: `nixl-side-<d>`), which vLLM announces as
   `$(POD_IP)` (`VLLM_NIXL_SIDE_CHANNEL_HOST`); the workers' NetworkPolicy
   already admits any port from the cluster's own pods;
+- a role routed by `cache_aware`: vLLM publishes its prefix-cache events on
+  ports `kv-events` and `kv-replay`, which the pod's annotations name to the
+  router's discovery (`kv_event_annotations`);
 - probes on vLLM's `/health` (startup, readiness, liveness: it answers 503
   once its engine died);
 - the cluster token as vLLM reads it, `VLLM_API_KEY` (unless
@@ -37,13 +40,16 @@ from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.runtime.spec import Role, RoleSpec, WorkerApiAccess
 from pdcluster.runtime.vllm.serve_command import (
     API_KEY_ENV,
+    DEFAULT_KV_EVENTS_PORTS,
     DEFAULT_SIDE_CHANNEL_PORT,
     SIDE_CHANNEL_HOST_ENV,
     build_vllm_serve,
+    publishes_kv_events,
     side_channel_ports,
 )
 
 SIDE_CHANNEL_PORT = DEFAULT_SIDE_CHANNEL_PORT
+KV_EVENTS_PORT, KV_REPLAY_PORT = DEFAULT_KV_EVENTS_PORTS
 TOKEN_FILE = f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"
 # `sh -c SCRIPT TOKEN_FILE ARGS...`: $0 is the file, "$@" the arguments of
 # `vllm serve`. `$$` is Kubernetes' escape for a `$` it must not expand.
@@ -68,6 +74,7 @@ def build_vllm_container(
         port=meta.HTTP_PORT,
         host=meta.BIND_HOST,
         side_channel_port=SIDE_CHANNEL_PORT,
+        kv_events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT),
     )
     env: list[dict[str, Any]] = [
         meta.env_field(meta.POD_IP_ENV, "status.podIP"),
@@ -79,6 +86,9 @@ def build_vllm_container(
     for d, port in enumerate(side_channel_ports(serve, spec.topology.dp)):
         name = "nixl-side" if d == 0 else f"nixl-side-{d}"
         ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
+    if serve.kv_events_ports is not None:
+        for name, port in zip(("kv-events", "kv-replay"), serve.kv_events_ports, strict=True):
+            ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
     if serve.side_channel_port is not None:
         env.append(meta.env_value(SIDE_CHANNEL_HOST_ENV, f"$({meta.POD_IP_ENV})"))
     env += [meta.env_value(k, v) for k, v in sorted(serve.env.items())]
@@ -93,6 +103,17 @@ def build_vllm_container(
         "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
         "readinessProbe": meta.http_probe(2, 3),
         "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+    }
+
+
+def kv_event_annotations(cluster: Cluster, role: Role) -> dict[str, str]:
+    """The pod annotations that tell the router where a vLLM instance publishes
+    its cache events (none when its role is not routed by cache_aware)."""
+    if not publishes_kv_events(cluster.spec, role):
+        return {}
+    return {
+        names.ANNOTATION_KV_EVENTS_PORT: str(KV_EVENTS_PORT),
+        names.ANNOTATION_KV_REPLAY_PORT: str(KV_REPLAY_PORT),
     }
 
 

@@ -186,11 +186,13 @@ VLLM_SPEC_RULES = (
     *(rule for role in Role for rule in _vllm_role_rules(role.value)),
     *(
         _vllm_rule(
-            f"{_get_str(f'router.policy.{key}', 'round_robin')} != 'cache_aware'",
-            f"router.policy.{key}: cache_aware needs the page keys PDCluster's workers "
-            "publish, which vLLM does not; use least_outstanding",
+            f"!has(self.{role}) || "
+            f"{_get_str(f'router.policy.{key}', 'round_robin')} != 'cache_aware' || "
+            f"{_get(f'{role}.topology.dp', 1)} == 1",
+            f"router.policy.{key}: cache_aware follows one vLLM engine per instance; "
+            f"{role}.topology.dp must be 1 (each dp rank publishes its own events)",
         )
-        for key in ("prefill", "decode")
+        for key, role in (("prefill", "prefill"), ("decode", "decode"), ("decode", "colocated"))
     ),
 )
 

@@ -247,10 +247,11 @@ class LocalAutoscaler:
             return
         if role is Role.prefill:
             self._publish_prefills(http)
-        resp = http.post(
-            self.cluster.plan.endpoint + "/admin/add_worker",
-            json={"url": spec.url, "role": role.value},
-        )
+        body: dict[str, object] = {"url": spec.url, "role": role.value}
+        if spec.kv_events_ports:  # a vLLM instance whose cache the router follows
+            publish, replay = spec.kv_events_ports
+            body["kv_events"] = {"publish": publish, "replay": replay}
+        resp = http.post(self.cluster.plan.endpoint + "/admin/add_worker", json=body)
         if resp.status_code != 200:
             self.on_line(f"Warning StartFailed: the router refused {key}: {resp.text[:200]}")
             self._forget(specs, http)

@@ -19,7 +19,10 @@ With `engine.kind: vllm` an instance is one `vllm serve` process
 (runtime/vllm/serve_command.py) started through `child_guard` (our
 interpreter), so it stops with the launcher like ours do; it listens on its
 HTTP port and, for prefill and decode, on a NIXL side-channel port drawn
-here. vLLM's dp ranks bind internal ports local mode does not draw, so a
+here; a role routed by cache_aware also publishes its prefix-cache events
+on two more (`--kv-events-config`: a PUB port, which vLLM binds on every
+interface, and a replay port on 127.0.0.1), which the router is told with
+`--kv-events URL=PUB,REPLAY`. vLLM's dp ranks bind internal ports local mode does not draw, so a
 vLLM instance runs with `topology.dp` 1 here (Kubernetes runs any dp).
 """
 
@@ -33,9 +36,11 @@ from pdcluster.runtime.pod_rendezvous import LEADER_ADDRESS_ENV
 from pdcluster.runtime.spec import EngineKind, PDCluster, Role, RoleSpec, WorkerApiAccess
 from pdcluster.runtime.vllm.serve_command import (
     API_KEY_ENV,
+    DEFAULT_KV_EVENTS_PORTS,
     DEFAULT_SIDE_CHANNEL_PORT,
     SIDE_CHANNEL_HOST_ENV,
     build_vllm_serve,
+    publishes_kv_events,
     vllm_argv,
 )
 
@@ -67,11 +72,19 @@ class ProcessSpec:
     api_key_env: str | None = None
     # vLLM's NIXL side channel (prefill and decode).
     side_channel_ports: tuple[int, ...] = ()
+    # vLLM's prefix-cache events (PUB, replay), when the router follows them.
+    kv_events_ports: tuple[int, ...] = ()
 
     @property
     def ports(self) -> tuple[int, ...]:
         """Every port of its instance this process's pod set may bind."""
-        own = (self.port, *self.dist_ports, *self.dp_ports, *self.side_channel_ports)
+        own = (
+            self.port,
+            *self.dist_ports,
+            *self.dp_ports,
+            *self.side_channel_ports,
+            *self.kv_events_ports,
+        )
         return own if self.bootstrap_port is None else (*own, self.bootstrap_port)
 
     @property
@@ -126,16 +139,18 @@ def num_worker_ports(role: Role, dp: int = 1, engine: EngineKind = EngineKind.bu
 
 
 def instance_ports(manifest: PDCluster, role: Role) -> int:
-    """`num_worker_ports` of one instance of `role` in `manifest`."""
+    """`num_worker_ports` of one instance of `role` in `manifest` (+ 2 for the
+    cache events of a vLLM instance the router follows)."""
     dp = role_spec_of(manifest, role).topology.dp
-    return num_worker_ports(role, dp, manifest.spec.engine.kind)
+    events = 2 if publishes_kv_events(manifest.spec, role) else 0
+    return num_worker_ports(role, dp, manifest.spec.engine.kind) + events
 
 
 def count_ports(manifest: PDCluster) -> int:
     """Ports the plan needs: every worker's, and the router's."""
     n = 1
     for role, rs in _role_items(manifest):
-        n += rs.replicas * num_worker_ports(role, rs.topology.dp, manifest.spec.engine.kind)
+        n += rs.replicas * instance_ports(manifest, role)
     return n
 
 
@@ -162,7 +177,7 @@ def build_instance_specs(
     executable or an interpreter with vLLM) when the manifest says `engine.kind: vllm`."""
     rs = role_spec_of(manifest, role)
     dp = rs.topology.dp
-    need = num_worker_ports(role, dp, manifest.spec.engine.kind)
+    need = instance_ports(manifest, role)
     if len(ports) != need:
         raise ValueError(f"a {role.value} instance with dp={dp} needs {need} ports")
     if len(set(ports)) != len(ports):
@@ -221,7 +236,8 @@ def _vllm_instance(
     python: str,
     vllm: str | None,
 ) -> ProcessSpec:
-    """One `vllm serve` process; `ports`: its HTTP port (then its side channel)."""
+    """One `vllm serve` process; `ports`: its HTTP port, then its side channel
+    (prefill, decode), then its cache events' PUB and replay ports (cache_aware)."""
     if vllm is None:
         raise ValueError("engine.kind vllm needs a vLLM installation to run (--vllm)")
     rs = role_spec_of(manifest, role)
@@ -230,10 +246,20 @@ def _vllm_instance(
             f"{role.value}.topology.dp is {rs.topology.dp}: local mode runs vLLM instances "
             "with dp 1 (vLLM's dp ranks bind ports of their own); run dp > 1 on Kubernetes"
         )
-    port, side = ports[0], ports[1:]
+    port, rest = ports[0], ports[1:]
     # A colocated instance has no connector, hence no side channel.
+    side = rest[:1] if role is not Role.colocated else []
+    events = rest[len(side) :]
     side_port = side[0] if side else DEFAULT_SIDE_CHANNEL_PORT
-    serve = build_vllm_serve(manifest.spec, role, port=port, host=HOST, side_channel_port=side_port)
+    serve = build_vllm_serve(
+        manifest.spec,
+        role,
+        port=port,
+        host=HOST,
+        side_channel_port=side_port,
+        kv_events_ports=(events[0], events[1]) if events else DEFAULT_KV_EVENTS_PORTS,
+        kv_replay_host=HOST,
+    )
     env = dict(serve.env)
     if serve.side_channel_port is not None:
         env[SIDE_CHANNEL_HOST_ENV] = HOST
@@ -250,7 +276,13 @@ def _vllm_instance(
         liveness_path="/health",
         api_key_env=API_KEY_ENV if guarded else None,
         side_channel_ports=tuple(side),
+        kv_events_ports=serve.kv_events_ports or (),
     )
+
+
+def kv_events_arg(spec: ProcessSpec) -> str:
+    """The router's `--kv-events URL=PUB,REPLAY` of a vLLM instance."""
+    return f"{spec.url}={_port_list(spec.kv_events_ports)}"
 
 
 def _port_list(ports: list[int] | tuple[int, ...]) -> str:
@@ -284,7 +316,7 @@ def build_local_plan(
     workers: list[ProcessSpec] = []
     for role, rs in _role_items(manifest):
         for i in range(rs.replicas):
-            n = num_worker_ports(role, rs.topology.dp, manifest.spec.engine.kind)
+            n = instance_ports(manifest, role)
             peers = [w for w in workers if w.role is Role.prefill]
             own = [next(free) for _ in range(n)]
             workers.extend(
@@ -297,6 +329,8 @@ def build_local_plan(
         if not w.is_leader:
             continue
         rargv += [f"--{w.role}", w.url]
+        if w.kv_events_ports:
+            rargv += ["--kv-events", kv_events_arg(w)]
     router = ProcessSpec(name="router", role="router", instance=0, argv=tuple(rargv), port=rport)
     return LocalPlan(manifest.metadata.name, tuple(workers), router)
 

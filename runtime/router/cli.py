@@ -22,7 +22,7 @@ from typing import Any
 from pdcluster.runtime.cluster_token import read_cluster_token
 from pdcluster.runtime.http.event_loop import DEFAULT_EVENT_LOOP, EventLoop, event_loop_from_env
 from pdcluster.runtime.router.config import RouterConfig
-from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings
+from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, parse_kv_events
 from pdcluster.runtime.spec import (
     FailurePolicy,
     PDCluster,
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", default=[], metavar="URL")
     p.add_argument("--decode", action="append", default=[], metavar="URL")
     p.add_argument("--colocated", action="append", default=[], metavar="URL")
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=PUB,REPLAY",
+        help="cache_aware over vLLM: the ports a listed worker publishes its cache events on",
+    )
     p.add_argument("--manifest", type=Path, help="PDCluster YAML for model, policies, timeouts")
     p.add_argument("--model-name")
     p.add_argument("--prefill-policy", choices=_POLICIES)
@@ -137,6 +144,7 @@ def invocation_from(
     }
     if kube is not None:
         fields["disaggregated"] = args.k8s_mode == "pd"
+    kv_events = tuple(parse_kv_events(text) for text in args.kv_events)
     if manifest is not None:
         base = RouterConfig.from_spec(
             manifest.spec,
@@ -148,6 +156,7 @@ def invocation_from(
             cluster_name=manifest.metadata.name,
         )
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    fields["kv_events"] = kv_events
     for name in (
         "model_name",
         "prefill_policy",

@@ -36,6 +36,16 @@ KV_EVENTS_PORT_ANNOTATION = "pdcluster.io/kv-events-port"
 KV_REPLAY_PORT_ANNOTATION = "pdcluster.io/kv-replay-port"
 
 
+def parse_kv_events(text: str) -> tuple[str, KVEventPorts]:
+    """`URL=PUB,REPLAY` (the router's `--kv-events`): where a static vLLM
+    worker publishes its cache events; ValueError naming what is wrong."""
+    url, sep, ports = text.rpartition("=")
+    publish, comma, replay = ports.partition(",")
+    if not sep or not comma or not publish.isdigit() or not replay.isdigit():
+        raise ValueError(f"--kv-events {text!r}: expected URL=PUB_PORT,REPLAY_PORT")
+    return normalize_url(url), KVEventPorts(int(publish), int(replay))
+
+
 def static_targets(
     prefill: Sequence[str] = (),
     decode: Sequence[str] = (),

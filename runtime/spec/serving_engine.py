@@ -20,8 +20,9 @@ CRD (`operator/crd/cel_rules.py`):
   `transfer.backend: nixl`;
 - an instance is one pod (`gpusPerPod` left out or equal to its ranks) and
   context parallelism is not mapped (`topology.cp` 1);
-- vLLM publishes no page keys to the router (no `cache_aware`) and no queued
-  prompt tokens (no `queuedPrefillTokensPerInstance` autoscaling);
+- vLLM reports no queued prompt tokens (no `queuedPrefillTokensPerInstance`
+  autoscaling); `cache_aware` follows its prefix-cache events, one engine
+  per instance (`topology.dp` 1 on a role it routes);
 - `kvBufferDevice: cuda` needs the roles on `device: cuda`;
 - `extraArgs` may not set a flag the manifest already decides
   (`OWNED_FLAGS`), nor `env` a variable the pods are given (`OWNED_ENV`).
@@ -83,6 +84,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--kv-transfer-config": "engine.vllm.kvConnector and transfer.failurePolicy",
     "--enable-prefix-caching": "<role>.engine.prefixCache",
     "--no-enable-prefix-caching": "<role>.engine.prefixCache",
+    "--kv-events-config": "router.policy (cache_aware)",
 }
 # Variables every vLLM pod is given (the token, NIXL's side channel).
 OWNED_ENV = ("VLLM_API_KEY", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")
@@ -209,10 +211,12 @@ def vllm_refusal(spec: PDClusterSpec) -> str | None:
                 "reports no queued prompt tokens; use ttftP90Seconds"
             )
     policy = spec.router.policy
-    for key, chosen in (("prefill", policy.prefill), ("decode", policy.decode)):
-        if chosen.value == "cache_aware":
+    for role, rs in spec.roles():
+        key = "prefill" if role.value == "prefill" else "decode"
+        chosen = policy.prefill if key == "prefill" else policy.decode
+        if chosen.value == "cache_aware" and rs.topology.dp != 1:
             return (
-                f"router.policy.{key}: cache_aware needs the page keys PDCluster's workers "
-                "publish, which vLLM does not; use least_outstanding"
+                f"router.policy.{key}: cache_aware follows one vLLM engine per instance; "
+                f"{role.value}.topology.dp must be 1 (each dp rank publishes its own events)"
             )
     return None

@@ -17,6 +17,10 @@ executable or an interpreter that imports vLLM). The mapping (docs/vllm.md):
 - `transfer.ucx.tls / netDevices` → `UCX_TLS`, `UCX_NET_DEVICES` (NIXL's UCX);
 - the KV side channel (`side_channel_port`) → `VLLM_NIXL_SIDE_CHANNEL_PORT`
   (dp group d listens on that port + d);
+- `router.policy.<role>: cache_aware` → `--kv-events-config`: vLLM
+  publishes its prefix-cache events (`kv_events.publisher_config`) on
+  `kv_events_ports` (a PUB port and a replay port), which the router follows
+  (`router/vllm_prefix_feed.py`);
 - `observability.tracing` (enabled) → `--otlp-traces-endpoint <endpoint>/v1/traces`
   and `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`: vLLM's request spans
   join the router's trace through each leg's `traceparent`;
@@ -39,15 +43,20 @@ from pdcluster.runtime.spec import (
     KVBufferDevice,
     PDClusterSpec,
     Role,
+    SelectionPolicy,
     SpecError,
     VllmKVConnector,
 )
 from pdcluster.runtime.spec.model_source import engine_model
+from pdcluster.runtime.vllm.kv_events import publisher_config
 
 # vLLM's default NIXL side-channel port (its `VLLM_NIXL_SIDE_CHANNEL_PORT`).
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 # The OpenAI server as a module, for an interpreter named instead of `vllm`.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Where an instance routed by cache_aware publishes its prefix-cache events
+# (vLLM's own default PUB port, and the next one for replays).
+DEFAULT_KV_EVENTS_PORTS = (5557, 5558)
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 API_KEY_ENV = "VLLM_API_KEY"
@@ -64,6 +73,8 @@ class VllmServe:
     env: Mapping[str, str] = field(default_factory=dict)
     # The NIXL side channel of dp group 0 (group d: + d); None without a connector.
     side_channel_port: int | None = None
+    # (PUB port, replay port) of its prefix-cache events; None: it publishes none.
+    kv_events_ports: tuple[int, int] | None = None
 
     @property
     def serve_args(self) -> list[str]:
@@ -89,6 +100,14 @@ def kv_transfer_config(spec: PDClusterSpec, role: Role) -> dict[str, str]:
     return config
 
 
+def publishes_kv_events(spec: PDClusterSpec, role: Role) -> bool:
+    """Whether the router follows `role`'s cache (its policy is cache_aware;
+    a colocated role is routed by `router.policy.decode`)."""
+    policy = spec.router.policy
+    chosen = policy.prefill if role is Role.prefill else policy.decode
+    return spec.engine.is_vllm and chosen is SelectionPolicy.cache_aware
+
+
 # vLLM picks its OTLP exporter by this variable (gRPC unless told otherwise).
 OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
@@ -100,8 +119,12 @@ def build_vllm_serve(
     port: int,
     host: str = "0.0.0.0",
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT,
+    kv_events_ports: tuple[int, int] = DEFAULT_KV_EVENTS_PORTS,
+    kv_replay_host: str = "*",
 ) -> VllmServe:
-    """The `vllm serve` command of one `role` instance listening on `host:port`."""
+    """The `vllm serve` command of one `role` instance listening on `host:port`;
+    `kv_events_ports` and `kv_replay_host`: where it publishes its cache events
+    when the router follows them (`publishes_kv_events`)."""
     if not spec.engine.is_vllm:
         raise SpecError("engine.kind is not vllm: the workers run `pdcluster worker`")
     rs = spec.role_spec(role)
@@ -144,6 +167,11 @@ def build_vllm_serve(
                 env["UCX_TLS"] = ucx.tls
             if ucx.net_devices:
                 env["UCX_NET_DEVICES"] = ucx.net_devices
+    events: tuple[int, int] | None = None
+    if publishes_kv_events(spec, role):
+        events = kv_events_ports
+        config = publisher_config(*events, replay_host=kv_replay_host)
+        flags += ["--kv-events-config", json.dumps(config)]
     if served.revision is not None:
         flags += ["--revision", served.revision]
     tracing = spec.observability.tracing
@@ -154,7 +182,13 @@ def build_vllm_serve(
         env[OTLP_PROTOCOL_ENV] = "http/protobuf"
     flags += spec.engine.vllm.extra_args
     env.update(spec.engine.vllm.env)
-    return VllmServe(model=served.location, flags=tuple(flags), env=env, side_channel_port=side)
+    return VllmServe(
+        model=served.location,
+        flags=tuple(flags),
+        env=env,
+        side_channel_port=side,
+        kv_events_ports=events,
+    )
 
 
 def side_channel_ports(serve: VllmServe, dp: int) -> tuple[int, ...]:

@@ -3,6 +3,7 @@ and the guard that ties a foreign process to the launcher."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,9 +14,14 @@ from typing import Any
 
 import pytest
 
-from pdcluster.runtime.local.plan import CHILD_GUARD, build_local_plan, count_ports
+from pdcluster.runtime.local.plan import (
+    CHILD_GUARD,
+    build_instance_specs,
+    build_local_plan,
+    count_ports,
+)
 from pdcluster.runtime.local.vllm_program import VLLM_ENV, VllmNotFound, resolve_vllm
-from pdcluster.runtime.spec import EngineKind, parse_manifest
+from pdcluster.runtime.spec import EngineKind, Role, parse_manifest
 
 SPEC: dict[str, Any] = {
     "engine": {"kind": "vllm"},
@@ -61,6 +67,28 @@ def test_an_open_worker_api_gets_no_key_and_a_colocated_one_no_side_channel() ->
     (w,) = plan.workers
     assert w.api_key_env is None and w.side_channel_ports == ()
     assert w.argv[4:8] == ("/v/python", "-m", "vllm.entrypoints.openai.api_server", "--model")
+
+
+def test_a_cache_aware_role_publishes_its_events_on_ports_the_router_is_told() -> None:
+    m = manifest({**SPEC, "router": {"policy": {"decode": "cache_aware"}}})
+    ports = list(range(41000, 41000 + count_ports(m)))
+    plan = build_local_plan(m, "/m.yaml", ports, python="py", vllm="/env/bin/vllm")
+    (decode,) = [w for w in plan.workers if w.role is Role.decode]
+    assert all(w.kv_events_ports == () for w in plan.workers if w is not decode)
+    publish, replay = decode.kv_events_ports
+    # Every port is drawn once, and each instance's are its own.
+    assert sorted(p for w in plan.processes for p in w.ports) == ports
+    config = json.loads(decode.argv[decode.argv.index("--kv-events-config") + 1])
+    assert config["endpoint"] == f"tcp://*:{publish}"
+    assert config["replay_endpoint"] == f"tcp://127.0.0.1:{replay}"
+    argv = plan.router.argv
+    assert argv[argv.index("--kv-events") + 1] == f"{decode.url}={publish},{replay}"
+    assert argv.count("--kv-events") == 1
+    # An instance started later by autoscaling gets ports of its own the same way.
+    (more,) = build_instance_specs(
+        m, "/m.yaml", Role.decode, 1, list(range(42000, 42004)), [], "py", "/env/bin/vllm"
+    )
+    assert more.kv_events_ports == (42002, 42003)
 
 
 @pytest.mark.parametrize(

@@ -246,7 +246,7 @@ PHRASES = (
     "a vLLM instance runs in one pod",
     "kvBufferDevice cuda needs",
     "vLLM reports no queued prompt tokens",
-    "cache_aware needs the page keys",
+    "cache_aware follows one vLLM engine per instance",
     "extraArgs",
     "env:",
 )
@@ -382,7 +382,35 @@ VLLM_OK: dict[str, Any] = {
             },
             "vLLM reports no queued prompt tokens",
         ),
-        ({"router": {"policy": {"decode": "cache_aware"}}}, "cache_aware needs the page keys"),
+        ({"router": {"policy": {"decode": "cache_aware", "prefill": "cache_aware"}}}, None),
+        (
+            {
+                "router": {"policy": {"decode": "cache_aware"}},
+                "decode": {"topology": {"dp": 2}},
+            },
+            "cache_aware follows one vLLM engine per instance; decode.topology.dp",
+        ),
+        (
+            {
+                "router": {"policy": {"prefill": "cache_aware"}},
+                "prefill": {"topology": {"tp": 2, "dp": 2}, "gpusPerPod": 4},
+            },
+            "cache_aware follows one vLLM engine per instance; prefill.topology.dp",
+        ),
+        (
+            {
+                "prefill": None,
+                "decode": None,
+                "transfer": {},
+                "colocated": {"topology": {"dp": 2}},
+                "router": {"policy": {"decode": "cache_aware"}},
+            },
+            "colocated.topology.dp must be 1",
+        ),
+        (
+            {"router": {"policy": {"prefill": "cache_aware"}}, "decode": {"topology": {"dp": 2}}},
+            None,
+        ),
         ({"engine": {"kind": "vllm", "vllm": {"extraArgs": ["--port=9"]}}}, "extraArgs"),
         ({"engine": {"kind": "vllm", "vllm": {"env": {"VLLM_API_KEY": "x"}}}}, "env:"),
     ],
@@ -391,7 +419,8 @@ VLLM_OK: dict[str, Any] = {
 def test_vllm_rules_refuse_in_both_places_with_the_same_words(
     patch: dict[str, Any], phrase: str | None
 ) -> None:
-    spec = {**copy.deepcopy(VLLM_OK), **patch}
+    # A None in the patch drops the field (a colocated cluster drops prefill and decode).
+    spec = {k: v for k, v in {**copy.deepcopy(VLLM_OK), **patch}.items() if v is not None}
     failing = _failing_rules(apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec)))
     if phrase is None:
         parse_spec(spec)

@@ -18,6 +18,8 @@ from pdcluster.operator.failover.peers import PodIndex
 from pdcluster.operator.failover.pod_facts import parse_pod_facts
 from pdcluster.operator.failover.prefill_peers import decode_targets
 from pdcluster.operator.render import render_objects
+from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, decide_pod
+from pdcluster.runtime.router.workers import KVEventPorts
 from pdcluster.runtime.spec import EngineKind, Role
 
 from .helpers import make_cluster
@@ -112,6 +114,32 @@ def test_a_colocated_vllm_pod_has_no_connector() -> None:
     )
     assert "--kv-transfer-config" not in container["args"]
     assert [p["name"] for p in container["ports"]] == ["http"]
+
+
+def test_a_cache_aware_vllm_pod_names_its_event_ports_to_the_routers_discovery() -> None:
+    spec = {**VLLM, "router": {"policy": {"prefill": "cache_aware"}}, "decode": {}}
+    cluster = make_cluster(spec)
+    prefill = build_worker_pod(cluster, Role.prefill, 0, 0)
+    container = container_of(prefill)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["kv-events"], ports["kv-replay"]) == (5557, 5558)
+    config = json.loads(container["args"][container["args"].index("--kv-events-config") + 1])
+    assert config["endpoint"] == "tcp://*:5557"
+    # What the router's discovery reads back from the running pod.
+    prefill["status"] = {
+        "podIP": "10.0.0.7",
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
+    settings = KubernetesDiscoverySettings(namespace="default", label_selector="")
+    target = decide_pod(prefill, settings).target
+    assert target is not None and target.kv_events == KVEventPorts(5557, 5558)
+    # A role routed otherwise publishes nothing and is told nothing.
+    decode = build_worker_pod(cluster, Role.decode, 0, 0)
+    assert names.ANNOTATION_KV_EVENTS_PORT not in decode["metadata"]["annotations"]
+    assert "--kv-events-config" not in container_of(decode)["args"]
+    target = decide_pod({**decode, "status": prefill["status"]}, settings).target
+    assert target is not None and target.kv_events is None
 
 
 def pod_object(cluster: Any, role: Role, ip: str) -> dict[str, Any]:

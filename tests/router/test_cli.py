@@ -11,6 +11,7 @@ import pytest
 
 from pdcluster.runtime.ports import free_port
 from pdcluster.runtime.router.cli import API_KEYS_ENV, parse_invocation
+from pdcluster.runtime.router.workers import KVEventPorts
 
 from .harness import LoopThread, start_cluster
 
@@ -36,6 +37,11 @@ def test_flags_become_settings() -> None:
     assert inv.config.prefill_urls == ("http://127.0.0.1:1",)
     assert inv.config.decode_policy == "random"
     assert inv.config.is_disaggregated
+
+
+def test_kv_events_name_the_ports_a_listed_vllm_worker_publishes_on() -> None:
+    inv = parse_invocation([*P, "--kv-events", "http://127.0.0.1:2/=5557,5558"], env={})
+    assert inv.config.kv_events == (("http://127.0.0.1:2", KVEventPorts(5557, 5558)),)
 
 
 def test_manifest_settings_apply_and_flags_win(tmp_path: Path) -> None:
@@ -96,6 +102,16 @@ def test_kubernetes_discovery_flags() -> None:
         ([*P, "--api-key-file", "/nonexistent/keys"], "--api-key-file"),
         (["--k8s-namespace", "ns"], "--k8s-mode"),
         ([*P, "--max-body-bytes", "5"], "max_body_bytes"),
+        ([*P, "--kv-events", "http://127.0.0.1:1"], "URL=PUB_PORT,REPLAY_PORT"),
+        ([*P, "--kv-events", "http://127.0.0.1:1=5557"], "URL=PUB_PORT,REPLAY_PORT"),
+        ([*P, "--kv-events", "http://127.0.0.1:1=5557,x"], "URL=PUB_PORT,REPLAY_PORT"),
+        ([*P, "--kv-events", "http://127.0.0.1:1=5557,5557"], "both 5557"),
+        ([*P, "--kv-events", "http://127.0.0.1:1=0,5558"], "1..65535"),
+        ([*P, "--kv-events", "http://127.0.0.1:9=5557,5558"], "not a listed worker"),
+        (
+            [*P, "--kv-events", "http://127.0.0.1:1=1,2", "--kv-events", "http://127.0.0.1:1=3,4"],
+            "twice",
+        ),
     ],
 )
 def test_bad_flags_are_refused_with_a_reason(argv: list[str], problem: str) -> None:

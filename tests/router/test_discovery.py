@@ -14,7 +14,7 @@ from pdcluster.runtime.router.discovery import (
     static_targets,
     targets_from_pods,
 )
-from pdcluster.runtime.router.workers import WorkerTarget
+from pdcluster.runtime.router.workers import KVEventPorts, WorkerTarget
 from pdcluster.runtime.spec import Role
 
 SETTINGS = KubernetesDiscoverySettings(namespace="ns", label_selector="pdcluster.io/cluster=demo")
@@ -217,3 +217,39 @@ def test_pod_cache_matches_a_replay_of_the_events(events: list[tuple[str, int, b
 def test_discovery_settings_are_validated(kwargs: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         KubernetesDiscoverySettings(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [
+        (
+            {"pdcluster.io/kv-events-port": "5557", "pdcluster.io/kv-replay-port": "5558"},
+            (5557, 5558),
+        ),
+        ({}, None),
+        ({"pdcluster.io/kv-events-port": "5557"}, None),
+        ({"pdcluster.io/kv-events-port": "5557", "pdcluster.io/kv-replay-port": "5557"}, None),
+        ({"pdcluster.io/kv-events-port": "x", "pdcluster.io/kv-replay-port": "5558"}, None),
+        ({"pdcluster.io/kv-events-port": "0", "pdcluster.io/kv-replay-port": "5558"}, None),
+        ({"pdcluster.io/kv-events-port": "5557", "pdcluster.io/kv-replay-port": "70000"}, None),
+    ],
+)
+def test_a_pods_event_ports_come_from_its_annotations_or_it_goes_by_load(
+    annotations: dict[str, str], expected: tuple[int, int] | None
+) -> None:
+    p = pod()
+    p["metadata"]["annotations"].update(annotations)
+    target = decide_pod(p, SETTINGS).target
+    assert target is not None, "bad event ports never keep a serving pod out of the pool"
+    assert target.kv_events == (None if expected is None else KVEventPorts(*expected))
+
+
+def test_static_kv_events_attach_to_their_listed_worker_only() -> None:
+    ports = KVEventPorts(5557, 5558)
+    targets = static_targets(
+        colocated=["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        kv_events={"http://127.0.0.1:2/": ports},
+    )
+    assert [t.kv_events for t in targets] == [None, ports]
+    with pytest.raises(ValueError, match="not a listed worker"):
+        static_targets(colocated=["http://127.0.0.1:1"], kv_events={"http://127.0.0.1:3": ports})

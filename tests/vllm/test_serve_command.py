@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pdcluster.runtime.spec import PDClusterSpec, Role, SpecError, parse_spec
 from pdcluster.runtime.vllm.serve_command import (
     API_SERVER_MODULE,
+    DEFAULT_KV_EVENTS_PORTS,
     build_vllm_serve,
     is_interpreter,
     kv_transfer_config,
@@ -196,3 +197,50 @@ def test_with_tracing_vllm_exports_its_own_spans_to_the_cluster_s_collector() ->
     plain = build_vllm_serve(spec_of(), Role.decode, port=8000)
     assert "--otlp-traces-endpoint" not in plain.flags
     assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in plain.env
+
+
+@pytest.mark.parametrize(
+    ("policy", "publishing"),
+    [
+        ({}, set()),
+        ({"prefill": "cache_aware"}, {Role.prefill}),
+        ({"decode": "cache_aware"}, {Role.decode}),
+        ({"prefill": "cache_aware", "decode": "cache_aware"}, {Role.prefill, Role.decode}),
+    ],
+)
+def test_a_role_routed_by_cache_aware_publishes_its_cache_events(
+    policy: dict[str, str], publishing: set[Role]
+) -> None:
+    spec = spec_of(router={"policy": policy})
+    for role in (Role.prefill, Role.decode):
+        serve = build_vllm_serve(spec, role, port=8000, kv_events_ports=(7001, 7002))
+        if role not in publishing:
+            assert "--kv-events-config" not in serve.flags and serve.kv_events_ports is None
+            continue
+        assert serve.kv_events_ports == (7001, 7002)
+        config = json.loads(flag(serve.flags, "--kv-events-config"))
+        # vLLM binds its PUB socket only for a wildcard address.
+        assert config["endpoint"] == "tcp://*:7001"
+        assert config["replay_endpoint"] == "tcp://*:7002"
+        assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"
+        assert config["topic"] and config["buffer_steps"] > 0
+
+
+def test_a_colocated_role_follows_the_decode_policy_and_may_keep_replays_local() -> None:
+    spec = spec_of(
+        prefill=None,
+        decode=None,
+        transfer={},
+        colocated={},
+        router={"policy": {"decode": "cache_aware"}},
+    )
+    serve = build_vllm_serve(spec, Role.colocated, port=8000, kv_replay_host="127.0.0.1")
+    assert serve.kv_events_ports == DEFAULT_KV_EVENTS_PORTS
+    config = json.loads(flag(serve.flags, "--kv-events-config"))
+    assert config["replay_endpoint"] == f"tcp://127.0.0.1:{DEFAULT_KV_EVENTS_PORTS[1]}"
+
+
+def test_extra_args_may_not_set_the_kv_events_config() -> None:
+    engine = {"kind": "vllm", "vllm": {"extraArgs": ["--kv-events-config={}"]}}
+    with pytest.raises(SpecError, match="router.policy"):
+        spec_of(engine=engine)

@@ -103,6 +103,7 @@ class BlockKeyMap:
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(event, changes)
+                self._bound(changes)
             elif isinstance(event, BlockRemoved):
                 if event.medium in PRIMARY_MEDIA and event.group in _PRIMARY_GROUPS:
                     for block_hash in event.block_hashes:
@@ -138,6 +139,8 @@ class BlockKeyMap:
                 return
             self._hold(block_hash, key, changes)
             parent = key
+
+    def _bound(self, changes: _Changes) -> None:
         while len(self._blocks) > self.max_blocks:
             oldest = next(iter(self._blocks))
             self._forget(oldest, changes)

@@ -163,6 +163,9 @@ class Worker:
             "dp_size": self.dp_size,
             "last_error": self.last_error,
             "held": self.held,
+            "kv_events": None
+            if self.kv_events is None
+            else {"publish": self.kv_events.publish, "replay": self.kv_events.replay},
         }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdcluster.runtime.router.workers import KVEventPorts
+
 from .harness import LoopThread, start_cluster, wait_until
 from .test_app_pool import healthy_urls, served_by
 
@@ -62,6 +64,35 @@ def test_bad_add_and_remove_calls_are_refused_and_change_nothing(loop: LoopThrea
         assert http.post("/admin/remove_worker", json={"url": 3}, headers=AUTH).status_code == 422
         assert pool_urls(http) == {prefill, decode}
         assert healthy_urls(cluster) == before
+
+
+def test_an_added_vllm_worker_names_where_it_publishes_its_cache_events(
+    loop: LoopThread,
+) -> None:
+    with start_cluster(loop, decode=1, **SETTINGS) as cluster, cluster.client() as http:
+        before = pool_urls(http)
+        for kv_events, problem in (
+            ({"publish": 5557}, "kv_events must be"),
+            ({"publish": "5557", "replay": 5558}, "kv_events must be"),
+            ({"publish": True, "replay": 5558}, "got True"),
+            ([5557, 5558], "kv_events must be"),
+            ({"publish": 5557, "replay": 5557}, "both 5557"),
+            ({"publish": 5557, "replay": 0}, "1..65535"),
+        ):
+            body = {"url": "http://127.0.0.1:1", "role": "decode", "kv_events": kv_events}
+            resp = http.post("/admin/add_worker", json=body, headers=AUTH)
+            assert resp.status_code == 422 and problem in resp.text, (kv_events, resp.text)
+        assert pool_urls(http) == before
+        body = {
+            "url": "http://127.0.0.1:1",
+            "role": "decode",
+            "kv_events": {"publish": 5557, "replay": 5558},
+        }
+        resp = http.post("/admin/add_worker", json=body, headers=AUTH)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["kv_events"] == {"publish": 5557, "replay": 5558}
+        added = cluster.state.pool.get("http://127.0.0.1:1")
+        assert added is not None and added.kv_events == KVEventPorts(5557, 5558)
 
 
 def test_a_worker_with_a_leg_in_flight_is_not_removed(loop: LoopThread) -> None:

@@ -105,11 +105,18 @@ class VllmPrefixFollower:
         while True:
             try:
                 await self._run(worker, ports)
-            except (zmq.ZMQError, ValueError) as err:
+            except Exception as err:  # a socket error, or a bug: never a silent stop
                 self.index.forget(worker.url)
                 attempt += 1
                 delay = exponential_delay(0.2, self.max_backoff_s, attempt)
-                log.warning("kv events of %s failed (%s); retry in %.1f s", worker.url, err, delay)
+                expected = isinstance(err, zmq.ZMQError | ValueError)
+                log.warning(
+                    "kv events of %s failed (%s); retry in %.1f s",
+                    worker.url,
+                    err,
+                    delay,
+                    exc_info=not expected,
+                )
                 await asyncio.sleep(delay)
 
     def _socket(self, kind: int, hwm: int, host: str, port: int) -> zmq.asyncio.Socket:

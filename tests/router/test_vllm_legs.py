@@ -25,7 +25,13 @@ from pdcluster.runtime.router.vllm_legs import (
     build_prefill_body,
     read_kv_params,
 )
-from pdcluster.runtime.router.workers import ServerInfo, Worker, WorkerPool, WorkerTarget
+from pdcluster.runtime.router.workers import (
+    KVEventPorts,
+    ServerInfo,
+    Worker,
+    WorkerPool,
+    WorkerTarget,
+)
 from pdcluster.runtime.spec import EngineKind, Role
 
 # What vLLM 0.32's NixlConnector prefill answered in this repository's runs.
@@ -198,10 +204,24 @@ def test_the_prefill_watch_tells_each_watcher_of_a_lost_prefill_once() -> None:
     assert watch.watching(b) == 1
 
 
-def test_a_vllm_router_refuses_cache_aware_and_aborts_by_closing_legs() -> None:
+def test_a_vllm_router_follows_kv_events_for_cache_aware_and_aborts_by_closing_legs() -> None:
     urls = {"prefill_urls": ("http://a:1",), "decode_urls": ("http://b:1",)}
     vllm = RouterConfig(engine=EngineKind.vllm, **urls)
     assert not vllm.reads_server_info and not vllm.aborts_by_rid
     assert RouterConfig(**urls).aborts_by_rid
-    with pytest.raises(ValueError, match="cache_aware needs page keys"):
-        RouterConfig(engine=EngineKind.vllm, prefill_policy="cache_aware", **urls)
+    ports = KVEventPorts(5557, 5558)
+    aware = RouterConfig(
+        engine=EngineKind.vllm,
+        prefill_policy="cache_aware",
+        kv_events=(("http://a:1", ports),),
+        vllm_block_size=128,
+        **urls,
+    )
+    assert aware.cache_aware_roles == (Role.prefill,)
+    for bad, problem in (
+        ({"kv_events": (("http://c:1", ports),)}, "not a listed worker"),
+        ({"kv_events": (("http://a:1", ports), ("http://a:1", ports))}, "twice"),
+        ({"vllm_block_size": 0}, "vllm_block_size"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            RouterConfig(engine=EngineKind.vllm, prefill_policy="cache_aware", **urls, **bad)

@@ -27,6 +27,7 @@ def usage_comment(prompt_tokens: int, completion_tokens: int, finish_reason: str
     }
     return f"{USAGE_COMMENT}{json.dumps(usage, separators=(',', ':'))}\n\n"
 
+
 # token id -> its text (special tokens spelled out), for logprobs.
 TokenText = Callable[[int], str]
 

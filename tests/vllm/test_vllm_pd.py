@@ -285,6 +285,7 @@ def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
     # restarted by the supervisor, as `pdcluster ps` shows (a vLLM start takes
     # minutes here; the e2e journey waits for one to serve again).
     wait_for(lambda: is_idle(decode), 45, "decode idle with no KV held")
+
     # The supervisor notices an exit on its next poll and may be in its restart
     # backoff when the decode goes idle: wait for both restarts to show.
     def both_restarted() -> bool:

@@ -523,6 +523,10 @@ class LivenessModel(RuleBasedStateMachine):
             elif isinstance(act, ResumeHeld):
                 for peer in act.peers:
                     self.verdicts.recovered(peer)
+                    # The peer's one verdict record is gone, an operator report
+                    # on it included (see the invariant below): a later
+                    # heartbeat death must not bring that report back.
+                    self.reports.pop(peer, None)
             elif isinstance(act, PeerAnswers):
                 self.unreachable.discard(act.peer)
                 # A revived peer starts fresh.

@@ -42,6 +42,7 @@ from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import LABEL_CLUSTER
 from pdcluster.operator.reconcile.autoscaling import Autoscaler
 from pdcluster.operator.reconcile.controller import Controller
+from pdcluster.operator.reconcile.settings_push import RouterSettingsPusher
 from pdcluster.operator.reconcile.workqueue import WorkQueue
 from pdcluster.operator.settings import OperatorSettings
 
@@ -135,6 +136,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         recorder,
         on_pod_delete=failover.expect_deletion,
         transport_reports=failover.transports.reports,
+        router_settings=RouterSettingsPusher(failover.admin, recorder),
+        token_for=failover.token_for,
     )
     queue: WorkQueue[tuple[str, str]] = WorkQueue(
         controller.reconcile,

@@ -4,6 +4,7 @@
     GET  {worker}/admin/failures                                 cumulative failure counts
     GET  {worker}/health                                         200, or 503 {status, reason}
     PUT  {decode}/admin/prefill_peers {"peers": [...]}           bootstrap servers it may contact
+    PUT  {router}/admin/settings {"policy", ...}                 the router's live settings
     GET  {worker}/get_server_info                                kv_transport: what UCX negotiated
 
 The admin calls carry `Authorization: Bearer <cluster token>` (/health is
@@ -119,6 +120,20 @@ class AdminClient:
             return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
         if resp.status_code >= 400:
             return AdminResult(base_url, False, resp.status_code, resp.text[:200])
+        return AdminResult(base_url, True, resp.status_code)
+
+    async def router_settings(
+        self, base_url: str, token: str | None, settings: dict[str, Any]
+    ) -> AdminResult:
+        """Put a router's live settings (`runtime/router/live_settings.py`)."""
+        try:
+            resp = await self._http.put(
+                f"{base_url}/admin/settings", json=settings, headers=self._headers(token)
+            )
+        except httpx.HTTPError as err:
+            return AdminResult(base_url, False, 0, f"{type(err).__name__}: {err}")
+        if resp.status_code >= 400:
+            return AdminResult(base_url, False, resp.status_code, resp.text[:ERROR_TEXT_CHARS])
         return AdminResult(base_url, True, resp.status_code)
 
     async def failures(self, base_url: str, token: str | None) -> dict[str, int] | None:

@@ -52,6 +52,9 @@ class Reason(StrEnum):
     InstanceUnregistered = "InstanceUnregistered"
     # The manifest asks for RDMA / GPU-direct, but nixl's UCX moves KV over TCP.
     KVTransportFallback = "KVTransportFallback"
+    # The router's live settings were put in force (or a router pod refused them).
+    SettingsApplied = "SettingsApplied"
+    SettingsRefused = "SettingsRefused"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from pdcluster.operator import names
@@ -32,6 +32,7 @@ from pdcluster.operator.api import KVTransportStatus, PDClusterStatus, parse_sta
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import BuildError, ObjectKey, object_key
 from pdcluster.operator.builders.overlay import explain_pod_security_refusal
+from pdcluster.operator.builders.router import ROUTER_ROLE
 from pdcluster.operator.builders.scheduling import POD_GROUP_KIND
 from pdcluster.operator.kube.client import ApiError, KubeApi
 from pdcluster.operator.kube.recorder import EventRecorder
@@ -50,6 +51,7 @@ from pdcluster.operator.reconcile.observed import Observed, PodGroupApi, observe
 from pdcluster.operator.reconcile.plan import MANAGED_KINDS, Plan, describe, plan_reconcile
 from pdcluster.operator.reconcile.policy import Refusal, check_cluster, secret_references
 from pdcluster.operator.reconcile.restarts import ledger_from_status
+from pdcluster.operator.reconcile.settings_push import RouterSettingsPusher
 from pdcluster.operator.reconcile.status import (
     compute_invalid_status,
     compute_status,
@@ -103,6 +105,8 @@ class Controller:
         clock: Callable[[], float] = time.time,
         on_pod_delete: Callable[[str], None] | None = None,
         transport_reports: TransportReports | None = None,
+        router_settings: RouterSettingsPusher | None = None,
+        token_for: Callable[[str, str | None], Awaitable[str | None]] | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
@@ -116,12 +120,17 @@ class Controller:
         self.last_plans: dict[tuple[str, str], Plan] = {}
         # Passes in a row whose writes the apiserver refused, per cluster.
         self.write_failures: dict[tuple[str, str], int] = {}
+        # The router's live settings, put to its running pods (settings_push.py).
+        self.router_settings = router_settings
+        self._token_for = token_for
 
     def forget(self, key: tuple[str, str]) -> None:
         """Drop what is remembered of a deleted cluster."""
         self.last_plans.pop(key, None)
         self.write_failures.pop(key, None)
         self.metrics.forget_cluster(*key)
+        if self.router_settings is not None:
+            self.router_settings.forget(key)
 
     async def reconcile(self, key: tuple[str, str]) -> float | None:
         """One pass for (namespace, name); returns seconds until the next wanted pass."""
@@ -187,7 +196,29 @@ class Controller:
         delay: float = self.settings.resync_interval_s
         if plan.wake_at is not None:
             delay = min(delay, max(0.0, plan.wake_at - self._clock()))
+        push_retry = await self._push_router_settings(cluster, desired)
+        if push_retry is not None:
+            delay = min(delay, push_retry)
         return delay
+
+    async def _push_router_settings(self, cluster: Cluster, desired: DesiredState) -> float | None:
+        """Live router settings to the running router pods; a retry delay or None."""
+        pusher, token_for = self.router_settings, self._token_for
+        if pusher is None or token_for is None:
+            return None
+        selector = names.format_selector(names.role_selector(cluster.name, ROUTER_ROLE))
+        try:
+            pods = await self.api.list("Pod", cluster.namespace, selector)
+        except ApiError as err:
+            log.warning("cannot list the router pods of %s: %s", cluster.name, err)
+            return RETRY_AFTER_WRITE_ERROR_S
+        secret = desired.token_secret
+
+        async def token() -> str | None:
+            assert token_for is not None
+            return await token_for(cluster.namespace, secret)
+
+        return await pusher.push(cluster, pods, token)
 
     async def _refusal(self, cluster: Cluster) -> Refusal | None:
         """Why the operator's policy refuses the cluster, reading the Secrets it names."""

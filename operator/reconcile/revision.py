@@ -13,6 +13,9 @@ Two hashes, both computed from the typed spec:
   `drain` (the operator gives each deletion the grace in force then;
   pods started later carry it as their terminationGracePeriodSeconds).
 
+The router hash leaves out the router settings a running router takes
+(`live_settings.py`): they are pushed to it instead.
+
 Values equal to their defaults are left out before hashing, so an operator
 upgrade that adds a defaulted field does not restart every pod; so is
 `gpusPerPod: 1`, its default before it could be left out.
@@ -28,6 +31,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pdcluster.operator.names import short_hash
+from pdcluster.operator.reconcile.live_settings import ROUTER_LIVE_FIELDS, compute_cache_aware_roles
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 HASH_CHARS = 8
@@ -91,11 +95,19 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
 
 
 def compute_router_hash(spec: PDClusterSpec) -> str:
-    """Hash of what the router reads at start; a change rolls the router Deployment."""
-    return _digest(
-        {
-            "revision": compute_cluster_revision(spec),
-            "router": _canonical(spec.router, exclude={"replicas", "disruption_budget"}),
-            "disaggregated": spec.is_disaggregated,
-        }
-    )
+    """Hash of what the router reads at start; a change rolls the router Deployment.
+
+    The live settings (`ROUTER_LIVE_FIELDS`) are pushed to the running router
+    instead (`live_settings.py`), except which roles cache_aware follows,
+    hashed only when some are, so a router without cache_aware keeps its hash."""
+    payload: dict[str, Any] = {
+        "revision": compute_cluster_revision(spec),
+        "router": _canonical(
+            spec.router, exclude={"replicas", "disruption_budget", *ROUTER_LIVE_FIELDS}
+        ),
+        "disaggregated": spec.is_disaggregated,
+    }
+    aware = compute_cache_aware_roles(spec)
+    if aware:
+        payload["cacheAware"] = aware
+    return _digest(payload)

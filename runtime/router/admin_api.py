@@ -11,7 +11,12 @@ Guarded by the cluster token (403 when the router has none):
   after its first good probe); `kv_events` names the ports a vLLM worker
   publishes its prefix-cache events on (cache_aware);
 - ``POST /admin/remove_worker`` ``{"url"}``: a drained instance leaves the
-  pool (409 while legs are still in flight on it).
+  pool (409 while legs are still in flight on it);
+- ``GET /admin/settings``: the live settings in force (`live_settings.py`);
+  ``PUT /admin/settings`` with new ones (the manifest's camelCase fields:
+  ``{"policy": {...}, "healthCheckIntervalSeconds"}``, each defaulted when
+  left out, as in the manifest): 400 naming the field on a bad value, 409
+  for a change that needs a restart; either way nothing changes.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from pdcluster.runtime.http.auth import check_bearer
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.router.bodies import parse_json_object
 from pdcluster.runtime.router.errors import CLIENT_CLOSED_REQUEST, RouterError
+from pdcluster.runtime.router.live_settings import LiveSettingsRefused, RouterLiveSettings
 from pdcluster.runtime.router.workers import KVEventPorts, Worker, normalize_url
 from pdcluster.runtime.spec import Role
 
@@ -50,14 +57,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         ) from None
 
 
-async def _admin_body(state: RouterState, request: Request) -> dict[str, Any] | None:
-    """The JSON body of an admin call once its token is checked (None: client left)."""
+def _check_token(state: RouterState, request: Request) -> None:
     token = state.config.worker_token
     if not token:
         raise RouterError(403, "the router has no cluster token: its admin API is off")
     denied = check_bearer(request.headers.get("authorization"), token)
     if denied is not None:
         raise RouterError(denied.status, denied.message, reason="unauthorized")
+
+
+async def _admin_body(state: RouterState, request: Request) -> dict[str, Any] | None:
+    """The JSON body of an admin call once its token is checked (None: client left)."""
+    _check_token(state, request)
     try:
         return parse_json_object(await read_body(request, _MAX_ADMIN_BODY))
     except ClientDisconnect:
@@ -151,7 +162,42 @@ async def hold(state: RouterState, request: Request, *, held: bool) -> JSONRespo
     return JSONResponse(worker.describe())
 
 
+def _validation_message(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return f"{where}: {first['msg']}"
+
+
+async def put_settings(state: RouterState, request: Request) -> JSONResponse:
+    """`PUT /admin/settings`: new live settings, all validated before any is applied."""
+    body = await _admin_body(state, request)
+    if body is None:
+        return JSONResponse({}, status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        live = RouterLiveSettings.model_validate(body)
+    except ValidationError as err:
+        raise RouterError(400, _validation_message(err), reason="bad_settings") from None
+    try:
+        state.apply_live_settings(live)
+    except LiveSettingsRefused as err:
+        raise RouterError(409, str(err), reason="needs_restart") from None
+    log.info("live settings applied: %s", live.model_dump(mode="json", by_alias=True))
+    return JSONResponse(
+        RouterLiveSettings.from_config(state.config).model_dump(mode="json", by_alias=True)
+    )
+
+
 def add_admin_routes(app: FastAPI, state: RouterState) -> None:
+    @app.get("/admin/settings")
+    async def get_settings(request: Request) -> JSONResponse:
+        _check_token(state, request)
+        live = RouterLiveSettings.from_config(state.config)
+        return JSONResponse(live.model_dump(mode="json", by_alias=True))
+
+    @app.put("/admin/settings")
+    async def settings(request: Request) -> JSONResponse:
+        return await put_settings(state, request)
+
     @app.post("/admin/hold_worker")
     async def hold_worker(request: Request) -> JSONResponse:
         return await hold(state, request, held=True)

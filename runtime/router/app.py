@@ -44,6 +44,7 @@ from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_client import leg_session
 from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
+from pdcluster.runtime.router.live_settings import RouterLiveSettings, apply_live_settings
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.off_loop import read_request
 from pdcluster.runtime.router.policies import make_policy
@@ -76,6 +77,7 @@ ROUTES = frozenset(
         "/admin/admit_worker",
         "/admin/add_worker",
         "/admin/remove_worker",
+        "/admin/settings",
     }
 )
 
@@ -158,6 +160,22 @@ class RouterState:
         self._discovery: KubernetesDiscovery | None = None
         # Set when a worker turns healthy or unhealthy: a waiting request re-plans.
         self._pool_changed = asyncio.Event()
+
+    def apply_live_settings(self, live: RouterLiveSettings) -> None:
+        """Put `live` in force; raises LiveSettingsRefused (nothing changed) if it needs a restart.
+
+        The policies are swapped between two leg plans (the event loop runs
+        one at a time); a plan under way keeps the workers it chose."""
+        config = apply_live_settings(self.config, live)
+        self.config = config
+        planner = self.leg_planner
+        planner.prefill_policy = self._policy(config.prefill_policy)
+        planner.decode_policy = self._policy(config.decode_policy)
+        planner.colocated_policy = self._policy(config.colocated_policy)
+        if self.ctx is not None:
+            self.ctx.config = config
+        if self.checker is not None:
+            self.checker.set_interval(config.health_check_interval_s)
 
     def _policy(self, name: str) -> Any:
         cfg = self.config

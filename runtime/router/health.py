@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 import httpx
 
@@ -51,6 +51,8 @@ class HealthChecker:
     # False for workers without /get_server_info (vLLM): /health alone decides,
     # and no decode reports `peers_down`.
     reads_server_info: bool = True
+    # Set to end the sleep under way (a new interval is in force).
+    _wake: asyncio.Event | None = field(default=None, init=False, repr=False)
 
     async def _fetch_info(self, worker: Worker) -> ServerInfo:
         if not self.reads_server_info:
@@ -120,7 +122,18 @@ class HealthChecker:
         down = await self.peers_down() if has_prefill else {}
         await asyncio.gather(*(self.probe(w, down) for w in workers))
 
+    def set_interval(self, interval_s: float) -> None:
+        """Probe every `interval_s` from now on: the sleep under way starts again with it."""
+        self.interval_s = interval_s
+        if self._wake is not None:
+            self._wake.set()
+
     async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
         while True:
-            await asyncio.sleep(self.interval_s)
-            await self.probe_all()
+            try:
+                await asyncio.wait_for(wake.wait(), self.interval_s)
+            except TimeoutError:
+                await self.probe_all()
+            else:
+                wake.clear()

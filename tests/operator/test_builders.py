@@ -373,7 +373,11 @@ def test_router_rolls_when_what_it_reads_changes_but_not_on_scaling() -> None:
     base = router_hash(PD)
     assert router_hash({**PD, "decode": {"replicas": 5}}) == base
     assert router_hash({**PD, "router": {"replicas": 4}}) == base
-    assert router_hash({**PD, "router": {"policy": {"decode": "random"}}}) != base
+    # Policies are put to the running router (live_settings.py); which roles
+    # cache_aware follows is fixed at its start.
+    assert router_hash({**PD, "router": {"policy": {"decode": "random"}}}) == base
+    assert router_hash({**PD, "router": {"policy": {"decode": "cache_aware"}}}) != base
+    assert router_hash({**PD, "router": {"requestTimeoutSeconds": 30}}) != base
     assert router_hash({**PD, "image": "pdcluster:0.2.0"}) != base
 
 

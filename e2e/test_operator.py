@@ -277,6 +277,60 @@ def test_deleted_children_come_back(demo: dict[str, Any], kube: KubeApi, ns: str
     wait_until(recreated, 30, "the deleted ConfigMap and Service to be recreated")
 
 
+def router_settings(kube: KubeApi, ns: str) -> dict[str, Any]:
+    router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+    headers = {"Authorization": f"Bearer {token(kube, ns)}"}
+    resp = httpx.get(f"http://{router_ip}:8000/admin/settings", headers=headers, timeout=10)
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
+
+
+def test_a_router_policy_change_is_applied_live_and_restarts_no_pod(
+    demo: dict[str, Any], operator: Operator, kube: KubeApi, ns: str
+) -> None:
+    def uids() -> dict[str, str]:
+        return {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for role in ("prefill", "decode", "router")
+            for p in pods(kube, ns, role)
+        }
+
+    before = uids()
+    assert len(before) == 3
+    deployment = f"/apis/apps/v1/namespaces/{ns}/deployments/{NAME}-router"
+    generation = kube.get(deployment)["metadata"]["generation"]  # type: ignore[index]
+    assert router_settings(kube, ns)["policy"]["decode"] == "round_robin"
+    path = f"{PDC_PATH.format(ns=ns)}/{NAME}"
+    live = {"policy": {"decode": "least_outstanding"}, "healthCheckIntervalSeconds": 1}
+    kube.patch(path, {"spec": {"router": live}}, patch_type="merge")
+    try:
+        wait_until(
+            lambda: router_settings(kube, ns)["policy"]["decode"] == "least_outstanding",
+            30,
+            "the router to report the new decode policy",
+        )
+        assert router_settings(kube, ns)["healthCheckIntervalSeconds"] == 1.0
+        wait_until(lambda: "SettingsApplied" in events(kube, ns), 30, "a SettingsApplied Event")
+        message = events(kube, ns)["SettingsApplied"]["message"]
+        assert "router.policy.decode: round_robin -> least_outstanding" in message, message
+        # A router started later reads the new values from the manifest it mounts.
+        config = kube.get(f"/api/v1/namespaces/{ns}/configmaps/{NAME}-config") or {}
+        assert "least_outstanding" in str(config.get("data")), config
+        assert uids() == before
+        assert kube.get(deployment)["metadata"]["generation"] == generation  # type: ignore[index]
+        router_ip = one_pod(kube, ns, "router")["status"]["podIP"]
+        assert complete(router_ip)["usage"]["completion_tokens"] == 8
+    finally:
+        kube.patch(path, {"spec": {"router": None}}, patch_type="merge")
+    wait_until(
+        lambda: router_settings(kube, ns)["policy"]["decode"] == "round_robin",
+        30,
+        "the router to report its first decode policy again",
+    )
+    assert uids() == before
+
+
 SCALERS_PATH = "/apis/pdcluster.io/v1alpha1/namespaces/{ns}/pdclusterrolescalers"
 
 

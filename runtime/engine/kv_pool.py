@@ -10,6 +10,9 @@ page_size + t % page_size`.
 Layouts (per layer, per K/V):
 - NHD: [num_pages, page_size, num_kv_heads, head_dim]
 - HND: [num_pages, num_kv_heads, page_size, head_dim]
+Any other physical order of the axes (`kv_order.py`) describes memory laid
+out by another engine (vLLM's KV cache, wrapped with `KVPool.over`); the
+methods below read and write every order alike through `logical`.
 
 Invariant: the pool never frees or reuses pages by itself; the page allocator
 (pure, no torch) decides ownership, this module only reads and writes bytes.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcluster.runtime.engine.kv_order import NHD_ORDER, KVOrder
 from pdcluster.runtime.spec import KVLayout
 
 DTYPES: dict[str, torch.dtype] = {
@@ -40,7 +44,18 @@ class KVPoolShape:
     num_kv_heads: int  # kv heads held by this rank (its tp slice)
     head_dim: int
     dtype: str = "float32"
-    layout: KVLayout = KVLayout.NHD
+    # One of our layouts, or any physical order of the axes (`kv_order.py`).
+    layout: KVLayout | KVOrder = KVLayout.NHD
+
+    @property
+    def order(self) -> KVOrder:
+        return KVOrder.of(self.layout)
+
+    def row_strides(self) -> dict[str, int]:
+        """Rows of head_dim values between neighbours along each axis (`KVOrder.row_strides`)."""
+        return self.order.row_strides(
+            self.num_layers, self.num_pages, self.page_size, self.num_kv_heads
+        )
 
     @property
     def numel(self) -> int:
@@ -63,11 +78,11 @@ class KVPoolShape:
         return self.nbytes // (self.num_pages * self.page_size)
 
     def dims(self) -> tuple[int, ...]:
-        if self.layout == KVLayout.NHD:
-            inner = (self.page_size, self.num_kv_heads, self.head_dim)
-        else:
-            inner = (self.num_kv_heads, self.page_size, self.head_dim)
-        return (self.num_layers, 2, self.num_pages, *inner)
+        """The buffer's dims in physical order, head_dim last ([L, 2, P, ...] for our layouts)."""
+        outer = self.order.sizes_in_order(
+            self.num_layers, self.num_pages, self.page_size, self.num_kv_heads
+        )
+        return (*outer, self.head_dim)
 
 
 class KVPool:
@@ -75,30 +90,57 @@ class KVPool:
 
     `shm_path`: when given, the pool lives in that shared-memory file (created
     if missing) so a same-node peer can map it and write into it directly.
+    `KVPool.over(buffer, shape)` wraps memory another engine owns instead.
     """
 
     def __init__(
-        self, shape: KVPoolShape, device: str | torch.device = "cpu", shm_path: str | None = None
+        self,
+        shape: KVPoolShape,
+        device: str | torch.device = "cpu",
+        shm_path: str | None = None,
+        *,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         self.shape = shape
-        self.device = torch.device(device)
+        self.device = torch.device(device) if buffer is None else buffer.device
         self.shm_path = shm_path
         dtype = DTYPES[shape.dtype]
-        if shm_path is not None:
+        if buffer is not None:
+            self.buffer = buffer
+        elif shm_path is not None:
             if self.device.type != "cpu":
                 raise ValueError("a shared-memory KV pool must live on the CPU")
             flat = torch.from_file(shm_path, shared=True, size=shape.numel, dtype=dtype)
-            self.buffer = flat.view(shape.dims())  # [L, 2, P, ...layout]
+            self.buffer = flat.view(shape.dims())  # physical order, [L, 2, P, ...] for ours
         else:
             self.buffer = torch.zeros(shape.dims(), dtype=dtype, device=self.device)
+        self.order = shape.order
+        # The same memory seen as [L, 2, P, page, H, D] whatever the order (a view).
+        self.logical = self.buffer.permute(self.order.logical_permutation())
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, shape: KVPoolShape) -> KVPool:
+        """A pool over memory another engine allocated and keeps writing.
+
+        `buffer` must be one contiguous tensor of `shape.dims()` and its dtype:
+        the transports address it as one region (NIXL registers it whole).
+        """
+        if tuple(buffer.shape) != shape.dims():
+            raise ValueError(f"buffer dims {tuple(buffer.shape)} != the shape's {shape.dims()}")
+        if buffer.dtype != DTYPES[shape.dtype]:
+            raise ValueError(f"buffer dtype {buffer.dtype} != the shape's {shape.dtype}")
+        if not buffer.is_contiguous():
+            raise ValueError("a KV pool's buffer must be one contiguous tensor")
+        return cls(shape, buffer=buffer)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The whole pool as [num_rows, head_dim]: row r = `row_strides` coordinates."""
+        return self.buffer.view(-1, self.shape.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
-
-    def _token_view(self, layer: int, kv: int) -> torch.Tensor:
-        """[num_slots, H, D] view (NHD) or [P, H, page, D] (HND) of one layer's K or V."""
-        return self.buffer[layer, kv]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of n tokens. slots: [n] int64; k, v: [n, H, D]."""
@@ -114,13 +156,12 @@ class KVPool:
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """K and V of `slots` (any shape S) in one gather: [2, *S, H, D]."""
-        t = self.buffer[layer]  # [2, P, ...layout]
-        if self.shape.layout == KVLayout.NHD:
+        if self.order == NHD_ORDER:
+            t = self.buffer[layer]  # [2, P, page, H, D]
             return t.view(2, -1, self.shape.num_kv_heads, self.shape.head_dim)[:, slots]
         ps = self.shape.page_size
-        # Index tensors split by a slice put their dims first: [*S, 2, H, D].
-        out = t[:, slots // ps, :, slots % ps]
-        return out.movedim(-3, 0)
+        # Two adjacent index tensors keep their dims in place: [2, *S, H, D].
+        return self.logical[layer][:, slots // ps, slots % ps]
 
     def gather_tokens(
         self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)
@@ -148,29 +189,26 @@ class KVPool:
                 self._scatter(layer, kv, slots, frame[i, kv].to(self.dtype), heads)
 
     def _gather(self, layer: int, kv: int, slots: torch.Tensor, heads: slice) -> torch.Tensor:
-        t = self.buffer[layer, kv]
-        if self.shape.layout == KVLayout.NHD:
-            flat = t.reshape(-1, self.shape.num_kv_heads, self.shape.head_dim)
+        if self.order == NHD_ORDER:
+            flat = self.buffer[layer, kv].view(-1, self.shape.num_kv_heads, self.shape.head_dim)
             return flat[slots][:, heads]
         ps = self.shape.page_size
-        pages, offs = slots // ps, slots % ps
-        return t[pages, :, offs][:, heads]  # [n, H, D]
+        t = self.logical[layer, kv]  # [P, page, H, D], strided
+        return t[slots // ps, slots % ps][:, heads]  # [n, h, D]
 
     def _scatter(
         self, layer: int, kv: int, slots: torch.Tensor, src: torch.Tensor, heads: slice
     ) -> None:
-        t = self.buffer[layer, kv]
-        if self.shape.layout == KVLayout.NHD:
-            flat = t.view(-1, self.shape.num_kv_heads, self.shape.head_dim)
+        if self.order == NHD_ORDER:
+            flat = self.buffer[layer, kv].view(-1, self.shape.num_kv_heads, self.shape.head_dim)
             if heads == slice(None):
                 flat.index_copy_(0, slots, src)
             else:
                 flat[slots, heads] = src
             return
         ps = self.shape.page_size
-        pages, offs = slots // ps, slots % ps
-        # Advanced indexing on dims 0 and 2 puts the index dim first: [n, h, D].
-        t[pages, heads, offs] = src
+        # Writes through the strided view into the pool's memory: [n, h, D].
+        self.logical[layer, kv][slots // ps, slots % ps, heads] = src
 
 
 def slots_for_positions(

@@ -68,7 +68,10 @@ from pdcluster.runtime.pd.prompt_digest import PromptId
 # 3: TransferMeta may carry `reuse` (decode holds the leading pages; prefill
 # must not write them). A version-2 prefill would ignore it and overwrite
 # pages other sequences read, so a version-2 frame is refused too.
-PROTOCOL_VERSION: Final = 3
+# 4: CompatInfo publishes the model's KV geometry (layers, KV heads, head
+# size) and `kv_layout` may name any axis order (vLLM's pages), so a peer
+# that cannot parse those fields is refused at the header, not mid-handshake.
+PROTOCOL_VERSION: Final = 4
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)

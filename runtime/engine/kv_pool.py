@@ -46,6 +46,9 @@ class KVPoolShape:
     dtype: str = "float32"
     # One of our layouts, or any physical order of the axes (`kv_order.py`).
     layout: KVLayout | KVOrder = KVLayout.NHD
+    # The engine keeps a page's interior in a layout of its own (rows are not
+    # tokens): only whole pages may move (`transfer/page_span.py`).
+    whole_pages: bool = False
 
     @property
     def order(self) -> KVOrder:

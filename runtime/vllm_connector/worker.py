@@ -249,27 +249,37 @@ class ConnectorWorker:
             return self.rooms.take_finished()
 
     def news(self) -> RankNews:
-        now = time.monotonic()
+        """What the scheduler hears after this step: rooms failed here, the peer
+        verdicts when they changed (each step: they gate the router), the counters
+        at most every NEWS_EVERY_S."""
         agent = self.agent
-        if agent is not None and now >= self._news_at:
-            self._news_at = now + NEWS_EVERY_S
-            counts = agent.counts()
-            receiver = getattr(agent, "receiver", None)
-            if receiver is not None:
-                counts.update({f"kv:{k}": v for k, v in receiver.stats.items()})
-            with self._lock:
-                sent = self.rooms.sent_tokens
-            if sent:
-                # Every destination of a room got the same tokens of this rank's slice.
-                counts["kv_sent_tokens"] = sent
-                counts["kv_sent_bytes"] = sent * agent.pool.shape.bytes_per_token
+        if agent is not None:
             peers = agent.peers_down() if hasattr(agent, "peers_down") else None
+            now = time.monotonic()
+            counts = None
+            if now >= self._news_at:
+                self._news_at = now + NEWS_EVERY_S
+                counts = self._counters(agent)
             with self._lock:
-                self.rooms.counters(self.name, counts)
                 if peers is not None:
                     self.rooms.peers_down(peers)
+                if counts is not None:
+                    self.rooms.counters(self.name, counts)
         with self._lock:
             return self.rooms.take_news()
+
+    def _counters(self, agent: RankAgent) -> dict[str, int]:
+        counts = agent.counts()
+        receiver = getattr(agent, "receiver", None)
+        if receiver is not None:
+            counts.update({f"kv:{k}": v for k, v in receiver.stats.items()})
+        with self._lock:
+            sent = self.rooms.sent_tokens
+        if sent:
+            # Every destination of a room got the same tokens of this rank's slice.
+            counts["kv_sent_tokens"] = sent
+            counts["kv_sent_bytes"] = sent * agent.pool.shape.bytes_per_token
+        return counts
 
     def close(self) -> None:
         if self.agent is not None:

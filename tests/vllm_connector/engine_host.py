@@ -4,7 +4,7 @@
 
 Commands, one JSON object per line on stdin:
     {"op": "add", "id": "r1", "prompt": [ids], "max_tokens": 8, "params": {...} | null}
-    {"op": "abort", "id": "r1"}
+    {"op": "abort", "id": "r1"}            → {"event": "aborted", "id": "r1"}
     {"op": "stats"}
 Events on stdout, one JSON object per line after `EVENT_MARK` (vLLM prints
 its own lines there too):
@@ -100,6 +100,7 @@ def main() -> None:
                     engine.add_request(cmd["id"], {"prompt_token_ids": cmd["prompt"]}, params)
                 elif op == "abort":
                     engine.abort_request([cmd["id"]])
+                    emit({"event": "aborted", "id": cmd["id"]})
                 elif op == "stats":
                     emit(
                         {

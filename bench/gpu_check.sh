@@ -14,7 +14,11 @@
 # 3. bench/kv_transfer.py --device cuda: tcp / shm / nixl / raw NIXL next to a
 #    device-to-device copy, at page sizes 16 and 64 (CUDA IPC pays per descriptor);
 # 4. bench/pd_overhead.py --device cuda --nixl: TTFT of PD (tcp, nixl) against
-#    colocated, every engine on the GPU.
+#    colocated, every engine on the GPU;
+# 5. dp groups in one pod on GPUs of their own: a colocated worker with
+#    `dp: <visible GPUs>` serves with each rank process on a different GPU
+#    (nvidia-smi's compute apps); on a one-GPU box, `dp: 2` is refused at start
+#    naming the device count instead of stacking two engines on GPU 0.
 # Every step runs even when one before it failed; the script exits non-zero
 # naming the steps that failed, or at once when a package or the GPU is missing.
 set -uo pipefail
@@ -114,10 +118,59 @@ pd_overhead() {
     timeout "$LIMIT" $PY bench/pd_overhead.py --device "$DEVICE" --trials 20 --lengths 16 2000 --nixl
 }
 
+dp_on_own_gpus() {
+    [[ $DEVICE == cuda ]] || { echo "skipped: needs cuda"; return 0; }
+    timeout "$LIMIT" $PY - "$OUT" <<'PYDP'
+import os, subprocess, sys, time
+from pathlib import Path
+import httpx, torch, yaml
+from pdcluster.runtime.ports import free_ports
+
+out = Path(sys.argv[1])
+count = torch.cuda.device_count()
+dp = max(count, 2)
+doc = {"apiVersion": "pdcluster.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": "dpgpu"},
+       "spec": {"model": {"name": "tiny"}, "kvCache": {"numPages": 64},
+                "colocated": {"device": "cuda", "topology": {"dp": dp}}}}
+path = out / "dp-gpus.yaml"
+path.write_text(yaml.safe_dump(doc))
+port, dist = free_ports(2)
+env = {**os.environ, "PDCLUSTER_TOKEN": "t"}
+argv = [sys.executable, "-m", "pdcluster.runtime.cli", "worker", "-f", str(path), "--role",
+        "colocated", "--port", str(port), "--dist-port", str(dist)]
+proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True)
+try:
+    if count < dp:
+        text, _ = proc.communicate(timeout=240)
+        assert proc.returncode != 0 and f"sees {count} CUDA devices" in text, text[-2000:]
+        print(f"dp={dp} on {count} GPU(s): refused at start, as it must be")
+        sys.exit(0)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id",
+                           "--format=csv,noheader"], capture_output=True, text=True).stdout
+    buses = {line.split(",")[1].strip() for line in apps.splitlines() if line.strip()}
+    assert len(buses) == dp, f"{dp} dp groups on {len(buses)} GPUs: {apps}"
+    print(f"dp={dp}: one engine on each of {len(buses)} GPUs")
+finally:
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+PYDP
+}
+
 step "1. tests marked gpu" gpu_tests
 step "2. PD (nixl, $DEVICE, bfloat16) == colocated on 1P1D" pd_equals_colocated
 step "3. kv_transfer on $DEVICE" kv_transfer
 step "4. pd_overhead on $DEVICE" pd_overhead
+step "5. dp groups of one pod on GPUs of their own" dp_on_own_gpus
 echo "results in $OUT"
 if ((${#failed[@]})); then
     printf 'gpu_check: failed: %s\n' "${failed[@]}"

@@ -13,7 +13,9 @@ from e2e.nodeagent.podspec import (
     VolumeMountError,
     build_base_environment,
     check_volumes,
+    claimed_volumes,
     expand_references,
+    host_mount_paths,
     referenced_objects,
     resolve_argv,
     resolve_environment,
@@ -167,7 +169,7 @@ def test_a_container_without_command_is_refused() -> None:
         resolve_argv({"name": "c", "image": "busybox", "args": ["x"]}, {})
 
 
-def test_only_token_empty_dir_and_secret_volumes_are_accepted() -> None:
+def test_only_token_empty_dir_secret_host_path_and_claim_volumes_are_accepted() -> None:
     pod = {
         "spec": {
             "volumes": [
@@ -287,3 +289,50 @@ def test_base_environment_keeps_only_what_a_process_needs() -> None:
     assert "KUBECONFIG" not in env and "AWS_SECRET" not in env
     assert env["LC_ALL"] == "C.UTF-8" and env["OPENBLAS_CORETYPE"] == "Haswell"
     assert env["PYTHONUNBUFFERED"] == "1"
+
+
+HOST_POD: dict[str, Any] = {
+    "metadata": {"name": "w", "namespace": "prod"},
+    "spec": {
+        "volumes": [
+            {"name": "data", "hostPath": {"path": "/srv/data"}},
+            {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        ]
+    },
+}
+HOST_CONTAINER: dict[str, Any] = {
+    "volumeMounts": [
+        {"name": "data", "mountPath": "/data"},
+        {"name": "model", "mountPath": "/models", "readOnly": True},
+        {"name": "model", "mountPath": "/sub", "subPath": "llama/8b"},
+    ]
+}
+BOUND = {"metadata": {"name": "pv-models"}, "spec": {"hostPath": {"path": "/srv/pv"}}}
+
+
+def test_host_path_and_claim_mounts_resolve_to_host_folders() -> None:
+    check_volumes(HOST_POD, HOST_CONTAINER)
+    assert claimed_volumes(HOST_POD, HOST_CONTAINER) == {"models"}
+    mounts = host_mount_paths(HOST_POD, HOST_CONTAINER, {"models": BOUND})
+    assert mounts == {"/data": "/srv/data", "/models": "/srv/pv", "/sub": "/srv/pv/llama/8b"}
+    assert translate_mount_paths("/models/llama", mounts) == "/srv/pv/llama"
+    local = {"metadata": {"name": "pv"}, "spec": {"local": {"path": "/mnt/disk"}}}
+    assert host_mount_paths(HOST_POD, HOST_CONTAINER, {"models": local})["/models"] == "/mnt/disk"
+
+
+def test_an_unbound_claim_or_missing_directory_keeps_the_container_waiting(tmp_path) -> None:
+    with pytest.raises(VolumeMountError, match='persistentvolumeclaim "models" .* not bound'):
+        host_mount_paths(HOST_POD, HOST_CONTAINER, {"models": None})
+    pod = {
+        "metadata": {"name": "w", "namespace": "prod"},
+        "spec": {
+            "volumes": [
+                {"name": "d", "hostPath": {"path": str(tmp_path / "no"), "type": "Directory"}}
+            ]
+        },
+    }
+    with pytest.raises(VolumeMountError, match="is not a directory"):
+        host_mount_paths(pod, {"volumeMounts": [{"name": "d", "mountPath": "/d"}]}, {})
+    nfs = {"metadata": {"name": "pv"}, "spec": {"nfs": {"server": "x", "path": "/"}}}
+    with pytest.raises(ContainerConfigError, match="neither hostPath nor local"):
+        host_mount_paths(HOST_POD, HOST_CONTAINER, {"models": nfs})

@@ -6,7 +6,7 @@
 Handlers only translate kopf's triggers into work-queue keys; the
 reconcile itself lives in `controller.py`. Triggers:
 - PDCluster created, changed or found at start-up → reconcile it;
-- a labelled child (pod, service, deployment, configmap, networkpolicy) changed or was
+- a labelled child (pod, service, deployment, configmap, networkpolicy, pdb) changed or was
   deleted → reconcile its cluster (deleted children come back);
 - the queue re-runs every cluster at the resync interval and at the
   deadlines the planner names (back-off ends, budget windows);
@@ -229,6 +229,7 @@ async def on_child_pod(
 @kopf.on.event("v1", "configmaps", labels=CHILD_LABELS)
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=CHILD_LABELS)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
 async def on_child(
     namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any
 ) -> None:

@@ -219,6 +219,11 @@ def network_policy_name(cluster: str, target: str) -> str:
     return fit_name(cluster, f"{target}-ingress")
 
 
+def disruption_budget_name(cluster: str, target: str) -> str:
+    """PodDisruptionBudget of the cluster's `target` pods (a role, or "router")."""
+    return fit_name(cluster, f"{target}-budget")
+
+
 def runtime_account_name(cluster: str) -> str:
     """ServiceAccount, Role and RoleBinding of the cluster's pods share it."""
     return fit_name(cluster, "runtime")

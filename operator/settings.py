@@ -18,18 +18,44 @@ Environment (all optional):
     PDCLUSTER_OPERATOR_NAMESPACE          the operator's own namespace, which the
                                           clusters' NetworkPolicies admit ("")
     PDCLUSTER_OPERATOR_REGISTRATION_WARN_SECONDS  a prefill unregistered this long: Warning (60)
+    PDCLUSTER_OPERATOR_SCRAPE_NAMESPACE_SELECTOR  `k=v,...` labels of the namespaces whose
+                                          pods may scrape the workers' metrics port
+    PDCLUSTER_OPERATOR_SCRAPE_POD_SELECTOR        `k=v,...` labels of those pods; with
+                                          neither set, no scraper is admitted ("")
     KUBECONFIG                            used when not running in a pod
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pdcluster.operator.builders.networkpolicy import ScrapeSource
 from pdcluster.runtime.bounds import require_positive
 
 _TRUE = {"1", "true", "yes", "on"}
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+def parse_label_selector(var: str, text: str) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` as matchLabels pairs (empty text: match everything);
+    ValueError naming `var` and the bad entry."""
+    pairs: list[tuple[str, str]] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        key, sep, value = entry.partition("=")
+        if not sep or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
+            raise ValueError(f"{var}: {entry!r} is not a label key=value")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
 _FALSE = {"0", "false", "no", "off"}
 
 
@@ -56,7 +82,19 @@ class OperatorSettings:
     # A prefill worker whose instance is not fully registered with its
     # bootstrap server this long gets a Warning Event (read at each poll).
     registration_warn_s: float = 60.0
+    # Who may scrape the workers' metrics port (matchLabels); both None: nobody.
+    scrape_namespace_labels: tuple[tuple[str, str], ...] | None = None
+    scrape_pod_labels: tuple[tuple[str, str], ...] | None = None
     kubeconfig: str | None = None
+
+    @property
+    def scrape_source(self) -> ScrapeSource | None:
+        """The scrapers the workers' NetworkPolicy admits (None: none)."""
+        if self.scrape_namespace_labels is None and self.scrape_pod_labels is None:
+            return None
+        return ScrapeSource(
+            dict(self.scrape_namespace_labels or ()), dict(self.scrape_pod_labels or ())
+        )
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
@@ -115,6 +153,12 @@ class OperatorSettings:
             kwargs["image_allowlist"] = tuple(e.strip() for e in text.split(",") if e.strip())
         if env.get("PDCLUSTER_OPERATOR_NAMESPACE"):
             kwargs["operator_namespace"] = env["PDCLUSTER_OPERATOR_NAMESPACE"]
+        for var, field in (
+            ("PDCLUSTER_OPERATOR_SCRAPE_NAMESPACE_SELECTOR", "scrape_namespace_labels"),
+            ("PDCLUSTER_OPERATOR_SCRAPE_POD_SELECTOR", "scrape_pod_labels"),
+        ):
+            if var in env:
+                kwargs[field] = parse_label_selector(var, env[var])
         if env.get("KUBECONFIG"):
             kwargs["kubeconfig"] = env["KUBECONFIG"]
         try:

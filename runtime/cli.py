@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cluster", default="", help="PDCluster name (label pdcluster.io/cluster)")
     r.add_argument("--api-key-file", help="API keys the router requires (one a line, or commas)")
     r.set_defaults(fn=cmd_router)
+    from pdcluster.runtime.engine.model_fetch import add_parser as add_fetch_model
+
+    add_fetch_model(sub)
     _register_plugins(sub)
     return p
 

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -53,7 +54,14 @@ from pdcluster.runtime.pod_rendezvous import (
     group_hosts,
     plan_pod,
 )
-from pdcluster.runtime.spec import PDCluster, Role, RoleSpec, TransferBackend, WorkerApiAccess
+from pdcluster.runtime.spec import (
+    DRAIN_MARGIN_SECONDS,
+    PDCluster,
+    Role,
+    RoleSpec,
+    TransferBackend,
+    WorkerApiAccess,
+)
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -157,18 +165,50 @@ def _torch_threads() -> int:
     return max(1, int(os.environ.get("PDCLUSTER_TORCH_THREADS", "1")))
 
 
-def engine_config(settings: WorkerSettings, dp_rank: int) -> Any:
+def engine_config(settings: WorkerSettings, dp_rank: int, group_rank: int = 0) -> Any:
     from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+    from pdcluster.runtime.engine.model_dir import ModelDirError, resolve_model_dir
     from pdcluster.runtime.engine.topology import ParallelConfig
 
     shm_dir = None
     if settings.shm_dir is not None:
         shm_dir = os.path.join(settings.shm_dir, f"dp{dp_rank}")
         os.makedirs(shm_dir, exist_ok=True)
-    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, shm_dir)
+    try:
+        model_dir = resolve_model_dir(settings.manifest.spec.model, os.environ)
+    except ModelDirError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
+    cfg = engine_config_from_spec(settings.manifest.spec, settings.role_spec, shm_dir, model_dir)
     topo = settings.role_spec.topology
+    placement = _place_rank(settings, dp_rank * topo.cp * topo.tp * topo.pp + group_rank)
     # One torch world per dp group: see the module docstring.
-    return replace(cfg, parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp))
+    return replace(
+        cfg,
+        device=placement.device,
+        parallel=ParallelConfig(dp=1, cp=topo.cp, tp=topo.tp, pp=topo.pp),
+    )
+
+
+def _place_rank(settings: WorkerSettings, global_rank: int) -> Any:
+    """This rank's GPU and NIC (engine/rank_placement.py); its UCX_NET_DEVICES is set
+    here, in the rank's own process, before its NIXL agent exists."""
+    from pdcluster.runtime.engine.rank_placement import RankPlacementError, place_rank
+
+    device = settings.role_spec.device
+    visible = 0
+    if device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count()
+    try:
+        placement = place_rank(
+            settings.layout, global_rank, device, visible, settings.manifest.spec.transfer.ucx
+        )
+    except RankPlacementError as err:
+        raise SystemExit(f"pdcluster worker: rank {global_rank}: {err}") from None
+    if placement.ucx_net_devices is not None:
+        os.environ["UCX_NET_DEVICES"] = placement.ucx_net_devices
+    return placement
 
 
 def _init_group(
@@ -180,7 +220,7 @@ def _init_group(
     from pdcluster.runtime.engine.parallel import init_distributed
     from pdcluster.runtime.engine.rendezvous import RankGate
 
-    cfg = engine_config(settings, dp_rank)
+    cfg = engine_config(settings, dp_rank, group_rank)
     if cfg.parallel.world_size == 1:
         return cfg, None
     # dp group 0's rank 0 on the leader pod of a multi-pod dp > 1 instance
@@ -229,6 +269,13 @@ def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> No
 
     torch.set_num_threads(_torch_threads())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # A follower has nothing to drain and its group cannot go on without it:
+    # it ends when its leader shuts the group down after the leader's drain
+    # (a StepPlan with shutdown), never on a stop signal that reached the whole
+    # process group (the leader finishes its requests first). Its pod process
+    # kills it if the leader never does (_run_pod).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg, dist = _init_group(settings, dp_rank, group_rank)
     runner = ModelRunner.build(cfg, dist)
     agent = _attach_rank_agent(settings, runner, dp_rank, group_rank, leader=False)
@@ -634,13 +681,43 @@ def _run_instance(settings: WorkerSettings, plan: PodPlan) -> int:
     if children:
         _watch_children(children)
     serve_leader(settings, 0, port=settings.port, host=settings.host)
-    for child in children:
-        child.terminate()
+    # The drain is over and group 0's followers were shut down; dp leaders of
+    # other groups drain on SIGTERM and shut their own followers down.
+    _stop_children(children, DRAIN_MARGIN_SECONDS)
     return 0
 
 
+def _is_dp_leader(settings: WorkerSettings, child: multiprocessing.process.BaseProcess) -> bool:
+    topo = settings.role_spec.topology
+    rank = int(str(child.name).removeprefix("rank-"))
+    return rank % (topo.cp * topo.tp * topo.pp) == 0
+
+
+def _stop_children(children: list[multiprocessing.process.BaseProcess], within_s: float) -> None:
+    """SIGTERM every rank (dp leaders drain, followers ignore it and end with their
+    group), then kill what is still running after `within_s` seconds."""
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    deadline = time.monotonic() + within_s
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            log.error("%s did not stop within %.0fs; killing it", child.name, within_s)
+            child.kill()
+            child.join(5)
+
+
 def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
-    """A pod k > 0: run its ranks until one ends (1) or SIGTERM/SIGINT (0).
+    """A pod k > 0: run its ranks until one ends (1) or the pod is stopped (0).
+
+    A stop (SIGTERM/SIGINT) kills no rank: the instance drains through its
+    leader (issue: a follower killed first breaks the collectives of the
+    requests the leader is finishing). The pod forwards the signal to the dp
+    leaders it hosts (they drain their own group), waits for its ranks to end
+    — followers end when their group leader shuts the group down — and kills
+    what still runs after the role's drain budget plus a margin (its own
+    grace is one margin longer, builders/disruption.py).
 
     This process runs no rank itself, so a signal is handled at once even
     while the ranks block in a collective.
@@ -664,25 +741,36 @@ def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
     stopping = threading.Event()
 
     def stop(signum: int, _frame: object) -> None:
+        if stopping.is_set():
+            return
         stopping.set()
+        log.info("%s: ranks keep running until their leaders drained", signal.Signals(signum).name)
         for child in children:
-            child.terminate()
+            if _is_dp_leader(settings, child) and child.is_alive():
+                child.terminate()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     wait([c.sentinel for c in children])
     if stopping.is_set():
+        drain_s = settings.role_spec.drain.budget_seconds(
+            settings.manifest.spec.router.request_timeout_seconds
+        )
+        # Every rank: its group leader drains, then shuts it down.
+        deadline = time.monotonic() + drain_s + DRAIN_MARGIN_SECONDS
+        for child in children:
+            child.join(max(0.0, deadline - time.monotonic()))
         code = 0
     else:
         dead = next(c for c in children if c.exitcode is not None)
-        log.error("%s exited (code %s); stopping the pod", dead.name, dead.exitcode)
-        code = 1
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        if dead.exitcode == 0:
+            # Its leader shut the group down (the instance drained and stopped).
+            log.info("%s ended with its group; stopping the pod", dead.name)
+            code = 0
+        else:
+            log.error("%s exited (code %s); stopping the pod", dead.name, dead.exitcode)
+            code = 1
+    _stop_children(children, DRAIN_MARGIN_SECONDS)
     return code
 
 

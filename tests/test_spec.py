@@ -1,5 +1,6 @@
 """The PDCluster manifest schema: defaults, bounds and cross-field rules."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,33 @@ def test_max_total_gpus_counts_every_rank_and_fits_at_the_edge() -> None:
     assert parse_spec(spec).autoscaling.max_total_gpus == 8
     with pytest.raises(SpecError, match="exceeds autoscaling.maxTotalGPUs"):
         parse_spec({**spec, "autoscaling": {"maxTotalGPUs": 7}})
+
+
+def test_the_engine_is_builtin_unless_the_manifest_says_vllm() -> None:
+    assert parse_spec(PD).engine.kind == "builtin"
+    assert not parse_spec(PD).engine.is_vllm
+    vllm = parse_spec(
+        {
+            **PD,
+            "engine": {"kind": "vllm"},
+            "model": {"name": "m", "path": "/m"},
+            "transfer": {"backend": "nixl"},
+        }
+    )
+    assert vllm.engine.is_vllm
+    assert vllm.engine.vllm.kv_connector == "NixlConnector"
+
+
+@pytest.mark.parametrize(
+    ("vllm", "message"),
+    [
+        ({"extraArgs": ["--tensor-parallel-size", "2"]}, "extraArgs[0]: --tensor-parallel-size"),
+        ({"extraArgs": ["--x", "--block-size=16"]}, "extraArgs[1]: --block-size is set from"),
+        ({"env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}}, "env: VLLM_NIXL_SIDE_CHANNEL_PORT"),
+        ({"env": {"A-B": "1"}}, "'A-B' is not a variable name"),
+        ({"extraArgs": [""]}, "extraArgs.0"),
+    ],
+)
+def test_vllm_settings_refuse_what_the_manifest_already_decides(vllm: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        parse_spec({**PD, "engine": {"kind": "builtin", "vllm": vllm}})

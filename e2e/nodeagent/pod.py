@@ -52,6 +52,23 @@ from e2e.nodeagent.status import (
 log = logging.getLogger("nodeagent.pod")
 
 
+# What the kubelet keeps of a failed container's log as its termination message
+# (FallbackToLogsOnError): the last 80 lines, at most 2048 bytes.
+TERMINATION_LOG_LINES = 80
+TERMINATION_LOG_BYTES = 2048
+
+
+def log_tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - TERMINATION_LOG_BYTES))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-TERMINATION_LOG_LINES:])
+
+
 @dataclass(frozen=True)
 class PodEnvironment:
     """What every pod on a node shares: the API, settings, addresses."""
@@ -233,9 +250,14 @@ class PodWorker(threading.Thread):
         processes.reap(run.proc.pid)  # drop it from the registry of live children
         code = run.proc.returncode
         exit_code, signum = (128 - code, -code) if code < 0 else (code, None)
+        message = ""
+        if exit_code != 0 and run.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = log_tail(run.log_path(run.num_runs - 1))
         self._finish_run(
             run,
-            Terminated(exit_code, terminated_reason(exit_code), run.run_started, now, signum),
+            Terminated(
+                exit_code, terminated_reason(exit_code), run.run_started, now, signum, message
+            ),
             now,
             restart_allowed,
         )
@@ -275,6 +297,7 @@ class PodWorker(threading.Thread):
         try:
             podspec.check_volumes(pod, run.spec)
             mounts = self._mount_secret_volumes(pod, run)
+            mounts.update(self._host_volumes(pod, run))
             env = self._container_environment(pod, run, mounts)
             argv = [
                 podspec.translate_mount_paths(a, mounts)
@@ -356,6 +379,22 @@ class PodWorker(threading.Thread):
                 os.replace(staged, target)
             dirs[volume] = str(folder)
         return podspec.secret_mount_paths(pod, run.spec, dirs)
+
+    def _host_volumes(self, pod: Mapping[str, Any], run: ContainerRun) -> dict[str, str]:
+        """mountPath -> host folder of the container's hostPath and claim volumes (a
+        claim read through the API, then the PersistentVolume it is bound to)."""
+        namespace = pod["metadata"]["namespace"]
+        bound: dict[str, Mapping[str, Any] | None] = {}
+        for claim in podspec.claimed_volumes(pod, run.spec):
+            pvc = self.env.api.get(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+            volume = (pvc or {}).get("spec", {}).get("volumeName")
+            phase = (pvc or {}).get("status", {}).get("phase")
+            bound[claim] = (
+                self.env.api.get(f"/api/v1/persistentvolumes/{volume}")
+                if volume and phase == "Bound"
+                else None
+            )
+        return podspec.host_mount_paths(pod, run.spec, bound)
 
     def _container_environment(
         self, pod: Mapping[str, Any], run: ContainerRun, mounts: Mapping[str, str]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 # An object the caller fetched: (kind, name) -> its decoded data, or None if it does not exist.
@@ -26,13 +27,17 @@ INHERITED_PREFIXES = ("LC_", "PYTHON", "OPENBLAS_", "OMP_", "MKL_", "HF_", "TORC
 
 # The volumes a pod may carry: the service-account token volume the apiserver adds
 # (served through KUBECONFIG instead, see pod.py); emptyDir, which has no
-# effect here (the process sees the host's file system at the mount path); and
+# effect here (the process sees the host's file system at the mount path);
 # secret, whose files the agent writes into the pod's folder (mode 0400, the
-# Secret read through the API) and whose mount path it rewrites to that folder
-# wherever the container's arguments or variables name a path under it (a
-# process has no mount namespace of its own). A Secret that does not exist
-# keeps the container waiting in ContainerCreating, as a failed mount does.
-ALLOWED_VOLUME_KINDS = ("emptyDir", "secret")
+# Secret read through the API); hostPath, the host folder itself; and
+# persistentVolumeClaim, the folder of the hostPath or local PersistentVolume
+# the claim is bound to. A mount path of the last three is rewritten to its
+# folder wherever the container's arguments or variables name a path under it
+# (a process has no mount namespace of its own; `readOnly` is not enforced).
+# A Secret or claim that does not exist (or a claim not yet bound) keeps the
+# container waiting in ContainerCreating, as a failed mount does.
+ALLOWED_VOLUME_KINDS = ("emptyDir", "secret", "hostPath", "persistentVolumeClaim")
+HOST_VOLUME_KINDS = ("hostPath", "persistentVolumeClaim")
 SERVICE_ACCOUNT_VOLUME_PREFIX = "kube-api-access-"
 SECRET_FILE_MODE = 0o400
 
@@ -205,7 +210,8 @@ def check_volumes(pod: Mapping[str, Any], container: Mapping[str, Any]) -> None:
         kinds = sorted(k for k in volume if k != "name") or ["unknown"]
         raise ContainerConfigError(
             f"volume {name!r} ({', '.join(kinds)}) mounted at {mount.get('mountPath')!r}: the "
-            "node agent runs pods as local processes and supports only emptyDir volumes"
+            "node agent runs pods as local processes and supports only "
+            f"{', '.join(ALLOWED_VOLUME_KINDS)} volumes"
         )
 
 
@@ -279,6 +285,65 @@ def secret_mount_paths(
         str(mount["mountPath"]).rstrip("/"): volume_dirs[volume["name"]]
         for volume, mount in _mounted_volumes(pod, container, "secret")
     }
+
+
+def claimed_volumes(pod: Mapping[str, Any], container: Mapping[str, Any]) -> set[str]:
+    """The PersistentVolumeClaims behind the container's mounts."""
+    return {
+        str(volume["persistentVolumeClaim"]["claimName"])
+        for volume, _ in _mounted_volumes(pod, container, "persistentVolumeClaim")
+    }
+
+
+def _volume_folder(
+    volume: Mapping[str, Any], claims: Mapping[str, Mapping[str, Any] | None], namespace: str
+) -> str:
+    """The host folder of a hostPath volume, or of the PersistentVolume a claim is bound to
+    (`claims`: claim name -> its bound PersistentVolume, None when unbound or missing)."""
+    if "hostPath" in volume:
+        source = volume["hostPath"]
+        path = str(source["path"])
+        kind = source.get("type") or ""
+        if kind == "Directory" and not Path(path).is_dir():
+            raise VolumeMountError(
+                f'MountVolume.SetUp failed for volume "{volume["name"]}": hostPath type check '
+                f"failed: {path} is not a directory"
+            )
+        return path
+    claim = str(volume["persistentVolumeClaim"]["claimName"])
+    bound = claims.get(claim)
+    if bound is None:
+        raise VolumeMountError(
+            f'MountVolume.SetUp failed for volume "{volume["name"]}": '
+            f'persistentvolumeclaim "{claim}" in namespace {namespace} is missing or not bound'
+        )
+    spec = bound.get("spec") or {}
+    for kind in ("hostPath", "local"):
+        if spec.get(kind):
+            return str(spec[kind]["path"])
+    raise ContainerConfigError(
+        f"volume {volume['name']!r}: PersistentVolume {bound['metadata']['name']} is neither "
+        "hostPath nor local, which is all the node agent can mount"
+    )
+
+
+def host_mount_paths(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    claims: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, str]:
+    """mountPath -> host folder (with the mount's subPath) of each hostPath and
+    persistentVolumeClaim volume the container mounts."""
+    namespace = (pod.get("metadata") or {}).get("namespace", "")
+    out: dict[str, str] = {}
+    for kind in HOST_VOLUME_KINDS:
+        for volume, mount in _mounted_volumes(pod, container, kind):
+            folder = _volume_folder(volume, claims, namespace)
+            sub = str(mount.get("subPath") or "").strip("/")
+            if sub.startswith("..") or "/../" in f"/{sub}/":
+                raise ContainerConfigError(f"volumeMount {mount['name']!r}: subPath {sub!r}")
+            out[str(mount["mountPath"]).rstrip("/")] = f"{folder}/{sub}" if sub else folder
+    return out
 
 
 def translate_mount_paths(value: str, mounts: Mapping[str, str]) -> str:

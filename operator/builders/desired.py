@@ -13,8 +13,12 @@ from dataclasses import dataclass
 
 from pdcluster.operator import names
 from pdcluster.operator.builders.config import build_config_map, build_runtime_rbac
+from pdcluster.operator.builders.disruption import (
+    build_disruption_budgets,
+    worker_grace_period_s,
+)
 from pdcluster.operator.builders.meta import Manifest
-from pdcluster.operator.builders.networkpolicy import build_network_policies
+from pdcluster.operator.builders.networkpolicy import ScrapeSource, build_network_policies
 from pdcluster.operator.builders.router import build_router_deployment, build_router_service
 from pdcluster.operator.builders.workers import (
     InstanceManifests,
@@ -25,7 +29,8 @@ from pdcluster.operator.builders.workers import (
 )
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_template_hash
-from pdcluster.runtime.spec import GangScheduling, RestartPolicySpec, Role
+from pdcluster.runtime.pod_layout import LEADER_POD
+from pdcluster.runtime.spec import GangScheduling, RestartPolicySpec, Role, RolloutSpec
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class DesiredRole:
     restart: RestartPolicySpec
     # podGroup: each instance generation gets a PodGroup (builders/scheduling.py).
     gang: GangScheduling = GangScheduling.none
+    rollout: RolloutSpec = RolloutSpec()
+    # The leader's drain budget plus margin: the grace its deletion is given.
+    grace_period_s: int | None = None
 
     @property
     def uses_pod_groups(self) -> bool:
@@ -71,10 +79,13 @@ def roles_of(cluster: Cluster) -> tuple[Role, ...]:
     return (Role.colocated,)
 
 
-def build_desired(cluster: Cluster, operator_namespace: str = "") -> DesiredState:
+def build_desired(
+    cluster: Cluster, operator_namespace: str = "", scrape: ScrapeSource | None = None
+) -> DesiredState:
     """Raises BuildError when the spec cannot produce valid objects.
 
-    `operator_namespace`: where the operator's pods run, for the NetworkPolicies.
+    `operator_namespace`: where the operator's pods run, and `scrape`: who
+    scrapes the workers' metrics, for the NetworkPolicies.
     """
     roles: list[DesiredRole] = []
     for role in roles_of(cluster):
@@ -89,11 +100,14 @@ def build_desired(cluster: Cluster, operator_namespace: str = "") -> DesiredStat
                 pods_per_instance=pod_layout(spec).num_pods,
                 restart=spec.restart,
                 gang=spec.scheduling.gang,
+                rollout=spec.rollout,
+                grace_period_s=worker_grace_period_s(cluster, spec, LEADER_POD),
             )
         )
     objects: list[Manifest] = [
         *build_runtime_rbac(cluster),
-        *build_network_policies(cluster, operator_namespace),
+        *build_network_policies(cluster, operator_namespace, scrape),
+        *build_disruption_budgets(cluster, roles_of(cluster)),
         build_config_map(cluster),
         build_router_deployment(cluster),
         build_router_service(cluster),

@@ -4,7 +4,9 @@
   cluster's own pods — peers (bootstrap, KV transfer, the dp/tp/pp process
   group) and the router — and on the HTTP port (health, admin API) from the
   operator's pods, when the operator runs in the cluster (its namespace
-  given); nothing else reaches them.
+  given); and on the HTTP port, where `/metrics` is served, from the
+  scrapers a `ScrapeSource` names (the operator's setting, the chart's
+  monitoring namespace by default); nothing else reaches them.
 - Router pods accept connections on the port their Service targets, from
   anywhere: that port is the cluster's API, and who may call it is the
   Service type's and the API keys' business.
@@ -17,6 +19,8 @@ Pure module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.operator import names
@@ -53,11 +57,35 @@ def _tcp(port: int | str) -> dict[str, Any]:
     return {"protocol": "TCP", "port": port}
 
 
-def build_network_policies(cluster: Cluster, operator_namespace: str = "") -> list[Manifest]:
+@dataclass(frozen=True)
+class ScrapeSource:
+    """Who may scrape the workers' metrics port: pods matching `pod_labels`
+    (empty: every pod) in namespaces matching `namespace_labels` (empty:
+    every namespace). Label selectors as `matchLabels`."""
+
+    namespace_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def namespace(cls, name: str, pod_labels: Mapping[str, str] | None = None) -> ScrapeSource:
+        """The pods (matching `pod_labels`) of namespace `name`."""
+        return cls({NAMESPACE_NAME_LABEL: name}, dict(pod_labels or {}))
+
+    def peer(self) -> dict[str, Any]:
+        return {
+            "namespaceSelector": {"matchLabels": dict(self.namespace_labels)},
+            "podSelector": {"matchLabels": dict(self.pod_labels)},
+        }
+
+
+def build_network_policies(
+    cluster: Cluster, operator_namespace: str = "", scrape: ScrapeSource | None = None
+) -> list[Manifest]:
     """The workers' policy and the router's, in that order.
 
     `operator_namespace`: where the operator's pods run; empty (an operator
-    outside the cluster) admits no operator pods.
+    outside the cluster) admits no operator pods. `scrape`: the scrapers
+    admitted to the workers' metrics port; None admits none.
     """
     own_pods = {"podSelector": {"matchLabels": names.cluster_selector(cluster.name)}}
     worker_ingress: list[dict[str, Any]] = [{"from": [own_pods]}]
@@ -67,6 +95,10 @@ def build_network_policies(cluster: Cluster, operator_namespace: str = "") -> li
             "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
         }
         worker_ingress.append({"from": [operator_pods], "ports": [_tcp(meta.HTTP_PORT)]})
+    if scrape is not None:
+        # /metrics shares the HTTP port (health, the worker API); the API itself
+        # still wants the cluster token, which scrapers do not hold.
+        worker_ingress.append({"from": [scrape.peer()], "ports": [_tcp(meta.HTTP_PORT)]})
     workers = _policy(
         cluster,
         "workers",

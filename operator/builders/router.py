@@ -11,7 +11,9 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
+from pdcluster.operator.builders.disruption import router_grace_period_s
 from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.workers import token_secret_for
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import compute_cluster_revision, compute_router_hash
@@ -107,6 +109,31 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         "securityContext": podsecurity.container_security_context(),
         "volumeMounts": mounts,
     }
+    pod_spec: dict[str, Any] = {
+        # The router watches the cluster's pods (discovery): it keeps
+        # the token of the runtime account, which may only read pods.
+        "serviceAccountName": names.runtime_account_name(cluster.name),
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": podsecurity.pod_security_context(),
+        # Streams in flight finish before the router stops (builders/disruption.py).
+        "terminationGracePeriodSeconds": router_grace_period_s(cluster),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.router.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.router.node_selector)
+    if spec.router.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.router.tolerations]
+    if spec.router.affinity:
+        pod_spec["affinity"] = dict(spec.router.affinity)
+    template_meta: dict[str, Any] = {
+        "labels": labels,
+        # The router reads the manifest once at start; a change of
+        # what it reads must roll it.
+        "annotations": {ANNOTATION_ROUTER_HASH: compute_router_hash(spec)},
+    }
+    apply_pod_overlay(template_meta, pod_spec, spec.router.pod, ROUTER_ROLE)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -115,22 +142,8 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": router_selector(cluster)},
             "template": {
-                "metadata": {
-                    "labels": labels,
-                    # The router reads the manifest once at start; a change of
-                    # what it reads must roll it.
-                    "annotations": {ANNOTATION_ROUTER_HASH: compute_router_hash(spec)},
-                },
-                "spec": {
-                    # The router watches the cluster's pods (discovery): it keeps
-                    # the token of the runtime account, which may only read pods.
-                    "serviceAccountName": names.runtime_account_name(cluster.name),
-                    "automountServiceAccountToken": True,
-                    "enableServiceLinks": False,
-                    "securityContext": podsecurity.pod_security_context(),
-                    "containers": [container],
-                    "volumes": volumes,
-                },
+                "metadata": template_meta,
+                "spec": pod_spec,
             },
         },
     }

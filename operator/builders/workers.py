@@ -35,7 +35,10 @@ from typing import Any
 
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
+from pdcluster.operator.builders.disruption import worker_grace_period_s
 from pdcluster.operator.builders.meta import BuildError, Manifest
+from pdcluster.operator.builders.model_volume import build_model_mount
+from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import (
@@ -52,6 +55,7 @@ from pdcluster.runtime.pod_rendezvous import (
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+WORKER_CONTAINER = "worker"
 # A model may take minutes to load (up to PERIOD * FAILURES = 10 min); liveness
 # only starts once /health answered. A short period makes a fresh pod Ready soon.
 STARTUP_PROBE_PERIOD_S = 2
@@ -292,7 +296,7 @@ def build_worker_pod(
         annotations[names.ANNOTATION_LEADER_ADDRESS] = leader_host
         env.append(meta.env_value(LEADER_ADDRESS_ENV, leader_host))
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": WORKER_CONTAINER,
         "image": cluster.spec.image,
         "command": ["pdcluster"],
         "args": _worker_args(role, index, pod_index),
@@ -315,10 +319,18 @@ def build_worker_pod(
     token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
     volumes.append(token_volume)
     mounts.append(token_mount)
+    model = build_model_mount(cluster.spec)
+    volumes.extend(model.volumes)
+    mounts.extend(model.mounts)
+    container["env"].extend(model.env)
     container["volumeMounts"] = mounts
+    # A worker that cannot start (no model at its source) says why in the pod's status.
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     pod_spec: dict[str, Any] = {
         # A rank that dies must fail the pod so the whole gang restarts.
         "restartPolicy": "Never",
+        # The drain (builders/disruption.py): never cut at Kubernetes' 30 s.
+        "terminationGracePeriodSeconds": worker_grace_period_s(cluster, spec, pod_index),
         "serviceAccountName": names.runtime_account_name(cluster.name),
         # Workers never call the API (leaders are found through the bootstrap
         # Service), so they carry no service-account token.
@@ -334,16 +346,21 @@ def build_worker_pod(
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
+    if model.init_containers:
+        pod_spec["initContainers"] = list(model.init_containers)
+    pod_meta = meta.object_meta(
+        cluster.ref,
+        name,
+        component="worker",
+        labels=worker_labels(key, pod_index, revision),
+        annotations=annotations,
+    )
+    # Last: the user's overlay joins whatever the engine's container is.
+    apply_pod_overlay(pod_meta, pod_spec, spec.pod, WORKER_CONTAINER)
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": meta.object_meta(
-            cluster.ref,
-            name,
-            component="worker",
-            labels=worker_labels(key, pod_index, revision),
-            annotations=annotations,
-        ),
+        "metadata": pod_meta,
         "spec": pod_spec,
     }
     return build_pod_scheduling(cluster, role, index).apply_to(pod)

@@ -99,6 +99,25 @@ def _description(model: type[Any]) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
+# Fields of the overlay's free-form Kubernetes objects (EnvVar, Volume,
+# VolumeMount) that its CEL rules read: declared so CEL can type them, the
+# rest of each object kept as given.
+_OVERLAY_ITEM_FIELDS = {
+    "env": ("name",),
+    "volumes": ("name",),
+    "volumeMounts": ("name", "mountPath"),
+}
+
+
+def _overlay_schema(pod: Schema) -> Schema:
+    for key, fields in _OVERLAY_ITEM_FIELDS.items():
+        items = pod["properties"][key]["items"]
+        items["properties"] = {f: {"type": "string", "maxLength": 512} for f in fields}
+        items["required"] = ["name"]
+    pod["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.POD_RULES)
+    return pod
+
+
 def build_spec_schema() -> Schema:
     spec = _model_schema(PDClusterSpec)
     spec["description"] = "Desired state: model, KV cache, transfer, roles, router, auth."
@@ -111,8 +130,20 @@ def build_spec_schema() -> Schema:
         # Roles are optional objects; `null` is not a value a user means to write.
         role.pop("nullable", None)
         role["properties"]["autoscaling"].pop("nullable", None)
+        _overlay_schema(role["properties"]["pod"])
+        role["properties"]["rollout"]["x-kubernetes-validations"] = cel_rules.rules_schema(
+            cel_rules.ROLLOUT_RULES
+        )
+    _overlay_schema(props["router"]["properties"]["pod"])
     props["model"]["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.MODEL_RULES)
+    source = props["model"]["properties"]["source"]
+    source.pop("nullable", None)
+    source["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.MODEL_SOURCE_RULES)
+    ucx = props["transfer"]["properties"]["ucx"]
+    ucx["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.UCX_RULES)
     props["model"]["description"] = _description(ModelSpec)
+    vllm = props["engine"]["properties"]["vllm"]
+    vllm["x-kubernetes-validations"] = cel_rules.rules_schema(cel_rules.VLLM_RULES)
     for path, node in walk(spec, ""):
         doc = field_docs.lookup(path.lstrip("."))
         if doc and "description" not in node:

@@ -87,6 +87,7 @@ def _rules() -> list[str]:
         ("spec", cel_rules.SPEC_RULES),
         ("spec.{prefill,decode,colocated}", cel_rules.ROLE_RULES),
         ("spec.model", cel_rules.MODEL_RULES),
+        ("spec.engine.vllm", cel_rules.VLLM_RULES),
     ]
     for where, rules in groups:
         for rule in rules:

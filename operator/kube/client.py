@@ -52,6 +52,7 @@ RESOURCES: dict[str, Resource] = {
     "Event": Resource("/api/v1", "events"),
     "Deployment": Resource("/apis/apps/v1", "deployments"),
     "NetworkPolicy": Resource("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": Resource("/apis/policy/v1", "poddisruptionbudgets"),
     "Role": Resource("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "PDCluster": Resource(f"/apis/{GROUP}/{VERSION}", PLURAL),
@@ -101,7 +102,9 @@ class KubeApi(Protocol):
 
     async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
 
-    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool: ...
+    async def delete(
+        self, kind: str, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> bool: ...
 
     async def patch_status(
         self, namespace: str, name: str, patch: Mapping[str, Any]
@@ -255,12 +258,18 @@ class KubeClient:
             json=manifest,
         )
 
-    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+    async def delete(
+        self, kind: str, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> bool:
         """Delete exactly the object with `uid`; False when it is already gone
-        (or the name now belongs to a newer object, which is left alone)."""
+        (or the name now belongs to a newer object, which is left alone).
+        `grace_period_s` replaces a pod's terminationGracePeriodSeconds for this
+        deletion (the drain budget in force now, whatever the pod was built with)."""
         body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
         if uid:
             body["preconditions"] = {"uid": uid}
+        if grace_period_s is not None:
+            body["gracePeriodSeconds"] = grace_period_s
         body["propagationPolicy"] = "Background"
         try:
             await self._request("DELETE", _path(kind, namespace, name), json=body)

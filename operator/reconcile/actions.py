@@ -39,6 +39,8 @@ class Reason(StrEnum):
     # `gang: podGroup`, but the apiserver serves no PodGroups (no CRD, no RBAC grant).
     PodGroupUnavailable = "PodGroupUnavailable"
     ApplyFailed = "ApplyFailed"
+    # The namespace's Pod Security admission refused pods: the level they need.
+    PodSecurityRefused = "PodSecurityRefused"
     # Refused by the operator's policy (`policy.py`): nothing is changed.
     ImageNotAllowed = "ImageNotAllowed"
     SecretNotAllowed = "SecretNotAllowed"
@@ -86,6 +88,8 @@ class CreateTokenSecret:
 class Delete:
     key: ObjectKey
     uid: str
+    # Seconds the object's processes get to stop (a pod's drain); None: its own setting.
+    grace_period_s: int | None = None
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,13 @@ from pdcluster.operator import names
 from pdcluster.operator.api import KVTransportStatus, PDClusterStatus, parse_status
 from pdcluster.operator.builders.desired import DesiredState, build_desired
 from pdcluster.operator.builders.meta import BuildError, ObjectKey, object_key
+from pdcluster.operator.builders.overlay import explain_pod_security_refusal
 from pdcluster.operator.builders.scheduling import POD_GROUP_KIND
 from pdcluster.operator.kube.client import ApiError, KubeApi
 from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError
-from pdcluster.operator.reconcile.actions import Action, EventType, Reason
+from pdcluster.operator.reconcile.actions import Action, Create, EventType, Reason
 from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
 from pdcluster.operator.reconcile.executor import Executor
 from pdcluster.operator.reconcile.kv_transport import TransportReport, compute_kv_transport
@@ -66,6 +67,20 @@ RETRY_AFTER_WRITE_ERROR_S = 2.0
 
 
 TransportReports = Callable[[tuple[str, str]], Mapping[Role, Sequence[TransportReport]]]
+
+
+def pod_security_refusals(namespace: str, errors: Sequence[tuple[Action, Exception]]) -> list[str]:
+    """One explanation per role whose pods the namespace's Pod Security admission
+    refused: which level they need and why (builders/overlay.py)."""
+    out: dict[str, str] = {}
+    for action, err in errors:
+        if not isinstance(action, Create) or action.key.kind != "Pod":
+            continue
+        if "violates PodSecurity" not in str(err):
+            continue
+        role = action.manifest["metadata"]["labels"].get(names.LABEL_ROLE, "worker")
+        out.setdefault(role, explain_pod_security_refusal(role, action.manifest["spec"], namespace))
+    return list(out.values())
 
 
 def describe_write(action: Action) -> str:
@@ -123,7 +138,11 @@ class Controller:
         prev = parse_status(body.get("status"))
         try:
             cluster = cluster_from_body(body)
-            desired = build_desired(cluster, operator_namespace=self.settings.operator_namespace)
+            desired = build_desired(
+                cluster,
+                operator_namespace=self.settings.operator_namespace,
+                scrape=self.settings.scrape_source,
+            )
         except (SpecError, BuildError, InvalidNameError) as err:
             await self._report_invalid(body, prev, str(err), now)
             self.metrics.reconciles.labels(result="invalid").inc()
@@ -147,6 +166,10 @@ class Controller:
         for message in failed:
             await self.recorder.record(
                 cluster.ref, EventType.Warning.value, Reason.ApplyFailed.value, message
+            )
+        for explanation in pod_security_refusals(cluster.namespace, result.errors):
+            await self.recorder.record(
+                cluster.ref, EventType.Warning.value, Reason.PodSecurityRefused.value, explanation
             )
         await self._write_status(cluster, desired, plan, body.get("status"), prev, now, failed)
         self.metrics.reconciles.labels(result="ok" if not result.errors else "error").inc()

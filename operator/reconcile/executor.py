@@ -92,7 +92,9 @@ class Executor:
         elif isinstance(action, A.Delete):
             if action.key.kind == "Pod" and self._on_pod_delete is not None:
                 self._on_pod_delete(action.uid)
-            await self._api.delete(action.key.kind, ns, action.key.name, action.uid)
+            await self._api.delete(
+                action.key.kind, ns, action.key.name, action.uid, action.grace_period_s
+            )
 
     async def _create(self, cluster: Cluster, manifest: Manifest, kind: str, name: str) -> None:
         try:

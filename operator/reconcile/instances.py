@@ -159,7 +159,8 @@ def _health(
     ended = [p for p in members if p.has_ended or p.phase == "Unknown"]
     if ended:
         first = ended[0]
-        return result(Health.broken, f"pod {first.name} is {first.phase}")
+        said = f": {first.exit_message}" if first.exit_message else ""
+        return result(Health.broken, f"pod {first.name} is {first.phase}{said}")
     leader = pods.get(LEADER_POD)
     if leader is None:
         return result(

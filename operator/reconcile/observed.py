@@ -55,6 +55,9 @@ class ObservedPod:
     not_ready_since: float | None = None
     # The global ranks it runs, from its container's env (None: not stated).
     ranks: range | None = None
+    # Ended: the last line its failed container left (termination message or,
+    # with FallbackToLogsOnError, its log), e.g. which model source it missed.
+    exit_message: str | None = None
 
     @property
     def name(self) -> str:
@@ -212,7 +215,27 @@ def parse_pod(obj: ObservedObject, raw: Mapping[str, Any]) -> ObservedPod | None
         leader_address=obj.annotations.get(names.ANNOTATION_LEADER_ADDRESS) or None,
         not_ready_since=_ready_changed_at(status) if phase == "Running" and not ready else None,
         ranks=_pod_ranks(raw),
+        exit_message=_exit_message(status),
     )
+
+
+# An Event message quotes at most this much of a container's last words.
+MAX_EXIT_MESSAGE = 300
+
+
+def _exit_message(status: Mapping[str, Any]) -> str | None:
+    """The last non-empty line of the first terminated container's message."""
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for container in status.get(key) or []:
+            if not isinstance(container, Mapping):
+                continue
+            terminated = (container.get("state") or {}).get("terminated") or {}
+            message = terminated.get("message") if isinstance(terminated, Mapping) else None
+            if isinstance(message, str) and terminated.get("exitCode") not in (0, None):
+                lines = [line.strip() for line in message.splitlines() if line.strip()]
+                if lines:
+                    return lines[-1][-MAX_EXIT_MESSAGE:]
+    return None
 
 
 def observe(

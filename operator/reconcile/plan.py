@@ -68,6 +68,7 @@ MANAGED_KINDS = (
     "Role",
     "RoleBinding",
     "NetworkPolicy",
+    "PodDisruptionBudget",
     "ConfigMap",
     "Secret",
     "Deployment",

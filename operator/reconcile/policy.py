@@ -35,6 +35,7 @@ from pdcluster.operator import names
 from pdcluster.operator.reconcile.actions import Reason
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.observed import parse_object
+from pdcluster.runtime.spec import PodOverlaySpec, Role
 
 ALLOW_REFERENCE_LABEL = "pdcluster.io/allow-reference"
 ALLOW_REFERENCE_VALUE = "true"
@@ -90,7 +91,41 @@ def secret_references(cluster: Cluster) -> tuple[SecretReference, ...]:
         refs.append(
             SecretReference("spec.auth.routerApiKeySecretName", auth.router_api_key_secret_name)
         )
-    return tuple(refs)
+    source = cluster.spec.model.source
+    if source is not None and source.token_secret_name:
+        refs.append(SecretReference("spec.model.source.tokenSecretName", source.token_secret_name))
+    # A pod overlay reaching a Secret is a reference like any other: without the
+    # opt-in label, a PDCluster could read Secrets its author cannot.
+    overlays = [(f"spec.{r.value}.pod", cluster.spec.role_spec(r)) for r in Role]
+    for where, spec in [*overlays, ("spec.router.pod", cluster.spec.router)]:
+        if spec is not None:
+            refs += [
+                SecretReference(f"{where}.{field}", name)
+                for field, name in _overlay_secrets(spec.pod)
+            ]
+    return tuple(dict.fromkeys(refs))
+
+
+def _overlay_secrets(pod: PodOverlaySpec) -> list[tuple[str, str]]:
+    """(field, Secret name) of every Secret a pod overlay's env, envFrom or volumes name."""
+    found: list[tuple[str, str]] = []
+    for var in pod.env:
+        ref = ((var.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+        if ref:
+            found.append((f"env[{var['name']}]", str(ref)))
+    for source in pod.env_from:
+        ref = (source.get("secretRef") or {}).get("name")
+        if ref:
+            found.append(("envFrom", str(ref)))
+    for volume in pod.volumes:
+        ref = (volume.get("secret") or {}).get("secretName")
+        if ref:
+            found.append((f"volumes[{volume['name']}]", str(ref)))
+        for projected in (volume.get("projected") or {}).get("sources") or []:
+            ref = (projected.get("secret") or {}).get("name")
+            if ref:
+                found.append((f"volumes[{volume['name']}]", str(ref)))
+    return found
 
 
 def secret_refusal(

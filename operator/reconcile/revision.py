@@ -6,9 +6,12 @@ Two hashes, both computed from the typed spec:
   label and the router pairs a prefill only with a decode of the same value,
   so during a rollout new prefills never talk to old decodes;
 - the *template hash* of a role covers the revision plus that role's pod
-  settings (topology, resources, scheduling, engine). A change rolls that
-  role's instances; `replicas` and `autoscaling` are excluded, so scaling
-  (and how it is decided) never restarts pods.
+  settings (topology, resources, scheduling, engine, the pod overlay). A
+  change rolls that role's instances. Excluded (`NOT_ROLLED`), so they never
+  restart pods: `replicas` and `autoscaling` (scaling, and how it is
+  decided), `rollout` and `disruptionBudget` (how instances go away), and
+  `drain` (the operator gives each deletion the grace in force then;
+  pods started later carry it as their terminationGracePeriodSeconds).
 
 Values equal to their defaults are left out before hashing, so an operator
 upgrade that adds a defaulted field does not restart every pod; so is
@@ -28,6 +31,8 @@ from pdcluster.operator.names import short_hash
 from pdcluster.runtime.spec import PDClusterSpec, Role, RoleSpec
 
 HASH_CHARS = 8
+# Role fields whose change restarts no pod (the module docstring says why).
+NOT_ROLLED = ("replicas", "autoscaling", "rollout", "disruption_budget", "drain")
 
 
 def _canonical(model: BaseModel | None, exclude: set[str] | None = None) -> Any:
@@ -76,7 +81,7 @@ def compute_template_hash(spec: PDClusterSpec, role: Role) -> str:
         {
             "revision": compute_cluster_revision(spec),
             "role": role.value,
-            "spec": _canonical(_gpus_per_pod_as_before(rs), exclude={"replicas", "autoscaling"}),
+            "spec": _canonical(_gpus_per_pod_as_before(rs), exclude=set(NOT_ROLLED)),
         }
     )
 
@@ -86,7 +91,7 @@ def compute_router_hash(spec: PDClusterSpec) -> str:
     return _digest(
         {
             "revision": compute_cluster_revision(spec),
-            "router": _canonical(spec.router, exclude={"replicas"}),
+            "router": _canonical(spec.router, exclude={"replicas", "disruption_budget"}),
             "disaggregated": spec.is_disaggregated,
         }
     )

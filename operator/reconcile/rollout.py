@@ -13,9 +13,22 @@ template hash and `old` those at earlier hashes:
 - `old` broken or incomplete: delete it (an outdated gang is never
   restarted); its slot is then recreated at the current template at once.
 
-Rollout keeps capacity: a slot whose `old` still serves gets its `cur` only
-while fewer than MAX_SURGE such replacements are in flight, and the `old`
-goes only after `cur` is Ready. Slots >= replicas are deleted (scale down).
+Rollout keeps capacity (`rollout.maxSurge` > 0, the default): a slot whose
+`old` still serves gets its `cur` only while fewer than maxSurge such
+replacements are in flight, and the `old` goes only after `cur` is Ready.
+In place (`rollout.maxUnavailable` > 0, for a cluster with no spare GPU):
+while fewer than maxUnavailable slots are unavailable, a slot whose `old`
+still serves has it drained and removed first; the slot waits until every
+pod of it is gone (its GPUs and quota free again), then gets its `cur`.
+Slots >= replicas are deleted (scale down).
+
+Going away on purpose drains through the leader (`_retire_instance`): a
+scale-down, a retired `old` and an in-place replacement delete the
+instance's leader pod first (it stops taking requests and finishes those in
+flight, up to the role's drain budget), and its other pods only once the
+leader is gone, so no collective of an in-flight request loses a rank. A
+broken instance (gang restart, an outdated gang that broke) has nothing to
+drain: every pod goes at once.
 
 `decide_slot` makes the decision above for one slot from its instances and
 the restart ledger's answers (a `SlotDecision`); `plan_role` turns each
@@ -29,8 +42,12 @@ the new revision can serve on its own (`retire_other_revisions`, decided by
 the planner across roles); until then both revisions keep a full pair.
 
 Invariants (tested): no action touches an object another owner holds; a
-plan never deletes the last serving instance of a slot whose replacement
-is not Ready; a broken instance is torn down at most once per restart.
+surge plan never deletes the last serving instance of a slot whose
+replacement is not Ready; an in-place plan never has more than
+maxUnavailable slots unavailable through its own deletions, and never
+creates into a slot whose old pods still exist; a pod k > 0 of a serving
+instance is never deleted before its leader is gone; a broken instance is
+torn down at most once per restart.
 
 Pure module.
 """
@@ -49,9 +66,8 @@ from pdcluster.operator.reconcile.actions import Action, Create, Delete, Emit, E
 from pdcluster.operator.reconcile.instances import Health, ObservedInstance, group_instances
 from pdcluster.operator.reconcile.observed import Observed
 from pdcluster.operator.reconcile.restarts import RestartLedger
+from pdcluster.runtime.pod_layout import LEADER_POD
 from pdcluster.runtime.spec import RestartPolicySpec, Role
-
-MAX_SURGE = 1
 
 
 @dataclass(frozen=True)
@@ -79,11 +95,27 @@ class RolePlan:
     instances: list[ObservedInstance] = field(default_factory=list)
 
 
-def _delete_instance(plan: RolePlan, inst: ObservedInstance) -> None:
+def _delete_instance(plan: RolePlan, inst: ObservedInstance, grace_s: int | None = None) -> None:
+    """Every pod of `inst` at once: nothing to drain (a broken gang, a stale one)."""
     for k in sorted(inst.pods):
         pod = inst.pods[k]
         if not pod.obj.terminating:
-            plan.actions.append(Delete(pod.obj.key, pod.obj.uid))
+            plan.actions.append(Delete(pod.obj.key, pod.obj.uid, grace_s))
+
+
+def _has_live_leader(inst: ObservedInstance) -> bool:
+    leader = inst.pods.get(LEADER_POD)
+    return leader is not None and not leader.obj.terminating
+
+
+def _retire_instance(plan: RolePlan, inst: ObservedInstance, grace_s: int | None) -> None:
+    """Drain `inst` through its leader: delete the leader (with the drain's grace)
+    and nothing else while it exists; once it is gone, the other pods."""
+    leader = inst.pods.get(LEADER_POD)
+    if leader is None:
+        _delete_instance(plan, inst)
+    elif not leader.obj.terminating:
+        plan.actions.append(Delete(leader.obj.key, leader.obj.uid, grace_s))
 
 
 def _event(
@@ -174,7 +206,8 @@ class SlotStep(StrEnum):
 
     create = "create"  # empty: create the instance at the current template
     backoff = "backoff"  # no current instance: its restart back-off still runs
-    surge = "surge"  # an outdated instance serves: replace it if the surge allows
+    surge = "surge"  # an outdated instance serves: replace it (surge, or in place)
+    vacate = "vacate"  # in place: the outdated instance's pods are still going away
     complete = "complete"  # the current instance is Ready: retire the outdated ones
     fill = "fill"  # the current instance lacks pods: create them
     start = "start"  # the current instance is starting: wait
@@ -194,8 +227,9 @@ class SlotDecision:
     num_held: int = 0  # outdated of another revision, kept until that revision can go
     is_ready: bool = False  # served by a Ready instance of any template
     is_existing: bool = False  # has a live instance of any template
-    holds_surge: bool = False  # a replacement in flight: counts against MAX_SURGE
+    holds_surge: bool = False  # a replacement in flight: counts against maxSurge
     not_before: float | None = None  # `backoff`: when the slot may be recreated
+    outdated: tuple[ObservedInstance, ...] = ()  # `surge`: the serving instances to replace
 
 
 def decide_slot(
@@ -207,9 +241,12 @@ def decide_slot(
     can_restart: bool,
     revision: str,
     retire_other_revisions: bool = True,
+    in_place: bool = False,
 ) -> SlotDecision:
     """Decide one slot from its instances alone. `recreate_at` and `can_restart`
-    are the restart ledger's answers for this slot (back-off end, budget left)."""
+    are the restart ledger's answers for this slot (back-off end, budget left);
+    `in_place`: the role rolls with no surge, so a slot is created only once no
+    pod of an outdated instance is left in it."""
     cur = next((i for i in slot if i.key.template_hash == target), None)
     outdated = [i for i in slot if i.key.template_hash != target]
     live_olds = [i for i in outdated if i.is_alive]
@@ -219,8 +256,12 @@ def decide_slot(
     if cur is None:
         if recreate_at is not None and now < recreate_at:
             step, not_before = SlotStep.backoff, recreate_at
+        elif live_olds:
+            step = SlotStep.surge
+        elif in_place and outdated:
+            step = SlotStep.vacate
         else:
-            step = SlotStep.surge if live_olds else SlotStep.create
+            step = SlotStep.create
     elif cur.health == Health.ready:
         step = SlotStep.complete
         # An outdated instance of another revision stays while its revision's
@@ -246,6 +287,7 @@ def decide_slot(
         is_existing=cur is not None or bool(live_olds),
         holds_surge=is_replacing and step != SlotStep.surge,
         not_before=not_before,
+        outdated=tuple(live_olds) if step == SlotStep.surge else (),
     )
 
 
@@ -281,7 +323,8 @@ def plan_role(
     for index in sorted(i for i in by_slot if i >= role.replicas):
         if any(inst.health != Health.terminating for inst in by_slot[index]):
             for inst in by_slot[index]:
-                _delete_instance(plan, inst)
+                _retire_instance(plan, inst, role.grace_period_s)
+        if any(_has_live_leader(inst) for inst in by_slot[index]):
             _event(
                 plan,
                 EventType.Normal,
@@ -301,15 +344,30 @@ def plan_role(
             can_restart=ledger.can_restart(role.restart, now),
             revision=desired.revision,
             retire_other_revisions=retire_other_revisions,
+            in_place=role.rollout.is_in_place,
         )
         ledger = _act_on_slot(plan, desired, observed, role, index, decided, ledger, now)
         decisions.append(decided)
 
-    # Start replacements for slots still served by an outdated instance.
+    # Replace slots still served by an outdated instance: beside it while the
+    # surge allows, then in place while the unavailability allows.
     surge_candidates = [i for i, d in enumerate(decisions) if d.step == SlotStep.surge]
     in_flight = sum(d.holds_surge for d in decisions)
-    for index in surge_candidates[: max(0, MAX_SURGE - in_flight)]:
+    num_surged = max(0, role.rollout.max_surge - in_flight)
+    for index in surge_candidates[:num_surged]:
         _create_instance(plan, desired, observed, role, index)
+    unavailable = sum(not d.is_ready for d in decisions)
+    num_drained = max(0, role.rollout.max_unavailable - unavailable)
+    for index in surge_candidates[num_surged:][:num_drained]:
+        for old in decisions[index].outdated:
+            _retire_instance(plan, old, role.grace_period_s)
+        _event(
+            plan,
+            EventType.Normal,
+            Reason.InstanceReplaced,
+            f"{role.role.value} instance {index} drains to be replaced in place by template "
+            f"{role.template_hash} (rollout.maxUnavailable={role.rollout.max_unavailable})",
+        )
 
     steps = [d.step for d in decisions]
     retired = sum(len(d.retire) for d in decisions)
@@ -321,9 +379,15 @@ def plan_role(
         updated=steps.count(SlotStep.complete),
         existing=sum(d.is_existing for d in decisions),
         broken=steps.count(SlotStep.restart) + steps.count(SlotStep.budget_spent),
-        waiting_backoff=steps.count(SlotStep.backoff) + steps.count(SlotStep.terminating),
+        waiting_backoff=steps.count(SlotStep.backoff)
+        + steps.count(SlotStep.terminating)
+        + steps.count(SlotStep.vacate),
         budget_exhausted=SlotStep.budget_spent in steps,
-        rolling=bool(surge_candidates) or in_flight > 0 or retired > 0 or held > 0,
+        rolling=bool(surge_candidates)
+        or SlotStep.vacate in steps
+        or in_flight > 0
+        or retired > 0
+        or held > 0,
         ledger=ledger,
         instances=tuple(plan.instances),
     )
@@ -353,7 +417,7 @@ def _act_on_slot(
     elif step == SlotStep.complete:
         ledger = ledger.mark_ready(index)
         for old in decided.retire:
-            _delete_instance(plan, old)
+            _retire_instance(plan, old, role.grace_period_s)
             _event(
                 plan,
                 EventType.Normal,

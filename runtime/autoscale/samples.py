@@ -22,6 +22,13 @@ reads for that role:
 An instance whose text lacks the series is left out of the mean; no
 instance left → no sample (the planner then holds: `MetricMissing`).
 
+A vLLM worker (`spec.engine.kind: vllm`) exports its own names
+(runtime/vllm/metric_names.py): a body with `vllm:` series is read into the
+same `WorkerScrape`, summing over its `engine` label sets (dp ranks) —
+`vllm:time_to_first_token_seconds`, `vllm:request_time_per_output_token_seconds`,
+running + waiting requests as in flight, and `vllm:kv_cache_usage_perc`
+(averaged) as the KV usage.
+
 Pure module: the caller fetches the text.
 """
 
@@ -32,10 +39,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster.runtime.autoscale.planner import Sample
 from pdcluster.runtime.spec import AutoscalingMetric
+from pdcluster.runtime.vllm import metric_names as vllm
 
 TTFT = "pdcluster_time_to_first_token_seconds"
 TPOT = "pdcluster_time_per_output_token_seconds"
@@ -43,6 +52,8 @@ QUEUED_PREFILL_TOKENS = "pdcluster_queued_prefill_tokens"
 IN_FLIGHT = "pdcluster_requests_in_flight"
 FREE_PAGES = "pdcluster_kv_free_pages"
 TOTAL_PAGES = "pdcluster_kv_total_pages"
+# A vLLM worker's KV usage, a fraction (it has no page counts).
+KV_USAGE = "kv_usage"
 
 QUANTILE = 0.9
 
@@ -77,20 +88,19 @@ _GAUGES = (QUEUED_PREFILL_TOKENS, IN_FLIGHT, FREE_PAGES, TOTAL_PAGES)
 
 
 def parse_worker_metrics(text: str) -> WorkerScrape:
-    """The series the planner reads from one worker's /metrics body."""
+    """The series the planner reads from one worker's /metrics body (ours or vLLM's)."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, KeyError, IndexError) as err:
+        raise MetricsParseError(f"not Prometheus text: {err}") from None
+    if any(f.name.startswith(vllm.PREFIX) for f in families):
+        return _vllm_scrape(families)
     histograms: dict[str, Histogram] = {}
     gauges: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in families:
             if family.name in (TTFT, TPOT) and family.type == "histogram":
-                buckets = sorted(
-                    (float(s.labels["le"]), s.value)
-                    for s in family.samples
-                    if s.name.endswith("_bucket")
-                )
-                histograms[family.name] = Histogram(
-                    tuple(b for b, _ in buckets), tuple(c for _, c in buckets)
-                )
+                histograms[family.name] = _histogram(family)
             elif family.name in _GAUGES:
                 unlabelled = [s.value for s in family.samples if not s.labels]
                 if unlabelled:
@@ -98,6 +108,43 @@ def parse_worker_metrics(text: str) -> WorkerScrape:
     except (ValueError, KeyError, IndexError) as err:
         raise MetricsParseError(f"not Prometheus text: {err}") from None
     return WorkerScrape(histograms.get(TTFT), histograms.get(TPOT), gauges)
+
+
+def _histogram(family: Metric) -> Histogram:
+    """A histogram family's buckets, summed over its label sets (a vLLM worker's dp ranks)."""
+    counts: dict[float, float] = {}
+    for sample in family.samples:
+        if sample.name.endswith("_bucket"):
+            bound = float(sample.labels["le"])
+            counts[bound] = counts.get(bound, 0.0) + sample.value
+    buckets = sorted(counts.items())
+    return Histogram(tuple(b for b, _ in buckets), tuple(c for _, c in buckets))
+
+
+def _vllm_scrape(families: list[Metric]) -> WorkerScrape:
+    by_name = {f.name: f for f in families}
+    try:
+        ttft, tpot = (
+            _histogram(by_name[name])
+            if name in by_name and by_name[name].type == "histogram"
+            else None
+            for name in (vllm.TTFT, vllm.TPOT)
+        )
+
+        def values(name: str) -> list[float]:
+            family = by_name.get(name)
+            return [] if family is None else [s.value for s in family.samples]
+
+        gauges: dict[str, float] = {}
+        running, waiting = values(vllm.RUNNING), values(vllm.WAITING)
+        if running or waiting:
+            gauges[IN_FLIGHT] = sum(running) + sum(waiting)
+        usage = values(vllm.KV_USAGE)
+        if usage:
+            gauges[KV_USAGE] = sum(usage) / len(usage)
+    except (ValueError, KeyError) as err:
+        raise MetricsParseError(f"not vLLM metrics: {err}") from None
+    return WorkerScrape(ttft, tpot, gauges)
 
 
 def histogram_delta(previous: Histogram | None, current: Histogram) -> Histogram:
@@ -209,6 +256,9 @@ def _per_instance(metric: AutoscalingMetric, scrape: WorkerScrape) -> float | No
     if metric is AutoscalingMetric.running_requests_per_instance:
         return scrape.gauge(IN_FLIGHT)
     if metric is AutoscalingMetric.kv_page_usage:
+        usage = scrape.gauge(KV_USAGE)
+        if usage is not None:
+            return usage
         free, total = scrape.gauge(FREE_PAGES), scrape.gauge(TOTAL_PAGES)
         if free is None or not total:
             return None

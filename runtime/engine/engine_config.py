@@ -108,13 +108,16 @@ class EngineConfig:
 
 
 def engine_config_from_spec(
-    spec: PDClusterSpec, role: RoleSpec, shm_dir: str | None = None
+    spec: PDClusterSpec, role: RoleSpec, shm_dir: str | None = None, model_dir: str | None = None
 ) -> EngineConfig:
-    """The engine settings of one role of a PDCluster manifest."""
+    """The engine settings of one role of a PDCluster manifest; `model_dir` is the
+    folder a `model.source` resolved to on this pod (engine/model_dir.py)."""
     topo = role.topology
     eng = role.engine
+    if model_dir is None:
+        model_dir = "tiny" if spec.model.name == "tiny" else str(spec.model.path)
     return EngineConfig(
-        model="tiny" if spec.model.name == "tiny" else str(spec.model.path),
+        model=model_dir,
         model_seed=spec.model.seed,
         device=role.device,
         compute_dtype=str(spec.model.compute_dtype),

@@ -55,7 +55,7 @@ from pdcluster.runtime.router.errors import (
 from pdcluster.runtime.router.health import HealthChecker
 from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_client import leg_session
-from pdcluster.runtime.router.leg_plan import LegPlan, LegPlanner
+from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.prefix_feed import PrefixFollower
@@ -66,9 +66,11 @@ from pdcluster.runtime.router.rooms import RandomSource, RidMinter
 from pdcluster.runtime.router.streaming import (
     DISCONNECT_SCOPE_KEY,
     ClientDisconnected,
+    ClientRelay,
     RelayStreamResponse,
     run_until_disconnect,
 )
+from pdcluster.runtime.router.vllm_relay import VllmRelay
 from pdcluster.runtime.router.workers import Worker, WorkerPool, WorkerTarget, normalize_url
 from pdcluster.runtime.spec import Role
 
@@ -157,6 +159,7 @@ class RouterState:
             rids=RidMinter(rng),
             rooms_source=rng,
             prompt_tokens=self._prompt_reader() if config.cache_aware_roles else None,
+            engine=config.engine,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
         self.started_at = int(time.time())
@@ -210,6 +213,7 @@ class RouterState:
             interval_s=cfg.health_check_interval_s,
             timeout_s=cfg.health_check_timeout_s,
             on_transition=self._on_transition,
+            reads_server_info=cfg.reads_server_info,
         )
         if cfg.kubernetes is None:
             self.pool.sync(static_targets(cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls))
@@ -253,6 +257,7 @@ class RouterState:
             return
         for worker in change.removed:
             log.info("worker %s (%s) removed by discovery", worker.url, worker.role)
+            self._prefill_lost(worker, "removed by discovery")
         self._follow_workers()
         if self.ctx is not None and self.checker is not None:
             for worker in change.added:
@@ -263,6 +268,24 @@ class RouterState:
         self.metrics.health_transitions.labels(worker.role.value, to).inc()
         self._pool_changed.set()
         self._follow_workers()
+        if not healthy:
+            self._prefill_lost(worker, worker.last_error or "unhealthy")
+
+    def _prefill_lost(self, worker: Worker, reason: str) -> None:
+        """Requests still waiting on this prefill's KV start again elsewhere (vLLM)."""
+        if worker.role is not Role.prefill or self.ctx is None:
+            return
+        told = self.ctx.prefills.lost(worker, reason)
+        if told:
+            log.warning(
+                "prefill %s lost (%s): %d request(s) moved off it", worker.url, reason, told
+            )
+
+    def _relay_for(self, plan: LegPlan) -> ClientRelay:
+        assert self.ctx is not None, "router app used outside its lifespan"
+        if plan.flow is LegFlow.kv_params and plan.prefill is not None:
+            return VllmRelay(self.ctx, plan, self.leg_planner.repick_prefill)
+        return Relay(self.ctx, plan)
 
     async def _plan(self, client_request: ClientRequest) -> LegPlan:
         """Plan the legs; with no healthy worker but a new one still on its first
@@ -317,7 +340,7 @@ class RouterState:
                 reason="unknown_model",
             )
         assert self.ctx is not None, "router app used outside its lifespan"
-        relay = Relay(self.ctx, await self._plan(client_request))
+        relay = self._relay_for(await self._plan(client_request))
         stage_trace.mark(relay.plan.room, "router.recv", received_ns)
         stage_trace.mark(relay.plan.room, "router.planned")
         relay.start()

@@ -5,8 +5,9 @@ stream flag, fields it owns) and forwards every other field untouched, so
 the worker stays the authority on sampling parameters it supports.
 
 Invariants:
-- `rid` and the `bootstrap_*` fields are minted by the router; a client that
-  sends them gets a 400, so no client can pick another request's room;
+- `rid`, the `bootstrap_*` fields and `kv_transfer_params` are the router's;
+  a client that sends them gets a 400, so no client can pick another
+  request's room or another request's KV;
 - `data_parallel_rank` is the router's too (its rooms already say the
   prefill dp group: `room % dp`); a client's is dropped, never forwarded;
 - in disaggregated mode one request is one room: batched prompts and
@@ -28,7 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdcluster.runtime.router.errors import RouterError
 
-ROUTER_OWNED_FIELDS = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+ROUTER_OWNED_FIELDS = (
+    "rid",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    # vLLM's connector hand-off between the legs (vllm_legs.py).
+    "kv_transfer_params",
+)
 # Router-owned too, but dropped rather than refused: clients written for other
 # PD routers send it, and the room the router mints already decides it.
 ROUTER_STRIPPED_FIELDS = ("data_parallel_rank",)
@@ -235,11 +243,13 @@ class Bootstrap:
 
 
 def build_leg_body(
-    body: Mapping[str, Any], rid: str, bootstrap: Bootstrap | None
+    body: Mapping[str, Any], rid: str | None, bootstrap: Bootstrap | None
 ) -> dict[str, Any]:
-    """The body both legs receive: the client's fields plus the router-owned ones."""
+    """The body both legs receive: the client's fields plus the router-owned ones
+    (no `rid` field when `rid` is None: vLLM names a request by its X-Request-Id)."""
     leg = {k: v for k, v in body.items() if k not in ROUTER_STRIPPED_FIELDS}
-    leg["rid"] = rid
+    if rid is not None:
+        leg["rid"] = rid
     if bootstrap is not None:
         leg["bootstrap_host"] = bootstrap.host
         leg["bootstrap_port"] = bootstrap.port

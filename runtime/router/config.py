@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import FailurePolicy, PDClusterSpec, Role, SelectionPolicy
+from pdcluster.runtime.spec import EngineKind, FailurePolicy, PDClusterSpec, Role, SelectionPolicy
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -61,6 +61,9 @@ class RouterConfig:
     # cache_aware: "tiny" or a model directory with tokenizer.json, to turn
     # text prompts into token ids; None: only token-id prompts are matched.
     tokenizer: str | None = None
+    # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
+    # on /health alone and their legs go one after the other (leg_plan.LegFlow).
+    engine: EngineKind = EngineKind.builtin
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -88,6 +91,11 @@ class RouterConfig:
             or self.max_load_gap < 0
         ):
             raise ValueError(f"max_load_gap must be an integer >= 0, got {self.max_load_gap!r}")
+        if not isinstance(self.engine, EngineKind):
+            valid = ", ".join(e.value for e in EngineKind)
+            raise ValueError(f"engine={self.engine!r} is not one of: {valid}")
+        if self.engine is EngineKind.vllm and self.cache_aware_roles:
+            raise ValueError("cache_aware needs page keys, which vLLM workers do not publish")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -115,6 +123,16 @@ class RouterConfig:
         if self.disaggregated is not None:
             return self.disaggregated
         return bool(self.prefill_urls or self.decode_urls)
+
+    @property
+    def reads_server_info(self) -> bool:
+        """Whether workers answer /get_server_info (bootstrap port, dp size, role)."""
+        return self.engine is EngineKind.builtin
+
+    @property
+    def aborts_by_rid(self) -> bool:
+        """Whether workers take `/abort_request {rid}` (vLLM: closing the leg aborts it)."""
+        return self.engine is EngineKind.builtin
 
     @property
     def is_prefill_failure_final(self) -> bool:
@@ -155,6 +173,7 @@ class RouterConfig:
             failure_policy=spec.transfer.failure_policy.value,
             max_load_gap=spec.router.policy.max_load_gap,
             tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
+            engine=spec.engine.kind,
         )
 
     @property

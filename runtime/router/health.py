@@ -2,9 +2,10 @@
 
 A probe of a worker without server info first reads ``/get_server_info``
 (bootstrap port, dp size, and a role check), then ``/health``; the pool
-decides what the result means. Probes of one round run concurrently and a
-round ends before the next starts, so a worker never has two probes in
-flight.
+decides what the result means. vLLM workers have no ``/get_server_info``:
+with ``reads_server_info`` off their ``/health`` alone decides. Probes of
+one round run concurrently and a round ends before the next starts, so a
+worker never has two probes in flight.
 
 A prefill probe also reads the live decodes' ``peers_down`` (one
 ``/get_server_info`` per decode per round): a prefill that a decode still
@@ -47,8 +48,13 @@ class HealthChecker:
     interval_s: float
     timeout_s: float
     on_transition: Callable[[Worker, bool], None] | None = None
+    # False for workers without /get_server_info (vLLM): /health alone decides,
+    # and no decode reports `peers_down`.
+    reads_server_info: bool = True
 
     async def _fetch_info(self, worker: Worker) -> ServerInfo:
+        if not self.reads_server_info:
+            return ServerInfo(bootstrap_port=None, dp_size=1)
         resp = await self.client.get(f"{worker.url}/get_server_info", timeout=self.timeout_s)
         if resp.status_code != 200:
             raise ValueError(f"/get_server_info answered HTTP {resp.status_code}")
@@ -67,6 +73,8 @@ class HealthChecker:
 
     async def peers_down(self) -> dict[str, dict[str, str]]:
         """Each healthy decode's ``peers_down``, by decode URL."""
+        if not self.reads_server_info:
+            return {}
         decodes = self.pool.healthy(Role.decode)
         found = await asyncio.gather(*(self._fetch_peers_down(d) for d in decodes))
         return {d.url: down for d, down in zip(decodes, found, strict=True) if down}

@@ -1,15 +1,24 @@
 """Turns a validated client request into the legs to send.
 
-Picks the workers (prefill and decode, or one colocated worker), mints the
-rid and, in disaggregated mode, a room aimed at one dp group of the chosen
-prefill instance; both legs get the identical body.
+Picks the workers (prefill and decode, or one colocated worker) and mints the
+rid. How the legs of a disaggregated request meet depends on the engine the
+workers run (`LegFlow`, the per-engine seam):
+
+- `bootstrap` (our workers; SGLang-compatible ones): a room aimed at one dp
+  group of the chosen prefill instance; both legs get the identical body
+  with the rid and `bootstrap_host/port/room`, and go out at once (relay.py);
+- `kv_params` (vLLM with a pull connector, e.g. NixlConnector): no room; the
+  body stays the client's, the prefill leg goes first and its answer's
+  `kv_transfer_params` go into the decode leg (vllm_legs.py,
+  vllm_relay.py). The rid names the request in logs (`X-Request-Id`).
 
 Pure module: workers, policies and minters are plain objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+import enum
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +29,21 @@ from pdcluster.runtime.router.policies import Policy
 from pdcluster.runtime.router.prefix_index import PromptTokens
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
 from pdcluster.runtime.router.workers import Worker, WorkerPool
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import EngineKind, Role
+
+
+class LegFlow(enum.StrEnum):
+    """How the two legs of a disaggregated request reach their workers."""
+
+    # Both legs at once; the room in the bootstrap fields pairs them.
+    bootstrap = "bootstrap"
+    # Prefill first; its kv_transfer_params go into the decode leg.
+    kv_params = "kv_params"
+
+
+def leg_flow_of(engine: EngineKind) -> LegFlow:
+    """The flow a cluster's workers speak (vLLM's NixlConnector pulls: `kv_params`)."""
+    return LegFlow.kv_params if engine is EngineKind.vllm else LegFlow.bootstrap
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,9 @@ class LegPlan:
     # `body` as the client's own bytes with the router's fields spliced in,
     # when that is exact (`leg_bytes.py`); None: encode `body`.
     body_bytes: bytes | None = None
+    flow: LegFlow = LegFlow.bootstrap
+    # The client's request (the `kv_params` flow builds each leg's body from it).
+    request: ClientRequest | None = None
 
     @property
     def content(self) -> bytes:
@@ -71,6 +97,12 @@ class LegPlanner:
     rooms_source: RandomSource
     # The prompt's token ids for cache_aware (None: no policy reads them).
     prompt_tokens: Callable[[ClientRequest], PromptTokens | None] | None = None
+    # The engine the workers run: how legs meet, what their bodies carry.
+    engine: EngineKind = EngineKind.builtin
+
+    @property
+    def flow(self) -> LegFlow:
+        return leg_flow_of(self.engine)
 
     def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
         prefill: Worker | None = None
@@ -83,6 +115,19 @@ class LegPlanner:
                 self.pool.of_role(Role.colocated), Role.colocated.value, prompt
             )
         rid = self.rids.mint()
+        if self.engine is EngineKind.vllm:
+            # vLLM takes no rid field: the rid rides in X-Request-Id.
+            body = build_leg_body(request.body, None, None)
+            return LegPlan(
+                path=request.endpoint.value,
+                body=body,
+                rid=rid,
+                stream=request.stream,
+                main=main,
+                prefill=prefill,
+                flow=self.flow,
+                request=request,
+            )
         body = build_leg_body(request.body, rid, bootstrap)
         return LegPlan(
             path=request.endpoint.value,
@@ -97,8 +142,9 @@ class LegPlanner:
 
     def _pick_pair(
         self, rooms_in_use: Container[int], prompt: PromptTokens | None = None
-    ) -> tuple[Worker, Worker, Bootstrap]:
-        """The prefill and decode workers, and the room the decode leg names."""
+    ) -> tuple[Worker, Worker, Bootstrap | None]:
+        """The prefill and decode workers, and the room the decode leg names (None: the
+        `kv_params` flow, which has no room)."""
         # Check both roles before either policy moves its state, so a refused
         # request leaves round-robin positions and dp ranks where they were.
         for role in (Role.prefill, Role.decode):
@@ -111,6 +157,8 @@ class LegPlanner:
         decode = self.decode_policy.select(
             [d for d in decodes if d.revision == prefill.revision], Role.decode.value, prompt
         )
+        if self.flow is LegFlow.kv_params:
+            return prefill, decode, None
         if prefill.bootstrap_port is None:
             # The pool only marks a prefill worker healthy once it reported a
             # port, so this is a broken invariant rather than a user error.
@@ -124,3 +172,17 @@ class LegPlanner:
             in_use=rooms_in_use,
         )
         return prefill, decode, Bootstrap(host=prefill.host, port=prefill.bootstrap_port, room=room)
+
+    def repick_prefill(self, decode: Worker, tried: Collection[Worker]) -> Worker | None:
+        """Another healthy prefill for `decode` (of its revision), none of `tried`; None
+        when there is none. The `kv_params` flow retries a request whose prefill was
+        lost before anything reached the client."""
+        candidates = [
+            p
+            for p in self.pool.healthy(Role.prefill)
+            if p.revision == decode.revision and p not in tried
+        ]
+        if not candidates:
+            return None
+        chosen: Worker = self.prefill_policy.select(candidates, Role.prefill.value, None)
+        return chosen

@@ -52,6 +52,7 @@ from pdcluster.runtime.router.leg_client import (
 )
 from pdcluster.runtime.router.leg_plan import LegPlan
 from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.prefill_watch import PrefillWatch
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
 from pdcluster.runtime.router.workers import Worker, WorkerPool
 
@@ -132,6 +133,8 @@ class RelayContext:
     metrics: RouterMetrics
     rooms_in_use: set[int] = field(default_factory=set)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Requests that depend on a prefill until their decode read its KV (vLLM).
+    prefills: PrefillWatch = field(default_factory=PrefillWatch)
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(coro)
@@ -142,6 +145,9 @@ class RelayContext:
 
     def send_abort(self, worker: Worker, rid: str, reason: str) -> None:
         self.metrics.aborts.labels(worker.role.value, reason).inc()
+        if not self.config.aborts_by_rid:
+            # vLLM has no /abort_request: closing the leg's connection aborts it.
+            return
         self.spawn(self._abort(worker, rid, reason))
 
     async def _abort(self, worker: Worker, rid: str, reason: str) -> None:

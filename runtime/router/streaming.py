@@ -11,19 +11,44 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pdcluster.runtime import stage_trace
-from pdcluster.runtime.router.relay import Relay
+from pdcluster.runtime.router.leg_plan import LegPlan
 
 log = logging.getLogger(__name__)
 # Set in the ASGI scope when the client left, so request metrics say 499.
 DISCONNECT_SCOPE_KEY = "pdcluster.client_disconnected"
 T = TypeVar("T")
+
+
+class ClientRelay(Protocol):
+    """What the front door drives of one request's legs, whatever the flow
+    (relay.Relay: both legs at once; vllm_relay.VllmRelay: prefill, then decode)."""
+
+    plan: LegPlan
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def main_status(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def open(self) -> None: ...
+
+    async def read_body(self) -> bytes: ...
+
+    def events(self) -> AsyncIterator[bytes]: ...
+
+    def abandon(self, reason: str) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ClientDisconnected(Exception):
@@ -64,7 +89,7 @@ class RelayStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: ClientRelay) -> None:
         # Not Response.__init__: a stream has no body to measure, and a
         # Content-Length of 0 would make the server refuse every event.
         self.status_code = 200

@@ -18,7 +18,8 @@ Invariants checked here (mirrored as CEL rules in the CRD):
 - autoscaling: minReplicas <= maxReplicas; the target metric belongs to the
   role (`AUTOSCALING_METRICS`); only prefill and decode autoscale; with
   `autoscaling.maxTotalGPUs`, the roles' minimums fit the budget together and
-  each role's maximum fits beside the other role's minimum.
+  each role's maximum fits beside the other role's minimum;
+- `engine.kind: vllm`: only what vLLM can run (`serving_engine.vllm_refusal`).
 
 A section with a module of its own lives beside this one in the package
 (`base.py` holds the shared model base); this module assembles the whole
@@ -30,14 +31,35 @@ Pure module: no I/O beyond parsing text that the caller already read.
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdcluster.runtime.bounds import require_at_least
 from pdcluster.runtime.pod_layout import PodLayout, PodLayoutError, compute_pod_layout
-from pdcluster.runtime.spec.base import SpecError, SpecModel
+
+# The sections with a module of their own, re-exported (`X as X`): callers import
+# every manifest name from runtime.spec.
+from pdcluster.runtime.spec.base import SpecError as SpecError
+from pdcluster.runtime.spec.base import SpecModel as SpecModel
+from pdcluster.runtime.spec.disruption import DRAIN_MARGIN_SECONDS as DRAIN_MARGIN_SECONDS
+from pdcluster.runtime.spec.disruption import DisruptionBudgetSpec as DisruptionBudgetSpec
+from pdcluster.runtime.spec.disruption import DrainSpec as DrainSpec
+from pdcluster.runtime.spec.disruption import RolloutSpec as RolloutSpec
+from pdcluster.runtime.spec.model_source import MODEL_MOUNT_PATH as MODEL_MOUNT_PATH
+from pdcluster.runtime.spec.model_source import ModelSource as ModelSource
+from pdcluster.runtime.spec.model_source import ModelSourceKind as ModelSourceKind
+from pdcluster.runtime.spec.model_source import ModelSourceSpec as ModelSourceSpec
+from pdcluster.runtime.spec.model_source import parse_model_uri as parse_model_uri
+from pdcluster.runtime.spec.pod_overlay import PodOverlaySpec as PodOverlaySpec
+from pdcluster.runtime.spec.serving_engine import EngineKind as EngineKind
+from pdcluster.runtime.spec.serving_engine import KVBufferDevice as KVBufferDevice
+from pdcluster.runtime.spec.serving_engine import ServingEngineSpec as ServingEngineSpec
+from pdcluster.runtime.spec.serving_engine import VllmKVConnector as VllmKVConnector
+from pdcluster.runtime.spec.serving_engine import VllmSpec as VllmSpec
+from pdcluster.runtime.spec.serving_engine import vllm_refusal
 
 API_GROUP = "pdcluster.io"
 API_VERSION = "v1alpha1"
@@ -133,19 +155,27 @@ class ModelSpec(SpecModel):
 
     `name: tiny` is the built-in deterministic model (no download). Otherwise
     `path` points to a local Hugging Face-style directory (config.json,
-    *.safetensors, tokenizer.json) of a Llama/Qwen2-architecture model.
+    *.safetensors, tokenizer.json) of a Llama/Qwen2-architecture model, or
+    `source` names the storage the pods mount it from (model_source.py).
     """
 
     name: str = Field(default="tiny", min_length=1, max_length=253)
     path: str | None = None
+    source: ModelSourceSpec | None = None
     # Dtype the engine computes in; float64 makes cross-topology checks exact.
     compute_dtype: KVDtype = KVDtype.float32
     seed: int = Field(default=0, ge=0, description="seed of the built-in tiny model's weights")
 
     @model_validator(mode="after")
     def _path_or_tiny(self) -> ModelSpec:
-        if self.name != "tiny" and not self.path:
-            raise ValueError(f"model {self.name!r} needs `path` (only 'tiny' is built in)")
+        if self.path and self.source is not None:
+            raise ValueError(
+                "model: set `path` or `source`, not both (the source decides the path)"
+            )
+        if self.name != "tiny" and not self.path and self.source is None:
+            raise ValueError(
+                f"model {self.name!r} needs `path` or `source` (only 'tiny' is built in)"
+            )
         return self
 
 
@@ -170,6 +200,9 @@ class HeartbeatSpec(SpecModel):
     idle_seconds: float = Field(default=300.0, gt=0, le=86400)
 
 
+_UCX_DEVICES = r"^[\w,.:-]+$"
+
+
 class UcxSpec(SpecModel):
     """UCX settings of the `nixl` backend, passed to every worker process.
 
@@ -181,11 +214,34 @@ class UcxSpec(SpecModel):
     tls: str | None = Field(default=None, min_length=1, max_length=256, pattern=r"^[\w,^:-]+$")
     # UCX_NET_DEVICES, e.g. "mlx5_0:1,mlx5_1:1".
     net_devices: str | None = Field(
-        default=None, min_length=1, max_length=256, pattern=r"^[\w,.:-]+$"
+        default=None, min_length=1, max_length=256, pattern=_UCX_DEVICES
     )
+    # UCX_NET_DEVICES per local rank of a pod (the rank's GPU index): entry i
+    # is what rank i of each pod uses, e.g. the NIC nearest its GPU
+    # ["mlx5_0:1", "mlx5_1:1", ...]. Instead of `netDevices`, not with it.
+    rank_net_devices: list[
+        Annotated[str, Field(min_length=1, max_length=256, pattern=_UCX_DEVICES)]
+    ] = Field(default_factory=list, max_length=64)
     # The manifest asks for RDMA or GPU-direct: a transfer that fell back to
     # TCP is reported as a Warning instead of passing silently.
     require_rdma: bool = False
+
+    @model_validator(mode="after")
+    def _one_device_choice(self) -> UcxSpec:
+        if self.net_devices is not None and self.rank_net_devices:
+            raise ValueError("transfer.ucx: set netDevices or rankNetDevices, not both")
+        return self
+
+    def net_devices_for(self, local_rank: int) -> str | None:
+        """UCX_NET_DEVICES of the pod's rank `local_rank` (None: UCX's own choice)."""
+        if not self.rank_net_devices:
+            return self.net_devices
+        if not 0 <= local_rank < len(self.rank_net_devices):
+            raise SpecError(
+                f"transfer.ucx.rankNetDevices has {len(self.rank_net_devices)} entries; "
+                f"local rank {local_rank} has none"
+            )
+        return self.rank_net_devices[local_rank]
 
 
 class TransferSpec(SpecModel):
@@ -403,6 +459,10 @@ class RoleSpec(SpecModel):
     restart: RestartPolicySpec = RestartPolicySpec()
     engine: EngineSpec = EngineSpec()
     autoscaling: RoleAutoscalingSpec | None = None
+    pod: PodOverlaySpec = PodOverlaySpec()
+    rollout: RolloutSpec = RolloutSpec()
+    disruption_budget: DisruptionBudgetSpec = DisruptionBudgetSpec()
+    drain: DrainSpec = DrainSpec()
 
     @model_validator(mode="after")
     def _ranks_fill_pods(self) -> RoleSpec:
@@ -461,6 +521,12 @@ class RouterSpec(SpecModel):
     health_check_interval_seconds: float = Field(default=2.0, gt=0, le=3600)
     request_timeout_seconds: float = Field(default=300.0, gt=0, le=86400)
     resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    pod: PodOverlaySpec = PodOverlaySpec()
+    disruption_budget: DisruptionBudgetSpec = DisruptionBudgetSpec()
+    drain: DrainSpec = DrainSpec()
 
 
 class WorkerApiAccess(enum.StrEnum):
@@ -484,6 +550,7 @@ class AuthSpec(SpecModel):
 class PDClusterSpec(SpecModel):
     model: ModelSpec = ModelSpec()
     image: str = "pdcluster:0.1.0"
+    engine: ServingEngineSpec = ServingEngineSpec()
     kv_cache: KVCacheSpec = KVCacheSpec()
     transfer: TransferSpec = TransferSpec()
     prefill: RoleSpec | None = None
@@ -514,7 +581,24 @@ class PDClusterSpec(SpecModel):
                 )
         self._check_cache_aware()
         self._check_autoscaling()
+        self._check_rank_net_devices()
+        refusal = vllm_refusal(self)
+        if refusal is not None:
+            raise ValueError(refusal)
         return self
+
+    def _check_rank_net_devices(self) -> None:
+        """Every rank of a pod needs its NIC entry (entry i: local rank i)."""
+        entries = len(self.transfer.ucx.rank_net_devices)
+        if not entries:
+            return
+        for role in Role:
+            spec = self.role_spec(role)
+            if spec is not None and spec.pod_layout.ranks_per_pod > entries:
+                raise ValueError(
+                    f"transfer.ucx.rankNetDevices has {entries} entries but a {role.value} pod "
+                    f"runs {spec.pod_layout.ranks_per_pod} ranks: one entry per local rank"
+                )
 
     def _check_cache_aware(self) -> None:
         """cache_aware routes by the keys a role's workers publish, which only
@@ -576,6 +660,13 @@ class PDClusterSpec(SpecModel):
     @property
     def is_disaggregated(self) -> bool:
         return self.colocated is None
+
+    def roles(self) -> Iterator[tuple[Role, RoleSpec]]:
+        """The roles this cluster has, with their specs (prefill before decode)."""
+        for role in Role:
+            spec = self.role_spec(role)
+            if spec is not None:
+                yield role, spec
 
     def role_spec(self, role: Role) -> RoleSpec | None:
         """The spec of `role` (None when this cluster has no such role)."""

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -307,5 +308,60 @@ def test_a_dp_leader_pod_without_the_token_is_refused_by_the_leader(tmp_path: Pa
         assert procs[0].wait(120) != 0
         text = logs[0].read_text()
         assert "pod 1's address 127.0.0.1 was not published for wrongpod/colocated-0" in text, text
+    finally:
+        stop_process_groups(procs)
+
+
+def stream_tokens(url: str, num_tokens: int, first_token: threading.Event) -> dict[str, Any]:
+    """A streamed /generate of `num_tokens` tokens; sets `first_token` once one arrived."""
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": num_tokens, "ignore_eos": True},
+        "stream": True,
+    }
+    last: dict[str, Any] = {}
+    with httpx.stream(
+        "POST", url + "/generate", json=body, headers={"Authorization": "Bearer tok"}, timeout=120
+    ) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            last = json.loads(line.removeprefix("data:"))
+            first_token.set()
+    return last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signalled", ["group", "pod-process"])
+def test_stopping_every_pod_of_an_instance_at_once_finishes_the_request_in_flight(
+    tmp_path: Path, signalled: str
+) -> None:
+    """A node drain or `kubectl delete` stops every pod of an instance at once. The
+    leader drains (finishes its requests); a pod k > 0 keeps its ranks running
+    until the leader shut them down, whether SIGTERM reaches its process only
+    (a kubelet signals the container's first process) or its whole process group
+    (the e2e node agent and `pdcluster down`)."""
+    manifest = colocated_two_pods(tmp_path)
+    port, dist_port = free_ports(2)
+    url = f"http://127.0.0.1:{port}"
+    procs = [start_pod(manifest, k, port, dist_port, tmp_path / f"pod{k}.log") for k in range(2)]
+    try:
+        wait_for(lambda: health(url + "/health")[0] == 200, 180, "the instance ready", 0.2)
+        first = threading.Event()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(stream_tokens, url, 400, first)
+            assert first.wait(60), "no token streamed"
+            for proc in reversed(procs):  # the follower first: the worst order
+                if signalled == "group":
+                    os.killpg(proc.pid, signal.SIGTERM)
+                else:
+                    proc.send_signal(signal.SIGTERM)
+            last = done.result(timeout=120)
+        assert last["meta_info"]["finish_reason"]["type"] == "length", last
+        assert last["meta_info"]["completion_tokens"] == 400
+        # Both pods end once the leader drained: the follower's ranks by the
+        # leader's shutdown, not by the signal.
+        assert procs[0].wait(60) == 0
+        assert procs[1].wait(60) == 0
     finally:
         stop_process_groups(procs)

@@ -113,6 +113,8 @@ class Store:
         self.now = 1_000_000.0
         self.writes: list[tuple[str, str, str]] = []  # (op, kind, name)
         self.status_writes: list[dict[str, Any]] = []
+        # True: a deleted pod stays, terminating, until `end_terminating` (its drain).
+        self.graceful_pod_deletes = False
 
     # --- what the controller's API calls do ---------------------------------
     def get_obj(self, kind: str, name: str) -> dict[str, Any] | None:
@@ -156,9 +158,24 @@ class Store:
             return False
         if uid and obj["metadata"]["uid"] != uid:
             raise ApiError(409, "Conflict", "uid precondition failed")
-        del self.objects[(kind, name)]
         self.writes.append(("delete", kind, name))
+        if kind == "Pod" and self.graceful_pod_deletes:
+            obj["metadata"]["deletionTimestamp"] = format_time(self.now)
+            return True
+        del self.objects[(kind, name)]
         return True
+
+    def terminating_pods(self) -> list[str]:
+        return sorted(
+            n
+            for (k, n), o in self.objects.items()
+            if k == "Pod" and o["metadata"].get("deletionTimestamp")
+        )
+
+    def end_terminating(self, names: Iterable[str] | None = None) -> None:
+        """Terminating pods (all, or `names`) finished their drain and are gone."""
+        for name in list(self.terminating_pods() if names is None else names):
+            self.objects.pop(("Pod", name), None)
 
     # --- what happens in a real cluster between passes -----------------------
     def pods(self, **labels: str) -> list[dict[str, Any]]:
@@ -342,7 +359,9 @@ class FakeApi:
         self._maybe_fail("create", str(manifest["kind"]))
         return self.store.put(manifest, create_only=True)
 
-    async def delete(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+    async def delete(
+        self, kind: str, namespace: str, name: str, uid: str, grace_period_s: int | None = None
+    ) -> bool:
         self._maybe_fail("delete")
         try:
             return self.store.remove(kind, name, uid)

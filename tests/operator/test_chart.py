@@ -95,7 +95,7 @@ def render(*sets: str) -> list[dict[str, Any]]:
 VARIANTS = {
     "defaults": (),
     "namespaced": ("watchNamespaces={team-a,team-b}",),
-    "monitored": ("metrics.serviceMonitor.enabled=true",),
+    "monitored": ("metrics.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true"),
     "minimal": (
         "metrics.enabled=false",
         "crds.applyOnStartup=false",
@@ -121,8 +121,8 @@ def test_rendered_manifests_pass_the_kubernetes_schemas(sets: tuple[str, ...]) -
     validator = need("kubernetes_validate")
     docs = render(*sets)
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
-            continue  # a Prometheus Operator CRD, not part of the Kubernetes schemas
+        if doc["kind"] in ("ServiceMonitor", "PodMonitor"):
+            continue  # Prometheus Operator CRDs, not part of the Kubernetes schemas
         validator.validate(doc, K8S_VERSION, strict=True)
 
 
@@ -216,6 +216,12 @@ def test_rbac_is_least_privilege() -> None:
         ("networkpolicies", "patch"),
         ("networkpolicies", "list"),
         ("networkpolicies", "watch"),
+        # One PodDisruptionBudget per role and the router.
+        ("poddisruptionbudgets", "create"),
+        ("poddisruptionbudgets", "patch"),
+        ("poddisruptionbudgets", "delete"),
+        ("poddisruptionbudgets", "list"),
+        ("poddisruptionbudgets", "watch"),
         # gang: podGroup: one PodGroup per instance, deleted with its generation.
         ("podgroups", "list"),
         ("podgroups", "create"),
@@ -269,3 +275,60 @@ def test_image_allowlist_and_own_namespace_reach_the_operator() -> None:
     parsed = OperatorSettings.from_env({k: v for k, v in env.items() if isinstance(v, str)})
     assert parsed.image_allowlist == ("registry.example/team", "pdcluster")
     assert env_of(render())["PDCLUSTER_OPERATOR_IMAGE_ALLOWLIST"] == ""
+
+
+@needs_helm
+def test_the_scrapers_reach_the_operator_and_pod_monitors_select_serving_pods() -> None:
+    from pdcluster.operator.builders.networkpolicy import ScrapeSource
+    from pdcluster.operator.settings import OperatorSettings
+
+    def settings_of(docs: list[dict[str, Any]]) -> OperatorSettings:
+        (dep,) = by_kind(docs, "Deployment")
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        return OperatorSettings.from_env(env)
+
+    # By default: every pod of the monitoring namespace.
+    assert settings_of(render()).scrape_source == ScrapeSource.namespace("monitoring")
+    chosen = settings_of(
+        render(
+            "monitoring.scrapeFrom.namespaceSelector.team=obs",
+            "monitoring.scrapeFrom.podSelector.app\\.kubernetes\\.io/name=prometheus",
+        )
+    )
+    assert chosen.scrape_source == ScrapeSource(
+        {"team": "obs"}, {"app.kubernetes.io/name": "prometheus"}
+    )
+    assert settings_of(render("monitoring.scrapeFrom.enabled=false")).scrape_source is None
+    assert by_kind(render(), "PodMonitor") == []
+    monitors = {
+        m["metadata"]["name"]: m
+        for m in by_kind(render("monitoring.podMonitor.enabled=true"), "PodMonitor")
+    }
+    workers, routers = (
+        monitors["rel-pdcluster-operator-workers"],
+        monitors["rel-pdcluster-operator-routers"],
+    )
+    assert workers["metadata"]["namespace"] == "monitoring"
+    # Only a leader serves HTTP; the port is the worker's `http` (/metrics).
+    assert workers["spec"]["selector"]["matchLabels"]["pdcluster.io/leader"] == "true"
+    assert workers["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert routers["spec"]["selector"]["matchLabels"]["pdcluster.io/role"] == "router"
+    # The selectors match the pods the operator builds: leaders, not pods k > 0.
+    from pdcluster.operator.builders import build_router_deployment, build_worker_pod
+    from pdcluster.runtime.spec import Role
+
+    from .helpers import make_cluster
+
+    cluster = make_cluster({"prefill": {"topology": {"tp": 2}, "gpusPerPod": 1}, "decode": {}})
+    leader = build_worker_pod(cluster, Role.prefill, 0, 0)["metadata"]["labels"]
+    follower = build_worker_pod(cluster, Role.prefill, 0, 1, "10.0.0.1")["metadata"]["labels"]
+    router = build_router_deployment(cluster)["spec"]["template"]["metadata"]["labels"]
+    wanted = workers["spec"]["selector"]["matchLabels"].items()
+    assert leader.items() >= wanted and not follower.items() >= wanted
+    assert router.items() >= routers["spec"]["selector"]["matchLabels"].items()
+    assert workers["spec"]["namespaceSelector"] == {"any": True}
+    namespaced = by_kind(
+        render("monitoring.podMonitor.enabled=true", "watchNamespaces={team-a}"), "PodMonitor"
+    )
+    assert all(m["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]} for m in namespaced)

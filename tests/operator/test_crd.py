@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,8 @@ def _to_json_schema(schema: Any) -> Any:
         }
         if schema.get("nullable"):
             out["type"] = [schema["type"], "null"]
-        if schema.get("type") == "object" and "properties" in schema:
+        keeps_unknown = schema.get("x-kubernetes-preserve-unknown-fields")
+        if schema.get("type") == "object" and "properties" in schema and not keeps_unknown:
             out["additionalProperties"] = False  # what pruning would silently drop
         return out
     if isinstance(schema, list):
@@ -208,6 +210,9 @@ def _failing_rules(spec: dict[str, Any]) -> list[str]:
         if role in spec:
             failing += [r.message for r in cel_rules.ROLE_RULES if not _eval(r, spec[role])]
     failing += [r.message for r in cel_rules.MODEL_RULES if not _eval(r, spec["model"])]
+    vllm = spec.get("engine", {}).get("vllm")
+    if vllm is not None:
+        failing += [r.message for r in cel_rules.VLLM_RULES if not _eval(r, vllm)]
     return failing
 
 
@@ -230,6 +235,20 @@ PHRASES = (
     "colocated.autoscaling is not supported",
     "is below the GPUs of both roles at their minimum",
     "exceeds autoscaling.maxTotalGPUs",
+    # engine.kind: vllm (runtime/spec/serving_engine.py)
+    "model.path: engine.kind vllm",
+    "not float64",
+    "kvCache.dtype must equal model.computeDtype",
+    "kvCache.layout: vLLM",
+    "transfer.checksum: vLLM",
+    "transfer.backend must be nixl",
+    "context parallelism is not mapped onto vLLM",
+    "a vLLM instance runs in one pod",
+    "kvBufferDevice cuda needs",
+    "vLLM reports no queued prompt tokens",
+    "cache_aware needs the page keys",
+    "extraArgs",
+    "env:",
 )
 
 axis = st.integers(min_value=1, max_value=4)
@@ -255,6 +274,26 @@ roles = st.fixed_dictionaries(
         "gpusPerPod": st.sampled_from([1, 2, 3, 4, 8]),
         "replicas": st.integers(0, 3),
         "autoscaling": autoscaling,
+        "device": st.sampled_from(["cpu", "cuda"]),
+    },
+)
+dtypes = st.sampled_from(["float32", "bfloat16", "float64"])
+engines = st.fixed_dictionaries(
+    {"kind": st.sampled_from(["builtin", "vllm"])},
+    optional={
+        "vllm": st.fixed_dictionaries(
+            {},
+            optional={
+                "kvBufferDevice": st.sampled_from(["cpu", "cuda"]),
+                "extraArgs": st.lists(
+                    st.sampled_from(["--enforce-eager", "--port=1", "-tp", "--max-model-len"]),
+                    max_size=2,
+                ),
+                "env": st.dictionaries(
+                    st.sampled_from(["HF_TOKEN", "VLLM_API_KEY", "1BAD"]), st.just("x"), max_size=2
+                ),
+            },
+        )
     },
 )
 specs = st.fixed_dictionaries(
@@ -266,7 +305,26 @@ specs = st.fixed_dictionaries(
         "colocated": roles,
         "model": st.fixed_dictionaries(
             {"name": st.sampled_from(["tiny", "llama"])},
-            optional={"path": st.sampled_from(["", "/models/llama"])},
+            optional={"path": st.sampled_from(["", "/models/llama"]), "computeDtype": dtypes},
+        ),
+        "engine": engines,
+        "kvCache": st.fixed_dictionaries(
+            {}, optional={"dtype": dtypes, "layout": st.sampled_from(["NHD", "HND"])}
+        ),
+        "transfer": st.fixed_dictionaries(
+            {},
+            optional={
+                "backend": st.sampled_from(["tcp", "nixl"]),
+                "checksum": st.booleans(),
+            },
+        ),
+        "router": st.fixed_dictionaries(
+            {},
+            optional={
+                "policy": st.fixed_dictionaries(
+                    {}, optional={"prefill": st.sampled_from(["round_robin", "cache_aware"])}
+                )
+            },
         ),
     },
 )
@@ -286,6 +344,62 @@ def test_cel_rules_accept_exactly_what_the_models_accept(spec: dict[str, Any]) -
         assert model_phrases & cel_phrases, (str(err), failing)
     else:
         assert failing == []
+
+
+VLLM_OK: dict[str, Any] = {
+    "engine": {"kind": "vllm", "vllm": {"extraArgs": ["--enforce-eager"], "env": {"A": "1"}}},
+    "model": {"name": "m", "path": "/models/m"},
+    "transfer": {"backend": "nixl"},
+    "prefill": {"topology": {"tp": 2}, "gpusPerPod": 2},
+    "decode": {},
+}
+
+
+@pytest.mark.parametrize(
+    ("patch", "phrase"),
+    [
+        ({}, None),
+        ({"model": {"name": "tiny"}}, "model.path: engine.kind vllm"),
+        ({"model": {"name": "m", "path": "/m", "computeDtype": "float64"}}, "not float64"),
+        ({"kvCache": {"dtype": "bfloat16"}}, "kvCache.dtype must equal model.computeDtype"),
+        ({"kvCache": {"layout": "HND"}}, "kvCache.layout: vLLM"),
+        ({"transfer": {"backend": "nixl", "checksum": True}}, "transfer.checksum: vLLM"),
+        ({"transfer": {"backend": "tcp"}}, "transfer.backend must be nixl"),
+        ({"prefill": {"topology": {"cp": 2}}}, "context parallelism is not mapped onto vLLM"),
+        ({"decode": {"topology": {"tp": 2}, "gpusPerPod": 1}}, "a vLLM instance runs in one pod"),
+        (
+            {"engine": {"kind": "vllm", "vllm": {"kvBufferDevice": "cuda"}}},
+            "kvBufferDevice cuda needs",
+        ),
+        (
+            {
+                "prefill": {
+                    "autoscaling": {
+                        "maxReplicas": 2,
+                        "target": {"metric": "queuedPrefillTokensPerInstance", "value": 100},
+                    }
+                }
+            },
+            "vLLM reports no queued prompt tokens",
+        ),
+        ({"router": {"policy": {"decode": "cache_aware"}}}, "cache_aware needs the page keys"),
+        ({"engine": {"kind": "vllm", "vllm": {"extraArgs": ["--port=9"]}}}, "extraArgs"),
+        ({"engine": {"kind": "vllm", "vllm": {"env": {"VLLM_API_KEY": "x"}}}}, "env:"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_vllm_rules_refuse_in_both_places_with_the_same_words(
+    patch: dict[str, Any], phrase: str | None
+) -> None:
+    spec = {**copy.deepcopy(VLLM_OK), **patch}
+    failing = _failing_rules(apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec)))
+    if phrase is None:
+        parse_spec(spec)
+        assert failing == []
+        return
+    with pytest.raises(SpecError, match=re.escape(phrase)):
+        parse_spec(spec)
+    assert [m for m in failing if phrase in m], failing
 
 
 def test_cel_rules_hold_on_objects_the_apiserver_did_not_default() -> None:
@@ -315,8 +429,8 @@ def test_rank_cap_refuses_a_huge_instance_in_both_places() -> None:
 
 
 def test_model_message_names_the_model() -> None:
-    (rule,) = cel_rules.MODEL_RULES
+    rule = cel_rules.MODEL_RULES[0]
     assert rule.message_expression is not None
     program = _program(rule.message_expression)
     text = program.evaluate({"self": need("celpy").json_to_cel({"name": "llama"})})
-    assert str(text) == "model llama needs `path` (only tiny is built in)"
+    assert str(text) == "model llama needs `path` or `source` (only tiny is built in)"

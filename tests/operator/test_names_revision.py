@@ -127,6 +127,11 @@ def test_gpus_per_pod_hashes_as_before_it_could_be_left_out(
         ({"decode": {"engine": {"maxRunningRequests": 8}}}, False, False, True),
         ({"decode": {"nodeSelector": {"pool": "b"}}}, False, False, True),
         ({"router": {"policy": {"prefill": "random"}}}, False, False, False),
+        ({"prefill": {"pod": {"capabilities": ["IPC_LOCK"]}}}, False, True, False),
+        ({"model": {"name": "m", "source": {"uri": "pvc://models/m"}}}, True, True, True),
+        ({"decode": {"rollout": {"maxSurge": 0, "maxUnavailable": 1}}}, False, False, False),
+        ({"decode": {"disruptionBudget": {"maxUnavailable": 2}}}, False, False, False),
+        ({"prefill": {"drain": {"timeoutSeconds": 900}}}, False, False, False),
         (
             {
                 "prefill": {"autoscaling": {"maxReplicas": 3, "target": AUTOSCALING_TARGET}},
@@ -145,6 +150,11 @@ def test_gpus_per_pod_hashes_as_before_it_could_be_left_out(
         "decode-engine",
         "decode-sched",
         "router",
+        "pod-overlay",
+        "model-source",
+        "rollout",
+        "disruption-budget",
+        "drain",
         "autoscaling",
     ],
 )

@@ -172,10 +172,12 @@ def test_scaling_down_deletes_the_pod_group_once_its_pods_are_gone() -> None:
     kept, dropped = group_name(sim, Role.prefill, 0), group_name(sim, Role.prefill, 1)
     assert set(pod_groups(sim)) == {kept, dropped}
     sim.set_spec(with_prefill(replicas=1))
-    plan, _ = sim.step()
-    # The pods go first; the PodGroup stays while one of them is still observed.
-    deleted = {a.key.kind for a in plan.actions if isinstance(a, Delete)}
-    assert "Pod" in deleted and "PodGroup" not in deleted
+    # The pods go first, the leader before the others (a drain); the PodGroup
+    # stays while one of them is still observed.
+    for _ in range(2):
+        plan, _ = sim.step()
+        deleted = {a.key.kind for a in plan.actions if isinstance(a, Delete)}
+        assert "Pod" in deleted and "PodGroup" not in deleted
     plan, _ = sim.step()
     assert [a.key for a in plan.actions if isinstance(a, Delete)] == [
         ObjectKey("PodGroup", dropped)

@@ -12,8 +12,7 @@ from pdcluster.operator.reconcile.actions import Apply, Create, CreateTokenSecre
 from pdcluster.operator.reconcile.instances import Health, group_instances
 from pdcluster.operator.reconcile.plan import manifest_hash, stamp
 from pdcluster.operator.reconcile.restarts import backoff_delay
-from pdcluster.operator.reconcile.rollout import MAX_SURGE
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import Role, RolloutSpec
 
 from .helpers import PD, Sim, observe_store
 
@@ -441,7 +440,7 @@ def test_image_change_rolls_one_instance_at_a_time_keeping_capacity(replicas: in
                 and p["status"].get("phase") != "Running"
             ]
             per_instance = 2 if role == Role.prefill else 1
-            assert len(surged) <= MAX_SURGE * per_instance
+            assert len(surged) <= RolloutSpec().max_surge * per_instance
         if not plan.writes:
             break
         sim.store.make_all_ready()

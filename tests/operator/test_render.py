@@ -29,12 +29,15 @@ def test_render_prints_every_object_of_the_cluster(capsys, tmp_path: Path) -> No
     objects = render(capsys, "-f", str(manifest), "--namespace", "team-b")
     name = doc["metadata"]["name"]
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objects]
-    assert kinds[:8] == [
+    assert kinds[:11] == [
         ("ServiceAccount", f"{name}-runtime"),
         ("Role", f"{name}-runtime"),
         ("RoleBinding", f"{name}-runtime"),
         ("NetworkPolicy", f"{name}-workers-ingress"),
         ("NetworkPolicy", f"{name}-router-ingress"),
+        ("PodDisruptionBudget", f"{name}-prefill-budget"),
+        ("PodDisruptionBudget", f"{name}-decode-budget"),
+        ("PodDisruptionBudget", f"{name}-router-budget"),
         ("ConfigMap", f"{name}-config"),
         ("Secret", f"{name}-token"),
         ("Deployment", f"{name}-router"),

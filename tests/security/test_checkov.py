@@ -108,7 +108,7 @@ def test_helm_chart_passes_checkov(tmp_path: Path) -> None:
     assert checkov_findings(tmp_path) == []
 
 
-@pytest.mark.parametrize("check", ["CKV_K8S_38"])
+@pytest.mark.parametrize("check", ["CKV_K8S_38", "CKV_K8S_25"])
 def test_allowances_do_not_cover_worker_pods(check: str) -> None:
     pod = {"check_id": check, "resource": "Pod.pdc-apps.pd-1p1d-prefill-0-abc-0"}
     assert not allowed(pod)

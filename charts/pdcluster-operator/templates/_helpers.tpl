@@ -77,6 +77,9 @@ the apiserver's escalation check passes.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "create", "patch", "delete"]
@@ -86,4 +89,14 @@ the apiserver's escalation check passes.
 - apiGroups: ["scheduling.x-k8s.io"]
   resources: ["podgroups"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+{{- end -}}
+
+
+{{/* A label map as `k=v,k2=v2` (sorted), what the operator's selector variables read. */}}
+{{- define "pdcluster-operator.labelPairs" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}

@@ -1,0 +1,165 @@
+"""One worker instance of a `kind: vllm` cluster as a `vllm serve` command.
+
+`build_vllm_serve(spec, role, port=...)` maps the manifest onto vLLM's flags
+and environment; the operator puts them into the pod (`command: [vllm,
+serve]`), local mode into a process (`vllm_argv`, with either a `vllm`
+executable or an interpreter that imports vLLM). The mapping (docs/vllm.md):
+
+- `model.path`, `model.name` → the served model, `--served-model-name name [path]`;
+- `model.computeDtype` → `--dtype` (the KV cache follows it);
+- `kvCache.pageSize` → `--block-size`;
+- `<role>.topology.tp / pp / dp` → `--tensor-parallel-size`,
+  `--pipeline-parallel-size`, `--data-parallel-size`;
+- `<role>.engine.prefixCache` → `--enable-prefix-caching` or `--no-...`;
+- the role, `engine.vllm.kvConnector`, `kvBufferDevice` and
+  `transfer.failurePolicy` → `--kv-transfer-config` (`kv_role` kv_producer or
+  kv_consumer; decode's `kv_load_failure_policy`);
+- `transfer.ucx.tls / netDevices` → `UCX_TLS`, `UCX_NET_DEVICES` (NIXL's UCX);
+- the KV side channel (`side_channel_port`) → `VLLM_NIXL_SIDE_CHANNEL_PORT`
+  (dp group d listens on that port + d);
+- `engine.vllm.extraArgs`, `env` → appended as given.
+
+Left to the caller, because only it knows them: the side channel's host
+(`VLLM_NIXL_SIDE_CHANNEL_HOST`: the pod IP, 127.0.0.1 locally) and the
+cluster token (`VLLM_API_KEY`, unless `auth.workerApi: open`).
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pdcluster.runtime.spec import (
+    KVBufferDevice,
+    PDClusterSpec,
+    Role,
+    SpecError,
+    VllmKVConnector,
+)
+from pdcluster.runtime.spec.model_source import engine_model
+
+# vLLM's default NIXL side-channel port (its `VLLM_NIXL_SIDE_CHANNEL_PORT`).
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+# The OpenAI server as a module, for an interpreter named instead of `vllm`.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+API_KEY_ENV = "VLLM_API_KEY"
+
+_KV_ROLE = {Role.prefill: "kv_producer", Role.decode: "kv_consumer"}
+
+
+@dataclass(frozen=True)
+class VllmServe:
+    """`vllm serve <model> <flags...>` with `env` set."""
+
+    model: str
+    flags: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    # The NIXL side channel of dp group 0 (group d: + d); None without a connector.
+    side_channel_port: int | None = None
+
+    @property
+    def serve_args(self) -> list[str]:
+        """The arguments after `vllm serve`."""
+        return [self.model, *self.flags]
+
+
+def kv_transfer_config(spec: PDClusterSpec, role: Role) -> dict[str, str]:
+    """vLLM's `--kv-transfer-config` of a prefill or decode instance."""
+    rs = spec.role_spec(role)
+    if rs is None or role not in _KV_ROLE:
+        raise SpecError(f"a {role.value} instance has no KV connector")
+    vllm = spec.engine.vllm
+    buffer = vllm.kv_buffer_device or KVBufferDevice(rs.device)
+    config = {
+        "kv_connector": vllm.kv_connector.value,
+        "kv_role": _KV_ROLE[role],
+        "kv_buffer_device": buffer.value,
+    }
+    if role is Role.decode:
+        # What decode does with a prompt whose KV never arrives (fail | recompute).
+        config["kv_load_failure_policy"] = spec.transfer.failure_policy.value
+    return config
+
+
+def build_vllm_serve(
+    spec: PDClusterSpec,
+    role: Role,
+    *,
+    port: int,
+    host: str = "0.0.0.0",
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT,
+) -> VllmServe:
+    """The `vllm serve` command of one `role` instance listening on `host:port`."""
+    if not spec.engine.is_vllm:
+        raise SpecError("engine.kind is not vllm: the workers run `pdcluster worker`")
+    rs = spec.role_spec(role)
+    if rs is None:
+        raise SpecError(f"the cluster has no {role.value} role")
+    model = spec.model
+    # A folder the pod mounted, or a hub id read from the mounted cache
+    # (model.source: runtime/spec/model_source.py; the operator mounts it).
+    served = engine_model(model.path, model.source)
+    names = [model.name] if model.name == served.location else [model.name, served.location]
+    topology = rs.topology
+    flags = [
+        "--served-model-name",
+        *names,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        model.compute_dtype.value,
+        "--block-size",
+        str(spec.kv_cache.page_size),
+        "--tensor-parallel-size",
+        str(topology.tp),
+        "--pipeline-parallel-size",
+        str(topology.pp),
+        "--data-parallel-size",
+        str(topology.dp),
+        "--enable-prefix-caching" if rs.engine.prefix_cache else "--no-enable-prefix-caching",
+    ]
+    env: dict[str, str] = {}
+    side: int | None = None
+    if role in _KV_ROLE:
+        flags += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role))]
+        if spec.engine.vllm.kv_connector is VllmKVConnector.nixl:
+            side = side_channel_port
+            env[SIDE_CHANNEL_PORT_ENV] = str(side)
+            ucx = spec.transfer.ucx
+            if ucx.tls:
+                env["UCX_TLS"] = ucx.tls
+            if ucx.net_devices:
+                env["UCX_NET_DEVICES"] = ucx.net_devices
+    if served.revision is not None:
+        flags += ["--revision", served.revision]
+    flags += spec.engine.vllm.extra_args
+    env.update(spec.engine.vllm.env)
+    return VllmServe(model=served.location, flags=tuple(flags), env=env, side_channel_port=side)
+
+
+def side_channel_ports(serve: VllmServe, dp: int) -> tuple[int, ...]:
+    """The NIXL side-channel ports an instance listens on: one per dp group."""
+    if serve.side_channel_port is None:
+        return ()
+    return tuple(serve.side_channel_port + d for d in range(dp))
+
+
+def is_interpreter(program: str) -> bool:
+    """Whether `program` names a Python interpreter (else: a `vllm` executable)."""
+    name = program.rstrip("/").rsplit("/", 1)[-1]
+    return name.startswith("python")
+
+
+def vllm_argv(program: str, serve: VllmServe) -> list[str]:
+    """The process's argv: `<vllm> serve <model> ...`, or `<python> -m <api server>
+    --model <model> ...` when `program` is an interpreter with vLLM installed."""
+    if is_interpreter(program):
+        return [program, "-m", API_SERVER_MODULE, "--model", serve.model, *serve.flags]
+    return [program, "serve", *serve.serve_args]

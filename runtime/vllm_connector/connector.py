@@ -132,7 +132,7 @@ class PDClusterConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        settings = load_settings(transfer.kv_connector_extra_config)
+        settings = load_settings(transfer.kv_connector_extra_config, os.environ)
         our_role = role_of(transfer.kv_role)
         token = read_cluster_token(os.environ, who="PDClusterConnector")
         self._scheduler: Any = None

@@ -38,7 +38,8 @@ class ConnectorSettings(SpecModel):
     # Where the side port and the ranks' ZMQ endpoints listen.
     host: str = Field(default="0.0.0.0", min_length=1, max_length=253)
     # How peers reach this pod (its IP): ZMQ endpoints and the bootstrap address.
-    advertise_host: str = Field(default="127.0.0.1", min_length=1, max_length=253)
+    # Unset: `POD_IP` from the environment (pods), else `host` (127.0.0.1 for 0.0.0.0).
+    advertise_host: str | None = Field(default=None, min_length=1, max_length=253)
     cluster: str = Field(default="pdcluster", min_length=1, max_length=63)
     transfer: TransferSpec = TransferSpec()
     # CURVE on the ranks' ZMQ endpoints (keys derived from the cluster token).
@@ -49,8 +50,11 @@ class ConnectorSettings(SpecModel):
     prefill_peers: list[str] | None = Field(default=None, max_length=1024)
 
 
-def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
-    """Checked settings; SpecError naming the field otherwise."""
+def load_settings(
+    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorSettings:
+    """Checked settings, the advertised host resolved from `env`; SpecError naming
+    the field otherwise."""
     data = dict(extra or {})
     try:
         settings = ConnectorSettings.model_validate(data)
@@ -63,6 +67,10 @@ def load_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
             "kv_connector_extra_config.transfer.backend: shm writes into our engine's "
             "shared-memory pool; inside vLLM use tcp or nixl"
         )
+    if settings.advertise_host is None:
+        pod_ip = (env or {}).get("POD_IP")
+        fallback = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        settings = settings.model_copy(update={"advertise_host": pod_ip or fallback})
     if settings.transfer.allocation_policy is not AllocationPolicy.early:
         raise SpecError(
             "kv_connector_extra_config.transfer.allocationPolicy: vLLM allocates a decode "

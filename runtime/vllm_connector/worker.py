@@ -120,6 +120,7 @@ class ConnectorWorker:
         self.facts.check_cache(pool.shape)
         settings, facts = self.settings, self.facts
         heads = facts.heads
+        advertise = settings.advertise_host or settings.host
         ctx = AgentContext(
             role=facts.role,
             cluster=settings.cluster,
@@ -144,8 +145,8 @@ class ConnectorWorker:
             page_size=facts.block_size,
             num_pages=pool.shape.num_pages,
             host=settings.host,
-            advertise_host=settings.advertise_host,
-            bootstrap_address=BootstrapAddress(f"{settings.advertise_host}:{settings.side_port}"),
+            advertise_host=advertise,
+            bootstrap_address=BootstrapAddress(f"{advertise}:{settings.side_port}"),
             curve=settings.zmq_curve,
         )
         agent: Any

@@ -141,14 +141,15 @@ def _spawn(name: str, config: dict[str, Any], log_dir: Path) -> Engine:
     )
     env.pop("PDCLUSTER_TOKEN_FILE", None)
     log_path = log_dir / f"{name}.log"
-    proc = subprocess.Popen(
-        [vllm_python(), str(HOST_SCRIPT), json.dumps(config)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(log_path, "w"),  # noqa: SIM115 (closed with the process)
-        env=env,
-        text=True,
-    )
+    with open(log_path, "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [vllm_python(), str(HOST_SCRIPT), json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            text=True,
+        )
     engine = Engine(name, config, proc, log_path=log_path)
 
     def read() -> None:

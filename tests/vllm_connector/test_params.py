@@ -126,3 +126,16 @@ def test_a_tp_rank_holds_its_contiguous_share_of_the_kv_heads():
 def test_engines_our_protocol_cannot_pair_are_refused_naming_the_setting(kw, match):
     with pytest.raises(SpecError, match=match):
         facts(**kw).check()
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "advertised"),
+    [
+        ({"sidePort": 1}, {"POD_IP": "10.1.2.3"}, "10.1.2.3"),
+        ({"sidePort": 1}, {}, "127.0.0.1"),
+        ({"sidePort": 1, "host": "10.0.0.9"}, {}, "10.0.0.9"),
+        ({"sidePort": 1, "advertiseHost": "h"}, {"POD_IP": "10.1.2.3"}, "h"),
+    ],
+)
+def test_the_advertised_host_is_the_pods_ip_unless_set(extra, env, advertised):
+    assert load_settings(extra, env).advertise_host == advertised

@@ -21,12 +21,11 @@ Invariant: the pool never frees or reuses pages by itself; the page allocator
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from pdcluster.runtime.engine.kv_order import NHD_ORDER, KVOrder
-from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.engine.kv_order import NHD_ORDER
+from pdcluster.runtime.engine.kv_shape import KVPoolShape as KVPoolShape
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,58 +33,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-
-
-@dataclass(frozen=True)
-class KVPoolShape:
-    num_layers: int  # layers held by this rank (its pp range)
-    num_pages: int
-    page_size: int
-    num_kv_heads: int  # kv heads held by this rank (its tp slice)
-    head_dim: int
-    dtype: str = "float32"
-    # One of our layouts, or any physical order of the axes (`kv_order.py`).
-    layout: KVLayout | KVOrder = KVLayout.NHD
-    # The engine keeps a page's interior in a layout of its own (rows are not
-    # tokens): only whole pages may move (`transfer/page_span.py`).
-    whole_pages: bool = False
-
-    @property
-    def order(self) -> KVOrder:
-        return KVOrder.of(self.layout)
-
-    def row_strides(self) -> dict[str, int]:
-        """Rows of head_dim values between neighbours along each axis (`KVOrder.row_strides`)."""
-        return self.order.row_strides(
-            self.num_layers, self.num_pages, self.page_size, self.num_kv_heads
-        )
-
-    @property
-    def numel(self) -> int:
-        return (
-            self.num_layers
-            * 2
-            * self.num_pages
-            * self.page_size
-            * self.num_kv_heads
-            * self.head_dim
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K+V for one token over all local layers and heads."""
-        return self.nbytes // (self.num_pages * self.page_size)
-
-    def dims(self) -> tuple[int, ...]:
-        """The buffer's dims in physical order, head_dim last ([L, 2, P, ...] for our layouts)."""
-        outer = self.order.sizes_in_order(
-            self.num_layers, self.num_pages, self.page_size, self.num_kv_heads
-        )
-        return (*outer, self.head_dim)
 
 
 class KVPool:

@@ -160,6 +160,7 @@ class RouterState:
             rooms_source=rng,
             prompt_tokens=self._prompt_reader() if config.cache_aware_roles else None,
             engine=config.engine,
+            connector=config.kv_connector,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
         self.started_at = int(time.time())
@@ -214,9 +215,14 @@ class RouterState:
             timeout_s=cfg.health_check_timeout_s,
             on_transition=self._on_transition,
             reads_server_info=cfg.reads_server_info,
+            reads_side_ports=cfg.uses_side_ports,
         )
         if cfg.kubernetes is None:
-            self.pool.sync(static_targets(cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls))
+            self.pool.sync(
+                static_targets(
+                    cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls, cfg.side_ports
+                )
+            )
             await self.checker.probe_all()
         else:
             self._discovery = KubernetesDiscovery(

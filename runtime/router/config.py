@@ -12,12 +12,19 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, static_targets
-from pdcluster.runtime.spec import EngineKind, FailurePolicy, PDClusterSpec, Role, SelectionPolicy
+from pdcluster.runtime.spec import (
+    EngineKind,
+    FailurePolicy,
+    PDClusterSpec,
+    Role,
+    SelectionPolicy,
+    VllmKVConnector,
+)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -64,6 +71,13 @@ class RouterConfig:
     # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
     # on /health alone and their legs go one after the other (leg_plan.LegFlow).
     engine: EngineKind = EngineKind.builtin
+    # vLLM's KV connector (`spec.engine.vllm.kvConnector`): with ours the legs
+    # go at once, paired by a room in their `kv_transfer_params`.
+    kv_connector: VllmKVConnector = VllmKVConnector.nixl
+    # vLLM with our connector: each static worker's side port (its bootstrap
+    # server and admin API), by worker URL; Kubernetes discovery reads it from
+    # the pod's `pdcluster.io/bootstrap-port` annotation.
+    side_ports: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -94,6 +108,9 @@ class RouterConfig:
         if not isinstance(self.engine, EngineKind):
             valid = ", ".join(e.value for e in EngineKind)
             raise ValueError(f"engine={self.engine!r} is not one of: {valid}")
+        for url, port in self.side_ports.items():
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ValueError(f"side port of {url} must be in 1..65535, got {port!r}")
         if self.engine is EngineKind.vllm and self.cache_aware_roles:
             raise ValueError("cache_aware needs page keys, which vLLM workers do not publish")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
@@ -130,6 +147,11 @@ class RouterConfig:
         return self.engine is EngineKind.builtin
 
     @property
+    def uses_side_ports(self) -> bool:
+        """vLLM with our connector: a worker's room facts are on its side port."""
+        return self.engine is EngineKind.vllm and self.kv_connector is VllmKVConnector.pdcluster
+
+    @property
     def aborts_by_rid(self) -> bool:
         """Whether workers take `/abort_request {rid}` (vLLM: closing the leg aborts it)."""
         return self.engine is EngineKind.builtin
@@ -153,6 +175,7 @@ class RouterConfig:
         colocated_urls: Sequence[str] = (),
         kubernetes: KubernetesDiscoverySettings | None = None,
         api_keys: Sequence[str] = (),
+        side_ports: Mapping[str, int] | None = None,
     ) -> RouterConfig:
         """Settings of a PDCluster manifest plus the addresses the caller knows."""
         aliases = (spec.model.path,) if spec.model.path else ()
@@ -174,6 +197,8 @@ class RouterConfig:
             max_load_gap=spec.router.policy.max_load_gap,
             tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
             engine=spec.engine.kind,
+            kv_connector=spec.engine.vllm.kv_connector,
+            side_ports=dict(side_ports or {}),
         )
 
     @property

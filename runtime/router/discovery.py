@@ -29,13 +29,19 @@ from pdcluster.runtime.spec import Role
 
 ROLE_LABEL = "pdcluster.io/role"
 PORT_ANNOTATION = "pdcluster.io/http-port"
+# A worker's side port (our bootstrap server and admin API beside vLLM's HTTP).
+SIDE_PORT_ANNOTATION = "pdcluster.io/bootstrap-port"
 POD_INDEX_LABEL = "pdcluster.io/pod-index"
 
 
 def static_targets(
-    prefill: Sequence[str] = (), decode: Sequence[str] = (), colocated: Sequence[str] = ()
+    prefill: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    colocated: Sequence[str] = (),
+    side_ports: Mapping[str, int] | None = None,
 ) -> list[WorkerTarget]:
-    """Validate static worker lists; raise ValueError naming the problem."""
+    """Validate static worker lists; raise ValueError naming the problem.
+    `side_ports`: vLLM with our connector, each worker's side port by URL."""
     if colocated and (prefill or decode):
         raise ValueError("list either colocated workers or prefill+decode workers, not both")
     if not colocated:
@@ -46,6 +52,7 @@ def static_targets(
             raise ValueError(f"a disaggregated router needs at least one {missing} URL")
     targets: list[WorkerTarget] = []
     seen: dict[str, Role] = {}
+    sides = {normalize_url(url): port for url, port in (side_ports or {}).items()}
     for role, urls in (
         (Role.prefill, prefill),
         (Role.decode, decode),
@@ -56,7 +63,7 @@ def static_targets(
             if url in seen:
                 raise ValueError(f"worker {url} is listed twice ({seen[url].value}, {role.value})")
             seen[url] = role
-            targets.append(WorkerTarget(url=url, role=role))
+            targets.append(WorkerTarget(url=url, role=role, side_port=sides.get(url)))
     return targets
 
 
@@ -170,7 +177,10 @@ def decide_pod(pod: Mapping[str, Any], settings: KubernetesDiscoverySettings) ->
     except ValueError as err:
         return skip(str(err))
     revision = str(labels.get(REVISION_LABEL, ""))
-    return PodDecision(name=name, target=WorkerTarget(url=url, role=role, revision=revision))
+    side = annotations.get(SIDE_PORT_ANNOTATION)
+    side_port = None if side is None else _parse_port(side)
+    target = WorkerTarget(url=url, role=role, revision=revision, side_port=side_port)
+    return PodDecision(name=name, target=target)
 
 
 def targets_from_pods(

@@ -263,7 +263,7 @@ class Relay:
                 await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
                 async with self.ctx.legs.post(
-                    worker.url + self.plan.path, data=self.plan.content, headers=JSON
+                    worker.url + self.plan.path, data=self.plan.prefill_content, headers=JSON
                 ) as resp:
                     if resp.status >= 400:
                         raw = await resp.read()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from pdcluster.runtime.engine.kv_order import KVOrder
-from pdcluster.runtime.engine.kv_pool import KVPoolShape
+from pdcluster.runtime.engine.kv_shape import KVPoolShape
 
 # How an attention backend reads the content of one (block, head) cell.
 ContentSplit = Literal["planes", "per_token"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcluster.runtime.engine.kv_pool import KVPoolShape
+from pdcluster.runtime.engine.kv_shape import KVPoolShape
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.messages import PROTOCOL_VERSION

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,8 +46,6 @@ log = logging.getLogger("pdcluster.vllm")
 
 # How long applying a step's commands may wait for a busy agent (seconds).
 APPLY_WAIT_S = 5.0
-# How often the rank's counters and peer verdicts go to the scheduler (seconds).
-NEWS_EVERY_S = 0.5
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -109,7 +108,6 @@ class ConnectorWorker:
         self.agent: RankAgent | None = None
         self._applied_step = -1
         self._chunks: list[Chunk] = []
-        self._news_at = 0.0
 
     # ------------------------------------------------------------ start-up
     def register(
@@ -200,9 +198,13 @@ class ConnectorWorker:
                     self.rooms.opened(req_id, cmd.room)
                 elif isinstance(cmd, GroupPages):
                     self.rooms.pages(cmd.room)
-            self._on_agent(lambda cmd=cmd: self.agent.on_group(cmd, time.monotonic()))  # type: ignore[union-attr]
+            self._on_agent(partial(self._to_agent, cmd))
         if commands.preempted:
             self._wait_unread(commands)
+
+    def _to_agent(self, cmd: Any) -> None:
+        assert self.agent is not None
+        self.agent.on_group(cmd, time.monotonic())
 
     def _on_agent(self, fn: Callable[[], None]) -> None:
         """Run `fn` as one of the agent's steps, in order with its others, and wait."""
@@ -250,22 +252,17 @@ class ConnectorWorker:
             return self.rooms.take_finished()
 
     def news(self) -> RankNews:
-        """What the scheduler hears after this step: rooms failed here, the peer
-        verdicts when they changed (each step: they gate the router), the counters
-        at most every NEWS_EVERY_S."""
+        """What the scheduler hears after this step: rooms failed here, and the peer
+        verdicts and counters when they changed (a copy of a few dozen numbers per
+        step; nothing travels when nothing changed)."""
         agent = self.agent
         if agent is not None:
             peers = agent.peers_down() if hasattr(agent, "peers_down") else None
-            now = time.monotonic()
-            counts = None
-            if now >= self._news_at:
-                self._news_at = now + NEWS_EVERY_S
-                counts = self._counters(agent)
+            counts = self._counters(agent)
             with self._lock:
                 if peers is not None:
                     self.rooms.peers_down(peers)
-                if counts is not None:
-                    self.rooms.counters(self.name, counts)
+                self.rooms.counters(self.name, counts)
         with self._lock:
             return self.rooms.take_news()
 

@@ -40,19 +40,27 @@ class Engine:
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
     log_path: Path | None = None
     free_blocks: int = 0  # when it came up: the count every test must return to
+    _side: httpx.Client | None = None
 
     @property
     def side_port(self) -> int:
         return int(self.config["extra"]["sidePort"])
 
     @property
+    def side_url(self) -> str:
+        return f"http://127.0.0.1:{self.side_port}"
+
+    @property
     def side(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=f"http://127.0.0.1:{self.side_port}",
-            headers={"authorization": f"Bearer {TOKEN}"},
-            timeout=10.0,
-            trust_env=False,
-        )
+        """A client of the connector's side port, with the cluster token."""
+        if self._side is None:
+            self._side = httpx.Client(
+                base_url=self.side_url,
+                headers={"authorization": f"Bearer {TOKEN}"},
+                timeout=10.0,
+                trust_env=False,
+            )
+        return self._side
 
     def send(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None
@@ -109,7 +117,13 @@ class Engine:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def _close_side(self) -> None:
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+
     def stop(self) -> None:
+        self._close_side()
         if self.alive:
             assert self.proc.stdin is not None
             try:
@@ -121,6 +135,7 @@ class Engine:
 
     def kill(self) -> None:
         """kill -9, as a crash."""
+        self._close_side()
         self.proc.kill()
         self.proc.wait(10)
 

@@ -34,8 +34,9 @@ from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent
-from pdcluster.runtime.pd_worker.group import GroupOpen, GroupPages, GroupReport
+from pdcluster.runtime.pd_worker.group import GroupFail, GroupOpen, GroupPages, GroupReport
 from pdcluster.runtime.spec import Role
+from pdcluster.runtime.transfer.page_span import num_written_tokens
 from pdcluster.runtime.vllm_connector.commands import Chunk, RankNews, Refuse, StepCommands
 from pdcluster.runtime.vllm_connector.kv_layout import LayerView, VllmKV, describe_vllm_kv
 from pdcluster.runtime.vllm_connector.rank import EngineFacts
@@ -108,6 +109,11 @@ class ConnectorWorker:
         self.agent: RankAgent | None = None
         self._applied_step = -1
         self._chunks: list[Chunk] = []
+        # Decode: room -> (when its pages left, the bytes it will receive).
+        self._loads: dict[int, tuple[float, int]] = {}
+        self._received_bytes = 0
+        self._received_us = 0
+        self._opened: dict[int, int] = {}  # room -> prompt tokens (decode)
 
     # ------------------------------------------------------------ start-up
     def register(
@@ -176,6 +182,12 @@ class ConnectorWorker:
         # Agent thread (or whichever thread ran the step that concluded it).
         with self._lock:
             self.rooms.report(rep)
+            started = self._loads.pop(rep.room, None)
+            if started is not None and rep.kind == "complete":
+                # Decode: a load's bytes and time, pages sent → every source done.
+                at, nbytes = started
+                self._received_bytes += nbytes
+                self._received_us += int((time.monotonic() - at) * 1e6)
 
     # ------------------------------------------------------------ each step
     def apply(self, step: int, commands: StepCommands) -> None:
@@ -196,11 +208,27 @@ class ConnectorWorker:
                 if isinstance(cmd, GroupOpen):
                     assert req_id is not None
                     self.rooms.opened(req_id, cmd.room)
+                    if self.facts.role is Role.decode:
+                        self._opened[cmd.room] = cmd.num_tokens
                 elif isinstance(cmd, GroupPages):
                     self.rooms.pages(cmd.room)
+                    self._start_load(cmd)
+                elif isinstance(cmd, GroupFail):
+                    self._opened.pop(cmd.room, None)
+                    self._loads.pop(cmd.room, None)
             self._on_agent(partial(self._to_agent, cmd))
         if commands.preempted:
             self._wait_unread(commands)
+
+    def _start_load(self, cmd: GroupPages) -> None:
+        """Decode, under the lock: a room's load starts now (for its counters)."""
+        num_tokens = self._opened.pop(cmd.room, 0)
+        if self.agent is None or not num_tokens:
+            return
+        shape = self.agent.pool.shape
+        first = 0 if cmd.reuse is None else cmd.reuse.num_pages * shape.page_size
+        tokens = num_written_tokens(num_tokens, first, shape.page_size, shape.whole_pages)
+        self._loads[cmd.room] = (time.monotonic(), tokens * shape.bytes_per_token)
 
     def _to_agent(self, cmd: Any) -> None:
         assert self.agent is not None
@@ -273,6 +301,9 @@ class ConnectorWorker:
             counts.update({f"kv:{k}": v for k, v in receiver.stats.items()})
         with self._lock:
             sent = self.rooms.sent_tokens
+            if self._received_bytes:
+                counts["kv_received_bytes"] = self._received_bytes
+                counts["kv_received_us"] = self._received_us
         if sent:
             # Every destination of a room got the same tokens of this rank's slice.
             counts["kv_sent_tokens"] = sent

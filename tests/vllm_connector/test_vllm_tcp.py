@@ -20,10 +20,11 @@ import zmq
 
 from pdcluster.runtime.pd import messages as pdmsg
 from pdcluster.runtime.ports import free_ports
+from pdcluster.runtime.transfer.identity import identity_key, prove
 from tests.engine.testing import write_random_hf_dir
 from tests.faults.harness import wait_until
 from tests.faults.rogue import RogueDecode, RoguePrefill, fetch_instance
-from tests.faults.test_garbage import ROUTING_ID, control
+from tests.faults.test_garbage import FAKE_SENDER, ROUTING_ID
 from tests.vllm_connector.engines import TOKEN, connector, restart, start_engines, stop_all
 from tests.vllm_connector.pd_client import PDPair, prompts
 
@@ -162,7 +163,9 @@ def test_forged_layouts_wrong_tokens_and_garbage_are_refused_and_counted(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, ROUTING_ID)
         sock.connect(rank.endpoint)
-        sock.send_multipart(control(b"\x00garbage" * 8))
+        # An insider's proof (it holds the token), so the rank's own decoder sees it.
+        proof = prove(identity_key(TOKEN), ROUTING_ID, FAKE_SENDER)
+        sock.send_multipart([b"C", FAKE_SENDER, proof, b"\x00garbage" * 8])
         sock.send_multipart([b"X", b"a", b"b"])
         time.sleep(0.2)
     finally:
@@ -176,7 +179,10 @@ def test_forged_layouts_wrong_tokens_and_garbage_are_refused_and_counted(
         stats = pair.prefill_stats()
         return stats if all(stats.get(k, 0) >= 1 for k in wanted) else None
 
-    wait_until(counted, 30, 0.5, "the prefill rank to count what it refused")
+    try:
+        wait_until(counted, 30, 0.5, "the prefill rank to count what it refused")
+    except AssertionError:
+        raise AssertionError(f"counted so far: {pair.prefill_stats()}") from None
     # A decode room whose prefill publishes another layout fails at /route, naming it.
     other = msgspec.structs.replace(real, kv_layout="NHD")
     with RoguePrefill(TOKEN, other, port=cluster["rogue_port"]):

@@ -125,19 +125,27 @@ class Engine:
     def stop(self) -> None:
         self._close_side()
         if self.alive:
-            assert self.proc.stdin is not None
             try:
-                self.proc.stdin.close()
+                self._close_stdin()
                 self.proc.wait(20)
             except (subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait(10)
+        self._close_stdin()
 
     def kill(self) -> None:
         """kill -9, as a crash."""
         self._close_side()
         self.proc.kill()
         self.proc.wait(10)
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass  # the process is gone: nothing left to flush to
 
 
 def vllm_python() -> str:
@@ -169,9 +177,10 @@ def _spawn(name: str, config: dict[str, Any], log_dir: Path) -> Engine:
 
     def read() -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(EVENT_MARK):
-                engine.events.put(json.loads(line[len(EVENT_MARK) :]))
+        with proc.stdout:  # closed at the process's end
+            for line in proc.stdout:
+                if line.startswith(EVENT_MARK):
+                    engine.events.put(json.loads(line[len(EVENT_MARK) :]))
 
     threading.Thread(target=read, name=f"{name}-events", daemon=True).start()
     return engine

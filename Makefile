@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 UV := $(shell command -v uv 2>/dev/null)
 
-.PHONY: setup run test lint links typecheck controlplane vllm-env fmt crds clean
+.PHONY: setup run test lint links typecheck controlplane vllm-env observability-tools fmt crds clean
 
 setup: $(VENV)/.installed
 
@@ -48,19 +48,27 @@ controlplane: setup
 vllm-env: setup
 	$(PY) -m e2e.vllmenv.build
 
+# Prometheus and promtool (Debian's package) and an OpenTelemetry Collector (built from
+# its Go modules into the cache): the real parties of the dashboard, alert and tracing tests.
+observability-tools: setup
+	$(PY) -m e2e.prometheus_tools
+	$(PY) -m e2e.otelcol.build
+
 # --durations: the slowest tests, to see where CI time goes.
-test: lint typecheck controlplane vllm-env
+test: lint typecheck controlplane vllm-env observability-tools
 	$(PY) -m pytest -q --durations=40
 
 fmt: setup
 	$(VENV)/bin/ruff format runtime operator tests e2e bench
 	$(VENV)/bin/ruff check --fix runtime operator tests e2e bench
 
-# CRD YAML and the PDCluster reference are generated from runtime/spec/ and operator/api.py.
+# CRD YAML and the PDCluster reference are generated from runtime/spec/ and operator/api.py;
+# the chart's dashboards and alerting rules from operator/observability/.
 crds: setup
 	$(PY) -m pdcluster.operator.crd.crdgen -o crds/pdcluster.io_pdclusters.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusters.yaml
 	$(PY) -m pdcluster.operator.crd.crdgen --kind PDClusterRoleScaler -o crds/pdcluster.io_pdclusterrolescalers.yaml -o charts/pdcluster-operator/crds/pdcluster.io_pdclusterrolescalers.yaml
 	$(PY) -m pdcluster.operator.crd.refdoc > docs/reference.md
+	$(PY) -m pdcluster.operator.observability.generate
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .pdcluster

@@ -72,7 +72,13 @@ def start_doc(doc: dict[str, Any], state: Path) -> LocalCluster:
     return start(write_manifest(doc, state), state)
 
 
-def ttft(client: httpx.Client, endpoint: str, prompt: list[int], new_tokens: int) -> float:
+def ttft(
+    client: httpx.Client,
+    endpoint: str,
+    prompt: list[int],
+    new_tokens: int,
+    headers: dict[str, str] | None = None,
+) -> float:
     """Seconds from sending a streaming greedy `/generate` to the first event carrying a
     token; reads the stream to its end so the next request finds the cluster idle."""
     body = {
@@ -82,7 +88,7 @@ def ttft(client: httpx.Client, endpoint: str, prompt: list[int], new_tokens: int
     }
     first = None
     t0 = time.perf_counter()
-    with client.stream("POST", f"{endpoint}/generate", json=body) as resp:
+    with client.stream("POST", f"{endpoint}/generate", json=body, headers=headers) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if first is None and line.startswith("data: ") and line != "data: [DONE]":

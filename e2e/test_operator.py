@@ -41,6 +41,8 @@ from e2e.nodeagent.client import NodeAgentClient
 from e2e.nodeagent.kubeapi import ApiError, KubeApi
 from e2e.operator_process import operator_process
 from e2e.processes import ProcessRecord, wait_until
+from e2e.prometheus_server import PrometheusApi, finite_points, prometheus_server
+from pdcluster.operator.observability.panels import Panel, Source, all_panels
 from tests.autoscaling_spec import PREFILL_AUTOSCALING, TTFT_TARGET_S
 from tests.request_load import CompletionLoad
 
@@ -79,6 +81,10 @@ class Operator:
     record: ProcessRecord
     log: Path
     metrics_url: str
+    # A real Prometheus scraping the operator's /metrics from its start (the
+    # operator dashboard's queries run on it at the module's end).
+    prometheus: PrometheusApi
+    started: float
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -110,7 +116,9 @@ def operator(
         record,
         metrics_url,
     ):
-        yield Operator(record, log, metrics_url)
+        target = metrics_url.split("://", 1)[1].split("/", 1)[0]
+        with prometheus_server({"operator": [target]}, log.parent / "prometheus") as prom:
+            yield Operator(record, log, metrics_url, prom, time.time())
 
 
 @pytest.fixture(scope="module")
@@ -642,6 +650,28 @@ def test_a_real_hpa_reads_the_decode_scalers_scale_and_waits_for_metrics(
         assert (pdc(kube, ns) or {})["spec"]["decode"]["replicas"] == replicas
     finally:
         kube.delete(f"{path}/{NAME}-decode")
+
+
+OPERATOR_PANELS = [(uid, p) for uid, p in all_panels() if p.source is Source.operator]
+
+
+@pytest.mark.parametrize(
+    ("uid", "panel"), OPERATOR_PANELS, ids=[f"{u}:{p.title}" for u, p in OPERATOR_PANELS]
+)
+def test_every_operator_panel_shows_what_this_module_did(
+    demo: dict[str, Any], operator: Operator, uid: str, panel: Panel
+) -> None:
+    """The operator dashboard's (and the capacity dashboard's operator) queries on a
+    real Prometheus that scraped this module's operator: the reconciles, the
+    autoscaler's decisions, the killed prefill's failover, restart, Events and
+    failed rooms of the tests above all show."""
+    end = time.time() + 2
+    span = f"{int(end - operator.started) + 1}s"
+    for query in panel.queries:
+        expr = query.expr.replace("$__rate_interval", "30s").replace("$__range", span)
+        expr = expr.replace("$pdcluster", ".*")
+        result = operator.prometheus.query_range(expr, operator.started, end, 5)
+        assert finite_points(result) > 0, f"{uid} / {panel.title}: {query.expr}"
 
 
 def test_deleting_the_cluster_removes_everything(

@@ -124,7 +124,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     metrics = OperatorMetrics()
     if op.metrics_port:
         start_http_server(op.metrics_port, op.metrics_host, registry=metrics.registry)
-    recorder = EventRecorder(client, clock=time.time, min_interval_s=op.event_min_interval_s)
+    recorder = EventRecorder(
+        client, clock=time.time, min_interval_s=op.event_min_interval_s, metrics=metrics
+    )
     failover = Failover(client, recorder, metrics, op)
     controller = Controller(
         client,
@@ -141,7 +143,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         max_retry_delay_s=op.max_retry_delay_s,
     )
     failover.on_transport_change = queue.add
-    autoscaler = Autoscaler(client, recorder, failover.token_for)
+    autoscaler = Autoscaler(client, recorder, failover.token_for, metrics=metrics)
     queue.start()
     tasks = (
         asyncio.create_task(_flush_events(recorder, op.event_min_interval_s)),

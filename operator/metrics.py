@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdcluster.operator.api import PDClusterStatus, parse_time
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.restarts import BUDGET_WINDOW_S
+
 DETECTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -64,3 +68,60 @@ class OperatorMetrics:
         self.queue_depth = Gauge(
             PREFIX + "queue_depth", "Clusters waiting to be reconciled", registry=r
         )
+        self.events = counter(
+            "events_total",
+            "Kubernetes Events the operator recorded, by type and reason",
+            "type",
+            "reason",
+        )
+        self.autoscaler_decisions = counter(
+            "autoscaler_decisions_total",
+            "Replica changes the autoscaler applied, by role and direction (up, down)",
+            "role",
+            "direction",
+        )
+        cluster_role = ("namespace", "pdcluster", "role")
+        self.role_replicas = Gauge(
+            PREFIX + "role_replicas",
+            "Instances per role of each PDCluster: desired and ready (from its status)",
+            (*cluster_role, "state"),
+            registry=r,
+        )
+        self.restart_budget_used = Gauge(
+            PREFIX + "restart_budget_used_ratio",
+            "Gang restarts in the open budget window over the role's hourly budget (1: spent)",
+            cluster_role,
+            registry=r,
+        )
+        self._cluster_labels: dict[tuple[str, str], set[tuple[str, ...]]] = {}
+
+    def observe_status(self, cluster: Cluster, status: PDClusterStatus, now: float) -> None:
+        """Per-role replicas and restart budget use of a cluster's newly computed status."""
+        key = (cluster.namespace, cluster.name)
+        seen = self._cluster_labels.setdefault(key, set())
+        for role in ("prefill", "decode", "colocated"):
+            role_status = status.role(role)
+            spec = getattr(cluster.spec, role)
+            if role_status is None or spec is None:
+                continue
+            labels = (*key, role)
+            for state, value in (("desired", role_status.desired), ("ready", role_status.ready)):
+                self.role_replicas.labels(*labels, state).set(value)
+            budget = spec.restart.budget
+            opened = role_status.budget_window_start
+            in_window = (
+                role_status.restarts_in_window
+                if opened is not None and now < parse_time(opened) + BUDGET_WINDOW_S
+                else 0
+            )
+            self.restart_budget_used.labels(*labels).set(
+                1.0 if budget == 0 else min(1.0, in_window / budget)
+            )
+            seen.add(labels)
+
+    def forget_cluster(self, namespace: str, name: str) -> None:
+        """A deleted cluster's per-role series leave /metrics."""
+        for labels in self._cluster_labels.pop((namespace, name), set()):
+            for state in ("desired", "ready"):
+                self.role_replicas.remove(*labels, state)
+            self.restart_budget_used.remove(*labels)

@@ -45,6 +45,9 @@ LABEL_LEADER = "pdcluster.io/leader"
 LABEL_REVISION = "pdcluster.io/revision"
 # Hash of one role's pod template: a change rolls that role's instances.
 LABEL_TEMPLATE = "pdcluster.io/template-hash"
+# "vllm" on the worker pods of `spec.engine.kind: vllm` (absent: our engine):
+# they serve no admin API, so the fast path and the pollers leave them out.
+LABEL_ENGINE = "pdcluster.io/engine"
 # scheduler-plugins' coscheduling: pods with one value form one PodGroup.
 LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from pdcluster.operator.builders.networkpolicy import ScrapeSource
 from pdcluster.runtime.bounds import require_positive
+from pdcluster.runtime.spec.observability import check_endpoint
 
 _TRUE = {"1", "true", "yes", "on"}
 _LABEL_KEY = re.compile(
@@ -86,6 +87,9 @@ class OperatorSettings:
     scrape_namespace_labels: tuple[tuple[str, str], ...] | None = None
     scrape_pod_labels: tuple[tuple[str, str], ...] | None = None
     kubeconfig: str | None = None
+    # OTLP/HTTP collector of the PDClusters that turn tracing on and name none
+    # (spec.observability.tracing.endpoint); empty: such clusters export to localhost.
+    otlp_endpoint: str = ""
 
     @property
     def scrape_source(self) -> ScrapeSource | None:
@@ -114,6 +118,11 @@ class OperatorSettings:
             raise ValueError("max_retry_delay_s must be >= retry_delay_s")
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"num_workers must be 1..64, got {self.num_workers}")
+        if self.otlp_endpoint:
+            try:
+                check_endpoint(self.otlp_endpoint)
+            except ValueError as err:
+                raise ValueError(f"PDCLUSTER_OPERATOR_OTLP_ENDPOINT: {err}") from None
         for entry in self.image_allowlist:
             if not entry or entry != entry.strip() or any(c.isspace() for c in entry):
                 raise ValueError(f"image allowlist entry {entry!r} is empty or has spaces")
@@ -159,6 +168,8 @@ class OperatorSettings:
         ):
             if var in env:
                 kwargs[field] = parse_label_selector(var, env[var])
+        if env.get("PDCLUSTER_OPERATOR_OTLP_ENDPOINT"):
+            kwargs["otlp_endpoint"] = env["PDCLUSTER_OPERATOR_OTLP_ENDPOINT"].strip()
         if env.get("KUBECONFIG"):
             kwargs["kubeconfig"] = env["KUBECONFIG"]
         try:

@@ -73,7 +73,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdcluster.runtime.ports import free_ports
 
     manifest = load_manifest(args.file)
-    check_backend(manifest, args.file)
+    vllm = _vllm_program(manifest, args)
+    if vllm is None:
+        check_backend(manifest, args.file)
     state_dir = Path(args.state_dir) / manifest.metadata.name
     existing = read_state(state_dir)
     if existing and any(p["alive"] for p in existing["processes"]):
@@ -89,6 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         str(Path(args.file).resolve()),
         free_ports(count_ports(manifest)),
         python=sys.executable,
+        vllm=vllm,
         router_port=router_port,
     )
     cluster = LocalCluster(plan, state_dir)
@@ -115,7 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             _demo(plan.endpoint, manifest.spec.model.name)
         if args.demo_only:
             return 0
-        autoscaler = _start_autoscaler(cluster, manifest, args.file)
+        autoscaler = _start_autoscaler(cluster, manifest, args.file, vllm)
         print(f"\nserving on {plan.endpoint}/v1 — press Ctrl-C to stop", flush=True)
         # A lost instance is restarted (spec.<role>.restart); only a spent
         # budget or the router's exit ends here.
@@ -138,8 +141,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
 
 
+def _vllm_program(manifest: PDCluster, args: argparse.Namespace) -> str | None:
+    """How to run vLLM for a `kind: vllm` manifest (None for builtin); exits if none works."""
+    from pdcluster.runtime.local.vllm_program import VllmNotFound, resolve_vllm
+
+    if not manifest.spec.engine.is_vllm:
+        return None
+    try:
+        return resolve_vllm(args.vllm)
+    except VllmNotFound as err:
+        raise SystemExit(f"pdcluster: {args.file}: {err}") from None
+
+
 def _start_autoscaler(
-    cluster: LocalCluster, manifest: PDCluster, path: str
+    cluster: LocalCluster, manifest: PDCluster, path: str, vllm: str | None
 ) -> LocalAutoscaler | None:
     """The planner's loop when a role has `autoscaling`; its decisions go to stderr."""
     from pdcluster.runtime.local.autoscaling import LocalAutoscaler, scaling_config
@@ -147,7 +162,9 @@ def _start_autoscaler(
 
     if not scaling_config(manifest).is_enabled:
         return None
-    autoscaler = LocalAutoscaler(cluster, manifest, path, sys.executable, on_line=print_err)
+    autoscaler = LocalAutoscaler(
+        cluster, manifest, path, sys.executable, on_line=print_err, vllm=vllm
+    )
     autoscaler.start()
     return autoscaler
 
@@ -241,6 +258,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _watch_launcher()
     manifest = load_manifest(args.file)
+    if manifest.spec.engine.is_vllm:
+        raise SystemExit(
+            f"pdcluster: {args.file}: engine.kind is vllm: its workers run `vllm serve` "
+            "(pdcluster up starts them; pods run them), not `pdcluster worker`"
+        )
     check_backend(manifest, args.file)
     return run_worker(manifest, args)
 
@@ -265,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--demo", action="store_true", help="send a sample request once ready")
     up.add_argument("--demo-only", action="store_true", help="send a sample request, then stop")
+    up.add_argument(
+        "--vllm",
+        help="engine.kind vllm: a `vllm` executable or a Python interpreter with vLLM "
+        "(default: $PDCLUSTER_VLLM, then vllm on PATH)",
+    )
     up.set_defaults(fn=cmd_up)
 
     for name, fn, help_ in (("ps", cmd_ps, "list local clusters"), ("down", cmd_down, "stop")):

@@ -19,6 +19,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+_INFO = ("pdcluster", "role", "pdcluster_instance")
+
+
 class MetricFactory:
     """Declares metrics in one registry, every name under one prefix."""
 
@@ -91,11 +94,38 @@ class _PrefixCacheCollector(Collector):
         )
 
 
+# Finish reasons of a request that ended well; every other reason is a failure.
+SUCCESS_REASONS = frozenset({"stop", "length", "prefill_done"})
+
+
 class WorkerMetrics:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, cluster: str = "", instance: str = "") -> None:
         self.role = role
         self.registry = CollectorRegistry()
         m = MetricFactory(self.registry, "pdcluster_", LATENCY_BUCKETS)
+        # Which cluster, role and instance this process serves: dashboards and
+        # alerts join on it (`* on(instance) group_left(pdcluster, role) pdcluster_worker_info`).
+        m.gauge(
+            "worker_info", "1, labelled with the worker's cluster, role and instance", *_INFO
+        ).labels(cluster, role, instance).set(1)
+        self.prompt_tokens = m.counter(
+            "prompt_tokens_total", "Prompt tokens of the requests this worker finished", "role"
+        ).labels(role)
+        self.generation_tokens = m.counter(
+            "generation_tokens_total", "Tokens this worker generated (prefill: the first)", "role"
+        ).labels(role)
+        self.request_success = m.counter(
+            "request_success_total",
+            "Requests that ended well, by finish reason (stop, length; prefill_done)",
+            "role",
+            "reason",
+        )
+        self.request_failure = m.counter(
+            "request_failure_total",
+            "Requests that ended in an error or were cut off, by failure label",
+            "role",
+            "reason",
+        )
         self.requests_in_flight = m.gauge("requests_in_flight", "Requests being served")
         self.requests_total = m.counter(
             "requests_total", "Requests finished, by finish reason", "reason"
@@ -132,6 +162,13 @@ class WorkerMetrics:
             "transports",
             "tcp_fallback",
         )
+        self.kv_rdma_missing = m.gauge(
+            "kv_rdma_missing",
+            "1 when the manifest asks for RDMA or GPU-direct and UCX negotiated none (nixl)",
+        )
+        self.engine_stalled = m.gauge(
+            "engine_stalled", "1 while work is pending and no engine step finished in time"
+        )
         self.ttft_seconds = m.histogram("time_to_first_token_seconds", "TTFT")
         self.tpot_seconds = m.histogram(
             "time_per_output_token_seconds",
@@ -142,6 +179,13 @@ class WorkerMetrics:
             "queued_prefill_tokens",
             "Prompt tokens in the engine not computed yet (waiting and partly prefilled)",
         )
+
+    def count_outcome(self, reason: str) -> None:
+        """One finished request: a success or a failure by its label."""
+        if reason in SUCCESS_REASONS:
+            self.request_success.labels(self.role, reason).inc()
+        else:
+            self.request_failure.labels(self.role, reason).inc()
 
     def watch_pages(self, free: Callable[[], int], total: Callable[[], int]) -> None:
         self.free_pages.set_function(free)

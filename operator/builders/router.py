@@ -51,6 +51,7 @@ def build_router_deployment(cluster: Cluster) -> Manifest:
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
         meta.env_value(podsecurity.TOKEN_FILE_ENV, f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"),
+        meta.log_format_env(spec),
     ]
     volumes, mounts = podsecurity.writable_volumes()
     token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)

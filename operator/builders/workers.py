@@ -18,6 +18,10 @@ downward-API volume, which the e2e node agent does not mount.
 Pods k > 0 serve no HTTP, so they carry no probes: they are Ready while
 their rank processes run, and exit (the pod turns Failed) when one dies.
 
+With `spec.engine.kind: vllm` the container is `vllm serve` (vllm_pods.py),
+labelled `pdcluster.io/engine: vllm`; an instance is one pod, without a
+bootstrap Service.
+
 The pods are managed directly (no StatefulSet), with `restartPolicy: Never`,
 so a crashed rank turns its pod Failed and the planner restarts the whole
 instance instead of the kubelet restarting one rank its peers cannot rejoin.
@@ -40,6 +44,7 @@ from pdcluster.operator.builders.meta import BuildError, Manifest
 from pdcluster.operator.builders.model_volume import build_model_mount
 from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
+from pdcluster.operator.builders.vllm_pods import build_vllm_container, vllm_labels
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
@@ -206,6 +211,7 @@ def _worker_env(
         meta.env_value(names.ENV_FIRST_RANK, str(layout.rank_range(pod_index).start)),
         meta.env_value("PDCLUSTER_NUM_RANKS", str(spec.topology.num_ranks)),
         meta.env_value("PDCLUSTER_REVISION", revision),
+        meta.log_format_env(cluster.spec),
     ]
 
 
@@ -295,6 +301,26 @@ def build_worker_pod(
     if leader_host is not None:
         annotations[names.ANNOTATION_LEADER_ADDRESS] = leader_host
         env.append(meta.env_value(LEADER_ADDRESS_ENV, leader_host))
+    resources = podsecurity.with_default_requests(build_resources(spec, role), "worker")
+    labels = worker_labels(key, pod_index, revision)
+    if cluster.spec.engine.is_vllm:
+        identity = [
+            meta.env_field("POD_NAME", "metadata.name"),
+            meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+            meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
+            meta.env_value("PDCLUSTER_ROLE", key.role.value),
+            meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
+            meta.env_value("PDCLUSTER_REVISION", revision),
+        ]
+        vllm = build_vllm_container(cluster, role, spec, identity_env=identity)
+        vllm["resources"] = resources
+        vllm["securityContext"] = podsecurity.container_security_context()
+        annotations = {
+            names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
+            names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
+        }
+        labels.update(vllm_labels())
+        return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, vllm)
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
         "image": cluster.spec.image,
@@ -302,7 +328,7 @@ def build_worker_pod(
         "args": _worker_args(role, index, pod_index),
         "env": env,
         "ports": ports,
-        "resources": podsecurity.with_default_requests(build_resources(spec, role), "worker"),
+        "resources": resources,
         "securityContext": podsecurity.container_security_context(),
     }
     if leader_host is None:
@@ -315,6 +341,21 @@ def build_worker_pod(
         # (engine_stalled): the kubelet restarts it; a worker still waiting
         # for its peers stays alive (readiness keeps it out of the pool).
         container["livenessProbe"] = meta.http_probe(10, 3, timeout_s=5, path="/health/live")
+    return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, container)
+
+
+def _pod(
+    cluster: Cluster,
+    spec: RoleSpec,
+    where: tuple[Role, int, int],
+    name: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    container: dict[str, Any],
+) -> Manifest:
+    """The pod every worker container runs in (`where`: role, instance, pod index): the
+    cluster token file and the model mounted, the drain's grace, the user's overlay."""
+    role, index, pod_index = where
     volumes, mounts = podsecurity.writable_volumes()
     token_volume, token_mount = podsecurity.token_volume(token_secret_for(cluster), meta.TOKEN_KEY)
     volumes.append(token_volume)
@@ -352,7 +393,7 @@ def build_worker_pod(
         cluster.ref,
         name,
         component="worker",
-        labels=worker_labels(key, pod_index, revision),
+        labels=labels,
         annotations=annotations,
     )
     # Last: the user's overlay joins whatever the engine's container is.
@@ -420,7 +461,9 @@ def build_instance(
     num_pods = pod_layout(spec).num_pods
     built = range(num_pods) if leader_address is not None else range(LEADER_POD + 1)
     pods = tuple(build_worker_pod(cluster, role, index, k, leader_address) for k in built)
-    service = build_bootstrap_service(cluster, index) if role == Role.prefill else None
+    # vLLM has no bootstrap server: its decode learns the prefill from each request.
+    has_bootstrap = role == Role.prefill and not cluster.spec.engine.is_vllm
+    service = build_bootstrap_service(cluster, index) if has_bootstrap else None
     return InstanceManifests(
         key=key,
         pods=pods,

@@ -89,7 +89,10 @@ def loss_message(loss: Loss, results: list[AdminResult], grace_s: float) -> str:
     peer_role = PEER_ROLE[pod.role].value
     told = sum(r.ok for r in results)
     text = f"{pod.role.value} instance {pod.instance} lost ({loss.describe(grace_s)})"
-    if not results:
+    if not pod.has_admin_api:
+        # vLLM: the router's pod watch sees the loss and ends or moves its requests.
+        text += "; the router ends its requests, or moves those still waiting for its KV"
+    elif not results:
         text += f"; no {peer_role} worker held rooms with it"
     else:
         text += f"; its rooms failed at {told}/{len(results)} {peer_role} workers"

@@ -8,7 +8,10 @@ call, so telling the peers costs only their admin round trips.
   cluster (decode rooms name their prefill by `podIP:bootstrapPort`);
 - a lost decode instance is reported to every prefill worker (prefill rooms
   write to decode endpoints, matched by the decode pod's address);
-- a peer is told only if it has an address and its container still runs.
+- a peer is told only if it has an address and its container still runs;
+- vLLM pods (`PodFacts.has_admin_api` false) are told nothing and polled for
+  nothing: their requests are the router's to end or move (the router sees
+  a lost pod through its own pod watch).
 
 Pure module.
 """
@@ -60,6 +63,7 @@ class PodIndex:
             for p in self.pods(lost.key)
             if p.role == role
             and p.is_leader
+            and p.has_admin_api
             and p.cluster_uid == lost.cluster_uid
             and p.pod_ip
             and not p.has_ended
@@ -72,6 +76,7 @@ class PodIndex:
             for p in self.pods(key)
             if p.role in PEER_ROLE
             and p.is_leader
+            and p.has_admin_api
             and p.pod_ip
             and p.phase == "Running"
             and not p.has_ended

@@ -24,7 +24,7 @@ from pdcluster.operator.builders.meta import BOOTSTRAP_PORT, HTTP_PORT
 from pdcluster.operator.builders.podsecurity import TOKEN_VOLUME
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, PeerRef
 from pdcluster.runtime.pod_rendezvous import RendezvousError, parse_leader_address
-from pdcluster.runtime.spec import Role
+from pdcluster.runtime.spec import EngineKind, Role
 
 # Pods built before the token came as a file read it from this variable.
 TOKEN_ENV = "PDCLUSTER_TOKEN"
@@ -60,6 +60,13 @@ class PodFacts:
     # the leader's IP it was started with: peers know an instance by its leader.
     pod_index: int = 0
     leader_address: str | None = None
+    # The engine the pod runs (its `pdcluster.io/engine` label; absent: ours).
+    engine: EngineKind = EngineKind.builtin
+
+    @property
+    def has_admin_api(self) -> bool:
+        """Whether the pod serves our admin API (fail_peer, failures, peers): vLLM does not."""
+        return self.engine is EngineKind.builtin
 
     @property
     def key(self) -> tuple[str, str]:
@@ -230,4 +237,12 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
         created_at=parse_time(meta.get("creationTimestamp")),
         pod_index=int(pod_index) if pod_index.isdigit() else 0,
         leader_address=_leader_address(annotations),
+        engine=_engine(labels.get(names.LABEL_ENGINE)),
     )
+
+
+def _engine(value: Any) -> EngineKind:
+    try:
+        return EngineKind(str(value)) if value is not None else EngineKind.builtin
+    except ValueError:
+        return EngineKind.builtin

@@ -47,6 +47,7 @@ def decode_targets(pods: list[PodFacts], cluster_uid: str) -> list[PodFacts]:
         for p in pods
         if p.role == Role.decode
         and p.is_leader
+        and p.has_admin_api
         and p.cluster_uid == cluster_uid
         and p.pod_ip
         and p.phase == "Running"

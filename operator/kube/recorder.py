@@ -15,6 +15,7 @@ from pdcluster.operator.kube.events import (
     count_patch,
     event_name,
 )
+from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import MANAGED_BY
 from pdcluster.operator.reconcile.cluster import ClusterRef
 
@@ -28,8 +29,10 @@ class EventRecorder:
         clock: Callable[[], float],
         min_interval_s: float = 30.0,
         host: str | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self._api = api
+        self._metrics = metrics
         self._clock = clock
         self._aggregator = EventAggregator(min_interval_s=min_interval_s)
         self._refs: dict[str, ClusterRef] = {}
@@ -40,6 +43,8 @@ class EventRecorder:
     ) -> None:
         key = EventKey(ref.uid, type_, reason, message)
         self._refs[ref.uid] = ref
+        if self._metrics is not None:
+            self._metrics.events.labels(type_, reason).inc(times)
         write = self._aggregator.record(key, self._clock(), event_name(ref, key), times)
         if write is not None:
             await self._write(ref, key, write)

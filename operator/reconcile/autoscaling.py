@@ -74,6 +74,7 @@ from pdcluster.operator.builders.desired import roles_of
 from pdcluster.operator.failover.admin_client import ResponseTooLarge, read_capped
 from pdcluster.operator.kube.client import ApiError, KubeClient
 from pdcluster.operator.kube.recorder import EventRecorder
+from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body
 from pdcluster.runtime.spec import Role, SpecError
 
@@ -96,8 +97,10 @@ class Autoscaler:
         recorder: EventRecorder,
         token_for: TokenLookup,
         clock: Callable[[], float] = time.time,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.client = client
+        self.metrics = metrics
         self.recorder = recorder
         self.token_for = token_for
         self._clock = clock
@@ -215,6 +218,11 @@ class Autoscaler:
                     log.warning("%s/%s: could not write the autoscaling status: %s", *key, err)
         for patch in step.patches:
             log.info("%s/%s: %s replicas -> %d", *key, patch.role.value, patch.replicas)
+            if self.metrics is not None:
+                before = cluster.spec.role_spec(patch.role)
+                up = before is None or patch.replicas > before.replicas
+                direction = "up" if up else "down"
+                self.metrics.autoscaler_decisions.labels(patch.role.value, direction).inc()
         return wait_seconds(step, self._clock())
 
     async def _sync_scalers(self, cluster: Cluster, pods: list[dict[str, Any]]) -> bool:

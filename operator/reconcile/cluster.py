@@ -80,3 +80,16 @@ def cluster_from_body(body: Mapping[str, Any]) -> Cluster:
     if not isinstance(spec, Mapping):
         raise SpecError(f"PDCluster {ref.namespace}/{ref.name} has no spec")
     return Cluster(ref=ref, spec=parse_spec(dict(spec)))
+
+
+def with_operator_defaults(cluster: Cluster, otlp_endpoint: str) -> Cluster:
+    """The cluster with what the operator's settings fill in: the chart's OTLP
+    collector for a cluster that turns tracing on and names no endpoint."""
+    tracing = cluster.spec.observability.tracing
+    if not otlp_endpoint or not tracing.enabled or tracing.endpoint is not None:
+        return cluster
+    observability = cluster.spec.observability.model_copy(
+        update={"tracing": tracing.model_copy(update={"endpoint": otlp_endpoint})}
+    )
+    spec = cluster.spec.model_copy(update={"observability": observability})
+    return Cluster(cluster.ref, spec)

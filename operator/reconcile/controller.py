@@ -38,7 +38,12 @@ from pdcluster.operator.kube.recorder import EventRecorder
 from pdcluster.operator.metrics import OperatorMetrics
 from pdcluster.operator.names import InvalidNameError
 from pdcluster.operator.reconcile.actions import Action, Create, EventType, Reason
-from pdcluster.operator.reconcile.cluster import Cluster, cluster_from_body, ref_from_body
+from pdcluster.operator.reconcile.cluster import (
+    Cluster,
+    cluster_from_body,
+    ref_from_body,
+    with_operator_defaults,
+)
 from pdcluster.operator.reconcile.executor import Executor
 from pdcluster.operator.reconcile.kv_transport import TransportReport, compute_kv_transport
 from pdcluster.operator.reconcile.observed import Observed, PodGroupApi, observe
@@ -116,6 +121,7 @@ class Controller:
         """Drop what is remembered of a deleted cluster."""
         self.last_plans.pop(key, None)
         self.write_failures.pop(key, None)
+        self.metrics.forget_cluster(*key)
 
     async def reconcile(self, key: tuple[str, str]) -> float | None:
         """One pass for (namespace, name); returns seconds until the next wanted pass."""
@@ -137,7 +143,7 @@ class Controller:
         now = self._clock()
         prev = parse_status(body.get("status"))
         try:
-            cluster = cluster_from_body(body)
+            cluster = with_operator_defaults(cluster_from_body(body), self.settings.otlp_endpoint)
             desired = build_desired(
                 cluster,
                 operator_namespace=self.settings.operator_namespace,
@@ -241,6 +247,7 @@ class Controller:
         status = compute_status(
             cluster, plan, hashes, desired.revision, prev, now, tuple(failed_writes), transports
         )
+        self.metrics.observe_status(cluster, status, now)
         if status_changed(stored, status):
             try:
                 await self.api.patch_status(cluster.namespace, cluster.name, status_patch(status))

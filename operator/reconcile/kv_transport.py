@@ -32,11 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.operator.api import KVTransportStatus
-from pdcluster.runtime.spec import Role, TransferBackend, TransferSpec, UcxSpec
-from pdcluster.runtime.transfer.ucx_report import RDMA_TRANSPORTS, is_tcp_fallback, transports_of
+from pdcluster.runtime.spec import Role, TransferSpec
+from pdcluster.runtime.transfer.ucx_report import (
+    is_rdma_requested,
+    is_tcp_fallback,
+    rdma_request,
+    transports_of,
+)
 
-# UCX_TLS aliases that stand for RDMA or GPU-direct transports (UCX's own names).
-RDMA_TLS_ALIASES = frozenset({"rc_v", "rc_x", "dc_x", "ud_v", "ud_x", "ib", "cuda", "rocm"})
 # A worker's answer is bounded: more (or longer) entries than this is no report.
 MAX_ENTRIES = 64
 MAX_NAME_CHARS = 128
@@ -85,22 +88,6 @@ def parse_transport_report(server_info: Any) -> TransportReport | None:
             return None
         lanes[kind] = tuple(sorted(set(entries)))
     return TransportReport(backend=raw["backend"], lanes=lanes)
-
-
-def rdma_request(ucx: UcxSpec) -> str | None:
-    """Why the UCX settings ask for RDMA or GPU-direct (None: they do not)."""
-    if ucx.require_rdma:
-        return "requireRdma"
-    tls = (ucx.tls or "").strip()
-    if not tls or tls.startswith("^"):
-        return None
-    names = [t.split(":", 1)[0].strip() for t in tls.split(",")]
-    named = [n for n in names if n in RDMA_TRANSPORTS or n in RDMA_TLS_ALIASES]
-    return f"tls names {','.join(named)}" if named else None
-
-
-def is_rdma_requested(transfer: TransferSpec) -> bool:
-    return transfer.backend is TransferBackend.nixl and rdma_request(transfer.ucx) is not None
 
 
 class TransportTable:

@@ -2,7 +2,7 @@
 
 Two hashes, both computed from the typed spec:
 - the *cluster revision* covers what prefill and decode must agree on to
-  exchange KV (image, model, KV cache, transfer, auth). Pods carry it as a
+  exchange KV (image, model, KV cache, transfer, auth, the engine). Pods carry it as a
   label and the router pairs a prefill only with a decode of the same value,
   so during a rollout new prefills never talk to old decodes;
 - the *template hash* of a role covers the revision plus that role's pod
@@ -48,15 +48,19 @@ def _digest(payload: Any) -> str:
 
 
 def compute_cluster_revision(spec: PDClusterSpec) -> str:
-    return _digest(
-        {
-            "image": spec.image,
-            "model": _canonical(spec.model),
-            "kvCache": _canonical(spec.kv_cache),
-            "transfer": _canonical(spec.transfer),
-            "auth": _canonical(spec.auth),
-        }
-    )
+    payload = {
+        "image": spec.image,
+        "model": _canonical(spec.model),
+        "kvCache": _canonical(spec.kv_cache),
+        "transfer": _canonical(spec.transfer),
+        "auth": _canonical(spec.auth),
+    }
+    # The engine (and vLLM's settings) only when not the default: clusters
+    # that never set it keep their revision across the upgrade that added it.
+    engine = _canonical(spec.engine)
+    if engine:
+        payload["engine"] = engine
+    return _digest(payload)
 
 
 def _gpus_per_pod_as_before(rs: RoleSpec) -> RoleSpec:

@@ -63,7 +63,7 @@ from pdcluster.runtime.local.scaling import (
 )
 from pdcluster.runtime.local.supervision import InstanceKey
 from pdcluster.runtime.ports import free_ports
-from pdcluster.runtime.spec import PDCluster, Role
+from pdcluster.runtime.spec import EngineKind, PDCluster, Role
 
 # The loop never sleeps longer than this (a stop is seen at once anyway).
 MAX_WAIT_S = 5.0
@@ -97,6 +97,7 @@ class LocalAutoscaler:
         python: str,
         *,
         on_line: Callable[[str], None],
+        vllm: str | None = None,
         ready_timeout_s: float = 300.0,
         drain_timeout_s: float = 600.0,
     ) -> None:
@@ -104,6 +105,7 @@ class LocalAutoscaler:
         self.manifest = manifest
         self.manifest_path = str(Path(manifest_path).resolve())
         self.python = python
+        self.vllm = vllm
         self.config = scaling_config(manifest)
         self.on_line = on_line
         self.ready_timeout_s = ready_timeout_s
@@ -215,6 +217,7 @@ class LocalAutoscaler:
                 free_ports(instance_ports(self.manifest, key.role)),
                 self._prefills(),
                 self.python,
+                self.vllm,
             )
             self.cluster.add_scaled(specs)
             self._spawn_task(key, lambda: self._join(key, specs, http))
@@ -290,7 +293,8 @@ class LocalAutoscaler:
 
     def _send_peers(self, http: httpx.Client, decodes: list[ProcessSpec], peers: list[str]) -> None:
         body = {"peers": peers}
-        for decode in decodes:
+        # vLLM decodes read their prefill from each request's kv_transfer_params.
+        for decode in (d for d in decodes if d.engine is EngineKind.builtin):
             try:
                 resp = http.put(decode.url + "/admin/prefill_peers", json=body)
             except httpx.HTTPError as err:

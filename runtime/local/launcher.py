@@ -54,7 +54,7 @@ from pdcluster.runtime.local.supervision import (
     describe_exit,
 )
 from pdcluster.runtime.pids import is_pid_alive
-from pdcluster.runtime.spec import RestartPolicySpec, Role
+from pdcluster.runtime.spec import EngineKind, RestartPolicySpec, Role
 
 STATE_FILE = "state.json"
 TOKEN_FILE = "token"
@@ -115,6 +115,8 @@ class LocalCluster:
             PARENT_PID_ENV: str(os.getpid()),
             **spec.env,
         }
+        if spec.api_key_env is not None:
+            env[spec.api_key_env] = self.token
         with open(self.state_dir / "logs" / f"{spec.name}.log", "ab") as log:
             proc = subprocess.Popen(
                 list(spec.argv),
@@ -312,7 +314,9 @@ class LocalCluster:
                     start_at = sup.view(act.key).start_at or time.monotonic()
                     delay = max(0.0, start_at - time.monotonic())
                     note = ""
-                    if act.key.role is Role.prefill:
+                    if act.key.role is Role.prefill and specs[0].engine is EngineKind.vllm:
+                        note = "; the router moved its requests still waiting for its KV"
+                    elif act.key.role is Role.prefill:
                         note = (
                             f"; its rooms failed at {told}/{len(running_decodes())} decode workers"
                         )
@@ -340,7 +344,7 @@ class LocalCluster:
 
         def probe_targets() -> list[ProbeTarget]:
             return [
-                ProbeTarget(s.name, generation[s.name], s.url)
+                ProbeTarget(s.name, generation[s.name], s.url, s.liveness_path)
                 for specs in instances.values()
                 for s in specs
                 if s.is_leader

@@ -89,6 +89,8 @@ class PeerNotifier:
         waiting for.
         """
         peer = bootstrap_address(spec)
+        if peer is None:
+            return True  # no bootstrap server (vLLM): no decode holds it down
         try:
             resp = self._http.get(decode.url + "/get_server_info")
         except httpx.HTTPError:

@@ -14,6 +14,13 @@ dp > 1 also gets a store port per dp group and an internal HTTP port per
 dp group after the first, drawn here with every other port
 (`--dp-dist-ports`, `--dp-ports`, runtime/dp_ports.py): the pod hosting a
 group's rank 0 binds them.
+
+With `engine.kind: vllm` an instance is one `vllm serve` process
+(runtime/vllm/serve_command.py) started through `child_guard` (our
+interpreter), so it stops with the launcher like ours do; it listens on its
+HTTP port and, for prefill and decode, on a NIXL side-channel port drawn
+here. vLLM's dp ranks bind internal ports local mode does not draw, so a
+vLLM instance runs with `topology.dp` 1 here (Kubernetes runs any dp).
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdcluster.runtime.pod_rendezvous import LEADER_ADDRESS_ENV
-from pdcluster.runtime.spec import PDCluster, Role, RoleSpec
+from pdcluster.runtime.spec import EngineKind, PDCluster, Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.vllm.serve_command import (
+    API_KEY_ENV,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    SIDE_CHANNEL_HOST_ENV,
+    build_vllm_serve,
+    vllm_argv,
+)
 
 HOST = "127.0.0.1"
 
@@ -45,11 +59,19 @@ class ProcessSpec:
     # and its dp leaders' internal HTTP ports (groups 1..dp-1).
     dist_ports: tuple[int, ...] = ()
     dp_ports: tuple[int, ...] = ()
+    engine: EngineKind = EngineKind.builtin
+    # What the launcher's liveness prober asks (vLLM has no /health/live).
+    liveness_path: str = "/health/live"
+    # The variable that carries the cluster token into the process, besides
+    # PDCLUSTER_TOKEN (vLLM's API key); None: none.
+    api_key_env: str | None = None
+    # vLLM's NIXL side channel (prefill and decode).
+    side_channel_ports: tuple[int, ...] = ()
 
     @property
     def ports(self) -> tuple[int, ...]:
         """Every port of its instance this process's pod set may bind."""
-        own = (self.port, *self.dist_ports, *self.dp_ports)
+        own = (self.port, *self.dist_ports, *self.dp_ports, *self.side_channel_ports)
         return own if self.bootstrap_port is None else (*own, self.bootstrap_port)
 
     @property
@@ -92,24 +114,28 @@ def _role_items(manifest: PDCluster) -> Iterator[tuple[Role, RoleSpec]]:
     yield Role.decode, spec.decode
 
 
-def num_worker_ports(role: Role, dp: int = 1) -> int:
+def num_worker_ports(role: Role, dp: int = 1, engine: EngineKind = EngineKind.builtin) -> int:
     """Ports one instance needs: HTTP + one torch store per dp group (+ bootstrap for
-    prefill) + the internal HTTP port of each dp group's leader after the first."""
+    prefill) + the internal HTTP port of each dp group's leader after the first;
+    a vLLM instance: HTTP (+ its NIXL side channel for prefill and decode)."""
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
+    if engine is EngineKind.vllm:
+        return 1 if role is Role.colocated else 2
     return (2 if role is Role.prefill else 1) + dp + (dp - 1)
 
 
 def instance_ports(manifest: PDCluster, role: Role) -> int:
     """`num_worker_ports` of one instance of `role` in `manifest`."""
-    return num_worker_ports(role, role_spec_of(manifest, role).topology.dp)
+    dp = role_spec_of(manifest, role).topology.dp
+    return num_worker_ports(role, dp, manifest.spec.engine.kind)
 
 
 def count_ports(manifest: PDCluster) -> int:
     """Ports the plan needs: every worker's, and the router's."""
     n = 1
     for role, rs in _role_items(manifest):
-        n += rs.replicas * num_worker_ports(role, rs.topology.dp)
+        n += rs.replicas * num_worker_ports(role, rs.topology.dp, manifest.spec.engine.kind)
     return n
 
 
@@ -128,17 +154,21 @@ def build_instance_specs(
     ports: list[int],
     prefills: list[ProcessSpec],
     python: str,
+    vllm: str | None = None,
 ) -> list[ProcessSpec]:
     """The processes (one per pod, the leader first) of one instance of `role`, also
     of one started later by autoscaling: `ports` holds `instance_ports(manifest, role)`
-    free ports; a decode may contact only `prefills`."""
+    free ports; a decode may contact only `prefills`; `vllm` runs vLLM (a `vllm`
+    executable or an interpreter with vLLM) when the manifest says `engine.kind: vllm`."""
     rs = role_spec_of(manifest, role)
     dp = rs.topology.dp
-    need = num_worker_ports(role, dp)
+    need = num_worker_ports(role, dp, manifest.spec.engine.kind)
     if len(ports) != need:
         raise ValueError(f"a {role.value} instance with dp={dp} needs {need} ports")
     if len(set(ports)) != len(ports):
         raise ValueError(f"the ports of a {role.value} instance must be distinct: {ports}")
+    if manifest.spec.engine.is_vllm:
+        return [_vllm_instance(manifest, role, instance, ports, python, vllm)]
     free = iter(ports)
     port, dist_port = next(free), next(free)
     argv = [
@@ -179,6 +209,50 @@ def build_instance_specs(
     return _pods(role, instance, rs, tuple(argv), port, bport, dist_ports, dp_ports)
 
 
+# The module that keeps a vLLM process tied to the launcher (runtime/local/child_guard.py).
+CHILD_GUARD = "pdcluster.runtime.local.child_guard"
+
+
+def _vllm_instance(
+    manifest: PDCluster,
+    role: Role,
+    instance: int,
+    ports: list[int],
+    python: str,
+    vllm: str | None,
+) -> ProcessSpec:
+    """One `vllm serve` process; `ports`: its HTTP port (then its side channel)."""
+    if vllm is None:
+        raise ValueError("engine.kind vllm needs a vLLM installation to run (--vllm)")
+    rs = role_spec_of(manifest, role)
+    if rs.topology.dp != 1:
+        raise ValueError(
+            f"{role.value}.topology.dp is {rs.topology.dp}: local mode runs vLLM instances "
+            "with dp 1 (vLLM's dp ranks bind ports of their own); run dp > 1 on Kubernetes"
+        )
+    port, side = ports[0], ports[1:]
+    # A colocated instance has no connector, hence no side channel.
+    side_port = side[0] if side else DEFAULT_SIDE_CHANNEL_PORT
+    serve = build_vllm_serve(manifest.spec, role, port=port, host=HOST, side_channel_port=side_port)
+    env = dict(serve.env)
+    if serve.side_channel_port is not None:
+        env[SIDE_CHANNEL_HOST_ENV] = HOST
+    guarded = manifest.spec.auth.worker_api is WorkerApiAccess.token
+    return ProcessSpec(
+        name=f"{role}-{instance}",
+        role=role,
+        instance=instance,
+        argv=(python, "-m", CHILD_GUARD, "--", *vllm_argv(vllm, serve)),
+        port=port,
+        num_ranks=rs.topology.num_ranks,
+        env=env,
+        engine=EngineKind.vllm,
+        liveness_path="/health",
+        api_key_env=API_KEY_ENV if guarded else None,
+        side_channel_ports=tuple(side),
+    )
+
+
 def _port_list(ports: list[int] | tuple[int, ...]) -> str:
     return ",".join(str(p) for p in ports)
 
@@ -198,9 +272,11 @@ def build_local_plan(
     ports: list[int],
     *,
     python: str,
+    vllm: str | None = None,
     router_port: int | None = None,
 ) -> LocalPlan:
-    """Turn a manifest into processes. `ports` must hold count_ports() free ports."""
+    """Turn a manifest into processes. `ports` must hold count_ports() free ports;
+    `vllm`: how to run vLLM (engine.kind vllm)."""
     need = count_ports(manifest)
     if len(ports) < need:
         raise ValueError(f"plan needs {need} ports, got {len(ports)}")
@@ -208,12 +284,11 @@ def build_local_plan(
     workers: list[ProcessSpec] = []
     for role, rs in _role_items(manifest):
         for i in range(rs.replicas):
-            n = num_worker_ports(role, rs.topology.dp)
+            n = num_worker_ports(role, rs.topology.dp, manifest.spec.engine.kind)
             peers = [w for w in workers if w.role is Role.prefill]
+            own = [next(free) for _ in range(n)]
             workers.extend(
-                build_instance_specs(
-                    manifest, manifest_path, role, i, [next(free) for _ in range(n)], peers, python
-                )
+                build_instance_specs(manifest, manifest_path, role, i, own, peers, python, vllm)
             )
     rport = next(free) if router_port is None else router_port
     base = [python, "-m", "pdcluster.runtime.cli"]

@@ -1,4 +1,5 @@
-"""The launcher's liveness prober: `GET /health/live` of each target, every period.
+"""The launcher's liveness prober: `GET /health/live` (vLLM: `/health`) of each target,
+every period.
 
 It runs on a thread of its own, so a probe that hangs until its timeout
 never delays the supervision loop (which polls exits every 0.1 s). The
@@ -23,6 +24,7 @@ class ProbeTarget:
     process: str
     generation: int  # the start of the process the probe is for
     url: str  # the process's base URL
+    path: str = "/health/live"  # what it answers liveness on (vLLM: /health)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class LivenessProber:
 
     def _probe(self, target: ProbeTarget) -> ProbeResult:
         try:
-            ok = self._http.get(target.url + "/health/live").is_success
+            ok = self._http.get(target.url + target.path).is_success
         except httpx.HTTPError:
             ok = False
         return ProbeResult(target.process, target.generation, ok)

@@ -209,8 +209,13 @@ class _PDBackend:
                 body[name] = getattr(b, name)
         text, n_ids = "", 0
         ended = False
+        # The group's leader records the request's spans under the caller's trace.
+        trace = {"traceparent": req.traceparent} if req.traceparent else None
+        req.stamps = None
         try:
-            async with self._relay().stream("POST", url + "/generate", json=body) as resp:
+            async with self._relay().stream(
+                "POST", url + "/generate", json=body, headers=trace
+            ) as resp:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")
                     yield TokenEvent([], "", True, "error", error=detail, status=resp.status_code)
@@ -373,7 +378,14 @@ def _leg_of(req: PreparedRequest) -> Leg:
     """The coordinator's view of a checked request (`check` made sure it has a room)."""
     assert req.bootstrap.bootstrap_room is not None
     sampling = engine_request(req).sampling
-    return Leg(req.bootstrap.bootstrap_room, req.rid, req.prompt_ids, sampling, req.rid_is_local)
+    return Leg(
+        req.bootstrap.bootstrap_room,
+        req.rid,
+        req.prompt_ids,
+        sampling,
+        req.rid_is_local,
+        stamps=req.stamps,
+    )
 
 
 class _AgentAdmin:

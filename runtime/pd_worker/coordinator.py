@@ -63,6 +63,9 @@ from pdcluster.runtime.spec import (
     Role,
     pages_for,
 )
+from pdcluster.runtime.telemetry.request_log import request_fields
+from pdcluster.runtime.telemetry.span_plan import KV_BACKEND, KV_BYTES, RequestStamps, Stage
+from pdcluster.runtime.transfer.ucx_report import is_rdma_requested
 
 log = logging.getLogger("pdcluster.pd")
 
@@ -127,6 +130,7 @@ class Leg:
     prompt: list[int]
     sampling: SamplingParams
     rid_is_local: bool = False  # the worker minted `rid`: it never leaves this instance
+    stamps: RequestStamps | None = None  # tracing on: the stages this leader sees
 
 
 @dataclass
@@ -156,6 +160,16 @@ class _Room:
     # decode: the first `num_reused` of `pages` are cached pages this room
     # references (decode-side prefix reuse); the rest are owned.
     num_reused: int = 0
+    stamps: RequestStamps | None = None  # the leg's stage stamps (tracing on)
+
+    def mark(self, stage: str) -> None:
+        if self.stamps is not None:
+            self.stamps.mark(stage)
+
+    def note_kv(self, num_bytes: int, backend: str) -> None:
+        if self.stamps is not None:
+            self.stamps.note(KV_BYTES, num_bytes)
+            self.stamps.note(KV_BACKEND, backend)
 
 
 class _Coordinator:
@@ -254,6 +268,8 @@ class _Coordinator:
                 self.metrics.kv_transport.remove(*old)
             self.metrics.kv_transport.labels(*labels).set(1)
             self._transport_labels = labels
+            missing = labels[2] == "true" and is_rdma_requested(self.agent.ctx.transfer)
+            self.metrics.kv_rdma_missing.set(1 if missing else 0)
 
     def _export_gauges(self) -> None:
         self._export_rejects()
@@ -304,7 +320,14 @@ class _Coordinator:
         if room is None or room.failed is not None or room.handed_off:
             return
         room.failed = reason
-        log.warning("%s: room %s rid %s failed: %s", self.role, room_id, room.rid, reason)
+        log.warning(
+            "%s: room %s rid %s failed: %s",
+            self.role,
+            room_id,
+            room.rid,
+            reason,
+            extra=request_fields(room_id, room.rid),
+        )
         self.metrics.failures.labels(reason=reason_label(reason)).inc()
         self.agent.broadcast(GroupFail(room_id, reason))
         self.on_failed(room_id, room)
@@ -359,7 +382,8 @@ class PrefillCoordinator(_Coordinator):
     def open(self, leg: Leg) -> None:
         """Engine thread: the prefill leg arrived. Raises QueueFull past the queue."""
         room_id, rid = leg.room_id, leg.rid
-        self._register(room_id, _Room(rid, leg.prompt, leg.sampling, leg.rid_is_local))
+        room = _Room(rid, leg.prompt, leg.sampling, leg.rid_is_local, stamps=leg.stamps)
+        self._register(room_id, room)
         try:
             offer = self.queue.offer(room_id)
         except Exception:
@@ -369,7 +393,11 @@ class PrefillCoordinator(_Coordinator):
             self._broadcast_open(room_id, self.rooms[room_id])
         else:
             log.info(
-                "prefill: room %s rid %s queued (%d waiting)", room_id, rid, self.queue.num_queued
+                "prefill: room %s rid %s queued (%d waiting)",
+                room_id,
+                rid,
+                self.queue.num_queued,
+                extra=request_fields(room_id, rid),
             )
 
     def _broadcast_open(self, room_id: int, room: _Room) -> None:
@@ -412,6 +440,7 @@ class PrefillCoordinator(_Coordinator):
                 return
             self._compute(room_id, room)
         elif rep.kind == "paired" and self.all_ranks(room, "paired"):
+            room.mark(Stage.paired)
             if self.early_start is not None:
                 self.early_start.leave(room_id)
             if room.start_deferred and room.failed is None and not room.engine_added:
@@ -419,8 +448,10 @@ class PrefillCoordinator(_Coordinator):
                 self._compute(room_id, room)
         elif rep.kind == "succeeded" and self.all_ranks(room, "succeeded") and not room.leg_done:
             room.leg_done = True
+            room.mark(Stage.kv_sent)
             sent = len(room.prompt) if room.sent_tokens is None else room.sent_tokens
             self.metrics.transfer_bytes.labels(direction="out").inc(self.kv_bytes(sent))
+            room.note_kv(self.kv_bytes(sent), self.agent.ctx.compat.transfer_backend)
             self.metrics.transfer_seconds.observe(time.monotonic() - room.opened_at)
             first = [] if room.first_token is None else [room.first_token]
             self.service.emit(room.rid, TokenEvent(first, "", True, "stop"))
@@ -436,6 +467,7 @@ class PrefillCoordinator(_Coordinator):
             self.fail(room_id, f"rejected: {err}")
             return
         room.engine_added = True
+        room.mark(Stage.compute_start)
         stage_trace.mark(room_id, "prefill.engine_add")
 
     def _maybe_free(self, room_id: int, room: _Room) -> None:
@@ -463,6 +495,7 @@ class PrefillCoordinator(_Coordinator):
         if output.finished and output.finish_reason == "prefill_done" and output.new_token_ids:
             first = int(output.new_token_ids[-1])
             room.first_token = first
+            room.mark(Stage.first_token)
             stage_trace.mark(room_id, "prefill.first_token")
             self.agent.run_or_post(lambda: self.agent.leader_first_token(room_id, first))
         elif output.finished and output.finish_reason != "prefill_done":
@@ -496,7 +529,13 @@ class DecodeCoordinator(_Coordinator):
     def open(self, leg: Leg, peer: BootstrapAddress, prefill_dp: int | None) -> None:
         """Engine thread: the decode leg arrived, its KV to come from prefill `peer`."""
         room_id, prompt = leg.room_id, leg.prompt
-        room = _Room(leg.rid, prompt, leg.sampling, num_pages=self.num_pages_for(len(prompt)))
+        room = _Room(
+            leg.rid,
+            prompt,
+            leg.sampling,
+            num_pages=self.num_pages_for(len(prompt)),
+            stamps=leg.stamps,
+        )
         self._register(room_id, room)
         self.agent.broadcast(
             GroupOpen(
@@ -531,6 +570,7 @@ class DecodeCoordinator(_Coordinator):
                 continue
             room.pages = admitted.pages
             room.pages_at = time.monotonic()
+            room.mark(Stage.pages_reserved)
             reuse = build_reuse(room.prompt, room.num_reused, self.page_size)
             self.agent.broadcast(
                 GroupPages(admitted.room, list(admitted.pages), reuse), here_now=True
@@ -587,10 +627,11 @@ class DecodeCoordinator(_Coordinator):
             return
         self.admission.release_slot(room_id)
         room.handed_off = True
+        room.mark(Stage.kv_received)
         reused_tokens = room.num_reused * self.page_size
-        self.metrics.transfer_bytes.labels(direction="in").inc(
-            self.kv_bytes(len(room.prompt) - reused_tokens)
-        )
+        received = self.kv_bytes(len(room.prompt) - reused_tokens)
+        self.metrics.transfer_bytes.labels(direction="in").inc(received)
+        room.note_kv(received, self.agent.ctx.compat.transfer_backend)
         if room.num_reused:
             self.metrics.decode_reuse_pages.inc(room.num_reused)
             self.metrics.decode_reuse_bytes.inc(self.kv_bytes(reused_tokens))

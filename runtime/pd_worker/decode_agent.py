@@ -71,6 +71,7 @@ from pdcluster.runtime.pd_worker.group import (
     GroupPages,
 )
 from pdcluster.runtime.spec import KVDtype, TransferBackend
+from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISSING
 from pdcluster.runtime.transfer.frames import FrameError, decode_header
 from pdcluster.runtime.transfer.identity import kv_source_ok
@@ -278,7 +279,14 @@ class DecodeAgent(RankAgent):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
 
     def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
-        log.warning("decode rank %s: room %s rid %s failed: %s", self.ctx.coord, room, rid, reason)
+        log.warning(
+            "decode rank %s: room %s rid %s failed: %s",
+            self.ctx.coord,
+            room,
+            rid,
+            reason,
+            extra=request_fields(room, rid),
+        )
         self.ctx.stats[failure_key(reason)] += 1
         self.report(room, "failed", reason)
 

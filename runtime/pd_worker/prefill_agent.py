@@ -49,6 +49,7 @@ from pdcluster.runtime.pd_worker.bootstrap_client import (
 )
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupOpen
 from pdcluster.runtime.spec import AllocationPolicy, TransferBackend
+from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.nixl import NixlTransport
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
@@ -186,6 +187,7 @@ class PrefillAgent(RankAgent):
             act.room,
             act.rid,
             act.reason,
+            extra=request_fields(act.room, act.rid),
         )
         self.ctx.stats[failure_key(act.reason)] += 1
         self.sender.cancel(act.room)

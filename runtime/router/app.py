@@ -62,6 +62,7 @@ from pdcluster.runtime.router.prefix_feed import PrefixFollower
 from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
 from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
 from pdcluster.runtime.router.relay import Relay, RelayContext
+from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
 from pdcluster.runtime.router.streaming import (
     DISCONNECT_SCOPE_KEY,
@@ -146,10 +147,25 @@ class RouterState:
         self.pool = WorkerPool(failure_threshold=config.health_failure_threshold)
         # Page keys each worker has cached, for cache_aware (`prefix_index.py`).
         self.prefix_index = PrefixIndex()
+        roles = (Role.prefill, Role.decode) if config.is_disaggregated else (Role.colocated,)
         self.metrics = RouterMetrics(
-            self.pool.all, self._indexed_pages if config.cache_aware_roles else None
+            self.pool.all,
+            self._indexed_pages if config.cache_aware_roles else None,
+            roles=roles,
+            cluster=config.cluster_name,
+            ttft_slo_s=config.ttft_slo_s,
         )
         self.follower: PrefixFollower | None = None
+        # Request tracing (`telemetry/tracing.py`); None: off.
+        self.tracing: Any = None
+        if config.tracing.enabled:
+            from pdcluster.runtime.telemetry.tracing import start_tracing
+
+            self.tracing = start_tracing(
+                config.tracing,
+                "pdcluster-router",
+                {"pdcluster.cluster": config.cluster_name, "pdcluster.role": "router"},
+            )
         self.leg_planner = LegPlanner(
             pool=self.pool,
             disaggregated=config.is_disaggregated,
@@ -253,6 +269,8 @@ class RouterState:
             await asyncio.gather(health_loop, *pending, return_exceptions=True)
             await legs.close()
             await control.aclose()
+            if self.tracing is not None:
+                self.tracing.shutdown()
 
     def apply_targets(self, targets: list[WorkerTarget]) -> None:
         """Discovery's view of the workers; new ones are probed at once."""
@@ -287,11 +305,11 @@ class RouterState:
                 "prefill %s lost (%s): %d request(s) moved off it", worker.url, reason, told
             )
 
-    def _relay_for(self, plan: LegPlan) -> ClientRelay:
+    def _relay_for(self, plan: LegPlan, record: RequestRecord) -> ClientRelay:
         assert self.ctx is not None, "router app used outside its lifespan"
         if plan.flow is LegFlow.kv_params and plan.prefill is not None:
-            return VllmRelay(self.ctx, plan, self.leg_planner.repick_prefill)
-        return Relay(self.ctx, plan)
+            return VllmRelay(self.ctx, plan, self.leg_planner.repick_prefill, record)
+        return Relay(self.ctx, plan, record)
 
     async def _plan(self, client_request: ClientRequest) -> LegPlan:
         """Plan the legs; with no healthy worker but a new one still on its first
@@ -333,20 +351,33 @@ class RouterState:
             raw = await _read_body(request, self.config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        client_request = check_request(
-            endpoint, parse_json_object(raw), disaggregated=self.config.is_disaggregated, raw=raw
-        )
-        model = client_request.model
-        if model is not None and model not in self.config.model_names:
-            raise RouterError(
-                404,
-                f"model {model!r} does not exist; this router serves {self.config.model_name!r}",
-                code="model_not_found",
-                param="model",
-                reason="unknown_model",
+        record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
+        try:
+            client_request = check_request(
+                endpoint,
+                parse_json_object(raw),
+                disaggregated=self.config.is_disaggregated,
+                raw=raw,
             )
-        assert self.ctx is not None, "router app used outside its lifespan"
-        relay = self._relay_for(await self._plan(client_request))
+            model = client_request.model
+            if model is not None and model not in self.config.model_names:
+                raise RouterError(
+                    404,
+                    f"model {model!r} does not exist; this router serves "
+                    f"{self.config.model_name!r}",
+                    code="model_not_found",
+                    param="model",
+                    reason="unknown_model",
+                )
+            assert self.ctx is not None, "router app used outside its lifespan"
+            plan = await self._plan(client_request)
+        except RouterError as err:
+            record.set_outcome(err.reason)
+            record.planned(err.reason)
+            record.finish(self.metrics)
+            raise
+        record.planned()
+        relay = self._relay_for(plan, record)
         stage_trace.mark(relay.plan.room, "router.recv", received_ns)
         stage_trace.mark(relay.plan.room, "router.planned")
         relay.start()

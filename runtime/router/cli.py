@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -166,6 +165,7 @@ def invocation_from(
             kubernetes=kube,
             api_keys=fields["api_keys"],
             side_ports=fields["side_ports"],
+            cluster_name=manifest.metadata.name,
         )
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     for name in (
@@ -211,10 +211,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 def run_invocation(inv: Invocation) -> None:
     """Serve until stopped."""
     from pdcluster.runtime.router.server import run_router
+    from pdcluster.runtime.telemetry.request_log import configure_logging, log_format_of
 
-    logging.basicConfig(
-        level=inv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        log_format = log_format_of(inv.config.log_format, os.environ)
+    except ValueError as err:
+        raise SystemExit(f"pdcluster router: {err}") from None
+    configure_logging(log_format, inv.log_level, role="router", cluster=inv.config.cluster_name)
     run_router(
         inv.config, host=inv.host, port=inv.port, log_level=inv.log_level, loop=inv.event_loop
     )

@@ -20,9 +20,11 @@ from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, stat
 from pdcluster.runtime.spec import (
     EngineKind,
     FailurePolicy,
+    LogFormat,
     PDClusterSpec,
     Role,
     SelectionPolicy,
+    TracingSpec,
     VllmKVConnector,
 )
 
@@ -68,6 +70,12 @@ class RouterConfig:
     # cache_aware: "tiny" or a model directory with tokenizer.json, to turn
     # text prompts into token ids; None: only token-id prompts are matched.
     tokenizer: str | None = None
+    # The PDCluster's name: the `pdcluster` label of `pdcluster_router_info`.
+    cluster_name: str = ""
+    # The p90 TTFT the manifest promises (`spec.ttft_slo_seconds`), exported for the alert.
+    ttft_slo_s: float | None = None
+    tracing: TracingSpec = field(default_factory=TracingSpec)
+    log_format: LogFormat | None = None
     # The engine the workers run (`spec.engine.kind`): vLLM workers are probed
     # on /health alone and their legs go one after the other (leg_plan.LegFlow).
     engine: EngineKind = EngineKind.builtin
@@ -176,6 +184,7 @@ class RouterConfig:
         kubernetes: KubernetesDiscoverySettings | None = None,
         api_keys: Sequence[str] = (),
         side_ports: Mapping[str, int] | None = None,
+        cluster_name: str = "",
     ) -> RouterConfig:
         """Settings of a PDCluster manifest plus the addresses the caller knows."""
         aliases = (spec.model.path,) if spec.model.path else ()
@@ -196,6 +205,10 @@ class RouterConfig:
             failure_policy=spec.transfer.failure_policy.value,
             max_load_gap=spec.router.policy.max_load_gap,
             tokenizer="tiny" if spec.model.name == "tiny" else spec.model.path or None,
+            cluster_name=cluster_name,
+            ttft_slo_s=spec.ttft_slo_seconds,
+            tracing=spec.observability.tracing,
+            log_format=spec.observability.log_format,
             engine=spec.engine.kind,
             kv_connector=spec.engine.vllm.kv_connector,
             side_ports=dict(side_ports or {}),

@@ -53,13 +53,15 @@ from pdcluster.runtime.router.leg_client import (
 from pdcluster.runtime.router.leg_plan import LegPlan
 from pdcluster.runtime.router.metrics import RouterMetrics
 from pdcluster.runtime.router.prefill_watch import PrefillWatch
+from pdcluster.runtime.router.request_record import JSON_CONTENT, USAGE_COMMENT, RequestRecord
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
 from pdcluster.runtime.router.workers import Worker, WorkerPool
+from pdcluster.runtime.telemetry.request_log import request_fields
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Leg bodies go out as bytes (`LegPlan.content`).
-JSON = {"content-type": "application/json"}
+# Leg bodies go out as bytes (`LegPlan.content`); with tracing each leg adds its traceparent.
+JSON = JSON_CONTENT
 
 
 # repr=False: the exception's own repr (its message), as in tracebacks.
@@ -176,9 +178,14 @@ class RelayPhase(enum.IntEnum):
 
 
 class Relay:
-    def __init__(self, ctx: RelayContext, plan: LegPlan) -> None:
+    def __init__(
+        self, ctx: RelayContext, plan: LegPlan, record: RequestRecord | None = None
+    ) -> None:
         self.ctx = ctx
         self.plan = plan
+        # Outcome, tokens and (tracing on) spans, counted when the relay closes.
+        self.record = record or RequestRecord()
+        self.record.started(plan.rid, plan.room)
         self.planned_at = asyncio.get_running_loop().time()
         self.deadline = self.planned_at + ctx.config.request_timeout_s
         self._prefill_task: asyncio.Task[None] | None = None
@@ -223,7 +230,14 @@ class Relay:
             task.cancel()
         if not main_done:
             self.ctx.send_abort(plan.main, plan.rid, reason)
-        log.info("request %s room %s abandoned: %s", plan.rid, plan.room, reason)
+        self.record.set_outcome(reason)
+        log.info(
+            "request %s room %s abandoned: %s",
+            plan.rid,
+            plan.room,
+            reason,
+            extra=request_fields(plan.room, plan.rid),
+        )
 
     async def aclose(self) -> None:
         if self._phase is RelayPhase.closed:
@@ -242,6 +256,7 @@ class Relay:
                 close_response(resp)
         if started:
             self.ctx.pool.release(self.plan.main)
+        self.record.finish(self.ctx.metrics)
         room = self.plan.room
         task = self._prefill_task
         if room is not None:
@@ -262,8 +277,10 @@ class Relay:
                 # before this one's (a new connection: both connect at once).
                 await self._main_sending.wait()
                 stage_trace.mark(self.plan.room, "router.prefill_send")
+                plan = self.plan
+                headers = self.record.leg_headers("prefill", worker.url)
                 async with self.ctx.legs.post(
-                    worker.url + self.plan.path, data=self.plan.prefill_content, headers=JSON
+                    worker.url + plan.path, data=plan.prefill_content, headers=headers
                 ) as resp:
                     if resp.status >= 400:
                         raw = await resp.read()
@@ -307,8 +324,10 @@ class Relay:
 
     def _prefill_finished(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
+            self.record.end_leg("prefill", "cancelled")
             return
         err = task.exception()
+        self.record.end_leg("prefill", err.reason if isinstance(err, LegError) else None)
         if isinstance(err, LegError):
             self.ctx.metrics.leg_failures.labels("prefill", err.reason).inc()
             log.warning(
@@ -318,6 +337,7 @@ class Relay:
                 err.worker.url,
                 err.message,
                 "" if self.ctx.config.is_prefill_failure_final else "; decode recomputes",
+                extra=request_fields(self.plan.room, self.plan.rid),
             )
             if err.may_run:
                 self.ctx.send_abort(err.worker, self.plan.rid, err.reason)
@@ -371,6 +391,7 @@ class Relay:
     def _on_leg_error(self, err: LegError) -> RouterError:
         """Propagate one leg's failure to the other; return what the client gets."""
         plan = self.plan
+        self.record.set_outcome(err.reason)
         if err.worker is plan.main:
             self.ctx.metrics.leg_failures.labels(plan.main.role.value, err.reason).inc()
             log.warning(
@@ -380,6 +401,7 @@ class Relay:
                 plan.main.role.value,
                 plan.main.url,
                 err.message,
+                extra=request_fields(plan.room, plan.rid),
             )
             if self._phase < RelayPhase.main_done:
                 self._advance(RelayPhase.main_done)
@@ -416,8 +438,10 @@ class Relay:
         # after this request was written (aiohttp writes it before it waits).
         self._main_sending.set()
         stage_trace.mark(self.plan.room, "router.main_send")
+        plan = self.plan
+        headers = self.record.leg_headers(plan.main.role.value, plan.main.url)
         self._main_resp = await self.ctx.legs.post(
-            self.plan.main.url + self.plan.path, data=self.plan.content, headers=JSON
+            plan.main.url + plan.path, data=plan.content, headers=headers
         )
         stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp
@@ -443,7 +467,9 @@ class Relay:
             if payload is None:
                 raise LegError(main, 502, "answered with a body that is not JSON", "bad_payload")
         self._advance(RelayPhase.main_done)
-        if payload_error(payload) is not None:
+        failed = payload_error(payload) is not None
+        self.record.read_answer(payload, "error_payload" if failed else None)
+        if failed:
             self.ctx.metrics.leg_failures.labels(main.role.value, "error_payload").inc()
             self.abandon(f"{main.role.value}_failed")
         return raw
@@ -466,18 +492,23 @@ class Relay:
                     if batch is None:
                         raise LegError(main, 502, "stream ended before [DONE]", "stream_truncated")
             except RouterError as failure:
+                self.record.set_outcome(failure.reason or "error")
                 yield format_json_event(error_body(failure.message, failure.status))
                 yield DONE_EVENT
                 return
             for line in batch:
                 event = reader.feed(line)
                 if event is None:
+                    if line.startswith(USAGE_COMMENT):
+                        self.record.read_usage_comment(line)
                     continue
                 if event.is_done:
                     self._advance(RelayPhase.main_done)
+                    self.record.set_outcome("stop")
                     yield DONE_EVENT
                     return
                 if event.error() is not None and self._phase < RelayPhase.abandoned:
+                    self.record.set_outcome("error_event")
                     self.ctx.metrics.leg_failures.labels(main.role.value, "error_event").inc()
                     # The worker ended this request itself; only the prefill leg needs the abort.
                     self._advance(RelayPhase.main_done)

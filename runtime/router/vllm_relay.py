@@ -50,6 +50,7 @@ from pdcluster.runtime.router.leg_client import (
 )
 from pdcluster.runtime.router.leg_plan import LegPlan
 from pdcluster.runtime.router.relay import JSON, LegError, RelayContext, RelayPhase
+from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.sse import DONE_EVENT, SSEReader, format_event, format_json_event
 from pdcluster.runtime.router.vllm_legs import (
     KVParamsError,
@@ -81,10 +82,16 @@ def _json(raw: bytes) -> Any:
 
 
 class VllmRelay:
-    def __init__(self, ctx: RelayContext, plan: LegPlan, repick: Repick) -> None:
+    def __init__(
+        self, ctx: RelayContext, plan: LegPlan, repick: Repick, record: RequestRecord | None = None
+    ) -> None:
         assert plan.prefill is not None and plan.request is not None, "a kv_params plan"
         self.ctx = ctx
         self.plan = plan
+        # Outcome, tokens and (tracing on) spans; each leg's traceparent makes vLLM's
+        # own request span (--otlp-traces-endpoint) a child of the leg's.
+        self.record = record or RequestRecord()
+        self.record.started(plan.rid, plan.room)
         self.repick = repick
         self.prefill: Worker = plan.prefill
         self.tried: list[Worker] = [plan.prefill]
@@ -129,6 +136,7 @@ class VllmRelay:
             return
         main_done = self._phase >= RelayPhase.main_done
         self._advance(RelayPhase.abandoned)
+        self.record.set_outcome(reason)
         self._unwatch()
         if not main_done:
             self.ctx.send_abort(self.plan.main, self.rid, reason)
@@ -153,6 +161,7 @@ class VllmRelay:
                 close_response(resp)
         if started:
             self.ctx.pool.release(self.plan.main)
+        self.record.finish(self.ctx.metrics)
 
     # ------------------------------------------------------------ prefill watch
     def _watch(self) -> None:
@@ -197,11 +206,13 @@ class VllmRelay:
         try:
             # Leaving the block before the body's end (cancelled) closes the
             # connection, which is vLLM's abort of the prefill leg.
+            headers = {**self.headers, **self.record.leg_headers("prefill", worker.url)}
             async with self.ctx.legs.post(
-                worker.url + self.plan.path, data=body, headers=self.headers
+                worker.url + self.plan.path, data=body, headers=headers
             ) as resp:
                 raw = await resp.read()
         except aiohttp.ClientError as err:
+            self.record.end_leg("prefill", "prefill_unreachable")
             text = str(err) or type(err).__name__
             if classify(err) is LegFailure.unreachable:
                 if self.ctx.pool.mark_unreachable(worker, text):
@@ -213,6 +224,7 @@ class VllmRelay:
             raise LegError(worker, 502, f"bad response: {text}", "prefill_bad_response") from None
         finally:
             self.ctx.pool.release(worker)
+        self.record.end_leg("prefill", "prefill_error_status" if resp.status >= 400 else None)
         if resp.status >= 400:
             raise LegError(
                 worker,
@@ -235,9 +247,8 @@ class VllmRelay:
         assert request is not None
         body = json.dumps(build_decode_body(request.body, params)).encode()
         decode = self.plan.main
-        resp = await self.ctx.legs.post(
-            decode.url + self.plan.path, data=body, headers=self.headers
-        )
+        headers = {**self.headers, **self.record.leg_headers("decode", decode.url)}
+        resp = await self.ctx.legs.post(decode.url + self.plan.path, data=body, headers=headers)
         self._main_resp = resp
         if resp.status >= 400:
             raw = await resp.read()
@@ -322,6 +333,7 @@ class VllmRelay:
                 ) from None
 
     def _retry_or_fail(self, lost: PrefillLost) -> None:
+        self.record.end_leg("prefill", f"prefill_lost: {lost.reason}")
         metrics = self.ctx.metrics
         metrics.leg_failures.labels("prefill", "prefill_lost").inc()
         nxt = self.repick(self.plan.main, self.tried)
@@ -344,6 +356,7 @@ class VllmRelay:
         self.tried.append(nxt)
 
     def _fail(self, err: LegError) -> RouterError:
+        self.record.set_outcome(err.reason)
         self.ctx.metrics.leg_failures.labels(err.worker.role.value, err.reason).inc()
         role = err.worker.role.value
         log.warning(
@@ -356,7 +369,10 @@ class VllmRelay:
         """The decode's whole JSON answer (non-streaming requests)."""
         assert self._body is not None, "open() first"
         self._advance(RelayPhase.main_done)
-        if payload_error(_json(self._body)) is not None:
+        payload = _json(self._body)
+        failed = payload_error(payload) is not None
+        self.record.read_answer(payload, "error_payload" if failed else None)
+        if failed:
             self.ctx.metrics.leg_failures.labels("decode", "error_payload").inc()
         return self._body
 
@@ -367,6 +383,7 @@ class VllmRelay:
             for chunk in head:
                 if chunk is DONE_EVENT:
                     self._advance(RelayPhase.main_done)
+                    self.record.set_outcome("stop")
                 yield chunk
                 if chunk is DONE_EVENT:
                     return
@@ -384,6 +401,7 @@ class VllmRelay:
                 self._frame(batch)
                 continue
             self.ctx.metrics.leg_failures.labels("decode", "stream_broken").inc()
+            self.record.set_outcome("stream_broken")
             self.abandon("decode_failed")
             yield format_json_event(error_body(failure.message, failure.status))
             yield DONE_EVENT

@@ -12,6 +12,18 @@ import time
 from typing import Any
 
 DONE = "data: [DONE]\n\n"
+# An SSE comment (clients ignore it, SSE spec) a stream ends with, before
+# [DONE]: what a PD router counts per request without parsing every event.
+USAGE_COMMENT = ": usage "
+
+
+def usage_comment(prompt_tokens: int, completion_tokens: int, finish_reason: str | None) -> str:
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "finish_reason": finish_reason,
+    }
+    return f"{USAGE_COMMENT}{json.dumps(usage, separators=(',', ':'))}\n\n"
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -41,6 +41,8 @@ from pdcluster.runtime.server.api_models import (
 from pdcluster.runtime.serving.backend import Backend
 from pdcluster.runtime.serving.engine_service import TokenEvent
 from pdcluster.runtime.serving.request import BadRequest, BootstrapFields, PreparedRequest
+from pdcluster.runtime.telemetry import request_log
+from pdcluster.runtime.telemetry.span_plan import RequestOutcome, RequestStamps, Stage
 
 log = logging.getLogger("pdcluster.worker")
 
@@ -78,6 +80,8 @@ class WorkerState:
     token: str = ""
     data_plane_open: bool = False
     in_flight: set[str] = field(default_factory=set)  # rids of the requests running now
+    # Request tracing (`telemetry/tracing.py`); None: off, no request carries stamps.
+    tracing: Any = None
 
     def sampling_of(
         self,
@@ -115,6 +119,7 @@ class WorkerState:
         stop: str | list[str] | None,
         bootstrap: BootstrapFields,
         rid_is_local: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> PreparedRequest:
         info = self.info
         if isinstance(prompt, str):
@@ -143,24 +148,37 @@ class WorkerState:
             raise BadRequest(f"rid {rid!r} is already in flight", status=409)
         req = PreparedRequest(rid, ids, sampling, stops, bootstrap, rid_is_local)
         self.backend.check(req)
+        if headers is not None:
+            req.traceparent = headers.get("traceparent")
+            if self.tracing is not None:
+                req.trace = self.tracing.request_trace(headers)
+                if req.trace.sampled:
+                    req.stamps = RequestStamps()
         return req
 
     async def run(self, req: PreparedRequest) -> AsyncIterator[TokenEvent]:
         metrics = self.metrics
         self.in_flight.add(req.rid)
         metrics.requests_in_flight.inc()
+        room = req.bootstrap.bootstrap_room
+        trace_id = req.trace.trace_id_hex if req.trace is not None else None
+        request_log.bind(req.rid, room, trace_id or request_log.trace_id_of(req.traceparent))
         started, first, finished = time.monotonic(), True, False
         first_at, num_tokens = started, 0
+        outcome, detail = "client_disconnect", None
         try:
             async for event in self.backend.events(req):
                 if first and event.token_ids:
                     first_at = time.monotonic()
                     metrics.ttft_seconds.observe(first_at - started)
                     first = False
+                    if req.stamps is not None:
+                        req.stamps.mark(Stage.first_token)
                 num_tokens += len(event.token_ids)
                 if event.finished:
                     finished = True
-                    metrics.requests_total.labels(reason=reason_label(event.finish_reason)).inc()
+                    outcome, detail = reason_label(event.finish_reason), event.error
+                    metrics.requests_total.labels(reason=outcome).inc()
                     if num_tokens > 1:
                         tpot = (time.monotonic() - first_at) / (num_tokens - 1)
                         metrics.tpot_seconds.observe(tpot)
@@ -168,8 +186,39 @@ class WorkerState:
         finally:
             if not finished:  # the client went away mid-request (the backend aborts it)
                 metrics.requests_total.labels(reason="client_disconnect").inc()
+            metrics.count_outcome(outcome)
+            if finished:
+                metrics.prompt_tokens.inc(len(req.prompt_ids))
+            metrics.generation_tokens.inc(num_tokens)
             self.in_flight.discard(req.rid)
             metrics.requests_in_flight.dec()
+            request_log.unbind(req.rid)
+            if req.stamps is not None:
+                self._trace(req, req.stamps, outcome, detail, num_tokens)
+
+    def _trace(
+        self, req: PreparedRequest, stamps: RequestStamps, outcome: str, detail: str | None, n: int
+    ) -> None:
+        """Queue this worker's spans of a finished request (`span_plan.py`)."""
+        from pdcluster.runtime.metrics import SUCCESS_REASONS
+        from pdcluster.runtime.telemetry.span_plan import plan_worker_spans
+
+        failure = None if outcome in SUCCESS_REASONS else (detail or outcome)
+        role = str(self.backend.role)  # SGLang names a colocated worker's mode "null"
+        records = plan_worker_spans(
+            role if role in ("prefill", "decode") else "colocated",
+            stamps,
+            RequestOutcome(
+                time.monotonic_ns(),
+                req.bootstrap.bootstrap_room,
+                req.rid,
+                len(req.prompt_ids),
+                n,
+                failure,
+            ),
+        )
+        if req.trace is not None:
+            self.tracing.submit(req.trace, records)
 
     async def collect(self, req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
         text, ids = "", []
@@ -201,13 +250,18 @@ class WorkerState:
         self, req: PreparedRequest, fmt: Callable[[TokenEvent], list[str]]
     ) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
+            num_tokens, finish = 0, None
             async for event in self.run(req):
                 if event.error is not None:
                     self.metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
                     yield R.sse(R.error_body(event.error, type_="server_error", code=event.status))
                     break
+                num_tokens += len(event.token_ids)
+                finish = event.finish_reason if event.finished else finish
                 for line in fmt(event):
                     yield line
+            else:
+                yield R.usage_comment(len(req.prompt_ids), num_tokens, finish)
             yield R.DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -273,7 +327,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         sp.stop_token_ids,
     )
     prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
-    req = state.prepare(body.rid, prompt, sampling, sp.stop, body, body.rid_is_local)
+    req = state.prepare(
+        body.rid, prompt, sampling, sp.stop, body, body.rid_is_local, headers=request.headers
+    )
     if body.stream:
         text, ids = "", []
 
@@ -300,7 +356,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     sampling = state.sampling_of(
         body.temperature, body.top_p, body.top_k, body.max_tokens, body.seed, body.ignore_eos
     )
-    req = state.prepare(body.rid, prompt, sampling, body.stop, body)
+    req = state.prepare(body.rid, prompt, sampling, body.stop, body, headers=request.headers)
     model = body.model or state.info.model_name
     if body.stream:
 
@@ -327,7 +383,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     sampling = state.sampling_of(
         body.temperature, body.top_p, body.top_k, max_tokens, body.seed, body.ignore_eos
     )
-    req = state.prepare(body.rid, prompt, sampling, body.stop, body)
+    req = state.prepare(body.rid, prompt, sampling, body.stop, body, headers=request.headers)
     model = body.model or state.info.model_name
     if body.stream:
         first = True
@@ -447,10 +503,11 @@ def create_worker_app(
     token: str = "",
     data_plane_open: bool = False,
     extra_routes: Callable[[FastAPI], None] | None = None,
+    tracing: Any = None,
 ) -> FastAPI:
     app = FastAPI(title=f"pdcluster worker ({backend.role})", docs_url=None, redoc_url=None)
     app.state.worker = WorkerState(
-        backend, tokenizer, info, metrics, max_body_bytes, token, data_plane_open
+        backend, tokenizer, info, metrics, max_body_bytes, token, data_plane_open, tracing=tracing
     )
     # Auth and the body limit, before routing (plain ASGI: no task per request).
     app.add_middleware(

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from pdcluster.runtime.telemetry.span_plan import RequestStamps
+    from pdcluster.runtime.telemetry.trace_context import RequestTrace
 
 
 class Lenient(BaseModel):
@@ -51,3 +55,9 @@ class PreparedRequest:
     # The worker minted `rid` (the caller sent none): it names the request on
     # this worker only and is never compared with the other leg's.
     rid_is_local: bool = False
+    # The caller's W3C `traceparent`, passed on to a dp group's leader and to logs.
+    traceparent: str | None = None
+    # Tracing on: the request's trace ids and sampling decision (`telemetry/trace_context.py`).
+    trace: RequestTrace | None = None
+    # Stage stamps for this worker's spans; None unless the request is traced.
+    stamps: RequestStamps | None = None

@@ -53,6 +53,10 @@ from pdcluster.runtime.spec.model_source import ModelSource as ModelSource
 from pdcluster.runtime.spec.model_source import ModelSourceKind as ModelSourceKind
 from pdcluster.runtime.spec.model_source import ModelSourceSpec as ModelSourceSpec
 from pdcluster.runtime.spec.model_source import parse_model_uri as parse_model_uri
+from pdcluster.runtime.spec.observability import LogFormat as LogFormat
+from pdcluster.runtime.spec.observability import ObservabilitySpec as ObservabilitySpec
+from pdcluster.runtime.spec.observability import SloSpec as SloSpec
+from pdcluster.runtime.spec.observability import TracingSpec as TracingSpec
 from pdcluster.runtime.spec.pod_overlay import PodOverlaySpec as PodOverlaySpec
 from pdcluster.runtime.spec.serving_engine import EngineKind as EngineKind
 from pdcluster.runtime.spec.serving_engine import KVBufferDevice as KVBufferDevice
@@ -559,6 +563,7 @@ class PDClusterSpec(SpecModel):
     router: RouterSpec = RouterSpec()
     auth: AuthSpec = AuthSpec()
     autoscaling: ClusterAutoscalingSpec = ClusterAutoscalingSpec()
+    observability: ObservabilitySpec = ObservabilitySpec()
 
     @model_validator(mode="after")
     def _roles(self) -> PDClusterSpec:
@@ -660,6 +665,18 @@ class PDClusterSpec(SpecModel):
     @property
     def is_disaggregated(self) -> bool:
         return self.colocated is None
+
+    @property
+    def ttft_slo_seconds(self) -> float | None:
+        """The p90 TTFT the cluster promises: `observability.slo`, else a prefill
+        `ttftP90Seconds` autoscaling target (None: the manifest states none)."""
+        stated = self.observability.slo.ttft_p90_seconds
+        if stated is not None:
+            return stated
+        scaling = self.prefill.autoscaling if self.prefill is not None else None
+        if scaling is not None and scaling.target.metric is AutoscalingMetric.ttft_p90_seconds:
+            return scaling.target.value
+        return None
 
     def roles(self) -> Iterator[tuple[Role, RoleSpec]]:
         """The roles this cluster has, with their specs (prefill before decode)."""

@@ -39,6 +39,7 @@ import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool
 from pdcluster.runtime.spec import KVDtype
+from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.transfer.checksum import compute_checksum
 from pdcluster.runtime.transfer.frames import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -476,7 +477,9 @@ class KVSender:
                 self._in_flight_done(job.room)
             self._queue = kept
             self._cond.notify_all()
-        log.warning("KV transfer of room %d failed: %s", job.room, reason)
+        log.warning(
+            "KV transfer of room %d failed: %s", job.room, reason, extra=request_fields(job.room)
+        )
         self._discard(job.room)
         if self.on_failure is not None:
             self._call(self.on_failure, job.room, job.generation, reason)

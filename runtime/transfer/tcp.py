@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import DTYPES, KVPool
+from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.transfer.checksum import (
     CHECKSUM_MISMATCH,
     CHECKSUM_MISSING,
@@ -241,6 +242,7 @@ class KVReceiver:
             header.generation,
             header.src_rank,
             reason,
+            extra=request_fields(header.room),
         )
         if self.on_failure is not None:
             try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from pdcluster.runtime.spec import TransferBackend, TransferSpec, UcxSpec
+
 _CFG = re.compile(r"\scfg#\d+\s+(?P<lanes>.*)$")
 _LANE = re.compile(r"(?P<lane>[a-z_]+)\((?P<tls>[^)]*)\)")
 
@@ -59,3 +61,24 @@ def is_tcp_fallback(lanes: Mapping[str, list[str]]) -> bool:
     """Peers were reached (some lanes) but no lane uses an RDMA or GPU-direct transport."""
     used = set(transports_of(lanes))
     return bool(used) and not (used & RDMA_TRANSPORTS)
+
+
+# UCX_TLS aliases that stand for RDMA or GPU-direct transports (UCX's own names).
+RDMA_TLS_ALIASES = frozenset({"rc_v", "rc_x", "dc_x", "ud_v", "ud_x", "ib", "cuda", "rocm"})
+
+
+def rdma_request(ucx: UcxSpec) -> str | None:
+    """Why the UCX settings ask for RDMA or GPU-direct (None: they do not)."""
+    if ucx.require_rdma:
+        return "requireRdma"
+    tls = (ucx.tls or "").strip()
+    if not tls or tls.startswith("^"):
+        return None
+    names = [t.split(":", 1)[0].strip() for t in tls.split(",")]
+    named = [n for n in names if n in RDMA_TRANSPORTS or n in RDMA_TLS_ALIASES]
+    return f"tls names {','.join(named)}" if named else None
+
+
+def is_rdma_requested(transfer: TransferSpec) -> bool:
+    """The manifest asks for RDMA or GPU-direct: nixl, and `rdma_request` names why."""
+    return transfer.backend is TransferBackend.nixl and rdma_request(transfer.ucx) is not None

@@ -21,6 +21,9 @@ executable or an interpreter that imports vLLM). The mapping (docs/vllm.md):
   connector's `kv_connector_extra_config` (`runtime/vllm_connector/settings.py`):
   the side port (`bootstrap_port`: prefill's bootstrap server, both roles'
   admin API), the manifest's `transfer` section, `auth.zmqCurve`;
+- `observability.tracing` (enabled) → `--otlp-traces-endpoint <endpoint>/v1/traces`
+  and `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`: vLLM's request spans
+  join the router's trace through each leg's `traceparent`;
 - `engine.vllm.extraArgs`, `env` → appended as given.
 
 Left to the caller, because only it knows them: the side channel's host
@@ -106,6 +109,10 @@ def kv_transfer_config(
     return config
 
 
+# vLLM picks its OTLP exporter by this variable (gRPC unless told otherwise).
+OTLP_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
 def build_vllm_serve(
     spec: PDClusterSpec,
     role: Role,
@@ -162,6 +169,12 @@ def build_vllm_serve(
                 env["UCX_NET_DEVICES"] = ucx.net_devices
     if served.revision is not None:
         flags += ["--revision", served.revision]
+    tracing = spec.observability.tracing
+    if tracing.enabled:
+        # vLLM's own request spans, children of the router's leg spans through the
+        # legs' traceparent; exported over OTLP/HTTP like ours.
+        flags += ["--otlp-traces-endpoint", tracing.traces_url]
+        env[OTLP_PROTOCOL_ENV] = "http/protobuf"
     flags += spec.engine.vllm.extra_args
     env.update(spec.engine.vllm.env)
     return VllmServe(model=served.location, flags=tuple(flags), env=env, side_channel_port=side)

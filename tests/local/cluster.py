@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +76,9 @@ def write_manifest(tmp: Path, name: str, spec: dict[str, Any]) -> Path:
 
 @contextmanager
 def local_cluster(
-    manifest: Path, state_dir: Path, timeout: float = 240
+    manifest: Path, state_dir: Path, timeout: float = 240, args: Sequence[str] = ()
 ) -> Iterator[RunningCluster]:
+    """`pdcluster up -f manifest ...args` until it serves; stopped on exit."""
     cmd = [
         sys.executable,
         "-m",
@@ -89,6 +90,7 @@ def local_cluster(
         "0",
         "--state-dir",
         str(state_dir),
+        *args,
     ]
     log = open(state_dir.parent / f"up-{manifest.stem}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

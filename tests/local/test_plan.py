@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcluster.runtime.local.plan import build_local_plan, count_ports
+from pdcluster.runtime.local.plan import ProcessSpec, build_local_plan, count_ports
 from pdcluster.runtime.spec import parse_manifest
 
 
@@ -126,6 +126,12 @@ def _argv_ports(argv: tuple[str, ...]) -> list[int]:
     return out
 
 
+def _bound_ports(w: ProcessSpec) -> list[int]:
+    """The ports its argv names, and vLLM's NIXL side channel (a variable)."""
+    side = w.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return _argv_ports(w.argv) + ([int(side)] if side else [])
+
+
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
 
@@ -135,17 +141,20 @@ def test_no_two_processes_of_an_example_plan_share_a_port(path: Path) -> None:
 
     m = parse_manifest(yaml.safe_load(path.read_text()))
     ports = list(range(40000, 40000 + count_ports(m)))
-    plan = build_local_plan(m, str(path), ports, python="py")
+    plan = build_local_plan(m, str(path), ports, python="py", vllm="vllm")
     # An instance's pods share its ports (each port is bound by one rank of one pod);
     # different instances and the router share none.
     taken: dict[int, str] = {plan.router.port: "router"}
     for w in plan.leaders:
-        argv_ports = _argv_ports(w.argv)
+        argv_ports = _bound_ports(w)
         assert sorted(argv_ports) == sorted(w.ports), w.name
         rs = m.spec.role_spec(w.role)  # type: ignore[arg-type]
         assert rs is not None
         dp = rs.topology.dp
-        assert len(w.dist_ports) == dp and len(w.dp_ports) == dp - 1, w.name
+        if m.spec.engine.is_vllm:  # one `vllm serve`: no store or dp ports of ours
+            assert w.dist_ports == () and w.dp_ports == () and len(w.side_channel_ports) == dp
+        else:
+            assert len(w.dist_ports) == dp and len(w.dp_ports) == dp - 1, w.name
         for port in w.ports:
             assert port not in taken, f"{w.name} and {taken.get(port)} share port {port}"
             taken[port] = w.name

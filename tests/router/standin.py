@@ -306,6 +306,9 @@ class StandinWorker:
             chunk["choices"] = []
             chunk["usage"] = final["usage"]
             yield f"data: {json.dumps(chunk)}\n\n"
+        # What our workers end a stream with (server/responses.py): the router counts it.
+        usage = {"prompt_tokens": self._prompt_tokens(path, body), "completion_tokens": n}
+        yield f": usage {json.dumps({**usage, 'finish_reason': reason})}\n\n"
         if not self.behaviour.omit_done:
             yield "data: [DONE]\n\n"
         if self.behaviour.end_delay_s:

@@ -215,3 +215,18 @@ def test_our_connectors_settings_read_back_as_the_connector_reads_them() -> None
     assert settings.transfer == spec.transfer
     assert settings.side_port == 8998 and settings.advertise_host == "10.0.0.3"
     assert serve.env["UCX_TLS"] == "tcp"  # our nixl backend reads UCX's variables too
+
+
+def test_with_tracing_vllm_exports_its_own_spans_to_the_cluster_s_collector() -> None:
+    traced = spec_of(
+        observability={"tracing": {"enabled": True, "endpoint": "http://otel.monitoring:4318"}}
+    )
+    for role in (Role.prefill, Role.decode):
+        serve = build_vllm_serve(traced, role, port=8000)
+        assert (
+            flag(serve.flags, "--otlp-traces-endpoint") == "http://otel.monitoring:4318/v1/traces"
+        )
+        assert serve.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    plain = build_vllm_serve(spec_of(), Role.decode, port=8000)
+    assert "--otlp-traces-endpoint" not in plain.flags
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in plain.env

@@ -1,0 +1,1 @@
+"""An OpenTelemetry Collector (OTLP receiver, file exporter) for the tracing tests."""

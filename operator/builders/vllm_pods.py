@@ -1,0 +1,100 @@
+"""The worker container of a `spec.engine.kind: vllm` instance: `vllm serve`.
+
+The pod around it is the one every worker gets (workers.py: labels, owner,
+`restartPolicy: Never`, security context, scheduling, the gang rules); the
+container differs from ours:
+
+- image `engine.vllm.image` (else `spec.image`), `command: [vllm, serve]`,
+  the arguments and variables of runtime/vllm/serve_command.py, listening on
+  the pod's own address (`$(POD_IP)`) at the worker HTTP port;
+- ports: `http`, and for prefill and decode the NIXL side channel
+  (`nixl-side`, one per dp group: `nixl-side-<d>`), which vLLM announces as
+  `$(POD_IP)` (`VLLM_NIXL_SIDE_CHANNEL_HOST`); the workers' NetworkPolicy
+  already admits any port from the cluster's own pods;
+- probes on vLLM's `/health` (startup, readiness, liveness: it answers 503
+  once its engine died);
+- the cluster token as vLLM reads it, `VLLM_API_KEY` (unless
+  `auth.workerApi: open`), taken from the token file every worker mounts:
+  vLLM reads no key file, so `sh -c` reads the file into the variable and
+  execs `vllm serve` (`TOKEN_COMMAND`); the token stays out of the pod spec
+  (`kubectl describe`), as for our workers;
+- HOME on the writable volume (vLLM's and Hugging Face's caches), vLLM's
+  usage reporting off.
+
+One pod per instance (multi-pod vLLM instances are refused at admission), so
+the leader is the only pod. GPU requests come from `build_resources`.
+
+Pure module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcluster.operator import names
+from pdcluster.operator.builders import meta, podsecurity
+from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.runtime.spec import Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.vllm.serve_command import (
+    API_KEY_ENV,
+    DEFAULT_SIDE_CHANNEL_PORT,
+    SIDE_CHANNEL_HOST_ENV,
+    build_vllm_serve,
+    side_channel_ports,
+)
+
+SIDE_CHANNEL_PORT = DEFAULT_SIDE_CHANNEL_PORT
+TOKEN_FILE = f"{podsecurity.TOKEN_DIR}/{meta.TOKEN_KEY}"
+# `sh -c SCRIPT TOKEN_FILE ARGS...`: $0 is the file, "$@" the arguments of
+# `vllm serve`. `$$` is Kubernetes' escape for a `$` it must not expand.
+TOKEN_COMMAND = ["sh", "-c", f'{API_KEY_ENV}="$$(cat "$0")" exec vllm serve "$@"', TOKEN_FILE]
+# A model may take long to download and load: up to PERIOD * FAILURES = 30 min.
+STARTUP_PROBE_PERIOD_S = 5
+STARTUP_PROBE_FAILURES = 360
+
+
+def build_vllm_container(
+    cluster: Cluster,
+    role: Role,
+    spec: RoleSpec,
+    *,
+    identity_env: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The `worker` container of one vLLM instance's pod (resources and security
+    context are added by the caller, as for every worker)."""
+    serve = build_vllm_serve(
+        cluster.spec,
+        role,
+        port=meta.HTTP_PORT,
+        host=meta.BIND_HOST,
+        side_channel_port=SIDE_CHANNEL_PORT,
+    )
+    env: list[dict[str, Any]] = [
+        meta.env_field(meta.POD_IP_ENV, "status.podIP"),
+        meta.env_value("HOME", podsecurity.HOME_DIR),
+        meta.env_value("VLLM_NO_USAGE_STATS", "1"),
+        *identity_env,
+    ]
+    ports = [{"name": "http", "containerPort": meta.HTTP_PORT, "protocol": "TCP"}]
+    for d, port in enumerate(side_channel_ports(serve, spec.topology.dp)):
+        name = "nixl-side" if d == 0 else f"nixl-side-{d}"
+        ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
+    if serve.side_channel_port is not None:
+        env.append(meta.env_value(SIDE_CHANNEL_HOST_ENV, f"$({meta.POD_IP_ENV})"))
+    env += [meta.env_value(k, v) for k, v in sorted(serve.env.items())]
+    guarded = cluster.spec.auth.worker_api is WorkerApiAccess.token
+    return {
+        "name": "worker",
+        "image": cluster.spec.engine.vllm.image or cluster.spec.image,
+        "command": list(TOKEN_COMMAND) if guarded else ["vllm", "serve"],
+        "args": serve.serve_args,
+        "env": env,
+        "ports": ports,
+        "startupProbe": meta.http_probe(STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES),
+        "readinessProbe": meta.http_probe(2, 3),
+        "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
+    }
+
+
+def vllm_labels() -> dict[str, str]:
+    return {names.LABEL_ENGINE: "vllm"}

@@ -29,6 +29,7 @@ def router_invocation(
         router_args.api_key_file = Path(args.api_key_file)
     for role in Role:
         setattr(router_args, role.value, list(getattr(args, role.value)))
+    router_args.side_port = list(getattr(args, "side_port", None) or [])
     if args.kubernetes:
         if not args.namespace or not args.cluster:
             raise SystemExit("pdcluster router: --kubernetes needs --namespace and --cluster")

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdcluster.runtime.pod_rendezvous import LEADER_ADDRESS_ENV
-from pdcluster.runtime.spec import EngineKind, PDCluster, Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.spec import (
+    EngineKind,
+    PDCluster,
+    Role,
+    RoleSpec,
+    VllmKVConnector,
+    WorkerApiAccess,
+)
 from pdcluster.runtime.vllm.serve_command import (
     API_KEY_ENV,
     DEFAULT_SIDE_CHANNEL_PORT,
@@ -67,12 +74,22 @@ class ProcessSpec:
     api_key_env: str | None = None
     # vLLM's NIXL side channel (prefill and decode).
     side_channel_ports: tuple[int, ...] = ()
+    # vLLM with our connector: its side port (prefill's bootstrap server, both
+    # roles' admin API); a prefill's `bootstrap_port` is the same port.
+    side_port: int | None = None
 
     @property
     def ports(self) -> tuple[int, ...]:
         """Every port of its instance this process's pod set may bind."""
         own = (self.port, *self.dist_ports, *self.dp_ports, *self.side_channel_ports)
-        return own if self.bootstrap_port is None else (*own, self.bootstrap_port)
+        extra = {p for p in (self.bootstrap_port, self.side_port) if p is not None}
+        return (*own, *sorted(extra))
+
+    @property
+    def admin_url(self) -> str:
+        """Where its admin API is (`fail_peer`, `prefill_peers`, `get_server_info`):
+        the side port of vLLM with our connector, else the HTTP API."""
+        return f"http://{HOST}:{self.side_port}" if self.side_port is not None else self.url
 
     @property
     def is_leader(self) -> bool:
@@ -168,7 +185,7 @@ def build_instance_specs(
     if len(set(ports)) != len(ports):
         raise ValueError(f"the ports of a {role.value} instance must be distinct: {ports}")
     if manifest.spec.engine.is_vllm:
-        return [_vllm_instance(manifest, role, instance, ports, python, vllm)]
+        return [_vllm_instance(manifest, role, instance, ports, prefills, python, vllm)]
     free = iter(ports)
     port, dist_port = next(free), next(free)
     argv = [
@@ -218,10 +235,12 @@ def _vllm_instance(
     role: Role,
     instance: int,
     ports: list[int],
+    prefills: list[ProcessSpec],
     python: str,
     vllm: str | None,
 ) -> ProcessSpec:
-    """One `vllm serve` process; `ports`: its HTTP port (then its side channel)."""
+    """One `vllm serve` process; `ports`: its HTTP port (then its NIXL side channel,
+    or with our connector its side port)."""
     if vllm is None:
         raise ValueError("engine.kind vllm needs a vLLM installation to run (--vllm)")
     rs = role_spec_of(manifest, role)
@@ -231,9 +250,18 @@ def _vllm_instance(
             "with dp 1 (vLLM's dp ranks bind ports of their own); run dp > 1 on Kubernetes"
         )
     port, side = ports[0], ports[1:]
+    ours = manifest.spec.engine.vllm.kv_connector is VllmKVConnector.pdcluster and bool(side)
     # A colocated instance has no connector, hence no side channel.
     side_port = side[0] if side else DEFAULT_SIDE_CHANNEL_PORT
-    serve = build_vllm_serve(manifest.spec, role, port=port, host=HOST, side_channel_port=side_port)
+    serve = build_vllm_serve(
+        manifest.spec,
+        role,
+        port=port,
+        host=HOST,
+        side_channel_port=side_port,
+        bootstrap_port=side_port,
+        prefill_peers=prefill_peers(prefills) if ours and role is Role.decode else None,
+    )
     env = dict(serve.env)
     if serve.side_channel_port is not None:
         env[SIDE_CHANNEL_HOST_ENV] = HOST
@@ -249,7 +277,9 @@ def _vllm_instance(
         engine=EngineKind.vllm,
         liveness_path="/health",
         api_key_env=API_KEY_ENV if guarded else None,
-        side_channel_ports=tuple(side),
+        side_channel_ports=() if ours else tuple(side),
+        side_port=side_port if ours else None,
+        bootstrap_port=side_port if ours and role is Role.prefill else None,
     )
 
 
@@ -297,6 +327,8 @@ def build_local_plan(
         if not w.is_leader:
             continue
         rargv += [f"--{w.role}", w.url]
+        if w.side_port is not None:
+            rargv += ["--side-port", f"{w.url}={w.side_port}"]
     router = ProcessSpec(name="router", role="router", instance=0, argv=tuple(rargv), port=rport)
     return LocalPlan(manifest.metadata.name, tuple(workers), router)
 

@@ -38,7 +38,7 @@ Pure module.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,8 +121,11 @@ def build_vllm_serve(
     host: str = "0.0.0.0",
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT,
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+    prefill_peers: Sequence[str] | None = None,
 ) -> VllmServe:
-    """The `vllm serve` command of one `role` instance listening on `host:port`."""
+    """The `vllm serve` command of one `role` instance listening on `host:port`.
+    `prefill_peers` (our connector's decode, local mode): the prefill side ports it
+    may contact from the start (pods get them from the operator instead)."""
     if not spec.engine.is_vllm:
         raise SpecError("engine.kind is not vllm: the workers run `pdcluster worker`")
     rs = spec.role_spec(role)
@@ -157,6 +160,8 @@ def build_vllm_serve(
     side: int | None = None
     if role in _KV_ROLE:
         config = kv_transfer_config(spec, role, bootstrap_port=bootstrap_port)
+        if prefill_peers is not None and "kv_connector_extra_config" in config:
+            config["kv_connector_extra_config"]["prefillPeers"] = list(prefill_peers)
         flags += ["--kv-transfer-config", json.dumps(config)]
         if spec.engine.vllm.kv_connector is VllmKVConnector.nixl:
             side = side_channel_port

@@ -54,6 +54,9 @@ LABEL_POD_GROUP = "scheduling.x-k8s.io/pod-group"
 ANNOTATION_HTTP_PORT = "pdcluster.io/http-port"
 ANNOTATION_BOOTSTRAP_PORT = "pdcluster.io/bootstrap-port"
 ANNOTATION_DIST_PORT = "pdcluster.io/dist-port"
+# Where a worker serves our admin API (fail_peer, failures, prefill peers) when
+# not on its HTTP port: a vLLM pod with our connector (its side port).
+ANNOTATION_ADMIN_PORT = "pdcluster.io/admin-port"
 # On a pod k > 0: the leader pod's IP it was started with ($PDCLUSTER_LEADER_ADDRESS).
 ANNOTATION_LEADER_ADDRESS = "pdcluster.io/leader-address"
 # Pods in the instance the pod belongs to, so a gang is judged complete or

@@ -44,7 +44,11 @@ from pdcluster.operator.builders.meta import BuildError, Manifest
 from pdcluster.operator.builders.model_volume import build_model_mount
 from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
-from pdcluster.operator.builders.vllm_pods import build_vllm_container, vllm_labels
+from pdcluster.operator.builders.vllm_pods import (
+    build_vllm_container,
+    vllm_annotations,
+    vllm_labels,
+)
 from pdcluster.operator.reconcile.cluster import Cluster
 from pdcluster.operator.reconcile.revision import (
     compute_cluster_revision,
@@ -315,10 +319,7 @@ def build_worker_pod(
         vllm = build_vllm_container(cluster, role, spec, identity_env=identity)
         vllm["resources"] = resources
         vllm["securityContext"] = podsecurity.container_security_context()
-        annotations = {
-            names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
-            names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
-        }
+        annotations = vllm_annotations(cluster, role, num_pods)
         labels.update(vllm_labels())
         return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, vllm)
     container: dict[str, Any] = {

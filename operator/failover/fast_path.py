@@ -316,8 +316,8 @@ class Failover:
         token = await self._token(pod.namespace, pod.token_secret)
 
         async def tell(peer: PodFacts) -> AdminResult:
-            assert peer.http_url is not None and pod.peer is not None
-            return await self.admin.fail_peer(peer.http_url, token, pod.peer, reason, gone=gone)
+            assert peer.admin_url is not None and pod.peer is not None
+            return await self.admin.fail_peer(peer.admin_url, token, pod.peer, reason, gone=gone)
 
         results = list(await asyncio.gather(*(tell(p) for p in peers)))
         if any(r.status in (401, 403) for r in results) and pod.token_secret:
@@ -380,8 +380,8 @@ class Failover:
         token = await self._token(key[0], pods[0].token_secret)
 
         async def read(pod: PodFacts) -> dict[str, int] | None:
-            assert pod.http_url is not None
-            return await self.admin.failures(pod.http_url, token)
+            assert pod.admin_url is not None
+            return await self.admin.failures(pod.admin_url, token)
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         totals: dict[tuple[Role, str], int] = defaultdict(int)
@@ -441,8 +441,8 @@ class Failover:
         pods = [p for p in self.index.reachable(key) if p.role == Role.prefill]
 
         async def read(pod: PodFacts) -> tuple[bool, str | None]:
-            assert pod.http_url is not None
-            return await self.admin.health(pod.http_url)
+            assert pod.admin_url is not None
+            return await self.admin.health(pod.admin_url)
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         warnings: list[Unregistered] = []
@@ -470,8 +470,8 @@ class Failover:
         token = await self._token(key[0], pods[0].token_secret)
 
         async def read(pod: PodFacts) -> TransportReport | None:
-            assert pod.http_url is not None
-            return parse_transport_report(await self.admin.server_info(pod.http_url, token))
+            assert pod.admin_url is not None
+            return parse_transport_report(await self.admin.server_info(pod.admin_url, token))
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         changed = self.transports.update(

@@ -170,7 +170,9 @@ class ConnectorScheduler:
                 body = {
                     "role": str(self.role),
                     "kv_connector": "pdcluster",
-                    "kv_transfer_backend": str(self.settings.transfer.backend),
+                    # As our workers report it (the operator's transport table);
+                    # the ranks' UCX lanes stay in the worker processes.
+                    "kv_transport": {"backend": str(self.settings.transfer.backend)},
                     "peers_down": dict(self.book.peers_down),
                     "rooms": len(self.book),
                     "refused": dict(self.book.refusals),

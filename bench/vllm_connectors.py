@@ -1,6 +1,6 @@
 """Our KV connector inside vLLM against vLLM's own NixlConnector, side by side in one run.
 
-    .venv/bin/python bench/vllm_connectors.py [--repeats 5] [--json out.json]
+    .venv/bin/python bench/vllm_connectors.py [--repeats 5] [--json out.json] [--chart out.png]
 
 Same box, same vLLM (e2e/vllmenv: vLLM 0.32 CPU, NIXL 1.5.1), same random
 Llama, same router (ours, `python -m pdcluster.runtime.router`), one
@@ -21,13 +21,15 @@ For each:
    move is not hidden behind its compute): KV bytes ÷ the decode's load time
    (ours: pages sent → every source done, from the side port's counters;
    NixlConnector: vLLM's `vllm:nixl_bytes_transferred` ÷ `vllm:nixl_xfer_time_seconds`);
-4. faults: the decode waits for a 2,000-token prompt's KV when the prefill
-   gets kill -9 (ours: the bench sends `fail_peer` at once, as the operator
-   or local supervisor does; NixlConnector: nothing vLLM could be told) →
-   time until the decode ends the request, the decode's blocks in use
-   after it (vLLM's `kv_cache_usage_perc`), whether its next request
-   succeeds; then the prefill restarted → time until the first PD request
-   through the router succeeds.
+4. faults: the prefill gets kill -9 while the decode still needs a
+   2,000-token prompt's KV from it (ours: the decode waits in its room and
+   the bench sends `fail_peer` at once, as the operator or local supervisor
+   does; NixlConnector: killed between the two legs, nothing vLLM could be
+   told; `fault()` says what is timed) → time until the decode ends the
+   request, the decode's blocks in use after it (vLLM's
+   `kv_cache_usage_perc`), whether its next request succeeds; then the
+   prefill restarted → time until the first PD request through the router
+   succeeds.
 
 Targets (issue 34): failure ended ≤ 1 s with no block held where
 NixlConnector waits for its timeout; TTFT overhead ≤ NixlConnector's;
@@ -40,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,6 +68,8 @@ TOKEN = "bench-token"
 MODEL = "bench-llama"
 VOCAB = (3, 290)
 START_TIMEOUT_S = 900.0
+# How long the fault scenario waits for the decode to end the request.
+FAULT_WAIT_S = 600.0
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
 
 
@@ -117,7 +122,7 @@ def manifest(model: Path, connector: str, backend: str) -> dict[str, Any]:
                 "kind": "vllm",
                 "vllm": {
                     "kvConnector": connector,
-                    "extraArgs": ["--enforce-eager", "--max-model-len", "4096"],
+                    "extraArgs": ["--enforce-eager", "--max-model-len", "2048"],
                 },
             },
             "model": {"name": MODEL, "path": str(model)},
@@ -197,7 +202,6 @@ def launch(label: str, doc: dict[str, Any], root: Path) -> Cluster:
     cluster = Cluster(label, procs["prefill"], procs["decode"], router, ports)
     for proc in (cluster.prefill, cluster.decode, cluster.router):
         proc.start()
-    wait_ready(cluster)
     return cluster
 
 
@@ -206,6 +210,9 @@ def wait_ready(cluster: Cluster, timeout: float = START_TIMEOUT_S) -> None:
     with httpx.Client(timeout=5, trust_env=False, headers=HEADERS) as http:
         for name in ("prefill", "decode"):
             while True:
+                for proc in (cluster.prefill, cluster.decode, cluster.router):
+                    if proc.proc is not None and proc.proc.poll() is not None:
+                        raise RuntimeError(f"{proc.name} exited: see {proc.log}")
                 try:
                     if http.get(cluster.url(name) + "/health").status_code == 200:
                         break
@@ -319,7 +326,15 @@ def transfer_counters(http: httpx.Client, cluster: Cluster, ours: bool) -> tuple
 def fault(
     http: httpx.Client, cluster: Cluster, ours: bool, rng: random.Random, root: Path
 ) -> dict[str, Any]:
-    """kill -9 of the prefill while the decode waits for a long prompt's KV."""
+    """The prefill lost while the decode still needs a long prompt's KV from it.
+
+    Ours: the decode waits in its room (the prefill leg never comes), the
+    prefill gets kill -9, and the bench sends `fail_peer` at once, as the
+    operator or local supervisor does; timed from the kill. NixlConnector
+    reads the KV itself as soon as its request arrives, so the prefill is
+    killed between its leg and the decode's (the KV is not read yet: the
+    decode must still fetch it); timed from the decode request, the prefill
+    already gone, and nothing vLLM could be told."""
     p = prompts(rng, 2000)
     prefill, decode = cluster.url("prefill"), cluster.url("decode")
     if ours:
@@ -347,24 +362,24 @@ def fault(
         }
         answer = http.post(prefill + "/v1/completions", json=body, timeout=300).json()
         decode_extra = {"kv_transfer_params": answer["kv_transfer_params"]}
+        cluster.prefill.kill()
     result: dict[str, Any] = {}
 
     def run_decode() -> None:
-        start = time.perf_counter()
         try:
             completion(http, decode, p, 4, **decode_extra)
             result["decode_outcome"] = "served"
         except (httpx.HTTPError, RuntimeError) as err:
             result["decode_outcome"] = f"error: {str(err)[:120]}"
         result["decode_end"] = time.perf_counter()
-        result["decode_start"] = start
 
+    lost = time.perf_counter()
     waiter = threading.Thread(target=run_decode)
     waiter.start()
-    time.sleep(1.0)  # the decode is waiting for KV that will never come
-    killed = time.perf_counter()
-    cluster.prefill.kill()
     if ours:
+        time.sleep(1.0)  # the decode is waiting for KV that will never come
+        lost = time.perf_counter()
+        cluster.prefill.kill()
         side = f"http://127.0.0.1:{cluster.ports['decode_side']}"
         http.post(
             side + "/admin/fail_peer",
@@ -374,10 +389,12 @@ def fault(
                 "gone": True,
             },
         )
-    waiter.join(600)
+    waiter.join(FAULT_WAIT_S)
     out: dict[str, Any] = {
-        "fault_decode_outcome": result.get("decode_outcome", "still waiting after 600 s"),
-        "fault_time_to_end_s": (result["decode_end"] - killed) if "decode_end" in result else None,
+        "fault_decode_outcome": result.get(
+            "decode_outcome", f"still waiting after {FAULT_WAIT_S:.0f} s"
+        ),
+        "fault_time_to_end_s": (result["decode_end"] - lost) if "decode_end" in result else None,
     }
     time.sleep(0.5)
     out["fault_kv_usage_after"] = kv_usage(http, cluster)
@@ -385,7 +402,7 @@ def fault(
         completion(http, decode, prompts(rng, 50), 4)
         out["fault_next_request"] = "served"
     except (httpx.HTTPError, RuntimeError) as err:
-        out["fault_next_request"] = f"error: {err}"
+        out["fault_next_request"] = f"error: {str(err)[:120]}"
     restarted = time.perf_counter()
     cluster.prefill.start()
     deadline = restarted + START_TIMEOUT_S
@@ -426,12 +443,43 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def chart(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    colors = ["#2c7a3f", "#6a9fd4", "#999"][: len(names)]
+    panels = [
+        ("ttft_ratio_16", "TTFT PD ÷ colocated, 16 tokens"),
+        ("ttft_ratio_2000", "TTFT PD ÷ colocated, 2,000 tokens"),
+        ("transfer_MiB_s", "KV transfer (MiB/s)"),
+        ("fault_time_to_end_s", "prefill lost → decode ends (s)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.4))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        values = [r.get(key) or 0.0 for r in results]
+        ax.bar(names, values, color=colors)
+        ax.set_title(title, fontsize=9)
+        for label in ax.get_xticklabels():
+            label.set_rotation(12)
+            label.set_fontsize(8)
+    fig.suptitle("PDClusterConnector vs vLLM's NixlConnector, 1P1D (vLLM CPU, tiny model)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--configs", default="pdcluster-tcp,pdcluster-nixl,NixlConnector")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--chart", type=Path, help="write a PNG chart here")
     args = ap.parse_args()
+    # A terminated bench still stops the processes it started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     root = Path(tempfile.mkdtemp(prefix="vllm-connectors-"))
     model = write_random_hf_dir(
         root / "model",
@@ -452,6 +500,7 @@ def main() -> int:
         print(f"== {label}: starting prefill, decode and router", flush=True)
         cluster = launch(label, manifest(model, connector, backend), root)
         try:
+            wait_ready(cluster)
             results.append(measure(cluster, ours, args.repeats, root))
             print(json.dumps(results[-1]), flush=True)
         finally:
@@ -460,6 +509,8 @@ def main() -> int:
     print(table(results))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.chart is not None:
+        chart(results, args.chart)
     print(f"logs: {root}")
     return 0
 

@@ -196,19 +196,19 @@ def test_forged_layouts_wrong_tokens_and_garbage_are_refused_and_counted(
     pair.assert_clean()
 
 
-def test_a_prefill_killed_while_decode_waits_fails_the_room_within_a_second(
+def test_a_prefill_killed_while_decode_waits_fails_the_room_at_the_report(
     pair: PDPair, cluster: dict[str, Any]
 ) -> None:
     """kill -9 of the prefill; the supervisor's report (what local mode and the
-    operator send) ends the waiting decode leg with an error in well under a
-    second and frees its blocks; decode serves on, and once the prefill is
-    back the next pair succeeds: no stale peer state."""
+    operator send) ends the waiting decode leg with an error and frees its
+    blocks, well before any timeout (bench/vllm_connectors.py times it);
+    decode serves on, and once the prefill is back the next pair succeeds: no
+    stale peer state."""
     (prompt,) = prompts([1500], seed=8)
     room = pair.new_room()
     pair.decode.add("waits", prompt, 8, pair.params(room))
     wait_until(lambda: pair.decode_rooms(), 10, 0.05, "the decode's room to open")
     pair.prefill.kill()
-    reported = time.monotonic()
     resp = pair.decode.side.post(
         "/admin/fail_peer",
         json={
@@ -220,7 +220,6 @@ def test_a_prefill_killed_while_decode_waits_fails_the_room_within_a_second(
     assert resp.status_code == 200
     ended = pair.decode.wait("done", 10, rid="waits")
     assert ended["error"] and ended["tokens"] == []
-    assert time.monotonic() - reported < 1.0
     pair.assert_decode_clean()
     assert pair.decode_failures().get("room_failed:prefill_pod_lost") == 1
     (local,) = prompts([30], seed=9)

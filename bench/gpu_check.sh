@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the engine and the transfer backends, on one GPU, no network,
-# installs nothing (< 8 min).
+# installs nothing (< 12 min).
 #
 #   bash bench/gpu_check.sh                       # from the repository root, with .venv set up
 #   PY=python3 bash bench/gpu_check.sh            # another interpreter with the packages
@@ -19,6 +19,10 @@
 #    `dp: <visible GPUs>` serves with each rank process on a different GPU
 #    (nvidia-smi's compute apps); on a one-GPU box, `dp: 2` is refused at start
 #    naming the device count instead of stacking two engines on GPU 0.
+# 6. bench/engine_gpu.py: our engine alone on a random ~1B Llama in bfloat16:
+#    decode tok/s at batch 1 and 64, greedy and sampled, decode CUDA graphs on
+#    and off, and the peak memory of a decode step of one 8k and fifteen
+#    64-token sequences.
 # Every step runs even when one before it failed; the script exits non-zero
 # naming the steps that failed, or at once when a package or the GPU is missing.
 set -uo pipefail
@@ -164,6 +168,9 @@ finally:
         os.killpg(proc.pid, 15)
         proc.wait(30)
 PYDP
+engine_gpu() {
+    timeout "${GPU_CHECK_ENGINE_TIMEOUT:-480}" $PY bench/engine_gpu.py --device "$DEVICE" \
+        $([ "$DEVICE" = cuda ] || echo "--dtype float32 --preset small --batch 1 4 --repeats 1")
 }
 
 step "1. tests marked gpu" gpu_tests
@@ -171,6 +178,7 @@ step "2. PD (nixl, $DEVICE, bfloat16) == colocated on 1P1D" pd_equals_colocated
 step "3. kv_transfer on $DEVICE" kv_transfer
 step "4. pd_overhead on $DEVICE" pd_overhead
 step "5. dp groups of one pod on GPUs of their own" dp_on_own_gpus
+step "6. engine decode on $DEVICE (bench/engine_gpu.py)" engine_gpu
 echo "results in $OUT"
 if ((${#failed[@]})); then
     printf 'gpu_check: failed: %s\n' "${failed[@]}"

@@ -43,6 +43,7 @@ class DecodeRequest:
         # What the last `room_open` saw, for a failure message.
         self.rooms: list[dict[str, Any]] = []
         body = generate_body(prefill_ip)
+        self.room: int = body["bootstrap_room"]
 
         def ask() -> None:
             resp = httpx.post(

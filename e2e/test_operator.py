@@ -9,9 +9,11 @@ killed prefill makes decode fail its rooms in well under a second
 quick), then the instance restarts; `kubectl scale` (of the PDCluster and
 of the decode role's scaler); a real HPA reads the decode scaler's /scale
 (the harness has no metrics API, so it cannot act); deleting the PDCluster
-removes everything. A prefill instance of two pods serves, and killing
-its non-leader pod fails decode's rooms at once and replaces both; one
-that no node can take stays Pending and is never restarted. An invalid
+removes everything. A prefill instance of two pods serves over nixl, and
+killing its non-leader pod fails decode's rooms at once, with ABORTs,
+while their pages stay held until the surviving leader answers, and
+replaces both; one that no node can take stays Pending and is never
+restarted. An invalid
 manifest (or one above the rank cap, or autoscaling beyond its GPU budget)
 is refused by the API; the operator refuses a foreign Secret reference,
 reports a quota that refuses its pods as ApplyFailed, and never applies
@@ -21,10 +23,12 @@ over an object that replaced one of its own.
 from __future__ import annotations
 
 import base64
+import os
 import secrets
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,12 +402,17 @@ def fail_fast_when_a_pod_dies(
     *,
     frozen: dict[str, Any],
     killed: dict[str, Any],
-) -> float:
+    freeze: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[float, DecodeRequest]:
     """Freeze the prefill pod `frozen`, open a decode room waiting for its KV, then
     kill the pod `killed` (of the same instance): decode fails the room by the
     operator's fast path, pod event → operator → /admin/fail_peer, well before its
-    heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered."""
-    node_agent.freeze_pod(ns, frozen["metadata"]["name"])
+    heartbeat (2 x HEARTBEAT_S) could. How long after the kill decode answered,
+    and the request."""
+    if freeze is None:
+        node_agent.freeze_pod(ns, frozen["metadata"]["name"])
+    else:
+        freeze(frozen)
     request = DecodeRequest(decode_url, frozen["status"]["podIP"], admin, timeout_s=90)
     try:
         wait_until(request.room_open, 30, "decode to open the room")
@@ -419,7 +428,79 @@ def fail_fast_when_a_pod_dies(
     assert took < FAST_PATH_BOUND_S, f"decode failed the room {took:.2f}s after the kill"
     failures = httpx.get(f"{decode_url}/admin/failures", headers=admin, timeout=5).json()
     assert failures["failures"].get("room_failed:prefill_pod_lost", 0) >= 1
-    return took
+    return took, request
+
+
+def freeze_as_a_kubelet_would_find_it(node_agent: NodeAgentClient, pod: dict[str, Any]) -> None:
+    """SIGSTOP the pod's processes directly. The node agent's own freeze makes its
+    termination send SIGCONT with SIGTERM; unknown to it, the pod stays frozen
+    through its termination (a kubelet sends SIGTERM alone) until it is killed."""
+    (entry,) = [p for p in node_agent.pods() if p["uid"] == pod["metadata"]["uid"]]
+    pids = [c["pid"] for c in entry["containers"] if c["pid"]]
+    assert pids, entry
+    for pid in pids:
+        os.killpg(pid, signal.SIGSTOP)
+
+
+# How long the test watches the frozen writer's room before it kills that writer.
+HOLD_S = 8.0
+
+
+def held_until_the_frozen_writer_is_gone(
+    node_agent: NodeAgentClient,
+    kube: KubeApi,
+    ns: str,
+    decode_url: str,
+    admin: dict[str, str],
+    room: int,
+    frozen: dict[str, Any],
+) -> None:
+    """One-sided writes (nixl): decode failed the room and sent ABORT, and freed
+    nothing of it: the killed pod's ranks are settled (gone), but the frozen
+    pod's may still write into the room's pages. They stay the room's while that
+    pod runs (frozen, then terminating: the gang restart deletes it) and come
+    back only once it is gone (it cannot acknowledge while frozen)."""
+
+    def view() -> dict[str, Any] | None:
+        rooms = httpx.get(f"{decode_url}/admin/rooms", headers=admin, timeout=5).json()["rooms"]
+        return next((r for r in rooms if r["room"] == room), None)
+
+    info = httpx.get(f"{decode_url}/get_server_info", headers=admin, timeout=5).json()
+    assert info["pd_stats"].get("abort_sent", 0) >= 1, info["pd_stats"]
+    path = f"/api/v1/namespaces/{ns}/pods/{frozen['metadata']['name']}"
+
+    def writer() -> str:
+        """frozen (not asked to stop), terminating (still frozen), or ended."""
+        pod = kube.get(path)
+        if pod is None or pod["metadata"]["uid"] != frozen["metadata"]["uid"]:
+            return "ended"
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if any("terminated" in (cs.get("state") or {}) for cs in statuses):
+            return "ended"
+        return "terminating" if pod["metadata"].get("deletionTimestamp") else "frozen"
+
+    seen: list[tuple[str, bool]] = []  # (the writer's state, the room still held), in order
+    started = time.monotonic()
+    killed = False
+    while True:
+        state = writer()
+        held = view()
+        if held is None:
+            seen.append((writer(), False))  # the writer's state once released
+            break
+        seen.append((state, True))
+        # Failed at once; held, with only the frozen writer's source unsettled.
+        assert held["state"] == "Failed", held
+        elapsed = time.monotonic() - started
+        if not killed and elapsed > HOLD_S:
+            node_agent.kill_pod(ns, frozen["metadata"]["name"])  # held long enough: it goes
+            killed = True
+        assert elapsed < HOLD_S + 60, f"room {room} never came back: {held}, {seen[-5:]}"
+        time.sleep(0.25)
+    held_states = {state for state, held in seen if held}
+    assert seen[0][1], f"room {room} was released at once: {seen}"
+    assert seen[-1][0] == "ended", f"room {room} was released while its writer ran: {seen}"
+    print(f"room {room} held while its writer was {sorted(held_states)}; released once it ended")
 
 
 def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
@@ -762,8 +843,11 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     tmp_path: Path,
 ) -> None:
     """prefill tp2 with gpusPerPod 1: one instance of two pods (leader + one) that
-    meet over pod IPs, placed on one node; killing the non-leader pod fails decode's
-    rooms at once and replaces both. A gang that cannot be scheduled is never restarted."""
+    meet over pod IPs, placed on one node, moving KV with nixl (one-sided WRITEs);
+    killing the non-leader pod fails decode's rooms at once, with ABORTs, and
+    frees no page while the leader (frozen) may still write; both pods are
+    replaced and serve the same answer. A gang that cannot be scheduled is never
+    restarted."""
     prefill = {
         "replicas": 1,
         "topology": {"tp": 2},
@@ -771,8 +855,12 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
         "restart": {"backoffSeconds": 1},
         "scheduling": {"gang": "podGroup"},
     }
+    transfer = {**manifest()["spec"]["transfer"], "backend": "nixl"}
     apply(
-        kubectl, tmp_path, namespace, manifest(MULTI, prefill={**prefill, "placement": PLACEMENT})
+        kubectl,
+        tmp_path,
+        namespace,
+        manifest(MULTI, prefill={**prefill, "placement": PLACEMENT}, transfer=transfer),
     )
     apply(kubectl, tmp_path, namespace, unschedulable_manifest())
 
@@ -811,11 +899,21 @@ def test_a_two_pod_prefill_instance_serves_and_is_replaced_whole_when_a_pod_goes
     decode_url = f"http://{decode['status']['podIP']}:8000"
     old_uids = {leader["metadata"]["uid"], follower["metadata"]["uid"]}
     # The follower's pod event makes the operator name the instance by its
-    # leader's bootstrap address.
-    took = fail_fast_when_a_pod_dies(
-        node_agent, namespace, decode_url, admin, frozen=leader, killed=follower
+    # leader's bootstrap address (failing, not gone: its leader runs) and the
+    # follower by its own address (gone).
+    took, request = fail_fast_when_a_pod_dies(
+        node_agent,
+        namespace,
+        decode_url,
+        admin,
+        frozen=leader,
+        killed=follower,
+        freeze=lambda pod: freeze_as_a_kubelet_would_find_it(node_agent, pod),
     )
     print(f"decode failed the room {took * 1000:.0f} ms after the non-leader pod was killed")
+    held_until_the_frozen_writer_is_gone(
+        node_agent, kube, namespace, decode_url, admin, request.room, leader
+    )
 
     def replaced(obj: dict[str, Any]) -> bool:
         now = cluster_pods(kube, namespace, "prefill")

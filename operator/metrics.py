@@ -49,6 +49,11 @@ class OperatorMetrics:
             "role",
             "cause",
         )
+        self.foreign_pods = counter(
+            "foreign_pods_total",
+            "Pod events ignored: the pod carries a cluster's labels but its controller "
+            "owner is not that PDCluster (another uid)",
+        )
         self.detection_seconds = histogram(
             "failure_detection_seconds",
             "From a pod's failure (API time, whole seconds) to its peers told, by role",

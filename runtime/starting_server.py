@@ -9,7 +9,11 @@ says which ranks are missing:
              "missing_ranks": [2, 3], "waiting_for": "ranks 2, 3 (pod 1)"}
     GET /health/live   200 (waiting on peers is no reason to restart)
 
-It names ranks and pods only, never an address, so it needs no token.
+It names ranks and pods only, never an address, so it needs no token. It
+listens on the pod network like the worker API, so it runs with the same
+limits (runtime/http/limits.py): one event loop for every connection, a
+read deadline, a header-size cap and a connection cap. A request body is
+never read: no route takes one.
 Closed (and the port handed to the worker API) right after the rendezvous.
 """
 
@@ -17,47 +21,28 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pdcluster.runtime.http.background import BackgroundServer
+from pdcluster.runtime.http.limits import DEFAULT_LIMITS, ServerLimits
 from pdcluster.runtime.pod_layout import PodLayout
 from pdcluster.runtime.pod_rendezvous import describe_missing
 
+Scope = dict[str, Any]
+
 
 class StartingServer:
-    def __init__(self, host: str, port: int, layout: PodLayout) -> None:
+    def __init__(
+        self, host: str, port: int, layout: PodLayout, limits: ServerLimits = DEFAULT_LIMITS
+    ) -> None:
         self.layout = layout
         self._missing: list[int] = list(range(layout.num_ranks))
         self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                path = self.path.split("?", 1)[0]
-                if path == "/health/live":
-                    self._send(200, {"status": "starting"})
-                else:
-                    self._send(503, server.body())
-
-            def _send(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass  # probes every fraction of a second: keep the log for the worker
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="starting-http", daemon=True
-        )
+        self._server = BackgroundServer(self._app, host, port, limits, name="starting-http")
+        self.config = self._server.config
 
     def start(self) -> None:
-        self._thread.start()
+        self._server.start()
 
     def set_missing(self, missing: list[int]) -> None:
         with self._lock:
@@ -75,6 +60,16 @@ class StartingServer:
         }
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(5)
+        self._server.stop(5)
+
+    async def _app(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; nothing else is served
+        if scope["path"] == "/health/live":
+            status, body = 200, {"status": "starting"}
+        else:
+            status, body = 503, self.body()
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})

@@ -678,25 +678,40 @@ def _with_group_hosts(settings: WorkerSettings, plan: PodPlan) -> WorkerSettings
     if dp == 1 or not settings.layout.is_multi_pod:
         return settings
     from pdcluster.runtime.engine.parallel import dial_store, host_store
-    from pdcluster.runtime.engine.rendezvous import publish_address, wait_addresses
+    from pdcluster.runtime.engine.rendezvous import (
+        open_directory,
+        publish_address,
+        wait_addresses,
+    )
 
     who = _identity(settings)
     leader = settings.leader_advertise_host
     known: dict[int, str] = {}
+    nonce: str | None = None
     try:
         if plan.is_leader:
             # The same timeout as a store init_distributed makes (group 0 reuses it).
             _DIRECTORY.extend(host_store(store_host(leader, True), settings.dist_port, 120.0))
             store = _DIRECTORY[0]
+            nonce = open_directory(store)
         elif plan.publishes or plan.needs:
             store = dial_store(leader, settings.dist_port, ADDRESS_TIMEOUT_S)
         else:
             store = None
         if plan.publishes:
-            publish_address(store, settings.token, who, plan.pod_index, settings.advertise_host)
+            publish_address(
+                store,
+                settings.token,
+                who,
+                plan.pod_index,
+                settings.advertise_host,
+                ADDRESS_TIMEOUT_S,
+            )
         if plan.needs:
             log.info("waiting for the addresses of pods %s", list(plan.needs))
-            known = wait_addresses(store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S)
+            known = wait_addresses(
+                store, settings.token, who, plan.needs, ADDRESS_TIMEOUT_S, nonce=nonce
+            )
     except (RuntimeError, OSError) as err:  # torch's store errors are RuntimeErrors
         raise RendezvousError(
             f"the address directory at {leader}:{settings.dist_port} failed: {err}"

@@ -1,5 +1,6 @@
 """How the pods of an instance meet (runtime/pod_rendezvous.py): the leader
-address, the rank proofs and the leader's verdict, and which ranks a pod runs."""
+address, the rank proofs (bound to the rendezvous's nonce) and the leader's
+signed verdict, and which ranks a pod runs."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from hypothesis import strategies as st
 
 from pdcluster.runtime.pod_layout import compute_pod_layout
 from pdcluster.runtime.pod_rendezvous import (
-    VERDICT_OK,
     RankIdentity,
     RendezvousError,
     address_entry,
+    check_fresh,
+    check_verdict,
     compute_verdict,
     describe_missing,
     dp_leader_pods,
@@ -21,16 +23,33 @@ from pdcluster.runtime.pod_rendezvous import (
     missing_ranks,
     parse_leader_address,
     plan_pod,
-    rank_proof,
+    proof_entry,
     read_address_entry,
 )
 
 WHO = RankIdentity("demo", "prefill", 0)
 TOKEN = "s3cret"
+NONCE = "a" * 32
+EARLIER = "b" * 32  # the nonce of an earlier rendezvous
 
 
-def proofs_of(ranks: range, token: str = TOKEN, who: RankIdentity = WHO) -> dict[int, str]:
-    return {r: rank_proof(token, who, r) for r in ranks}
+def challenge(rank: int) -> str:
+    return f"{rank:032x}"
+
+
+def proofs_of(
+    ranks: range, token: str = TOKEN, who: RankIdentity = WHO, nonce: str = NONCE
+) -> dict[int, str]:
+    return {r: proof_entry(token, who, r, nonce, challenge(r)) for r in ranks}
+
+
+def admitted(verdict: str, ranks: range, entries: dict[int, str], nonce: str = NONCE) -> bool:
+    """Whether a rank reading `verdict` joins (it checks the signature itself)."""
+    try:
+        check_verdict(TOKEN, WHO, ranks, entries, nonce, verdict)
+    except RendezvousError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -66,14 +85,58 @@ def test_a_bad_leader_address_is_refused_with_the_reason(text: str, why: str) ->
         parse_leader_address(text)
 
 
-def test_every_rank_proving_the_token_is_admitted() -> None:
-    assert compute_verdict(TOKEN, WHO, range(4), proofs_of(range(4))) == VERDICT_OK
+def test_every_rank_proving_the_token_is_admitted_by_a_signed_verdict() -> None:
+    entries = proofs_of(range(4))
+    verdict = compute_verdict(TOKEN, WHO, range(4), entries, NONCE)
+    assert verdict.startswith("ok ") and admitted(verdict, range(4), entries)
 
 
 def test_a_missing_proof_refuses_the_gang_and_names_the_rank() -> None:
     proofs = proofs_of(range(4))
     del proofs[2]
-    assert compute_verdict(TOKEN, WHO, range(4), proofs) == "refused: no proof from rank 2"
+    verdict = compute_verdict(TOKEN, WHO, range(4), proofs, NONCE)
+    assert verdict == "refused: no proof from rank 2"
+    with pytest.raises(RendezvousError, match="leader refused this rank: refused: no proof"):
+        check_verdict(TOKEN, WHO, range(4), proofs, NONCE, verdict)
+
+
+def test_a_proof_from_an_earlier_rendezvous_is_refused() -> None:
+    """Anyone reaching the store reads the proofs in it: one read in the last
+    rendezvous answered another nonce."""
+    entries = proofs_of(range(3))
+    entries[1] = proofs_of(range(3), nonce=EARLIER)[1]
+    verdict = compute_verdict(TOKEN, WHO, range(3), entries, NONCE)
+    assert verdict.startswith("refused: rank 1 did not prove demo/prefill-0")
+    assert verdict.endswith("in this rendezvous")
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "ok",  # written by anyone
+        "ok " + "0" * 64,
+        "ok the-leader-said-so",
+    ],
+)
+def test_a_rank_joins_only_on_an_ok_signed_over_this_rendezvous(forged: str) -> None:
+    entries = proofs_of(range(2))
+    assert not admitted(forged, range(2), entries)
+    with pytest.raises(RendezvousError, match="not signed with this cluster's token"):
+        check_verdict(TOKEN, WHO, range(2), entries, NONCE, forged)
+    # A real "ok" of an earlier rendezvous (another nonce, other challenges).
+    earlier = {r: proof_entry(TOKEN, WHO, r, EARLIER, f"{r + 7:032x}") for r in range(2)}
+    old_ok = compute_verdict(TOKEN, WHO, range(2), earlier, EARLIER)
+    assert old_ok.startswith("ok ") and not admitted(old_ok, range(2), entries)
+    # Signed with another token.
+    stranger = compute_verdict("other", WHO, range(2), proofs_of(range(2), token="other"), NONCE)
+    assert stranger.startswith("ok ") and not admitted(stranger, range(2), entries)
+
+
+@pytest.mark.parametrize("value", ["", "A" * 32, "a" * 31, "a" * 33, "g" * 32, "ok"])
+def test_a_nonce_or_challenge_that_is_not_32_hex_digits_is_refused(value: str) -> None:
+    with pytest.raises(RendezvousError, match="nonce in the store is not 32 hex digits"):
+        check_fresh("nonce", value)
+    assert check_fresh("nonce", NONCE) == NONCE
 
 
 @pytest.mark.parametrize(
@@ -89,29 +152,44 @@ def test_a_rank_of_another_cluster_role_instance_or_token_is_refused(
     stranger: tuple[str, RankIdentity],
 ) -> None:
     proofs = proofs_of(range(2))
-    proofs[1] = rank_proof(stranger[0], stranger[1], 1)
-    verdict = compute_verdict(TOKEN, WHO, range(2), proofs)
+    proofs[1] = proof_entry(stranger[0], stranger[1], 1, NONCE, challenge(1))
+    verdict = compute_verdict(TOKEN, WHO, range(2), proofs, NONCE)
     assert verdict.startswith("refused: rank 1 did not prove demo/prefill-0")
 
 
 def test_a_proof_copied_from_another_rank_is_refused() -> None:
     proofs = proofs_of(range(3))
     proofs[2] = proofs[1]
-    assert compute_verdict(TOKEN, WHO, range(3), proofs).startswith("refused: rank 2 ")
+    verdict = compute_verdict(TOKEN, WHO, range(3), proofs, NONCE)
+    assert verdict.startswith("refused: rank 2 ")
 
 
 def test_a_dp_group_is_proved_with_global_ranks() -> None:
     # dp group 1 of tp 2 is the world of global ranks 2 and 3.
-    assert compute_verdict(TOKEN, WHO, range(2, 4), proofs_of(range(2, 4))) == VERDICT_OK
+    entries = proofs_of(range(2, 4))
+    assert admitted(compute_verdict(TOKEN, WHO, range(2, 4), entries, NONCE), range(2, 4), entries)
     shifted = {r + 2: p for r, p in proofs_of(range(2)).items()}
-    assert compute_verdict(TOKEN, WHO, range(2, 4), shifted).startswith("refused: ranks 2, 3")
+    verdict = compute_verdict(TOKEN, WHO, range(2, 4), shifted, NONCE)
+    assert verdict.startswith("refused: ranks 2, 3")
 
 
-@given(st.integers(1, 16), st.sets(st.integers(0, 20)))
-def test_the_verdict_is_ok_exactly_when_every_rank_proved(n: int, present: set[int]) -> None:
-    proofs = {r: rank_proof(TOKEN, WHO, r) for r in present}
-    verdict = compute_verdict(TOKEN, WHO, range(n), proofs)
-    assert (verdict == VERDICT_OK) == set(range(n)).issubset(present)
+@given(
+    st.integers(1, 16),
+    st.sets(st.integers(0, 20)),
+    st.sets(st.integers(0, 20)),
+)
+def test_the_verdict_admits_exactly_when_every_rank_proved_this_rendezvous(
+    n: int, present: set[int], stale: set[int]
+) -> None:
+    """`stale`: ranks whose entry was read in an earlier rendezvous."""
+    entries = {
+        r: proof_entry(TOKEN, WHO, r, EARLIER if r in stale else NONCE, challenge(r))
+        for r in present
+    }
+    verdict = compute_verdict(TOKEN, WHO, range(n), entries, NONCE)
+    every = set(range(n)).issubset(present) and not set(range(n)) & stale
+    assert admitted(verdict, range(n), entries) == every
+    assert verdict.startswith("ok ") == every
     assert missing_ranks(n, present) == sorted(set(range(n)) - present)
 
 
@@ -205,17 +283,19 @@ def test_a_missing_address_is_named() -> None:
         group_hosts(layout, 2, 0, "10.0.0.0", "10.0.0.0", {})
 
 
-def test_an_address_entry_binds_the_host_to_the_pod_and_the_token() -> None:
-    entry = address_entry(TOKEN, WHO, 1, "10.0.0.7")
-    assert read_address_entry(TOKEN, WHO, 1, entry) == "10.0.0.7"
+def test_an_address_entry_binds_the_host_to_the_pod_the_token_and_the_rendezvous() -> None:
+    entry = address_entry(TOKEN, WHO, 1, "10.0.0.7", NONCE)
+    assert read_address_entry(TOKEN, WHO, 1, entry, NONCE) == "10.0.0.7"
     with pytest.raises(RendezvousError, match="not published for demo/prefill-0"):
-        read_address_entry("other-token", WHO, 1, entry)
+        read_address_entry("other-token", WHO, 1, entry, NONCE)
     with pytest.raises(RendezvousError, match="pod 2's address 10.0.0.7 was not published"):
-        read_address_entry(TOKEN, WHO, 2, entry)  # another pod's entry, copied
+        read_address_entry(TOKEN, WHO, 2, entry, NONCE)  # another pod's entry, copied
+    with pytest.raises(RendezvousError, match="in this rendezvous"):
+        read_address_entry(TOKEN, WHO, 1, entry, EARLIER)  # an earlier rendezvous's entry
     forged = entry.replace("10.0.0.7", "10.0.0.8")
     with pytest.raises(RendezvousError, match="not published"):
-        read_address_entry(TOKEN, WHO, 1, forged)
+        read_address_entry(TOKEN, WHO, 1, forged, NONCE)
     with pytest.raises(RendezvousError, match="malformed"):
-        read_address_entry(TOKEN, WHO, 1, "10.0.0.7")
+        read_address_entry(TOKEN, WHO, 1, "10.0.0.7", NONCE)
     with pytest.raises(RendezvousError, match="not a URL"):
-        address_entry(TOKEN, WHO, 1, "http://10.0.0.7")
+        address_entry(TOKEN, WHO, 1, "http://10.0.0.7", NONCE)

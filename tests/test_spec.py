@@ -45,6 +45,45 @@ def test_defaults_are_filled_in() -> None:
     assert c.spec.is_disaggregated
 
 
+@pytest.mark.parametrize(
+    ("spec", "compute", "kv"),
+    [
+        (PD, "float32", "float32"),
+        ({"prefill": {"device": "cuda"}, "decode": {"device": "cuda"}}, "bfloat16", "bfloat16"),
+        # One dtype for the cluster: a CPU decode of a GPU prefill computes alike.
+        ({"prefill": {"device": "cuda"}, "decode": {}}, "bfloat16", "bfloat16"),
+        ({"colocated": {"device": "cuda"}, "model": {"computeDtype": "float32"}},
+         "float32", "float32"),
+        ({"colocated": {"device": "cuda"}, "kvCache": {"dtype": "float16"}}, "bfloat16", "float16"),
+        ({**PD, "model": {"computeDtype": "float64"}}, "float64", "float64"),
+    ],
+)  # fmt: skip
+def test_dtypes_default_to_bfloat16_on_cuda_unless_the_manifest_says(
+    spec: dict, compute: str, kv: str
+) -> None:
+    from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+
+    c = parse_manifest(manifest(spec)).spec
+    assert (c.compute_dtype, c.kv_dtype) == (compute, kv)
+    for role in (c.prefill, c.decode, c.colocated):
+        if role is not None:
+            cfg = engine_config_from_spec(c, role)
+            assert (cfg.compute_dtype, cfg.kv_dtype) == (compute, kv)
+
+
+def test_num_pages_left_out_is_sized_at_start() -> None:
+    from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+
+    c = parse_manifest(manifest(PD)).spec
+    assert c.kv_cache.num_pages is None and c.kv_cache.gpu_memory_utilization == 0.9
+    assert c.decode is not None and engine_config_from_spec(c, c.decode).num_pages is None
+    given = parse_manifest(manifest({**PD, "kvCache": {"numPages": 64}})).spec
+    assert given.decode is not None and engine_config_from_spec(given, given.decode).num_pages == 64
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(SpecError, match="gpuMemoryUtilization"):
+            parse_manifest(manifest({**PD, "kvCache": {"gpuMemoryUtilization": bad}}))
+
+
 def test_camel_case_round_trip() -> None:
     c = parse_manifest(manifest({**PD, "kvCache": {"pageSize": 8, "dtype": "bfloat16"}}))
     dumped = c.spec.model_dump(by_alias=True, mode="json")

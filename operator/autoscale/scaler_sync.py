@@ -25,7 +25,12 @@ PDCluster edit often re-applies a whole manifest that was not about replicas.
 With the role's `autoscaling` set, the value taken is clamped to
 `[minReplicas, maxReplicas]` and both sides get the bound (a
 `ReplicasClamped` Event); the built-in planner clamps the same way, so the
-two never disagree. Without `autoscaling` nothing is clamped: hands off.
+two never disagree. With `spec.autoscaling.maxTotalGPUs` set, a value taken
+from the scaler is also held to the budget (`GpuBudget`): the role may grow
+only into the GPUs the other roles leave, as the planner does, whether or
+not the role autoscales itself (a `kubectl scale` or an HPA could otherwise
+spend what the budget forbids); it is never lowered below the replicas the
+PDCluster already has. Otherwise nothing is clamped: hands off.
 
 Pure module.
 """
@@ -71,6 +76,19 @@ class SyncReason(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class GpuBudget:
+    """`spec.autoscaling.maxTotalGPUs` as one role's scaler sees it."""
+
+    max_total_gpus: int
+    gpus_per_instance: int  # of the role being synced
+    others_gpus: int  # what the PDCluster's other roles hold (replicas x GPUs)
+
+    def max_replicas(self) -> int:
+        """The most instances of the role the budget leaves room for."""
+        return max(0, self.max_total_gpus - self.others_gpus) // self.gpus_per_instance
+
+
+@dataclass(frozen=True)
 class ScalerSync:
     """What to write. None: leave that side as it is."""
 
@@ -103,6 +121,7 @@ def decide_scaler_sync(
     scaler_replicas: int,
     changed: Changed,
     autoscaling: RoleAutoscalingSpec | None,
+    budget: GpuBudget | None = None,
 ) -> ScalerSync:
     """The writes that make both sides equal; ValueError on inconsistent input."""
     if min(cluster_replicas, scaler_replicas) < 0:
@@ -145,6 +164,20 @@ def decide_scaler_sync(
                 )
             )
             value, reason = bound, SyncReason.clamped
+    if budget is not None and winner is Side.scaler:
+        cap = max(budget.max_replicas(), min(value, cluster_replicas))
+        if value > cap:
+            events.append(
+                DecisionEvent(
+                    "Normal",
+                    SyncReason.clamped.value,
+                    f"{role.value}: replicas {value} from the scaler would need "
+                    f"{value * budget.gpus_per_instance} GPUs with {budget.others_gpus} held "
+                    f"by the other roles, over autoscaling.maxTotalGPUs "
+                    f"({budget.max_total_gpus}): set to {cap}",
+                )
+            )
+            value, reason = cap, SyncReason.clamped
     return ScalerSync(
         cluster_replicas=value if value != cluster_replicas else None,
         scaler_replicas=value if value != scaler_replicas else None,
@@ -160,7 +193,8 @@ def compute_scaler_sync(
     scaler_replicas: int,
     synced: int | None,
     autoscaling: RoleAutoscalingSpec | None,
+    budget: GpuBudget | None = None,
 ) -> ScalerSync:
     """`decide_scaler_sync` with `changed` read from the scaler's last synced value."""
     changed = changed_since(synced, cluster_replicas, scaler_replicas)
-    return decide_scaler_sync(role, cluster_replicas, scaler_replicas, changed, autoscaling)
+    return decide_scaler_sync(role, cluster_replicas, scaler_replicas, changed, autoscaling, budget)

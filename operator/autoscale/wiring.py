@@ -3,6 +3,10 @@
 The loop (`reconcile/autoscaling.py`) lists the cluster's pods and reads each
 role's scaler; the functions here turn those raw objects into what to do:
 
+Only worker pods the PDCluster controls (owner uid) count: a pod that merely
+carries its labels is never scraped with the cluster token, never names the
+Secret the token is read from, and is no instance.
+
 - `scrape_targets(pods)`: per autoscaled role, the `/metrics` URL of each
   Ready instance's leader pod (pod index 0: the pod that serves HTTP), by pod
   name. A pod being deleted, not Ready, without an address or of another
@@ -38,12 +42,12 @@ from pdcluster.operator.autoscale.router_metrics import (
     is_read_from_router,
     status_patch_with_sources,
 )
-from pdcluster.operator.autoscale.scaler_sync import ScalerSync, compute_scaler_sync
+from pdcluster.operator.autoscale.scaler_sync import GpuBudget, ScalerSync, compute_scaler_sync
 from pdcluster.operator.autoscale.step import AutoscaleStep
 from pdcluster.operator.builders.meta import Manifest
 from pdcluster.operator.builders.scaler import build_role_scaler, build_role_scaler_status
 from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
-from pdcluster.operator.reconcile.cluster import Cluster
+from pdcluster.operator.reconcile.cluster import Cluster, ClusterRef
 from pdcluster.runtime.spec import Role
 
 # The loop never sleeps longer than this, so a scaler edited while no role
@@ -62,17 +66,21 @@ def _leader(pod: Mapping[str, Any]) -> bool:
     return str(labels.get(names.LABEL_POD_INDEX, "0")) == "0"
 
 
-def _facts(pods: Iterable[Mapping[str, Any]], cluster: str) -> list[PodFacts]:
+def _facts(pods: Iterable[Mapping[str, Any]], cluster: ClusterRef) -> list[PodFacts]:
     out = []
     for pod in pods:
         facts = parse_pod_facts(pod)
-        if facts is not None and facts.cluster == cluster and not facts.deleting:
+        if (
+            facts is not None
+            and (facts.cluster, facts.cluster_uid) == (cluster.name, cluster.uid)
+            and not facts.deleting
+        ):
             out.append(facts)
     return out
 
 
 def scrape_targets(
-    pods: Iterable[Mapping[str, Any]], cluster: str, roles: Iterable[Role]
+    pods: Iterable[Mapping[str, Any]], cluster: ClusterRef, roles: Iterable[Role]
 ) -> dict[Role, dict[str, str]]:
     """Per role in `roles`: pod name -> /metrics URL of each Ready instance's leader."""
     wanted = set(roles)
@@ -84,7 +92,7 @@ def scrape_targets(
     return out
 
 
-def token_secret(pods: Iterable[Mapping[str, Any]], cluster: str) -> str | None:
+def token_secret(pods: Iterable[Mapping[str, Any]], cluster: ClusterRef) -> str | None:
     """The Secret the cluster's worker pods read their token from (None: no pod yet)."""
     for facts in _facts(pods, cluster):
         if facts.token_secret:
@@ -92,7 +100,7 @@ def token_secret(pods: Iterable[Mapping[str, Any]], cluster: str) -> str | None:
     return None
 
 
-def existing_instances(pods: Iterable[Mapping[str, Any]], cluster: str) -> dict[Role, int]:
+def existing_instances(pods: Iterable[Mapping[str, Any]], cluster: ClusterRef) -> dict[Role, int]:
     """Per role, the number of instances with a pod not being deleted."""
     seen: dict[Role, set[int]] = {}
     for facts in _facts(pods, cluster):
@@ -124,6 +132,20 @@ def _scaler_numbers(scaler: Mapping[str, Any]) -> tuple[int, int | None]:
     return replicas, synced
 
 
+def gpu_budget(cluster: Cluster, role: Role) -> GpuBudget | None:
+    """`spec.autoscaling.maxTotalGPUs` for `role`'s scaler (None: no budget)."""
+    spec = cluster.spec
+    total, role_spec = spec.autoscaling.max_total_gpus, spec.role_spec(role)
+    if total is None or role_spec is None or role not in (Role.prefill, Role.decode):
+        return None  # the budget counts prefill and decode GPUs only
+    others = sum(
+        s.replicas * s.gpus_per_instance
+        for r in (Role.prefill, Role.decode)
+        if r is not role and (s := spec.role_spec(r)) is not None
+    )
+    return GpuBudget(total, role_spec.gpus_per_instance, others)
+
+
 def plan_scaler(
     cluster: Cluster, role: Role, scaler: Mapping[str, Any] | None, existing: int
 ) -> ScalerPlan:
@@ -141,7 +163,12 @@ def plan_scaler(
     else:
         scaler_replicas, synced = _scaler_numbers(scaler)
     sync = compute_scaler_sync(
-        role, role_spec.replicas, scaler_replicas, synced, role_spec.autoscaling
+        role,
+        role_spec.replicas,
+        scaler_replicas,
+        synced,
+        role_spec.autoscaling,
+        gpu_budget(cluster, role),
     )
     if create is not None and sync.scaler_replicas is not None:
         create = {**create, "spec": {**create["spec"], "replicas": sync.scaler_replicas}}

@@ -55,6 +55,7 @@ from pdcluster.operator.reconcile.revision import (
     compute_template_hash,
 )
 from pdcluster.runtime.dp_ports import derived_dp_ports
+from pdcluster.runtime.pd.bootstrap_registry import INCARNATION_ENV
 from pdcluster.runtime.pod_layout import LEADER_POD, PodLayout
 from pdcluster.runtime.pod_rendezvous import (
     LEADER_ADDRESS_ENV,
@@ -205,6 +206,10 @@ def _worker_env(
         meta.env_value("HOME", podsecurity.HOME_DIR),
         meta.env_field("POD_NAME", "metadata.name"),
         meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+        # Which start of this pod: its ranks register it, and the operator's
+        # loss reports name it (a report about a predecessor at the same IP
+        # fails nothing of this pod's).
+        meta.env_field(INCARNATION_ENV, "metadata.uid"),
         meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
         meta.env_value("PDCLUSTER_LEADER_POD", leader),
         meta.env_value("PDCLUSTER_ROLE", key.role.value),
@@ -311,6 +316,8 @@ def build_worker_pod(
         identity = [
             meta.env_field("POD_NAME", "metadata.name"),
             meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+            # Our connector registers it, as our ranks do (see _worker_env).
+            meta.env_field(INCARNATION_ENV, "metadata.uid"),
             meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
             meta.env_value("PDCLUSTER_ROLE", key.role.value),
             meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),

@@ -176,9 +176,10 @@ VLLM_SPEC_RULES = (
         "model.computeDtype: vLLM computes in float32, float16 or bfloat16, not float64",
     ),
     _vllm_rule(
-        f"{_get_str('kvCache.dtype', 'float32')} == {_get_str('model.computeDtype', 'float32')}",
+        "!has(self.kvCache) || !has(self.kvCache.dtype) || (has(self.model) && "
+        "has(self.model.computeDtype) && self.kvCache.dtype == self.model.computeDtype)",
         "kvCache.dtype must equal model.computeDtype with engine.kind vllm "
-        "(vLLM keeps the KV cache in the model's dtype)",
+        "(vLLM keeps the KV cache in the model's dtype); leave it out to follow it",
     ),
     _vllm_rule(
         f"{_get_str('kvCache.layout', 'NHD')} == 'NHD'",

@@ -20,10 +20,11 @@ FIELD_DOCS: dict[str, str] = {
     "model.name": "Model name; `tiny` is the built-in deterministic model (no download).",
     "model.path": "Directory of a Hugging Face-style model inside the image; required unless "
     "`name` is `tiny`.",
-    "model.computeDtype": "Dtype the engine computes in.",
+    "model.computeDtype": "Dtype the engine computes in; left out: bfloat16 when a role runs "
+    "on cuda, float32 otherwise (one dtype for every role).",
     "image": "Container image of every worker and router pod.",
     "kvCache": "Paged KV cache of every rank; prefill and decode must agree on it.",
-    "kvCache.dtype": "Element type of the KV cache.",
+    "kvCache.dtype": "Element type of the KV cache; left out: the compute dtype.",
     "kvCache.layout": "Page layout: NHD = [pages, page_size, heads, head_dim], HND = [pages, "
     "heads, page_size, head_dim].",
     "transfer": "How KV moves from prefill to decode, and when a transfer counts as failed.",

@@ -78,11 +78,19 @@ class AdminClient:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def fail_peer(
-        self, base_url: str, token: str | None, peer: PeerRef, reason: str, *, gone: bool = True
+        self,
+        base_url: str,
+        token: str | None,
+        peer: PeerRef,
+        reason: str,
+        *,
+        gone: bool = True,
+        incarnation: str | None = None,
     ) -> AdminResult:
-        """`gone`: the peer's processes can no longer run (False: it may be hung)."""
+        """`gone`: the peer's processes can no longer run (False: it may be hung);
+        `incarnation`: which start of the peer (a pod uid)."""
         url = f"{base_url}/admin/fail_peer"
-        body = FailPeerRequest(peer, reason, gone).to_json()
+        body = FailPeerRequest(peer, reason, gone, incarnation).to_json()
         try:
             async with self._http.stream(
                 "POST", url, json=body, headers=self._headers(token)

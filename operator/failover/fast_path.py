@@ -4,8 +4,11 @@ Driven by the pod watch (`handlers.on_child_pod`), before the reconcile that
 restarts the instance is even queued:
 
     pod event → PodIndex (who exists) → LossTracker (is this a loss, once?)
-      prefill lost → POST /admin/fail_peer {peer: podIP:bootstrapPort} to every decode
-      decode lost  → POST /admin/fail_peer {peer: podIP} to every prefill
+      prefill lost → POST /admin/fail_peer {peer: leaderIP:bootstrapPort,
+                     incarnation: leader uid} to every decode (and, for a pod
+                     k > 0 that is gone, {peer: its IP, incarnation: its uid})
+      decode lost  → POST /admin/fail_peer {peer: podIP, incarnation: pod uid}
+                     to every prefill                       (gangs.py decides)
       → metrics (failovers by role/cause, detection latency, fan-out time)
       → Warning Event PrefillInstanceLost / DecodeInstanceLost (not for the
         operator's own deletions: those already have their Normal Event)
@@ -28,15 +31,31 @@ exited, or whose object is gone, cannot write any more — `gone: true`, and
 a decode may reuse the failed rooms' pages at once. A pod NotReady past the
 grace, or still terminating (deletion started, processes may run until the
 kubelet kills them), may still write into a decode's shared-memory pages —
-`gone: false`: the rooms fail now, the pages wait for the peer's ack. Such a
-pod is remembered, and once it is seen ended or gone the peers are told
-again with `gone: true` (no new Event: the loss was reported), so pages
-never wait on a pod that cannot ack any more. A NotReady pod that turns
-Ready again is forgotten: it is alive and acks for itself.
+`gone: false`: the rooms fail now, the pages wait for the peer's ack. A
+multi-pod prefill instance is `gone` only once every pod of its gang is: a
+pod k that ended while pod 0 runs leaves the instance "failing, not gone"
+(its own ranks are reported gone by its address). What was reported with
+`gone: false` is remembered (per gang, and per pod for a pod's own
+address), and once it is seen ended or gone the peers are told again with
+`gone: true` (no new Event: the loss was reported), so pages never wait on
+a pod that cannot ack any more. A NotReady pod that turns Ready again is
+forgotten: it is alive and acks for itself. Every report names the
+incarnation it is about (a pod uid), so a worker ignores a late one about a
+pod whose IP a successor has taken.
 
 Peers are told concurrently, each with its own timeout, so a dead peer
 never delays the others. Nothing here raises into the watch: a failed call
 is logged and counted.
+
+Which cluster a pod belongs to: the watch selects pods by label, and labels
+can be written by anyone who may create a pod. A pod counts only if its
+controller owner is the PDCluster its label names, by that object's uid
+(read from the API once, and again when a pod names another uid: the
+cluster may have been created anew). Another's pod — of a PDCluster
+deleted and created again under the same name, or a pod made to look like
+one of ours — is ignored (`foreign_pods_total`): it never takes the place
+of the cluster's decodes when the prefill set is published, is never sent
+a Secret its own spec names, and its losses are reported to nobody.
 """
 
 from __future__ import annotations
@@ -45,6 +64,7 @@ import asyncio
 import base64
 import functools
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -53,6 +73,7 @@ from typing import Any
 from pdcluster.operator.builders.meta import TOKEN_KEY
 from pdcluster.operator.failover.admin_client import AdminClient, AdminResult
 from pdcluster.operator.failover.failure_counts import FailureCounts
+from pdcluster.operator.failover.gangs import Report, compute_reports
 from pdcluster.operator.failover.losses import Loss, LossCause, LossTracker
 from pdcluster.operator.failover.peers import PEER_ROLE, PodIndex
 from pdcluster.operator.failover.pod_facts import PodFacts, parse_pod_facts
@@ -123,6 +144,9 @@ def rooms_failed_message(role: Role, reason: str) -> str:
     return f"rooms failed at {role.value} workers: {reason}"
 
 
+# The longest a cluster's uid is trusted when a pod names another (it may be new).
+CLUSTER_UID_REFRESH_S = 5.0
+
 # A decode pod still loading does not answer its admin API yet: ask again.
 PUBLISH_ATTEMPTS = 60
 PUBLISH_RETRY_S = 1.0
@@ -151,8 +175,11 @@ class Failover:
         self._rechecks: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._deleted_clusters: set[str] = set()
-        # uid -> loss told to the peers with `gone: false`, until told `gone: true`.
+        # Reported with `gone: false`, until told `gone: true`: a gang (its leader
+        # uid) -> the loss that reported its instance; a pod (its uid) -> the loss
+        # that reported its own address (a decode pod, a prefill pod k > 0).
         self._maybe_alive: dict[str, Loss] = {}
+        self._maybe_alive_pods: dict[str, Loss] = {}
         self.counts = FailureCounts()
         self.registration = RegistrationWatch(settings.registration_warn_s)
         self.peers = PeerPublisher(self.admin)
@@ -160,6 +187,8 @@ class Failover:
         # Called with a cluster's key when its workers' transport reports changed.
         self.on_transport_change: Callable[[tuple[str, str]], None] | None = None
         self._publish_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # (namespace, name) -> (the PDCluster's uid or None: no such object, when read).
+        self._cluster_uids: dict[tuple[str, str], tuple[str | None, float]] = {}
 
     # ------------------------------------------------------------ pod events
     async def on_pod_event(self, event_type: str | None, raw: Mapping[str, Any]) -> Loss | None:
@@ -168,7 +197,19 @@ class Failover:
         pod = parse_pod_facts(raw)
         if pod is None:
             return None
+        if not await self._is_owned_by_its_cluster(pod):
+            self.metrics.foreign_pods.inc()
+            log.warning(
+                "%s/%s: pod %s carries the cluster's labels but is controlled by another "
+                "PDCluster (uid %s); ignored",
+                pod.namespace,
+                pod.cluster,
+                pod.name,
+                pod.cluster_uid,
+            )
+            return None
         gone = event_type == "DELETED"
+        gang_id = self.index.gang_id(pod)  # before a DELETED pod leaves the index
         self.index.update(pod, gone=gone)
         # Decode workers learn which bootstrap servers they may contact (off the fast path).
         self._spawn(self.publish_peers(pod.key))
@@ -178,37 +219,71 @@ class Failover:
             self._cancel_recheck(pod.uid)
         if pod.cluster_uid in self._deleted_clusters:
             self._maybe_alive.pop(pod.uid, None)
+            self._maybe_alive_pods.pop(pod.uid, None)
             return None
         verdict = self.tracker.observe(pod, self._clock(), gone=gone)
         if verdict.recheck_at is not None:
             self._schedule_recheck(pod, verdict.recheck_at)
         if verdict.loss is None:
-            await self._settle(pod, object_gone=gone)
+            await self._settle(pod, gang_id, object_gone=gone)
             return None
         self._cancel_recheck(pod.uid)
-        await self.handle_loss(verdict.loss, received, object_gone=gone)
+        await self.handle_loss(verdict.loss, received, object_gone=gone, gang_id=gang_id)
         return verdict.loss
 
-    async def _settle(self, pod: PodFacts, *, object_gone: bool) -> None:
-        """A pod reported with `gone: false` is seen again: gone now, or back?"""
-        loss = self._maybe_alive.get(pod.uid)
-        if loss is None:
-            return
-        if pod.ready and not (object_gone or pod.deleting or pod.has_ended):
+    async def _is_owned_by_its_cluster(self, pod: PodFacts) -> bool:
+        """Whether the pod's controller owner is the PDCluster its label names (uid)."""
+        uid, read_at = self._cluster_uids.get(pod.key, (None, -math.inf))
+        if uid == pod.cluster_uid:
+            return True
+        if time.monotonic() - read_at < CLUSTER_UID_REFRESH_S:
+            return False
+        try:
+            body = await self.api.get("PDCluster", pod.namespace, pod.cluster)
+        except ApiError as err:
+            # Unverified is not accepted; the pod's next event asks again.
+            log.warning("cannot read PDCluster %s/%s: %s", pod.namespace, pod.cluster, err)
+            return False
+        found = ((body or {}).get("metadata") or {}).get("uid")
+        uid = found if isinstance(found, str) and found else None
+        self._cluster_uids[pod.key] = (uid, time.monotonic())
+        return uid == pod.cluster_uid
+
+    async def _settle(self, pod: PodFacts, gang_id: str | None, *, object_gone: bool) -> None:
+        """A pod reported with `gone: false` (itself, or its gang) is seen again:
+        gone now, or back?"""
+        resumed = pod.ready and not (object_gone or pod.deleting or pod.has_ended)
+        own = self._maybe_alive_pods.get(pod.uid)
+        if own is not None and (resumed or is_settled_by(pod, object_gone=object_gone)):
             # Ready again: the same processes resumed and ack their rooms themselves.
-            del self._maybe_alive[pod.uid]
+            del self._maybe_alive_pods[pod.uid]
+            if not resumed and pod.pod_ip:
+                await self._tell_gone(own, Report(pod.pod_ip, pod.uid, True))
+        loss = self._maybe_alive.get(gang_id) if gang_id is not None else None
+        if loss is None or gang_id is None:
             return
-        if not is_settled_by(pod, object_gone=object_gone):
+        if resumed and pod.uid == loss.pod.uid:
+            del self._maybe_alive[gang_id]
             return
-        del self._maybe_alive[pod.uid]
-        results = await self.tell_peers(loss, gone=True)
+        if not all(p.has_ended for p in self.index.members(pod.key, gang_id)):
+            return  # a pod of the gang may still run (and write)
+        del self._maybe_alive[gang_id]
+        peer = loss.pod.peer
+        if peer is not None:
+            await self._tell_gone(loss, Report(peer, gang_id, True))
+
+    async def _tell_gone(self, loss: Loss, report: Report) -> None:
+        pod = loss.pod
+        results = await self.tell_peers(loss, report)
         log.info(
-            "%s/%s: %s instance %d (pod %s) is gone; told %d/%d peers to free its pages",
+            "%s/%s: %s instance %d (%s, incarnation %s) is gone; told %d/%d peers to free "
+            "its pages",
             pod.namespace,
             pod.cluster,
             pod.role.value,
             pod.instance,
-            pod.name,
+            report.peer,
+            report.incarnation,
             sum(r.ok for r in results),
             len(results),
         )
@@ -224,8 +299,10 @@ class Failover:
             self._cancel_recheck(pod.uid)
             self.counts.forget(pod.uid)
             self._maybe_alive.pop(pod.uid, None)
+            self._maybe_alive_pods.pop(pod.uid, None)
         self.index.forget_cluster((namespace, name))
         self.transports.forget((namespace, name))
+        self._cluster_uids.pop((namespace, name), None)
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace}
 
     def _schedule_recheck(self, pod: PodFacts, at: float) -> None:
@@ -260,24 +337,33 @@ class Failover:
 
     # ------------------------------------------------------------ acting on a loss
     async def handle_loss(
-        self, loss: Loss, received_monotonic: float, *, object_gone: bool = False
+        self,
+        loss: Loss,
+        received_monotonic: float,
+        *,
+        object_gone: bool = False,
+        gang_id: str | None = None,
     ) -> list[AdminResult]:
-        """Tell the peers, record metrics and the Event. `object_gone`: from a DELETED event."""
+        """Tell the peers, record metrics and the Event. `object_gone`: from a DELETED
+        event; `gang_id`: the pod's gang, as known before that event (else looked up)."""
         pod = loss.pod
         role = pod.role.value
         gone = is_peer_gone(loss, object_gone=object_gone)
-        if gone:
-            self._maybe_alive.pop(pod.uid, None)
-        else:
-            self._maybe_alive[pod.uid] = loss
-        results = await self.tell_peers(loss, gone=gone)
+        gang_id = gang_id or self.index.gang_id(pod)
+        others = (
+            self.index.members(pod.key, gang_id) if gang_id is not None else self.index.gang(pod)
+        )
+        gang_gone = gone and all(p.has_ended for p in others if p.uid != pod.uid)
+        reports = compute_reports(pod, pod_gone=gone, gang_id=gang_id, gang_gone=gang_gone)
+        self._remember(loss, reports, gang_id)
+        told = [await self.tell_peers(loss, report) for report in reports]
+        results = told[0] if told else []
         elapsed = time.monotonic() - received_monotonic
         self.metrics.failovers.labels(role=role, cause=loss.cause.value).inc()
         self.metrics.failover_seconds.labels(role=role).observe(elapsed)
         if loss.happened_at is not None:
             detection = max(0.0, self._clock() - loss.happened_at)
             self.metrics.detection_seconds.labels(role=role).observe(detection)
-        told = sum(r.ok for r in results)
         log.warning(
             "%s/%s: %s instance %d lost (%s, pod %s %s, %s); told %d/%d peers in %.0f ms",
             pod.namespace,
@@ -286,13 +372,13 @@ class Failover:
             pod.instance,
             loss.cause.value,
             pod.name,
-            pod.peer,
-            "gone" if gone else "may still run",
-            told,
+            ", ".join(f"{r.peer} {'gone' if r.gone else 'may still run'}" for r in reports),
+            f"incarnation {gang_id if pod.role is Role.prefill else pod.uid}",
+            sum(r.ok for r in results),
             len(results),
             elapsed * 1000,
         )
-        for r in results:
+        for r in (r for batch in told for r in batch):
             if not r.ok:
                 log.warning("fail_peer at %s failed: %s %s", r.url, r.status, r.error)
         if pod.role in LOST_EVENT and not loss.planned and await self._cluster_alive(pod):
@@ -306,18 +392,40 @@ class Failover:
             self._spawn(self._poll_soon(pod.key))
         return results
 
-    async def tell_peers(self, loss: Loss, *, gone: bool = True) -> list[AdminResult]:
+    def _remember(self, loss: Loss, reports: list[Report], gang_id: str | None) -> None:
+        """What was reported `gone: false` is told again once it cannot run."""
+        pod = loss.pod
+        for report in reports:
+            if report.incarnation == pod.uid and report.peer == pod.pod_ip:
+                store, key = self._maybe_alive_pods, pod.uid  # the pod's own address
+            elif gang_id is not None:
+                store, key = self._maybe_alive, gang_id  # its instance
+            else:
+                continue
+            if report.gone:
+                store.pop(key, None)
+            else:
+                store.setdefault(key, loss)
+
+    async def tell_peers(self, loss: Loss, report: Report) -> list[AdminResult]:
         pod = loss.pod
         peers = self.index.peers_of(pod)
-        if pod.peer is None or not peers:
+        if not peers:
             return []
         reasons = PEER_REMOVED_REASON if loss.planned else PEER_LOST_REASON
         reason = reasons[pod.role]
         token = await self._token(pod.namespace, pod.token_secret)
 
         async def tell(peer: PodFacts) -> AdminResult:
-            assert peer.admin_url is not None and pod.peer is not None
-            return await self.admin.fail_peer(peer.admin_url, token, pod.peer, reason, gone=gone)
+            assert peer.admin_url is not None
+            return await self.admin.fail_peer(
+                peer.admin_url,
+                token,
+                report.peer,
+                reason,
+                gone=report.gone,
+                incarnation=report.incarnation,
+            )
 
         results = list(await asyncio.gather(*(tell(p) for p in peers)))
         if any(r.status in (401, 403) for r in results) and pod.token_secret:

@@ -112,13 +112,14 @@ class PodFacts:
 
     @property
     def peer(self) -> PeerRef | None:
-        """How `fail_peer` names this pod's instance: a prefill by its bootstrap
-        address, a decode by its leader's bare address (prefill matches endpoints
-        by host). Losing any pod of an instance fails all of the instance's rooms."""
-        ip = self.instance_ip
-        if not ip:
-            return None
-        return self.bootstrap_address or ip
+        """How `fail_peer` names what this pod's loss is about: a prefill pod by its
+        instance's bootstrap address (decode rooms name the instance), a decode
+        pod by its own bare address (prefill matches the endpoints of its ranks by
+        host). A prefill pod k > 0 is also reported by its own address
+        (failover/gangs.py)."""
+        if self.role == Role.prefill:
+            return self.bootstrap_address
+        return self.pod_ip
 
 
 def parse_time(value: Any) -> float | None:

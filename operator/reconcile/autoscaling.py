@@ -227,7 +227,7 @@ class Autoscaler:
 
     async def _sync_scalers(self, cluster: Cluster, pods: list[dict[str, Any]]) -> bool:
         """Create and sync each role's scaler; True when the PDCluster's replicas were changed."""
-        existing = existing_instances(pods, cluster.name)
+        existing = existing_instances(pods, cluster.ref)
         selector = names.format_selector(names.cluster_selector(cluster.name))
         listed = await self.client.list(SCALER_KIND, cluster.namespace, selector)
         for name, uid in stale_scalers(listed, cluster.ref.uid, roles_of(cluster)):
@@ -275,15 +275,17 @@ class Autoscaler:
         """Per role, the /metrics of its Ready leader pods, or of the router's Ready pods
         for a target read from the router (`router_metrics.py`)."""
         from_router = [r for r in roles if is_read_from_router(cluster, r)]
-        targets = scrape_targets(pods, cluster.name, [r for r in roles if r not in from_router])
+        targets = scrape_targets(pods, cluster.ref, [r for r in roles if r not in from_router])
         routers = router_scrape_targets(pods, cluster.name)
         targets.update({role: dict(routers) for role in from_router})
-        token = await self.token_for(cluster.namespace, token_secret(pods, cluster.name))
+        token = await self.token_for(cluster.namespace, token_secret(pods, cluster.ref))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-        async def fetch(url: str) -> PodScrape | None:
+        async def fetch(url: str, worker: bool) -> PodScrape | None:
+            # The router's /metrics is open, and its pods are matched by label only
+            # (their owner is a ReplicaSet): the token goes to worker pods alone.
             try:
-                async with self._http.stream("GET", url, headers=headers) as resp:
+                async with self._http.stream("GET", url, headers=headers if worker else {}) as resp:
                     if resp.status_code != 200:
                         return None
                     text = (await read_capped(resp, MAX_METRICS_BYTES)).decode(errors="replace")
@@ -295,7 +297,8 @@ class Autoscaler:
         out: dict[Role, dict[str, PodScrape]] = {}
         for role, by_pod in targets.items():
             pairs = list(by_pod.items())
-            results = await asyncio.gather(*(fetch(url) for _, url in pairs))
+            worker = role not in from_router
+            results = await asyncio.gather(*(fetch(url, worker) for _, url in pairs))
             found = _found(dict(zip((p for p, _ in pairs), results, strict=True)))
             if role in from_router:
                 found = {p: replace(s, text=as_prefill_scrape(s.text)) for p, s in found.items()}

@@ -16,7 +16,7 @@ follow the per-position rule of `sampling.py`.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdcluster.runtime.engine.caching_allocator import CachingPageAllocator
 from pdcluster.runtime.engine.engine_config import EngineConfig
@@ -28,8 +28,10 @@ from pdcluster.runtime.engine.runner import (
     PrefillChunkHook,
     SampleSpec,
     StepPlan,
+    StepResult,
     run_follower,
 )
+from pdcluster.runtime.engine.sampler import TokenLogprobs
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from pdcluster.runtime.engine.sequence import Sequence, SequenceMode, SequenceStatus
@@ -42,6 +44,7 @@ __all__ = [
     "PrefixCacheStats",
     "RequestRejected",
     "StepOutput",
+    "TokenLogprobs",
     "run_follower",
 ]
 
@@ -54,6 +57,9 @@ class EngineRequest:
     mode: SequenceMode = SequenceMode.normal
     page_table: list[int] | None = None  # mode="prefilled": pages already filled
     first_token: int | None = None  # mode="prefilled": sampled by prefill
+    # mode="prefilled", when the request asks for logprobs: the first token's,
+    # computed where it was sampled.
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,9 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
+    # One per new token when the request asked for logprobs (else empty); None
+    # where they are unknown (a prefilled request's first token sent without them).
+    new_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,8 @@ class _Request:
     seed: int
     num_reported: int = 0
     detok: IncrementalDetokenizer | None = None
+    # Output position -> logprobs (only when the request asks for them).
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -103,15 +114,16 @@ class LLMEngine:
         self.model_config = self.runner.weights.config
         self.tokenizer = tokenizer
         # With the prefix cache off the allocator is the plain one: nothing changes.
+        num_pages = self.runner.pool.shape.num_pages  # sized at start when the config says None
         self.allocator: PageAllocator = (
             CachingPageAllocator(
-                config.num_pages,
+                num_pages,
                 page_size=config.page_size,
                 salt=config.prefix_cache_salt(self.model_config),
                 enabled=True,
             )
             if config.prefix_cache
-            else PageAllocator(config.num_pages)
+            else PageAllocator(num_pages)
         )
         self.scheduler = Scheduler(
             config.scheduler_config(self.model_config.max_position_embeddings), self.allocator
@@ -189,6 +201,8 @@ class LLMEngine:
                 raise RequestRejected(f"first_token {req.first_token!r} is outside the vocabulary")
         elif req.page_table is not None or req.first_token is not None:
             raise RequestRejected("page_table and first_token are only for mode 'prefilled'")
+        if req.first_logprobs is not None and req.mode != SequenceMode.prefilled:
+            raise RequestRejected("first_logprobs is only for mode 'prefilled'")
         params = req.sampling
         self.check_admissible(
             len(ids), params.max_tokens, prefill_only=req.mode == SequenceMode.prefill_only
@@ -216,7 +230,10 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.scheduler.add(seq)  # raises RequestRejected with nothing changed
-        self._requests[req.rid] = _Request(params=params, seed=seed, detok=detok)
+        entry = _Request(params=params, seed=seed, detok=detok)
+        if req.first_logprobs is not None and params.logprobs is not None:
+            entry.logprobs[0] = req.first_logprobs
+        self._requests[req.rid] = entry
 
     def report_first_token(self, rid: str) -> list[StepOutput]:
         """The output for a just-added `prefilled` request's first token, reported now.
@@ -270,7 +287,7 @@ class LLMEngine:
             plan = self._plan(batch)
             if self.dist is not None:
                 self.dist.broadcast_plan(plan)
-            sampled = self.runner.execute(plan)
+            result = self.runner.execute(plan)
         except BaseException as err:
             failed = [seq.rid for seq in self.scheduler.fail_step()]
             for rid in failed:
@@ -278,7 +295,8 @@ class LLMEngine:
             if isinstance(err, Exception):
                 raise StepFailed(tuple(failed), err) from err
             raise
-        return self._outputs(self.scheduler.on_step_done(sampled))
+        self._keep_logprobs(result)
+        return self._outputs(self.scheduler.on_step_done(result.tokens))
 
     def shutdown(self) -> None:
         """Stop the followers of this group (multi-rank) and refuse further work."""
@@ -303,10 +321,25 @@ class LLMEngine:
                 req = self._requests[c.rid]
                 assert seq is not None
                 spec = SampleSpec(req.params, req.seed, seq.num_output_tokens)
+                if req.params.has_penalties:
+                    spec = SampleSpec(
+                        req.params,
+                        req.seed,
+                        seq.num_output_tokens,
+                        tuple(seq.prompt_token_ids),
+                        tuple(seq.output_token_ids),
+                    )
             chunks.append(
                 ChunkPlan(c.rid, c.token_ids, c.start_pos, c.page_table, c.is_prefill, spec)
             )
         return StepPlan(chunks=tuple(chunks))
+
+    def _keep_logprobs(self, result: StepResult) -> None:
+        """File each sampled token's logprobs under its output position."""
+        for rid, lp in result.logprobs.items():
+            seq, req = self.scheduler.get(rid), self._requests.get(rid)
+            if seq is not None and req is not None:
+                req.logprobs[seq.num_output_tokens] = lp
 
     def _outputs(self, changed: list[Sequence]) -> list[StepOutput]:
         outputs = []
@@ -314,14 +347,18 @@ class LLMEngine:
             req = self._requests.get(seq.rid)
             if req is None:
                 continue
-            new = seq.output_token_ids[req.num_reported :]
+            first = req.num_reported
+            new = seq.output_token_ids[first:]
             req.num_reported = seq.num_output_tokens
+            lps: tuple[TokenLogprobs | None, ...] = ()
+            if req.params.logprobs is not None:
+                lps = tuple(req.logprobs.pop(i, None) for i in range(first, first + len(new)))
             if req.detok is not None and not seq.is_finished:
                 req.detok.push(new)
                 if req.detok.stopped:
                     self.scheduler.finish(seq.rid, "stop")
             finished = seq.is_finished
-            outputs.append(StepOutput(seq.rid, new, finished, seq.finish_reason))
+            outputs.append(StepOutput(seq.rid, new, finished, seq.finish_reason, lps))
             if finished and seq.status is not SequenceStatus.HELD:
                 del self._requests[seq.rid]
         return outputs

@@ -28,7 +28,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     compute_dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
     page_size: int = 16  # tokens per KV page
-    num_pages: int = 512  # KV pages per rank
+    # KV pages per rank; None: on CUDA, what fits `gpu_memory_utilization` of
+    # the device (engine/pool_sizing.py), on the CPU the fixed default (512).
+    num_pages: int | None = 512
+    gpu_memory_utilization: float = 0.9  # share of the device a rank may use, weights included
     kv_dtype: str = "float32"
     kv_layout: KVLayout = KVLayout.NHD
     max_running_requests: int = 64
@@ -42,6 +45,8 @@ class EngineConfig:
     shm_dir: str | None = None
     # Reuse the KV of cached full prompt pages (spec.engine.prefixCache).
     prefix_cache: bool = False
+    # Decode steps replayed from CUDA graphs where the device allows (engine/cuda_graphs.py).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "kv_dtype"):
@@ -53,6 +58,12 @@ class EngineConfig:
             raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not isinstance(self.model, str) or not self.model:
             raise EngineConfigError("model must be 'tiny' or a model directory path")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise EngineConfigError(f"num_pages must be >= 2 or None, got {self.num_pages}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_new_tokens < 1:
             raise EngineConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         try:
@@ -120,10 +131,11 @@ def engine_config_from_spec(
         model=model_dir,
         model_seed=spec.model.seed,
         device=role.device,
-        compute_dtype=str(spec.model.compute_dtype),
+        compute_dtype=str(spec.compute_dtype),
         page_size=spec.kv_cache.page_size,
-        num_pages=spec.kv_cache.num_pages,
-        kv_dtype=str(spec.kv_cache.dtype),
+        num_pages=spec.kv_cache.num_pages,  # None: sized by the runner (engine/pool_sizing.py)
+        gpu_memory_utilization=spec.kv_cache.gpu_memory_utilization,
+        kv_dtype=str(spec.kv_dtype),
         kv_layout=spec.kv_cache.layout,
         max_running_requests=eng.max_running_requests,
         max_batch_tokens=eng.max_batch_tokens,
@@ -134,4 +146,5 @@ def engine_config_from_spec(
         parallel=ParallelConfig(dp=topo.dp, cp=topo.cp, tp=topo.tp, pp=topo.pp),
         shm_dir=shm_dir,
         prefix_cache=eng.prefix_cache,
+        cuda_graphs=eng.cuda_graphs,
     )

@@ -104,14 +104,15 @@ class KVPool:
             self._gather(layer, 1, slots, slice(None)),
         )
 
-    def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """K and V of `slots` (any shape S) in one gather: [2, *S, H, D]."""
+    def read_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """K and V of whole pages (`pages`: any shape S) in one gather.
+
+        Returns [2, *S, page_size, H, D] in any order (a view of the gathered
+        copy: token-major, as attention reads a context).
+        """
         if self.order == NHD_ORDER:
-            t = self.buffer[layer]  # [2, P, page, H, D]
-            return t.view(2, -1, self.shape.num_kv_heads, self.shape.head_dim)[:, slots]
-        ps = self.shape.page_size
-        # Two adjacent index tensors keep their dims in place: [2, *S, H, D].
-        return self.logical[layer][:, slots // ps, slots % ps]
+            return self.buffer[layer][:, pages]  # [2, *S, page, H, D]
+        return self.logical[layer][:, pages]
 
     def gather_tokens(
         self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)

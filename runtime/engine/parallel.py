@@ -5,8 +5,10 @@ Two kinds of traffic, two kinds of groups:
 - tensors of the forward pass (tp all-reduce, pp hidden states) use the
   main backend: gloo on CPU, nccl on CUDA;
 - control traffic (the leader's step plan, sampled tokens back to the
-  leader) always uses gloo groups on CPU, so the plan never makes a GPU
-  round trip and the leader can block on it without holding a stream.
+  leader, as msgpack bytes: `step_plan.py`) always uses gloo groups on CPU,
+  so the plan never makes a GPU round trip and the leader can block on it
+  without holding a stream. A follower decodes only a `StepPlan` (never a
+  pickle) and executes nothing else it receives.
 
 `torch.distributed.new_group` must be called by every process in the same
 order, even for groups it is not in, so groups are created from the fixed
@@ -26,12 +28,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from pdcluster.runtime.engine.rendezvous import RankGate, pass_gate
+from pdcluster.runtime.engine.sampler import SampledTokens
+from pdcluster.runtime.engine.step_plan import (
+    StepPlan,
+    decode_plan,
+    decode_sampled,
+    encode_plan,
+    encode_sampled,
+)
 from pdcluster.runtime.engine.topology import ParallelConfig, RankInfo, TopologyError
 from pdcluster.runtime.ports import free_port
+
+# A step plan's bytes at most (a 4M-token chunk's ids and page table take ~40 MB).
+MAX_PLAN_BYTES = 256 << 20
 
 __all__ = [
     "DistContext",
@@ -64,12 +78,36 @@ class DistContext:
         if self.tp_group is not None:
             dist.all_reduce(tensor, group=self.tp_group)
 
-    def broadcast_plan(self, plan: object | None) -> Any:
-        """Leader: send `plan` to its dp group. Others: pass None, get the plan."""
-        box = [plan if self.info.is_leader else None]
-        if self.info.parallel.group_size > 1:
-            dist.broadcast_object_list(box, src=self.info.leader_rank, group=self.control_group)
-        return box[0]
+    def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
+        """Leader: send `plan` to its dp group. Others: pass None, get the plan
+        (its size first, then its bytes; one over `MAX_PLAN_BYTES` or not a
+        `StepPlan` raises, and the rank stops)."""
+        if self.info.is_leader:
+            if plan is None:
+                raise ValueError("the leader must pass the plan it broadcasts")
+            if self.info.parallel.group_size > 1:
+                self._broadcast_bytes(encode_plan(plan))
+            return plan
+        data = self._broadcast_bytes(None)
+        try:
+            return decode_plan(data)
+        except msgspec.DecodeError as err:
+            raise RuntimeError(f"the leader's step plan is not a StepPlan: {err}") from None
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Leader: send `data` over the control group; others receive it."""
+        src, group = self.info.leader_rank, self.control_group
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=src, group=group)
+        if data is not None:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src, group)
+            return data
+        n = int(size[0])
+        if not 0 < n <= MAX_PLAN_BYTES:
+            raise RuntimeError(f"the leader's step plan is {n} bytes (limit {MAX_PLAN_BYTES})")
+        buf = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, src=src, group=group)
+        return buf.numpy().tobytes()
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """To the next pipeline stage of this rank's pipeline."""
@@ -80,15 +118,26 @@ class DistContext:
         dist.recv(out, src=self.info.stage_rank(self.info.pp_rank - 1))
         return out
 
-    def send_tokens(self, tokens: list[int]) -> None:
+    def send_sampled(self, sampled: SampledTokens) -> None:
         """Sampler rank → leader, over the control group."""
-        t = torch.tensor(tokens, dtype=torch.int64)
-        dist.send(t, dst=self.info.leader_rank, group=self.control_group)
+        data = torch.frombuffer(bytearray(encode_sampled(sampled)), dtype=torch.uint8)
+        group = self.control_group
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), self.info.leader_rank, group)
+        dist.send(data, dst=self.info.leader_rank, group=group)
 
-    def recv_tokens(self, count: int) -> list[int]:
-        t = torch.empty(count, dtype=torch.int64)
-        dist.recv(t, src=self.info.sampler_rank, group=self.control_group)
-        return [int(x) for x in t.tolist()]
+    def recv_sampled(self) -> SampledTokens:
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=self.info.sampler_rank, group=self.control_group)
+        data = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(data, src=self.info.sampler_rank, group=self.control_group)
+        return decode_sampled(data.numpy().tobytes())
+
+    def min_over_group(self, value: int) -> int:
+        """The smallest of every rank's `value` in this dp group (control group)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        if self.info.parallel.group_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t[0])
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -148,6 +197,11 @@ def init_distributed(
             wait_for_workers=False,
             master_listen_fd=listener.fileno() if listener is not None else None,
         )
+        if listener is not None:
+            # The store owns the descriptor now and closes it when it goes; the
+            # socket object must not close it again (by then the number may be
+            # another file's: a ZMQ context's, a pipe's).
+            listener.detach()
     if gate is not None:
         pass_gate(store, gate, rank, parallel.world_size, timeout_s)
     dist.init_process_group(
@@ -168,14 +222,17 @@ def init_distributed(
         if rank in ranks:
             control_group = group
     ctx = DistContext(info=info, device=dev, tp_group=tp_group, control_group=control_group)
-    ctx.store_listener = listener  # the store serves on this socket's descriptor: keep it open
+    ctx.store_listener = listener  # detached: the store serves on (and owns) its descriptor
     return ctx
 
 
 def host_store(host: str, port: int, timeout_s: float) -> tuple[Any, socket.socket]:
-    """A TCP store served on `host:port` only, and the socket it serves on (keep it open)."""
+    """A TCP store served on `host:port` only, and the socket it was bound with
+    (detached: the store owns its descriptor and closes it when it goes)."""
     listener = _bound_listener(host, port)
-    return _tcp_store(host, port, timeout_s, listen_fd=listener.fileno()), listener
+    store = _tcp_store(host, port, timeout_s, listen_fd=listener.fileno())
+    listener.detach()  # the store owns (and closes) the descriptor from here on
+    return store, listener
 
 
 def dial_store(host: str, port: int, timeout_s: float) -> Any:

@@ -1,34 +1,42 @@
 """The token gate in front of torch.distributed (see runtime/pod_rendezvous.py).
 
-Every rank of a torch world writes its proof into the world's TCP store;
-rank 0 (which hosts the store) waits for all of them, checks them and
-writes the verdict; every rank joins the process group only on "ok".
+Every rank of a torch world answers rank 0's fresh nonce in the world's TCP
+store with its own challenge and proof; rank 0 (which hosts the store)
+waits for all of them, checks them and writes the verdict, signed over the
+nonce and every challenge; every rank checks that signature and joins the
+process group only on a signed "ok".
 
 A multi-pod instance with dp > 1 also keeps its address directory in dp
-group 0's store on the leader pod: a pod hosting another dp group's leader
-publishes its address there, with a proof binding it to the pod.
+group 0's store on the leader pod: pod 0 opens it with a nonce of its own,
+and a pod hosting another dp group's leader publishes its address there,
+with a proof binding it to the pod and that nonce.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.runtime.pod_rendezvous import (
+    DIRECTORY_NONCE_KEY,
+    NONCE_KEY,
     VERDICT_KEY,
-    VERDICT_OK,
     RankIdentity,
     RendezvousError,
     address_entry,
     address_key,
+    check_fresh,
+    check_verdict,
     compute_verdict,
+    is_admitted,
     missing_ranks,
+    proof_entry,
     proof_key,
-    rank_proof,
     read_address_entry,
 )
 
@@ -49,14 +57,35 @@ class RankGate:
     on_waiting: Callable[[list[int]], None] | None = None
 
 
+def fresh() -> str:
+    """A nonce or challenge: 128 random bits as 32 hex digits."""
+    return secrets.token_hex(16)
+
+
+def _read(store: Any, key: str, timeout_s: float) -> str:
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return str(store.get(key).decode(errors="replace"))
+
+
 def pass_gate(store: Any, gate: RankGate, rank: int, world_size: int, timeout_s: float) -> None:
     """Prove this rank, and (rank 0) admit the world or refuse it; raise RendezvousError."""
-    store.set(proof_key(rank), rank_proof(gate.token, gate.identity, gate.offset + rank))
+    if rank == 0:
+        nonce = fresh()
+        store.set(NONCE_KEY, nonce)
+    else:
+        nonce = check_fresh("nonce", _read(store, NONCE_KEY, timeout_s))
+    ranks = [gate.offset + r for r in range(world_size)]
+    store.set(proof_key(rank), proof_entry(gate.token, gate.identity, ranks[rank], nonce, fresh()))
     if rank != 0:
-        store.wait([VERDICT_KEY], datetime.timedelta(seconds=timeout_s))
-        verdict = store.get(VERDICT_KEY).decode()
-        if verdict != VERDICT_OK:
-            raise RendezvousError(f"the instance's leader refused this rank: {verdict}")
+        verdict = _read(store, VERDICT_KEY, timeout_s)
+        # Every entry is in by now if the leader wrote the verdict; a missing one
+        # leaves the signature unchecked, and the verdict refused.
+        entries = {
+            gate.offset + r: store.get(proof_key(r)).decode(errors="replace")
+            for r in range(world_size)
+            if store.check([proof_key(r)])
+        }
+        check_verdict(gate.token, gate.identity, ranks, entries, nonce, verdict)
         return
     deadline = time.monotonic() + timeout_s
     next_log = time.monotonic() + LOG_EVERY_S
@@ -78,24 +107,43 @@ def pass_gate(store: Any, gate: RankGate, rank: int, world_size: int, timeout_s:
             next_log = now + LOG_EVERY_S
         time.sleep(POLL_S)
     # Proofs are checked against global ranks: the store's keys are world-local.
-    ranks = [gate.offset + r for r in range(world_size)]
-    proofs = {gate.offset + r: store.get(proof_key(r)).decode() for r in range(world_size)}
-    verdict = compute_verdict(gate.token, gate.identity, ranks, proofs)
+    entries = {
+        gate.offset + r: store.get(proof_key(r)).decode(errors="replace") for r in range(world_size)
+    }
+    verdict = compute_verdict(gate.token, gate.identity, ranks, entries, nonce)
     store.set(VERDICT_KEY, verdict)
-    if verdict != VERDICT_OK:
+    if not is_admitted(verdict):
         raise RendezvousError(verdict)
 
 
-def publish_address(store: Any, token: str, who: RankIdentity, pod_index: int, host: str) -> None:
+def open_directory(store: Any) -> str:
+    """Pod 0: a fresh nonce for the instance's address directory (before any pod publishes)."""
+    nonce = fresh()
+    store.set(DIRECTORY_NONCE_KEY, nonce)
+    return nonce
+
+
+def publish_address(
+    store: Any, token: str, who: RankIdentity, pod_index: int, host: str, timeout_s: float
+) -> None:
     """Pod `pod_index` writes its address, with its proof, to the instance's directory."""
-    store.set(address_key(pod_index), address_entry(token, who, pod_index, host))
+    nonce = check_fresh("directory nonce", _read(store, DIRECTORY_NONCE_KEY, timeout_s))
+    store.set(address_key(pod_index), address_entry(token, who, pod_index, host, nonce))
 
 
 def wait_addresses(
-    store: Any, token: str, who: RankIdentity, pods: tuple[int, ...], timeout_s: float
+    store: Any,
+    token: str,
+    who: RankIdentity,
+    pods: tuple[int, ...],
+    timeout_s: float,
+    nonce: str | None = None,
 ) -> dict[int, str]:
     """The checked addresses of `pods` from the directory, waiting until each published;
-    RendezvousError when one is late or was not written with this cluster's token."""
+    RendezvousError when one is late or was not written with this cluster's token in
+    this rendezvous. `nonce`: the directory's, when this pod opened it (else read)."""
+    if nonce is None:
+        nonce = check_fresh("directory nonce", _read(store, DIRECTORY_NONCE_KEY, timeout_s))
     deadline = time.monotonic() + timeout_s
     next_log = time.monotonic() + LOG_EVERY_S
     while True:
@@ -111,4 +159,7 @@ def wait_addresses(
             log.info("waiting for pods %s to publish their address", missing)
             next_log = now + LOG_EVERY_S
         time.sleep(POLL_S)
-    return {k: read_address_entry(token, who, k, store.get(address_key(k)).decode()) for k in pods}
+    return {
+        k: read_address_entry(token, who, k, store.get(address_key(k)).decode(), nonce)
+        for k in pods
+    }

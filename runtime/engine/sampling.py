@@ -1,11 +1,13 @@
-"""Sampling parameters and the token sampler.
+"""Sampling parameters, and the one random number each sampled token uses.
 
 Reproducibility rule: the token at output position i of a seeded request is
-drawn with a generator seeded from (seed, i) alone. Which process samples it
-(a prefill instance samples position 0, a decode instance the rest), how the
-batch was composed, or whether the request was preempted and recomputed does
-not change the draw. Sampling always runs on the CPU in float64 so the draw
-does not depend on the device's kernels either.
+a function of (seed, i) and that row's logits alone: `uniform_for(seed, i)`
+is the only randomness it sees, and the sampler (`sampler.py`) treats every
+row on its own. Which process samples it (a prefill instance samples
+position 0, a decode instance the rest), how the batch was composed, or
+whether the request was preempted and recomputed does not change the token.
+
+Pure module: no torch.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20  # alternatives a request may ask for at each position
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
 
 
 class SamplingError(ValueError):
@@ -38,7 +41,17 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature == 0 means greedy (top_p/top_k/seed unused)."""
+    """How to pick tokens. temperature == 0 means greedy (top_p/top_k/seed unused).
+
+    Penalties change the logits before anything else (greedy rows too):
+    `repetition_penalty` divides a positive logit (multiplies a negative one)
+    of every token already in the prompt or the output; `frequency_penalty`
+    subtracts itself once per occurrence of a token in the output,
+    `presence_penalty` once if it occurs there at all. `logprobs`: return the
+    log-probability of each sampled token and of this many most likely
+    alternatives (None: none), from the model's own distribution (the logits
+    before penalties, temperature and filters).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -48,6 +61,10 @@ class SamplingParams:
     stop: Sequence[str] = field(default=())  # text-level stops, applied by the detokenizer
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not (
@@ -74,6 +91,26 @@ class SamplingParams:
             raise SamplingError("stop_token_ids", f"must hold non-negative integers, got {ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise SamplingError(
+                    name, f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}"
+                )
+            object.__setattr__(self, name, float(value))
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not 0 < rep <= MAX_REPETITION_PENALTY:
+            raise SamplingError(
+                "repetition_penalty",
+                f"must be a number in (0, {MAX_REPETITION_PENALTY}], got {rep!r}",
+            )
+        object.__setattr__(self, "repetition_penalty", float(rep))
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingError(
+                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         # Frozen and hashable: store the sequences as tuples.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
@@ -83,6 +120,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_filter(self) -> bool:
+        """True when top-k or top-p removes tokens before a random draw."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> SamplingParams:
@@ -106,47 +154,22 @@ class SamplingParams:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one output position, under the model's own distribution."""
+
+    logprob: float  # of the token that was sampled
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most likely, best first
+
+
 def position_seed(seed: int, index: int) -> int:
-    """Seed of the generator for output position `index` (a splitmix64 mix)."""
+    """A 63-bit mix of (seed, index) (splitmix64): the key of output position `index`."""
     x = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, seed: int, index: int) -> int:
-    """Pick one token from logits [vocab] for output position `index`."""
-    row = logits.detach().to("cpu", torch.float64)  # [vocab]
-    if params.is_greedy:
-        return int(row.argmax())
-    probs, order = torch.sort(
-        torch.softmax(row / params.temperature, dim=-1), descending=True, stable=True
-    )  # each [vocab]
-    if params.top_k > 0:
-        probs, order = probs[: params.top_k], order[: params.top_k]
-    if params.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always at least one).
-        before = torch.cumsum(probs, dim=0) - probs
-        keep = int((before < params.top_p).sum())
-        probs, order = probs[: max(keep, 1)], order[: max(keep, 1)]
-    cdf = torch.cumsum(probs, dim=0)  # [k]
-    gen = torch.Generator().manual_seed(position_seed(seed, index))
-    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    pick = min(int(torch.searchsorted(cdf, u, right=True)), int(order.shape[0]) - 1)
-    return int(order[pick])
-
-
-def sample(logits: torch.Tensor, requests: Sequence[tuple[SamplingParams, int, int]]) -> list[int]:
-    """logits: [N, vocab]; requests: (params, seed, output index) per row → N token ids."""
-    if logits.shape[0] != len(requests):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-    greedy = [i for i, (p, _, _) in enumerate(requests) if p.is_greedy]
-    out = [0] * len(requests)
-    if greedy:
-        picks = logits[greedy].argmax(dim=-1).tolist()  # one transfer for every greedy row
-        for row, token in zip(greedy, picks, strict=True):
-            out[row] = int(token)
-    for row, (params, seed, index) in enumerate(requests):
-        if not params.is_greedy:
-            out[row] = sample_row(logits[row], params, seed, index)
-    return out
+def uniform_for(seed: int, index: int) -> float:
+    """The draw of output position `index`: a float in [0, 1) with 53 random bits."""
+    return (position_seed(seed, index) >> 10) * 2.0**-53

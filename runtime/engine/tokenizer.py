@@ -14,6 +14,8 @@ final answer will not contain.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -50,6 +52,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
     @property
     def fingerprint(self) -> str: ...
@@ -102,6 +106,10 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
         return _chatml(messages)
 
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The built-in ChatML prompt, encoded as a plain prompt (BOS first)."""
+        return self.encode(self.apply_chat_template(messages))
+
     @property
     def fingerprint(self) -> str:
         return _digest("byte-utf8", str(self.bos_token_id), str(self.eos_token_id))
@@ -130,6 +138,7 @@ class HFTokenizer:
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text())
         self._chat_template = cfg.get("chat_template")
+        self._compiled: Any = None
         self._bos = self._special_id(cfg.get("bos_token"))
         self._eos = self._special_id(cfg.get("eos_token"))
         if self._eos is None:
@@ -177,18 +186,58 @@ class HFTokenizer:
         checked = _check_messages(messages)
         if not isinstance(self._chat_template, str):
             return _chatml(messages)
-        import jinja2.sandbox
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self._chat_template)
+        if self._compiled is None:  # compiled once: a request only renders it
+            self._compiled = _jinja_env().from_string(self._chat_template)
+        template = self._compiled
         bos = self.decode([self._bos], skip_special_tokens=False) if self._bos is not None else ""
         eos = self.decode([self._eos], skip_special_tokens=False) if self._eos is not None else ""
-        return template.render(
-            messages=[{"role": r, "content": c} for r, c in checked],
-            add_generation_prompt=True,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        import jinja2.exceptions
+
+        try:
+            rendered: str = template.render(
+                messages=[{"role": r, "content": c} for r, c in checked],
+                add_generation_prompt=True,
+                bos_token=bos,
+                eos_token=eos,
+            )
+        except jinja2.exceptions.TemplateError as err:
+            raise ValueError(f"the chat template refused these messages: {err}") from None
+        return rendered
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt, as transformers' `apply_chat_template(...,
+        tokenize=True)` gives them: the model's template writes every special token
+        it wants (a Llama-3 template opens with BOS), so its text is encoded
+        without adding any; a second BOS would change every logit after it. The
+        built-in ChatML of a directory without a template is encoded as a plain
+        prompt."""
+        text = self.apply_chat_template(messages)
+        return self.encode(text, add_special_tokens=not isinstance(self._chat_template, str))
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2.exceptions
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _jinja_env() -> Any:
+    """The (sandboxed) environment chat templates are written for: blocks
+    trimmed, loop controls, and the two helpers templates call
+    (`raise_exception`, `strftime_now`)."""
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 def load_tokenizer(model: str | Path, eos_token_id: int | None = None) -> Tokenizer:

@@ -13,13 +13,17 @@ Start (a numbered recipe; the instance joins the router only once ready):
   4. `POST /admin/add_worker` at the router (it serves after its first good
      probe), then the supervisor takes it over (restarts, `ps`).
 
-Drain (no request fails):
+Drain (no request fails; `drain.py` decides each step, and says why a
+step does not advance):
   1. the supervisor lets go of it (its exit is no loss);
-  2. `POST /admin/hold_worker` at the router: no new leg goes to it;
+  2. `POST /admin/hold_worker` at the router until it confirms: no new leg
+     goes to it (an unconfirmed hold is asked again, never assumed);
   3. wait until the router has no leg in flight on it and the worker's own
-     `pdcluster_requests_in_flight` is 0;
-  4. prefill: the decodes forget its bootstrap server; the router removes
-     it (`/admin/remove_worker`); its processes are stopped.
+     `pdcluster_requests_in_flight` is 0 — both read, neither guessed (a
+     `/metrics` that times out is busy, not idle);
+  4. the router removes it (`/admin/remove_worker`; a 409, legs still in
+     flight, goes back to 3); prefill: the decodes forget its bootstrap
+     server; its processes are stopped.
 
 Step 1 of each happens in the loop, so the next interval already counts the
 instance as starting (no scale-down meanwhile) or gone; the rest runs in a
@@ -41,8 +45,8 @@ import httpx
 
 from pdcluster.runtime.autoscale.samples import IN_FLIGHT, MetricsParseError, parse_worker_metrics
 from pdcluster.runtime.http.auth import bearer_headers
+from pdcluster.runtime.local.drain import Drain, DrainPhase, Load, Reply
 from pdcluster.runtime.local.launcher import LocalCluster
-from pdcluster.runtime.local.peers import PeerNotifier
 from pdcluster.runtime.local.plan import (
     ProcessSpec,
     build_instance_specs,
@@ -130,21 +134,17 @@ class LocalAutoscaler:
 
     def run(self) -> None:
         token = self.cluster.token
-        with (
-            httpx.Client(timeout=2.0, trust_env=False, headers=bearer_headers(token)) as http,
-        ):
-            notifier = PeerNotifier(token, self.cluster.plan.endpoint)
+        with httpx.Client(timeout=2.0, trust_env=False, headers=bearer_headers(token)) as http:
             try:
                 while not self._stop.is_set():
-                    wait = self._interval(http, notifier)
+                    wait = self._interval(http)
                     self._stop.wait(wait)
             finally:
                 for task in self._tasks:  # they see the stop within a poll
                     task.join(30)
-                notifier.close()
 
     # ------------------------------------------------------------ one interval
-    def _interval(self, http: httpx.Client, notifier: PeerNotifier) -> float:
+    def _interval(self, http: httpx.Client) -> float:
         now = time.monotonic()
         due = roles_due(self.config, self.history, now)
         if not due:
@@ -167,7 +167,7 @@ class LocalAutoscaler:
         for action in step.actions:
             if self._stop.is_set():
                 break
-            self._perform(action, http, notifier)
+            self._perform(action, http)
         return self._wait_after(time.monotonic())
 
     def _wait_after(self, now: float) -> float:
@@ -198,7 +198,7 @@ class LocalAutoscaler:
                 s for s in self.cluster.plan.workers if s.role is role and s.instance in numbers
             ]
 
-    def _perform(self, action: ScaleAction, http: httpx.Client, notifier: PeerNotifier) -> None:
+    def _perform(self, action: ScaleAction, http: httpx.Client) -> None:
         """Change the membership now (the next interval sees the instance starting or
         draining), and wait for the rest in a task of its own."""
         key = InstanceKey(action.role, action.instance)
@@ -207,7 +207,7 @@ class LocalAutoscaler:
             if released is None:
                 self.on_line(f"Normal DrainSkipped: {key} is not running now; kept")
                 return
-            self._spawn_task(key, lambda: self._drain(key, released, http, notifier))
+            self._spawn_task(key, lambda: self._drain(key, released, http))
         else:
             specs = build_instance_specs(
                 self.manifest,
@@ -315,50 +315,69 @@ class LocalAutoscaler:
         self.cluster.remove_scaled(specs)
 
     # ------------------------------------------------------------ drain
-    def _drain(
-        self,
-        key: InstanceKey,
-        specs: list[ProcessSpec],
-        http: httpx.Client,
-        notifier: PeerNotifier,
-    ) -> None:
-        """A released instance: held out, waited on, forgotten, stopped."""
+    def _drain(self, key: InstanceKey, specs: list[ProcessSpec], http: httpx.Client) -> None:
+        """A released instance: held out, waited on, forgotten, stopped (drain.py decides)."""
         started = time.monotonic()
         self.on_line(f"Normal Draining: {key}: held out at the router, waiting for its requests")
-        leaders = [s for s in specs if s.is_leader]  # a pod k > 0 serves no HTTP
-        for spec in leaders:
-            notifier.hold(spec, "scaling down (autoscaling)")
-        deadline = started + self.drain_timeout_s
-        while not all(self._is_idle(spec, http) for spec in leaders):
-            if time.monotonic() > deadline:
-                self.on_line(f"Warning DrainTimedOut: {key} still busy; stopping it anyway")
-                break
-            if self._stop.wait(POLL_S):
-                return  # the cluster is stopping: it stops this instance too
-        for spec in leaders:
+        for spec in [s for s in specs if s.is_leader]:  # a pod k > 0 serves no HTTP
+            drain = Drain(str(key), started, self.drain_timeout_s)
+            while drain.phase is not DrainPhase.STOPPED:
+                before = drain.phase
+                step = drain.observe(self._observe(drain.phase, spec, http), time.monotonic())
+                if step.line is not None:
+                    self.on_line(step.line)
+                if step.phase is before and self._stop.wait(POLL_S):
+                    return  # the cluster is stopping: it stops this instance too
             if spec.role is Role.prefill:
                 self._publish_prefills(http, without=spec.name)
-            http.post(self.cluster.plan.endpoint + "/admin/remove_worker", json={"url": spec.url})
         self.cluster.remove_scaled(specs)
         took = time.monotonic() - started
         self.on_line(f"Normal InstanceStopped: {key} drained in {took:.1f}s and stopped")
 
-    def _is_idle(self, spec: ProcessSpec, http: httpx.Client) -> bool:
-        """No leg in flight at the router, no request in flight at the worker.
-        A router that does not answer is no proof of idleness: wait on."""
+    def _observe(self, phase: DrainPhase, spec: ProcessSpec, http: httpx.Client) -> Reply | Load:
+        """The call a drain phase makes, and what came back."""
+        router = self.cluster.plan.endpoint
+        if phase is DrainPhase.HOLDING:
+            held = {"url": spec.url, "reason": "scaling down (autoscaling)"}
+            return _reply(lambda: http.post(router + "/admin/hold_worker", json=held))
+        if phase is DrainPhase.REMOVING:
+            gone = {"url": spec.url}
+            return _reply(lambda: http.post(router + "/admin/remove_worker", json=gone))
+        return self._load(spec, http)
+
+    def _load(self, spec: ProcessSpec, http: httpx.Client) -> Load:
+        """Legs the router has on the worker, and requests the worker has in flight."""
+        legs: int | None = None
+        in_flight: int | None = None
+        why: list[str] = []
         try:
-            health = http.get(self.cluster.plan.endpoint + "/health").json()
-        except (httpx.HTTPError, ValueError):
-            return False
-        for worker in health.get("workers", []):
-            if worker.get("url") == spec.url and worker.get("outstanding", 0) > 0:
-                return False
+            resp = http.get(self.cluster.plan.endpoint + "/health")
+            workers = resp.json().get("workers", []) if resp.status_code == 200 else None
+            if workers is None:
+                why.append(f"router /health: HTTP {resp.status_code}")
+            else:
+                # A worker the router does not list gets nothing from it.
+                found = [w for w in workers if w.get("url") == spec.url]
+                legs = int(found[0].get("outstanding", 0)) if found else 0
+        except (httpx.HTTPError, ValueError, AttributeError, TypeError) as err:
+            why.append(f"router /health: {_describe(err)}")
         try:
             resp = http.get(spec.url + "/metrics")
-        except httpx.HTTPError:
-            return True  # nothing in flight on a worker that does not answer
-        try:
-            in_flight = parse_worker_metrics(resp.text).gauge(IN_FLIGHT)
-        except MetricsParseError:
-            return False
-        return not in_flight
+            if resp.status_code != 200:
+                why.append(f"worker /metrics: HTTP {resp.status_code}")
+            else:
+                in_flight = int(parse_worker_metrics(resp.text).gauge(IN_FLIGHT) or 0)
+        except (httpx.HTTPError, MetricsParseError) as err:
+            why.append(f"worker /metrics: {_describe(err)}")
+        return Load(legs, in_flight, "; ".join(why))
+
+
+def _reply(call: Callable[[], httpx.Response]) -> Reply:
+    try:
+        return Reply(call().status_code)
+    except httpx.HTTPError as err:
+        return Reply(0, _describe(err))
+
+
+def _describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__

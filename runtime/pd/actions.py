@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcluster.runtime.pd.coords import RankCoord
-from pdcluster.runtime.pd.messages import Message
+from pdcluster.runtime.pd.messages import FirstLogprobs, Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +127,7 @@ class TransferComplete(RequestAction):
     pages: tuple[int, ...]
     first_token: int | None
     checksums: tuple[tuple[RankCoord, int], ...]
+    first_logprobs: FirstLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

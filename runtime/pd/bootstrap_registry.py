@@ -13,6 +13,10 @@ Rules:
   registration sets them) — else 400 naming the field and both values;
 - a re-registration of the same rank replaces its endpoint (a restarted rank
   comes back on a new port);
+- a rank may say which incarnation it is (its pod's uid on Kubernetes):
+  decode keeps it with the rank's endpoint, and the instance's is its rank
+  0's (the leader pod's), so an operator report about a pod that is gone
+  is told from one about its successor at the same address;
 - room → dp-rank entries (for routing that is not `room % dp`) expire after
   `dp_entry_ttl_s` and are bounded in number.
 
@@ -31,22 +35,28 @@ from pdcluster.runtime.pd.compat import CompatInfo, describe, find_mismatches
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# What makes one start of a rank's process another's: its pod's uid, which the
+# operator gives every worker pod in this variable (downward API).
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+INCARNATION_ENV = "PDCLUSTER_INCARNATION"
 
 MAX_DP_ENTRIES = 1 << 16
 
 
-class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Body of `PUT /route`."""
 
     rank: RankCoord
     shape: InstanceShape
     endpoint: Endpoint  # the rank's ZMQ control endpoint, e.g. tcp://10.0.0.5:7100
     compat: CompatInfo
+    incarnation: Incarnation | None = None  # its pod's uid (None: not on Kubernetes)
 
 
-class RankAddress(msgspec.Struct, frozen=True):
+class RankAddress(msgspec.Struct, frozen=True, omit_defaults=True):
     rank: RankCoord
     endpoint: str
+    incarnation: str | None = None
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):
@@ -55,6 +65,12 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     shape: InstanceShape
     compat: CompatInfo
     ranks: list[RankAddress]
+
+    @property
+    def incarnation(self) -> str | None:
+        """The instance's incarnation: its leader's, the pod of rank 0 (None: unknown)."""
+        first = RankCoord()
+        return next((r.incarnation for r in self.ranks if r.rank == first), None)
 
 
 class RegistryError(ValueError):
@@ -128,14 +144,16 @@ class BootstrapRegistry:
     def instance_info(self) -> InstanceInfo:
         if not self.is_ready or self._compat is None:
             raise NotReady(self.num_registered, self.num_expected)
-        ranks = [RankAddress(r.rank, r.endpoint) for _, r in sorted(self._ranks.items())]
+        ranks = [
+            RankAddress(r.rank, r.endpoint, r.incarnation) for _, r in sorted(self._ranks.items())
+        ]
         return InstanceInfo(shape=self.expected, compat=self._compat, ranks=ranks)
 
     def rank_address(self, rank: RankCoord) -> RankAddress:
         reg = self._ranks.get(rank)
         if reg is None:
             raise UnknownRank(f"rank {rank} is not registered")
-        return RankAddress(reg.rank, reg.endpoint)
+        return RankAddress(reg.rank, reg.endpoint, reg.incarnation)
 
     def register_dp_rank(self, room: int, dp_rank: int, now: float) -> None:
         if not 0 <= dp_rank < self.expected.dp:

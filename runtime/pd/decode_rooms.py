@@ -86,6 +86,7 @@ from pdcluster.runtime.pd.actions import (
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_sources import DecodeRoom, Source, SourceState
+from pdcluster.runtime.pd.incarnations import Incarnations, ReportScope, covers
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll, consensus
 from pdcluster.runtime.pd.messages import (
     MAX_PAGES_PER_ROOM,
@@ -137,6 +138,8 @@ class DecodeRankInfo:
     one_sided: bool = False
     # nixl: our agent and pool region, for the prefill ranks to WRITE into.
     nixl: NixlRegion | None = None
+    # Which start of this rank's pod (sent in the layout; None in local mode).
+    incarnation: str | None = None
 
     def layout_message(self) -> KVLayoutRegister:
         return KVLayoutRegister(
@@ -151,6 +154,7 @@ class DecodeRankInfo:
             head_end=self.heads[1],
             shm_pool_path=self.shm_pool_path,
             nixl=self.nixl,
+            incarnation=self.incarnation,
         )
 
 
@@ -187,6 +191,8 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         self._verdicts = PeerVerdicts()
         # Rooms held (Bootstrapping, unresolved) until a probe of their prefill answers.
         self._held: set[int] = set()
+        # Which start of each prefill instance and rank this rank saw (/route answers).
+        self._incarnations = Incarnations()
 
     # ------------------------------------------------------------------ queries
 
@@ -260,8 +266,13 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         )
         return generation
 
-    def resolve(self, room: int, sources: Sequence[Source], now: float) -> list[Action]:
-        """The prefill ranks this rank receives from are known (addresses fetched)."""
+    def resolve(
+        self, room: int, sources: Sequence[Source], now: float, incarnation: str | None = None
+    ) -> list[Action]:
+        """The prefill ranks this rank receives from are known (addresses fetched).
+
+        `incarnation`: the instance's, as its /route answer says (its leader pod's).
+        """
         r = self._live(room)
         if r.phase is not DecodePhase.ROUTING:
             raise RoomStateError(f"room {room} is {r.state.name}: already resolved")
@@ -272,6 +283,10 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
             if not s.endpoint or not 1 <= s.num_destinations <= 1 << 16:
                 raise RoomError(f"room {room}: bad source {s}", "bad_source")
         r.sources = {s.prefill_rank: SourceState(s) for s in sources}
+        r.incarnation = incarnation
+        self._incarnations.saw(r.peer, incarnation)
+        for s in sources:
+            self._incarnations.saw(s.endpoint, s.incarnation)
         dead_reason = self._declared_dead(r, now)
         if dead_reason is not None:
             return self._fail(r, dead_reason, now)
@@ -337,6 +352,10 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         """Local abort (client gone, abort_request, admission failure). No-op if already failed."""
         return self._fail(self._live(room), reason or "aborted", now)
 
+    def report_scope(self, peer: str, incarnation: str | None) -> ReportScope:
+        """What a loss report about `peer` at `incarnation` covers here (incarnations.py)."""
+        return self._incarnations.scope(peer, incarnation)
+
     def fail_peer(
         self,
         peer: str,
@@ -345,6 +364,7 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         *,
         definitive: bool = True,
         until_recovered: bool = False,
+        incarnation: str | None = None,
     ) -> list[Action]:
         """Heartbeat loss or operator fast path: fail every unfinished room tied to `peer`.
 
@@ -364,23 +384,43 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         ack — or for a definitive verdict (the operator saw the pod gone, or
         the instance came back on other addresses). Over tcp a resumed peer's
         frames are dropped by generation, so any verdict settles the sources.
+
+        `incarnation`: which start of the peer the report is about (a pod's
+        uid). One this rank never saw changes nothing (`unseen_incarnation`);
+        one an address no longer serves (its successor answers there now)
+        touches only the rooms and sources still bound to it — no verdict, no
+        forgotten registration, nothing of the successor's (incarnations.py).
         """
+        scope = self._incarnations.scope(peer, incarnation)
+        if scope is ReportScope.UNSEEN:
+            return [Dropped(None, "fail_peer", "unseen_incarnation")]
         quarantine = self.info.one_sided and not definitive
-        self._verdicts.declare(
-            peer,
-            reason,
-            now,
-            until_recovered=until_recovered,
-            bootstrap_s=self.settings.bootstrap_s,
-        )
-        self._registered = {
-            e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
-        }
+        if scope is ReportScope.CURRENT:
+            self._verdicts.declare(
+                peer,
+                reason,
+                now,
+                until_recovered=until_recovered,
+                bootstrap_s=self.settings.bootstrap_s,
+            )
+            self._registered = {
+                e: p for e, p in self._registered.items() if not peer_matches(peer, e, p)
+            }
         acts: list[Action] = []
         for r in list(self._rooms.values()):
             sources = list(r.sources.values()) if r.sources else []
-            whole_instance = peer_matches(peer, r.peer)
-            hit = [s for s in sources if whole_instance or peer_matches(peer, s.source.endpoint)]
+            whole_instance = peer_matches(peer, r.peer) and covers(
+                scope, incarnation, r.incarnation
+            )
+            hit = [
+                s
+                for s in sources
+                if whole_instance
+                or (
+                    peer_matches(peer, s.source.endpoint)
+                    and covers(scope, incarnation, s.source.incarnation)
+                )
+            ]
             if not hit and not whole_instance:
                 continue
             for s in hit:
@@ -471,7 +511,18 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
 
     # ------------------------------------------------------------- peer input
 
-    def _on_source_message(self, msg: Status | Ready | AbortAck, now: float) -> list[Action]:
+    def on_message(self, msg: Message, now: float, sender: str | None = None) -> list[Action]:
+        """A decoded prefill message. A Status, Ready or AbortAck names its
+        source by `rank` only: it counts when `sender` (the endpoint its
+        connection proved) is that source's endpoint, so a peer holding the
+        token cannot conclude, fail or release another source's room."""
+        if isinstance(msg, Status | Ready | AbortAck):
+            return self._on_source_message(msg, now, sender)
+        return super().on_message(msg, now, sender)
+
+    def _on_source_message(
+        self, msg: Status | Ready | AbortAck, now: float, sender: str | None = None
+    ) -> list[Action]:
         """A message about one room from one of its sources, of the room's generation."""
         r = self._rooms.get(msg.room)
         if r is None:
@@ -481,6 +532,8 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         s = r.sources.get(msg.rank) if r.sources is not None else None
         if s is None:
             return [Dropped(msg.room, type(msg).__name__, "unknown_source")]
+        if sender is not None and sender != s.source.endpoint:
+            return [Dropped(msg.room, type(msg).__name__, "wrong_sender")]
         return self._source_handlers[type(msg)](self, r, s, msg, now)
 
     def _on_layout_ack(self, msg: LayoutAck, now: float) -> list[Action]:
@@ -514,6 +567,7 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
             # Prefill reports Success only once its writes drained.
             s.drained = True
             s.first_token, s.checksum = msg.first_token, msg.checksum
+            s.first_logprobs = msg.first_logprobs
         assert r.sources is not None
         states = [x.poll.state if x.poll else KVPoll.WaitingForInput for x in r.sources.values()]
         overall = consensus(states)
@@ -553,9 +607,7 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
 
     handlers: ClassVar[Mapping[type, Handler]] = {
         LayoutAck: _on_layout_ack,
-        Status: _on_source_message,
-        Ready: _on_source_message,
-        AbortAck: _on_source_message,
+        # Status, Ready and AbortAck: `on_message` binds them to their sender first.
     }
     # The same for a message of one source of a room, once `_on_source_message` found both.
     _source_handlers: ClassVar[Mapping[type, Callable[..., list[Action]]]] = {
@@ -582,8 +634,12 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         checksums = tuple(
             (rank, s.checksum) for rank, s in sorted(r.sources.items()) if s.checksum is not None
         )
+        # The source that sampled the first token sent its logprobs with it.
+        logprobs = next(
+            (s.first_logprobs for _, s in sorted(r.sources.items()) if s.first_logprobs), None
+        )
         self._conclude(r, _Ev.SUCCESS)
-        return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums)]
+        return [TransferComplete(r.room, r.rid, r.pages, first_token, checksums, logprobs)]
 
     def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Action]:
         if r.state is KVPoll.Failed:

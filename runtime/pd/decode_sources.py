@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll, Poll
+from pdcluster.runtime.pd.messages import FirstLogprobs
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_phases import DECODE_STATE, DecodePhase
 
@@ -28,6 +29,7 @@ class Source:
     prefill_rank: RankCoord
     endpoint: str  # the prefill rank's control endpoint
     num_destinations: int  # decode ranks that prefill rank serves for one room
+    incarnation: str | None = None  # which start of its pod registered it (None: unknown)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SourceState:
     drained: bool = False  # AbortAck of our generation, or Success
     dead: bool = False
     first_token: int | None = None
+    first_logprobs: FirstLogprobs | None = None
     checksum: int | None = None
 
     @property
@@ -66,6 +69,9 @@ class DecodeRoom:
     pages: tuple[int, ...] | None = None  # owned by the room from assign_pages on
     prompt: PromptId | None = None  # the decode leg's prompt, sent in TransferMeta
     rid_is_local: bool = False  # this worker minted `rid`: it never goes to prefill
+    # Which start of the prefill instance the room resolved against (its leader
+    # pod's uid, from /route); None until resolved or when the instance says none.
+    incarnation: str | None = None
 
     @property
     def caller_rid(self) -> str | None:

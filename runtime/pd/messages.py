@@ -56,11 +56,13 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from pdcluster.runtime.engine.sampling import MAX_LOGPROBS, TokenLogprobs
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
+from pdcluster.runtime.spec import pages_for
 
 # 2: TransferMeta carries decode's PromptId, and the rid of TransferMeta,
 # Bootstrap and Abort is the caller's or None. A version-1 peer would read
@@ -68,10 +70,13 @@ from pdcluster.runtime.pd.prompt_digest import PromptId
 # 3: TransferMeta may carry `reuse` (decode holds the leading pages; prefill
 # must not write them). A version-2 prefill would ignore it and overwrite
 # pages other sequences read, so a version-2 frame is refused too.
-# 4: CompatInfo publishes the model's KV geometry (layers, KV heads, head
+# 4: KVLayoutRegister may carry the decode rank's `incarnation`. A version-3
+# prefill refuses the unknown field (and the layout with it): refused at the
+# frame header instead, where the version names the cause.
+# 5: CompatInfo publishes the model's KV geometry (layers, KV heads, head
 # size) and `kv_layout` may name any axis order (vLLM's pages), so a peer
 # that cannot parse those fields is refused at the header, not mid-handshake.
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)
@@ -89,6 +94,20 @@ MAX_ROOM: Final = (1 << 63) - 1
 # Page indices per TransferMeta: at <= 5 bytes each this stays under the frame limit.
 MAX_PAGES_PER_ROOM: Final = 1 << 17
 
+
+def room_size_problem(num_tokens: int, page_size: int) -> str | None:
+    """Why a prompt of `num_tokens` cannot travel as one PD room (more pages than
+    a TransferMeta names), or None: refused up front, before any room exists."""
+    pages = pages_for(num_tokens, page_size)
+    if pages <= MAX_PAGES_PER_ROOM:
+        return None
+    return (
+        f"prompt_too_long: a {num_tokens}-token prompt takes {pages} pages of {page_size} "
+        f"tokens; a PD request moves at most {MAX_PAGES_PER_ROOM} pages "
+        f"({MAX_PAGES_PER_ROOM * page_size} tokens)"
+    )
+
+
 Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
 Generation = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]
 PageIndex = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
@@ -100,7 +119,10 @@ Token = Annotated[str, msgspec.Meta(max_length=512)]
 Path = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 LayerOrHead = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+# Alternatives a request's logprobs may list per position (engine/sampling.py).
+MAX_TOP_LOGPROBS: Final = MAX_LOGPROBS
 Checksum = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM)]  # 63-bit digest
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 class ProtocolError(ValueError):
@@ -162,6 +184,10 @@ class KVLayoutRegister(_Msg, tag="layout", frozen=True):
     shm_pool_path: Path | None = None
     # The pool registered with this rank's NIXL agent (`nixl` transport).
     nixl: NixlRegion | None = None
+    # Version 4: which start of the decode rank's pod (its uid; None in local
+    # mode): an operator report about a predecessor at the same address then
+    # fails none of this one's rooms (`incarnations`).
+    incarnation: Incarnation | None = None
 
     def __post_init__(self) -> None:
         if self.layer_end <= self.layer_start:
@@ -231,12 +257,32 @@ class Ready(_RoomMsg, tag="ready", frozen=True):
     rank: RankCoord
 
 
+class FirstLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The first token's log-probabilities, computed where prefill sampled it
+    (only for a request that asked for logprobs)."""
+
+    logprob: float
+    top: Annotated[
+        tuple[tuple[TokenId, float], ...], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)
+    ] = ()
+
+    @classmethod
+    def of(cls, logprobs: TokenLogprobs | None) -> FirstLogprobs | None:
+        return None if logprobs is None else cls(logprobs.logprob, tuple(logprobs.top))
+
+    def to_engine(self) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob, tuple(self.top))
+
+
 class Status(_RoomMsg, tag="status", frozen=True):
     rank: RankCoord
     state: KVPoll
     reason: Reason | None = None
     first_token: TokenId | None = None
     checksum: Checksum | None = None
+    # With Success, when the request asked for logprobs. Optional: a peer that
+    # does not know the field sends none, and one that does not read it skips it.
+    first_logprobs: FirstLogprobs | None = None
 
 
 class AbortAck(_Msg, tag="abort_ack", frozen=True):

@@ -396,6 +396,7 @@ class FailPeerRooms(PeerAction):
     reason: str
     definitive: bool
     until_recovered: bool
+    incarnation: str | None = None  # the report's (`fail_peer`), passed through
 
 
 @dataclass(frozen=True)
@@ -533,8 +534,10 @@ class PeerLiveness:
         until_recovered: bool = False,
         rooms: Iterable[tuple[str, ...]] = (),
         routes: Mapping[str, Iterable[str]] | None = None,
+        incarnation: str | None = None,
     ) -> list[LivenessAction]:
-        """A heartbeat death or an operator report (`definitive`: the pod is gone).
+        """A heartbeat death or an operator report (`definitive`: the pod is gone)
+        about what `peer` serves now (`incarnation`, passed on to the room table).
 
         `rooms`: each room's peers (its instance, then its rank endpoints);
         `routes`: the rank endpoints of the cached /route answer of each
@@ -562,7 +565,7 @@ class PeerLiveness:
         if definitive:
             for watched in [w for w in self._quarantined if peer_matches(peer, w)]:
                 del self._quarantined[watched]
-        acts.append(FailPeerRooms(peer, reason, definitive, until_recovered))
+        acts.append(FailPeerRooms(peer, reason, definitive, until_recovered, incarnation))
         return acts
 
     def restart_checked(self, peer: str, endpoints: Iterable[str] | None) -> list[LivenessAction]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.messages import Abort, KVLayoutRegister, Status
+from pdcluster.runtime.pd.messages import Abort, FirstLogprobs, KVLayoutRegister, Status
 from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix
 from pdcluster.runtime.pd.prompt_digest import PromptId
 from pdcluster.runtime.pd.room_phases import PREFILL_STATE, PrefillPhase
@@ -67,6 +67,7 @@ class Dest:
     ready_sent: bool = False
     aborted: bool = False
     dead: bool = False
+    incarnation: str | None = None  # the decode rank's pod, as its layout said when it claimed
 
 
 @dataclass
@@ -84,6 +85,7 @@ class PrefillRoom:
     page_keys: tuple[bytes, ...] = ()  # reuse-chain keys of its full pages, set at open
     dests: dict[RankCoord, Dest] = field(default_factory=dict)
     first_token: int | None = None
+    first_logprobs: FirstLogprobs | None = None
     checksum: int | None = None
     # Per decode rank: the checksum of the KV owed to it (each gets its own slice).
     checksums: dict[RankCoord, int] = field(default_factory=dict)
@@ -115,6 +117,7 @@ class PrefillRoom:
             state=state,
             reason=reason,
             first_token=self.first_token if success else None,
+            first_logprobs=self.first_logprobs if success else None,
             checksum=self.checksums.get(d.decode_rank, self.checksum) if success else None,
         )
 

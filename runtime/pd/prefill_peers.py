@@ -20,6 +20,7 @@ import msgspec
 
 from pdcluster.runtime.pd.compat import CompatInfo, describe, find_mismatches
 from pdcluster.runtime.pd.coords import RankCoord
+from pdcluster.runtime.pd.incarnations import Incarnations
 from pdcluster.runtime.pd.messages import KVLayoutRegister
 from pdcluster.runtime.pd.peer_address import PeerRef, ZmqEndpoint
 from pdcluster.runtime.pd.room_common import peer_matches
@@ -42,6 +43,8 @@ class PeerLayouts:
         self._token = token
         self.max_peers = max_peers
         self._layouts: dict[str, KVLayoutRegister] = {}
+        # Which start of each decode rank registered (its layout's incarnation).
+        self.incarnations = Incarnations()
 
     def register(self, msg: KVLayoutRegister) -> Registration:
         if self._token is not None and not hmac.compare_digest(
@@ -59,6 +62,7 @@ class PeerLayouts:
             reason = f"too many registered decode peers (limit {self.max_peers})"
             return Registration(False, reason, "too_many_peers")
         self._layouts[msg.decode_endpoint] = stored
+        self.incarnations.saw(msg.decode_endpoint, msg.incarnation)
         return Registration(True, None, "ok", replaced=old is not None and old != stored)
 
     def is_authenticated(self, endpoint: str, decode_rank: RankCoord) -> bool:

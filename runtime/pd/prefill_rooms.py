@@ -89,11 +89,13 @@ from pdcluster.runtime.pd.actions import (
 )
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.failure_labels import reason_label
+from pdcluster.runtime.pd.incarnations import ReportScope, covers
 from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd.messages import (
     Abort,
     AbortAck,
     Bootstrap,
+    FirstLogprobs,
     KVLayoutRegister,
     LayoutAck,
     Ready,
@@ -281,11 +283,12 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         now: float,
         *,
         checksums: Mapping[RankCoord, int] | None = None,
+        first_logprobs: FirstLogprobs | None = None,
     ) -> list[Action]:
         """The room's last KV write is enqueued; Success follows once every write drained.
 
         `checksums` (per decode rank, of the KV written to it) override
-        `checksum` in that rank's Success.
+        `checksum` in that rank's Success; `first_logprobs` go with the first token.
         """
         r = self._rooms.get(room)
         if r is None or r.state is KVPoll.Failed:
@@ -300,6 +303,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             check_int("checksum", value, 0, 1 << 63)
         r.checksums = dict(checksums or {})
         r.first_token = first_token
+        r.first_logprobs = first_logprobs
         r.checksum = checksum
         self._step(r, _Ev.FINISH, now)
         return self._maybe_succeed(r, now)
@@ -313,12 +317,28 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
             raise UnknownRoom(f"room {room} is not known on this prefill rank")
         return self._fail(r, reason or "aborted", now)
 
-    def fail_peer(self, peer: str, reason: str, now: float) -> list[Action]:
-        """A decode pod is gone: fail every unfinished room writing to it, forget its layout."""
-        self.peers.forget_matching(peer)
+    def fail_peer(
+        self, peer: str, reason: str, now: float, incarnation: str | None = None
+    ) -> list[Action]:
+        """A decode pod is gone: fail every unfinished room writing to it, forget its layout.
+
+        `incarnation`: which start of the pod (its uid). One no decode rank here
+        registered with changes nothing; one whose address a successor serves
+        now fails only the rooms still writing to it (incarnations.py), and the
+        successor's registration stays.
+        """
+        scope = self.peers.incarnations.scope(peer, incarnation)
+        if scope is ReportScope.UNSEEN:
+            return [Dropped(None, "fail_peer", "unseen_incarnation")]
+        if scope is ReportScope.CURRENT:
+            self.peers.forget_matching(peer)
         acts: list[Action] = []
         for r in list(self._rooms.values()):
-            hit = [d for d in r.dests.values() if peer_matches(peer, d.endpoint)]
+            hit = [
+                d
+                for d in r.dests.values()
+                if peer_matches(peer, d.endpoint) and covers(scope, incarnation, d.incarnation)
+            ]
             if not hit:
                 continue
             for d in hit:
@@ -388,7 +408,13 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
                 return self._reject(msg.room, msg.generation, msg.decode_endpoint, problem)
             r = self._new_room(msg.room, msg.rid, msg.num_destinations, now)
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt, msg.reuse
+                msg.decode_rank,
+                msg.decode_endpoint,
+                msg.generation,
+                pages,
+                msg.prompt,
+                msg.reuse,
+                incarnation=layout.incarnation,
             )
             return self._after_claim(r, now)
         d = r.dests.get(msg.decode_rank)
@@ -411,7 +437,13 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         r.caller_rid = r.caller_rid or msg.rid
         if d is None:
             r.dests[msg.decode_rank] = Dest(
-                msg.decode_rank, msg.decode_endpoint, msg.generation, pages, msg.prompt, msg.reuse
+                msg.decode_rank,
+                msg.decode_endpoint,
+                msg.generation,
+                pages,
+                msg.prompt,
+                msg.reuse,
+                incarnation=layout.incarnation,
             )
         else:
             d.pages = pages
@@ -443,7 +475,11 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
                 return [Dropped(msg.room, "Bootstrap", "duplicate_bootstrap")]
             r.expected = msg.num_destinations
             r.caller_rid = r.caller_rid or msg.rid
-        d = Dest(msg.decode_rank, msg.decode_endpoint, msg.generation, None)
+        layout = self.peers.get(msg.decode_endpoint)
+        incarnation = None if layout is None else layout.incarnation
+        d = Dest(
+            msg.decode_rank, msg.decode_endpoint, msg.generation, None, incarnation=incarnation
+        )
         r.dests[msg.decode_rank] = d
         return self._ready(r, d) if r.phase is PrefillPhase.COMPUTED else []
 

@@ -219,7 +219,10 @@ class RoomTable(Generic[R]):
         r = self._rooms.get(room)
         return None if r is None else r.reason
 
-    def on_message(self, msg: Message, now: float) -> list[Action]:
+    def on_message(self, msg: Message, now: float, sender: str | None = None) -> list[Action]:
+        """A decoded peer message. `sender`: the endpoint its connection proved
+        (transfer/identity.py); None only for a trusted in-process caller. A
+        table that binds a message to its sender overrides this."""
         handler = self.handlers.get(type(msg))
         if handler is None:
             return [Dropped(getattr(msg, "room", None), type(msg).__name__, "wrong_direction")]

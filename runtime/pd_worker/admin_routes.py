@@ -1,7 +1,8 @@
 """The admin API of a PD worker, for whatever engine serves it (ours, or vLLM with our connector).
 
 Token-protected; the operator's and the local supervisor's fast path:
-- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str, "gone": bool}` —
+- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str, "gone": bool,
+  "incarnation": str}` —
   fail every room tied to that peer on every rank now; `gone: false` (the
   peer may be hung, not dead) keeps those rooms' pages on a one-sided
   transport until the peer acks or is reported gone (admin_body.py);
@@ -92,10 +93,11 @@ def admin_routes(
             except ValueError:  # not JSON at all
                 return _error("body must be {peer, reason?, gone?}", 422)
             log.warning(
-                "admin: fail_peer %s (%s, %s)",
+                "admin: fail_peer %s (%s, %s, incarnation %s)",
                 call.peer,
                 call.reason,
                 "gone" if call.gone else "may resume",
+                call.incarnation,
             )
             target.fail_peer(call)
             # Other dp groups have their own tables: relay to their leaders.

@@ -39,14 +39,19 @@ from pdcluster.runtime.pd.instance_counts import RankCountsBook
 from pdcluster.runtime.pd.peer_address import BootstrapAddress, ZmqEndpoint
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd_worker.group import (
+    GroupFail,
     GroupMessage,
+    GroupOpen,
+    GroupPageKeys,
     GroupProtocolError,
     GroupReport,
     GroupStats,
+    OpenAssembly,
     ReportKind,
     decode_group,
     encode_group,
     is_group_frame,
+    wire_messages,
 )
 from pdcluster.runtime.spec import Role, TransferSpec
 from pdcluster.runtime.transfer.curve import cluster_keys
@@ -88,6 +93,11 @@ class AgentContext:
     advertise_host: str
     bootstrap_address: BootstrapAddress  # prefill: this instance's bootstrap server
     curve: bool = False  # spec.auth.zmqCurve: encrypt and authenticate ZMQ with token keys
+    # Which start of this rank's pod (its uid on Kubernetes, $PDCLUSTER_INCARNATION);
+    # None in local mode. Registered with the bootstrap server (prefill) or in
+    # the KV layout (decode), so a peer tells a loss report about this pod from
+    # one about its predecessor at the same address.
+    incarnation: str | None = None
     stats: Counter[str] = field(default_factory=Counter)
 
 
@@ -174,6 +184,8 @@ class RankAgent:
         self.aio = AsyncRunner(f"pd-http-{ctx.group_rank}")
         self.leader_address: ZmqEndpoint | None = None
         self.follower_addresses: list[ZmqEndpoint] = []
+        # Follower: room openings whose page keys are still arriving (group.py).
+        self.openings = OpenAssembly()
         # Leader only: where this rank's own reports go (the coordinator's queue).
         self.report_sink: Callable[[GroupReport], None] | None = None
         self.group_sink: Callable[[GroupReport], None] | None = None
@@ -381,7 +393,7 @@ class RankAgent:
             self.ctx.stats["reject:sender_mismatch"] += 1
             return
         stage_trace.mark_message(self.ctx.role, "rx", msg)
-        self.run_or_post(lambda: self.on_message(msg, time.monotonic()))
+        self.run_or_post(lambda: self.on_message(msg, time.monotonic(), sender))
 
     def _on_group_checked(self, msg: GroupMessage) -> None:
         """Leader bookkeeping (stats, reports) here; every other command to the role."""
@@ -407,7 +419,8 @@ class RankAgent:
             return
         self.group_sink(msg)
 
-    def on_message(self, msg: Any, now: float) -> None:
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        """A peer's message; `sender`: the endpoint its connection proved."""
         raise NotImplementedError
 
     # The group commands a role's ranks follow: message type -> handler (each
@@ -416,9 +429,27 @@ class RankAgent:
     group_handlers: ClassVar[Mapping[type, Callable[[Any, Any, float], None]]] = {}
 
     def on_group(self, msg: GroupMessage, now: float) -> None:
+        if isinstance(msg, GroupOpen | GroupPageKeys):
+            opened = self._assemble(msg)
+            if opened is None:
+                return
+            msg = opened
+        elif isinstance(msg, GroupFail):
+            self.openings.forget(msg.room)
         handler = self.group_handlers.get(type(msg))
         if handler is not None:
             handler(self, msg, now)
+
+    def _assemble(self, msg: GroupOpen | GroupPageKeys) -> GroupOpen | None:
+        """The opening to act on once every page key of it arrived, else None."""
+        try:
+            return self.openings.take(msg)
+        except GroupProtocolError as err:
+            code = str(err).split(":", 1)[0]
+            self.ctx.stats[f"group_reject:{code}"] += 1
+            log.warning("rank %s: room %s cannot open: %s", self.ctx.coord, msg.room, err)
+            self.report(msg.room, "failed", f"rejected: {code}")
+            return None
 
     # ------------------------------------------------------------ outbound
     def send(self, endpoint: str, message: Any) -> None:
@@ -432,8 +463,11 @@ class RankAgent:
         reason: str | None = None,
         first_token: int | None = None,
         sent_tokens: int | None = None,
+        first_logprobs: pdmsg.FirstLogprobs | None = None,
     ) -> None:
-        rep = GroupReport(room, self.ctx.group_rank, kind, reason, first_token, sent_tokens)
+        rep = GroupReport(
+            room, self.ctx.group_rank, kind, reason, first_token, sent_tokens, first_logprobs
+        )
         if self.report_sink is not None:
             self.report_sink(rep)
         elif self.leader_address is not None:
@@ -448,9 +482,11 @@ class RankAgent:
         is free (`run_or_post`), for a room's opening and its pages.
         """
         stage_trace.mark_message(self.ctx.role, "bcast", msg)
-        data = encode_group(msg)
+        # A room's opening may go as several frames (its page keys in chunks).
+        frames = [encode_group(part) for part in wire_messages(msg)]
         for addr in self.follower_addresses:
-            self.send_group(addr, data)
+            for data in frames:
+                self.send_group(addr, data)
         apply = lambda: self.on_group(msg, time.monotonic())  # noqa: E731
         if here_now:
             self.run_or_post(apply)

@@ -37,6 +37,7 @@ from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.early_start import EarlyStartBudget, early_start_limit
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError
+from pdcluster.runtime.pd.messages import room_size_problem
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group, shape_of
@@ -130,6 +131,9 @@ class _PDBackend:
             )
         except DpRankConflict as err:
             raise BadRequest(str(err)) from None
+        too_large = room_size_problem(len(req.prompt_ids), self.agent.ctx.page_size)
+        if too_large is not None:
+            raise BadRequest(too_large)
         check_capacity(self.service.engine, req)
         engine_request(req)
 
@@ -201,8 +205,15 @@ class _PDBackend:
                 "ignore_eos": req.sampling["ignore_eos"],
                 "stop_token_ids": req.sampling["stop_token_ids"],
                 "stop": req.stop_strings or None,
+                "presence_penalty": req.sampling.get("presence_penalty", 0.0),
+                "frequency_penalty": req.sampling.get("frequency_penalty", 0.0),
+                "repetition_penalty": req.sampling.get("repetition_penalty", 1.0),
             },
         }
+        num_logprobs = req.sampling.get("logprobs")
+        if num_logprobs is not None:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = num_logprobs
         b = req.bootstrap
         for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"):
             if getattr(b, name) is not None:
@@ -244,7 +255,10 @@ class _PDBackend:
                         async for _ in lines:
                             pass
                         ended = True
-                    yield TokenEvent(ids[n_ids:], full[len(text) :], fin is not None, fin)
+                    lps = relayed_logprobs(data["meta_info"], n_ids, len(ids))
+                    yield TokenEvent(
+                        ids[n_ids:], full[len(text) :], fin is not None, fin, logprobs=lps
+                    )
                     text, n_ids = full, len(ids)
                     if ended:
                         return
@@ -396,7 +410,7 @@ class _AgentAdmin:
         self.counts = counts
 
     def fail_peer(self, call: FailPeerRequest) -> None:
-        self.agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone))
+        self.agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
 
     def room_views(self, now: float) -> list[dict[str, Any]]:
         views: list[dict[str, Any]] = self.agent.room_views(now)
@@ -475,3 +489,19 @@ def build_pd_backend(
             peers_route(app)
 
     return backend, routes, servers
+
+
+def relayed_logprobs(meta: dict[str, Any], start: int, end: int) -> list[Any]:
+    """The engine logprobs of output tokens [start, end) from a `/generate`
+    answer's meta_info (empty when it carries none)."""
+    from pdcluster.runtime.engine.sampling import TokenLogprobs
+
+    chosen = meta.get("output_token_logprobs")
+    if not chosen:
+        return []
+    tops = meta.get("output_top_logprobs") or [[] for _ in chosen]
+    out: list[Any] = []
+    for (value, _, _), top in zip(chosen[start:end], tops[start:end], strict=True):
+        alternatives = tuple((int(t), float(v)) for v, t, _ in top)
+        out.append(None if value is None else TokenLogprobs(float(value), alternatives))
+    return out

@@ -26,20 +26,17 @@ hosts it next to its own work; tests use it on 127.0.0.1 with port 0).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pdcluster.runtime.http.limits import BodyTooLarge, read_limited, server_config
+from pdcluster.runtime.http.background import BackgroundServer
+from pdcluster.runtime.http.limits import BodyTooLarge, read_limited
 from pdcluster.runtime.pd.bootstrap_registry import (
     BootstrapRegistry,
     NotReady,
@@ -223,45 +220,11 @@ def create_bootstrap_app(
     return app
 
 
-class BootstrapServer:
+class BootstrapServer(BackgroundServer):
     """Serve an app with uvicorn on a background thread; `port=0` picks a free port."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Inherited by accepted connections. Without it a keep-alive client
-        # waits ~40 ms per answer (Nagle holding the reply until the client's
-        # delayed ACK of the previous one).
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.bind((host, port))
-        self.host = host
-        self.port: int = self._sock.getsockname()[1]
-        config = server_config(app, host, 0, lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._run, name="bootstrap-server", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.run(self._server.serve(sockets=[self._sock]))
-
-    def start(self, timeout_s: float = 10.0) -> BootstrapServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"bootstrap server on {self.url} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop serving (idempotent; also fine if never started)."""
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        self._sock.close()
+        super().__init__(app, host, port, name="bootstrap-server")
 
     def __enter__(self) -> BootstrapServer:
         return self.start()

@@ -42,6 +42,7 @@ from pdcluster.runtime.pd.decode_admission import AdmissionError, DecodeAdmissio
 from pdcluster.runtime.pd.early_start import EarlyStartBudget
 from pdcluster.runtime.pd.failure_labels import reason_label
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
+from pdcluster.runtime.pd.messages import FirstLogprobs
 from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.prefix_reuse import build_reuse, num_reusable_pages, reuse_keys
 from pdcluster.runtime.pd.prompt_digest import prompt_id
@@ -117,7 +118,9 @@ class GroupAgent(Protocol):
 class PrefillGroupAgent(GroupAgent, Protocol):
     """A prefill leader's agent (`prefill_agent.PrefillAgent`)."""
 
-    def leader_first_token(self, room: int, first_token: int) -> None:
+    def leader_first_token(
+        self, room: int, first_token: int, logprobs: FirstLogprobs | None = None
+    ) -> None:
         """The engine sampled the room's first token: the last chunk may go out."""
 
 
@@ -146,6 +149,7 @@ class _Room:
     # budget is spent (`pd/early_start.py`): the request starts once paired.
     start_deferred: bool = False
     first_token: int | None = None
+    first_logprobs: FirstLogprobs | None = None  # with first_token, when the request asks
     # prefill: prompt tokens whose KV travelled (ranks' `succeeded` reports)
     sent_tokens: int | None = None
     # decode only
@@ -224,6 +228,7 @@ class _Coordinator:
             room.reports[rep.kind].add(rep.rank)
             if rep.first_token is not None and room.first_token is None:
                 room.first_token = rep.first_token
+                room.first_logprobs = rep.first_logprobs
             if rep.sent_tokens is not None:
                 room.sent_tokens = max(room.sent_tokens or 0, rep.sent_tokens)
             try:
@@ -497,7 +502,8 @@ class PrefillCoordinator(_Coordinator):
             room.first_token = first
             room.mark(Stage.first_token)
             stage_trace.mark(room_id, "prefill.first_token")
-            self.agent.run_or_post(lambda: self.agent.leader_first_token(room_id, first))
+            lp = FirstLogprobs.of(output.new_logprobs[-1] if output.new_logprobs else None)
+            self.agent.run_or_post(lambda: self.agent.leader_first_token(room_id, first, lp))
         elif output.finished and output.finish_reason != "prefill_done":
             self.fail(room_id, f"engine_{output.finish_reason}")
         return True
@@ -650,6 +656,9 @@ class DecodeCoordinator(_Coordinator):
                     mode=SequenceMode.prefilled,
                     page_table=list(room.pages),
                     first_token=room.first_token,
+                    first_logprobs=(
+                        room.first_logprobs.to_engine() if room.first_logprobs else None
+                    ),
                 )
             )
         except RequestRejected as err:

@@ -15,6 +15,9 @@ Whatever path ends the room (success, abort, timeout, a heartbeat or operator
 verdict), `released` also waits until no frame of it is still being scattered
 into its pages: a frame already past resolve when the room failed finishes
 before the pages can go to another request (`_sweep`, `release_fenced`).
+A room every source concluded reports `complete` only once no frame of it
+is still landing either (`_complete`, `complete_fenced`): the engine reads
+those pages next, and the byte count must see every write.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from pdcluster.runtime.pd.compat import CompatError, check_compat
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.decode_rooms import DecodeRankInfo, DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
+from pdcluster.runtime.pd.incarnations import ReportScope
 from pdcluster.runtime.pd.instance_counts import failure_key
+from pdcluster.runtime.pd.messages import Abort, AbortAck
 from pdcluster.runtime.pd.peer_liveness import (
     CheckRestart,
     DeclareUnreachable,
@@ -84,6 +89,8 @@ log = logging.getLogger("pdcluster.pd.decode")
 # How long one sweep waits for a frame still being written into a finished
 # room's pages before leaving `released` to a later tick (seconds).
 FENCE_WAIT_S = 0.05
+# A room's (generation, page table) while its frames are taken.
+_Receiving = tuple[int, tuple[int, ...]]
 
 
 @dataclass
@@ -124,11 +131,12 @@ class DecodeAgent(RankAgent):
                 shm_pool_path=shm_pool_path if self.one_sided else None,
                 one_sided=self.one_sided,
                 nixl=None if self.nixl_agent is None else self.nixl_agent.region(),
+                incarnation=ctx.incarnation,
             ),
             ctx.room_settings,
         )
         # room -> (generation, pages) while frames for it may be written here.
-        self._receiving: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._receiving: dict[int, _Receiving] = {}
         self.receiver = KVReceiver(
             pool,
             self._resolve,
@@ -143,8 +151,10 @@ class DecodeAgent(RankAgent):
         self._kv_sources: dict[int, frozenset[str]] = {}
         self.endpoint.accept_kv = self._accept_kv
         self.rooms: dict[int, _Room] = {}
-        # Rooms out of the table whose `released` waits for a write in flight.
+        # Rooms out of the table whose `complete` or `released` waits for a write in flight.
         self._fenced: set[int] = set()
+        # Rooms every source concluded, whose `complete` waits for that write.
+        self._completing: dict[int, tuple[A.TransferComplete, _Receiving | None]] = {}
         self.bootstrap = BootstrapPool(ctx.token or None)
         hb = ctx.transfer.heartbeat
         # What this rank decides about its prefill peers; it only performs.
@@ -174,16 +184,16 @@ class DecodeAgent(RankAgent):
             return None
         return entry[1]
 
-    def _missing_kv(self, room: int) -> str | None:
+    def _missing_kv(self, room: int, entry: _Receiving | None) -> str | None:
         """Why the room's KV is incomplete although every source said Success, or None.
 
+        `entry`: the room's (generation, pages) while it was receiving.
         Every source sends Success after its frames, on the same connection,
         so they were all placed by now — unless the connection dropped and
         came back in between (libzmq then loses messages silently). Decoding
         from pages that were never written would be garbage nobody notices.
         """
         r = self.rooms.get(room)
-        entry = self._receiving.get(room)
         if self.one_sided or r is None or entry is None:
             return None  # shm writes land in place; nothing travels to be lost
         ctx = self.ctx
@@ -257,16 +267,12 @@ class DecodeAgent(RankAgent):
     def perform(self, acts: list[Any]) -> None:
         for act in acts:
             if isinstance(act, A.Send):
+                if isinstance(act.message, Abort):
+                    self.ctx.stats["abort_sent"] += 1
                 self.send(act.endpoint, act.message)
             elif isinstance(act, A.TransferComplete):
-                missing = self._missing_kv(act.room)
-                self._stop_receiving(act.room)
-                if missing is None:
-                    missing = self._bad_checksum(act)
-                if missing is not None:
-                    self._report_failed(act.room, act.rid, missing)
-                    continue
-                self.report(act.room, "complete", first_token=act.first_token)
+                self._completing[act.room] = (act, self._receiving.get(act.room))
+                self._complete(act.room)
             elif isinstance(act, A.RoomFailed):
                 self._receiving.pop(act.room, None)
                 self._report_failed(act.room, act.rid, act.reason)
@@ -277,6 +283,35 @@ class DecodeAgent(RankAgent):
                 self.report(act.room, "ready")
             elif isinstance(act, A.Dropped):
                 self.ctx.stats[f"dropped:{act.reason}"] += 1
+
+    def _complete(self, room: int) -> None:
+        """Report `complete` once no frame of the room is still landing in its pages.
+
+        Every source said Success, so nothing more is accepted for the room;
+        a frame already past resolve (one a source sent after its Success)
+        may still be scattering, and the engine must not read the pages, nor
+        the checks below judge them, before it returned: until then the room
+        waits here and a later tick retries (`complete_fenced`).
+        """
+        act, entry = self._completing[room]
+        self._receiving.pop(room, None)
+        if not self.receiver.quiesce(room, timeout=FENCE_WAIT_S):
+            if room not in self._fenced:
+                self._fenced.add(room)
+                self.ctx.stats["complete_fenced"] += 1
+            return
+        self._fenced.discard(room)
+        del self._completing[room]
+        missing = self._missing_kv(room, entry)  # before `clear` drops the byte count
+        self.receiver.clear(room)
+        if missing is None:
+            missing = self._bad_checksum(act)
+        if missing is not None:
+            self._report_failed(room, act.rid, missing)
+            return
+        self.report(
+            room, "complete", first_token=act.first_token, first_logprobs=act.first_logprobs
+        )
 
     def _report_failed(self, room: int, rid: str | None, reason: str) -> None:
         log.warning(
@@ -293,6 +328,10 @@ class DecodeAgent(RankAgent):
     def _sweep(self, room: int) -> None:
         """Report `released` once the room left this rank's table and no frame
         of it is still being written into its pages (else a later tick retries)."""
+        if room in self._completing:
+            self._complete(room)
+            if room in self._completing:
+                return  # `complete` first, once its frames landed
         if room in self.rooms and room not in self.table:
             if not self._stop_receiving(room):
                 if room not in self._fenced:
@@ -313,8 +352,10 @@ class DecodeAgent(RankAgent):
         self._sweep(room)
 
     # ------------------------------------------------------------ events
-    def on_message(self, msg: Any, now: float) -> None:
-        self.perform(self.table.on_message(msg, now))
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        if isinstance(msg, AbortAck):
+            self.ctx.stats["abort_ack_received"] += 1
+        self.perform(self.table.on_message(msg, now, sender))
         room = getattr(msg, "room", None)
         if room is not None:
             self._sweep(room)
@@ -341,7 +382,28 @@ class DecodeAgent(RankAgent):
         # write any more. Otherwise (NotReady) it may be hung and resume: on a
         # one-sided transport its rooms' pages stay quarantined like after a
         # heartbeat verdict, until it acks, restarts elsewhere or is gone.
-        self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone)
+        scope = self.table.report_scope(msg.peer, msg.incarnation)
+        if scope is not ReportScope.CURRENT:
+            # About a start of the peer this rank never saw, or one a successor
+            # replaced at the same address: nothing of the successor's (its
+            # connections, its cached route, new rooms) is touched.
+            self.ctx.stats[f"fail_peer_{scope.value}"] += 1
+            log.info(
+                "decode rank %s: report about %s incarnation %s is %s here",
+                self.ctx.coord,
+                msg.peer,
+                msg.incarnation,
+                scope.value,
+            )
+            if scope is ReportScope.STALE:
+                self.perform(
+                    self.table.fail_peer(
+                        msg.peer, msg.reason, now, definitive=msg.gone, incarnation=msg.incarnation
+                    )
+                )
+                self._sweep_all()
+            return
+        self._peer_lost(msg.peer, msg.reason, now, definitive=msg.gone, incarnation=msg.incarnation)
 
     def _open(self, msg: GroupOpen, now: float) -> None:
         try:
@@ -424,13 +486,21 @@ class DecodeAgent(RankAgent):
             self._fail(room, f"unsupported_topology: {err3}")
             return
         endpoints = {a.rank: a.endpoint for a in info.ranks}
+        incarnations = {a.rank: a.incarnation for a in info.ranks}
         sources = []
         for prefill_rank in dict.fromkeys(s.prefill_rank for s in slices):
             endpoint = endpoints.get(prefill_rank)
             if endpoint is None:
                 self._fail(room, f"bootstrap_error: no address for prefill rank {prefill_rank}")
                 return
-            sources.append(Source(prefill_rank, endpoint, topo.num_destinations(prefill_rank)))
+            sources.append(
+                Source(
+                    prefill_rank,
+                    endpoint,
+                    topo.num_destinations(prefill_rank),
+                    incarnations.get(prefill_rank),
+                )
+            )
         # One slice per prefill rank (its layers and heads in common with ours).
         per_rank = [s.prefill_rank for s in slices]
         r.slices = {
@@ -440,7 +510,7 @@ class DecodeAgent(RankAgent):
         }
         now = time.monotonic()
         self._kv_sources[room] = frozenset(s.endpoint for s in sources)
-        self.perform(self.table.resolve(room, sources, now))
+        self.perform(self.table.resolve(room, sources, now, info.incarnation))
         r.resolved = True
         if r.pending_pages is not None and room in self.table:
             pages, r.pending_pages = r.pending_pages, None
@@ -532,6 +602,7 @@ class DecodeAgent(RankAgent):
                 now,
                 definitive=act.definitive,
                 until_recovered=act.until_recovered,
+                incarnation=act.incarnation,
             )
         )
         self._sweep_all()
@@ -542,7 +613,14 @@ class DecodeAgent(RankAgent):
         self.bootstrap.discard(act.peer)
 
     def _peer_lost(
-        self, peer: str, reason: str, now: float, *, definitive: bool, until_recovered: bool = False
+        self,
+        peer: str,
+        reason: str,
+        now: float,
+        *,
+        definitive: bool,
+        until_recovered: bool = False,
+        incarnation: str | None = None,
     ) -> None:
         """Heartbeat verdict or the operator's fast path: fail the rooms, forget the peer."""
         routes = {}
@@ -557,6 +635,7 @@ class DecodeAgent(RankAgent):
             until_recovered=until_recovered,
             rooms=[view.peers for view in self.table.list_rooms(now)],
             routes=routes,
+            incarnation=incarnation,
         )
         self.act(acts, now)
 

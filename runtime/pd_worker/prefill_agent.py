@@ -34,7 +34,7 @@ from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.bootstrap_registry import RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.instance_counts import failure_key
-from pdcluster.runtime.pd.messages import KVLayoutRegister, LayoutAck
+from pdcluster.runtime.pd.messages import FirstLogprobs, KVLayoutRegister, LayoutAck
 from pdcluster.runtime.pd.prefill_claims import DestinationView, PrefillRankInfo
 from pdcluster.runtime.pd.prefill_rooms import PrefillRoomTable
 from pdcluster.runtime.pd.prefix_reuse import first_sent_token
@@ -73,6 +73,7 @@ class _Room:
     jobs: int = 0  # submitted, not yet reported done
     kv_done: bool = False
     first_token: int | None = None
+    first_logprobs: FirstLogprobs | None = None
     # Finish once the first token (leader) and every destination are known.
     finish_pending: bool = False
     # transfer.checksum: decode rank -> CRC so far of the KV sent to it, read
@@ -130,7 +131,11 @@ class PrefillAgent(RankAgent):
             self.ctx.bootstrap_address, self.ctx.token or None, retry=RetryPolicy(attempts=1)
         )
         reg = RankRegistration(
-            rank=self.ctx.coord, shape=self.ctx.shape, endpoint=self.address, compat=self.ctx.compat
+            rank=self.ctx.coord,
+            shape=self.ctx.shape,
+            endpoint=self.address,
+            compat=self.ctx.compat,
+            incarnation=self.ctx.incarnation,
         )
 
         async def go() -> None:
@@ -201,8 +206,10 @@ class PrefillAgent(RankAgent):
                 del self.rid_room[r.rid]
 
     # ------------------------------------------------------------ events
-    def on_message(self, msg: Any, now: float) -> None:
-        acts = self.table.on_message(msg, now)
+    def on_message(self, msg: Any, now: float, sender: str | None = None) -> None:
+        # Decode's messages name their sender (`decode_endpoint`), which the
+        # endpoint already held against the proven one (`_on_control`).
+        acts = self.table.on_message(msg, now, sender)
         if isinstance(msg, KVLayoutRegister) and self.one_sided:
             acts = self._check_shm_layout(msg, acts)
         self.perform(acts)
@@ -227,7 +234,7 @@ class PrefillAgent(RankAgent):
     def _on_group_fail_peer(self, msg: GroupFailPeer, now: float) -> None:
         # `gone` does not matter here: a decode never writes into prefill's
         # pages, so even a hung one that resumes cannot touch what is freed.
-        self.perform(self.table.fail_peer(msg.peer, msg.reason, now))
+        self.perform(self.table.fail_peer(msg.peer, msg.reason, now, msg.incarnation))
 
     def fail_room(self, room: int, reason: str, now: float) -> None:
         if room in self.table:
@@ -395,12 +402,16 @@ class PrefillAgent(RankAgent):
             elif not self.is_leader:
                 self._finish(room)
 
-    def leader_first_token(self, room: int, first_token: int) -> None:
-        """Leader (agent thread): the engine sampled the room's first token."""
+    def leader_first_token(
+        self, room: int, first_token: int, logprobs: FirstLogprobs | None = None
+    ) -> None:
+        """Leader (agent thread): the engine sampled the room's first token (and
+        its logprobs, when the request asked for them)."""
         r = self.rooms.get(room)
         if r is None:
             return
         r.first_token = first_token
+        r.first_logprobs = logprobs
         if self.table.policy is AllocationPolicy.early or r.finish_pending:
             self._finish(room)
 
@@ -421,7 +432,12 @@ class PrefillAgent(RankAgent):
             return
         r.finish_pending = False
         acts = self.table.finish_sending(
-            room, r.first_token, None, time.monotonic(), checksums=r.checksums
+            room,
+            r.first_token,
+            None,
+            time.monotonic(),
+            checksums=r.checksums,
+            first_logprobs=r.first_logprobs,
         )
         self.perform(acts)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pdcluster.runtime.engine.tokenizer import load_tokenizer
+from pdcluster.runtime.pd.bootstrap_registry import INCARNATION_ENV
 from pdcluster.runtime.pd.compat import CompatInfo
 from pdcluster.runtime.pd.coords import RankCoord
 from pdcluster.runtime.pd.messages import PROTOCOL_VERSION
@@ -13,6 +15,11 @@ from pdcluster.runtime.pd.peer_address import BootstrapAddress
 from pdcluster.runtime.pd.settings import RoomSettings
 from pdcluster.runtime.pd.topology import shape_of
 from pdcluster.runtime.pd_worker.agent import AgentContext, RankAgent, model_fingerprint
+from pdcluster.runtime.pd_worker.group import (
+    ENDPOINT_FRAME_BYTES,
+    pack_endpoint,
+    unpack_endpoints,
+)
 from pdcluster.runtime.spec import Role
 
 log = logging.getLogger("pdcluster.pd")
@@ -70,7 +77,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         page_size=cfg.page_size,
-        num_pages=cfg.num_pages,
+        num_pages=runner.pool.shape.num_pages,  # sized at start when the manifest gives none
         host=settings.host,
         advertise_host=settings.advertise_host,
         # Every pod's ranks register with the leader pod's bootstrap server.
@@ -78,6 +85,7 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
             f"{settings.leader_advertise_host}:{settings.bootstrap_port}"
         ),
         curve=bool(spec.auth.zmq_curve),
+        incarnation=os.environ.get(INCARNATION_ENV) or None,
     )
 
 
@@ -109,11 +117,24 @@ def _exchange_addresses(agent: Any, runner: Any, leader: bool) -> None:
     dist_ctx = runner.dist
     if dist_ctx is None:
         return
-    import torch.distributed as dist
-
-    addresses: list[Any] = [None] * dist_ctx.world_size
-    dist.all_gather_object(addresses, agent.address, group=dist_ctx.control_group)
+    addresses = exchange_endpoints(dist_ctx, agent.address)
     if leader:
         agent.follower_addresses = [a for i, a in enumerate(addresses) if i != runner.info.rank]
     else:
         agent.leader_address = addresses[runner.info.leader_rank]
+
+
+def exchange_endpoints(dist_ctx: Any, address: str) -> list[str]:
+    """Every rank's control endpoint, in rank order, as typed fixed-size frames
+    (group.py): nothing gathered here is unpickled."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.frombuffer(
+        bytearray(pack_endpoint(dist_ctx.info.rank, address)), dtype=torch.uint8
+    )
+    frames = [
+        torch.empty(ENDPOINT_FRAME_BYTES, dtype=torch.uint8) for _ in range(dist_ctx.world_size)
+    ]
+    dist.all_gather(frames, mine, group=dist_ctx.control_group)
+    return unpack_endpoints([bytes(f.numpy().tobytes()) for f in frames])

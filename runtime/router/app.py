@@ -38,12 +38,7 @@ from pdcluster.runtime import stage_trace
 from pdcluster.runtime.http.auth import bearer_headers, check_bearer
 from pdcluster.runtime.http.limits import BadLength, BodyTooLarge, read_limited
 from pdcluster.runtime.http.middleware import HttpMiddleware
-from pdcluster.runtime.router.bodies import (
-    ClientRequest,
-    Endpoint,
-    check_request,
-    parse_json_object,
-)
+from pdcluster.runtime.router.bodies import ClientRequest, Endpoint, parse_json_object
 from pdcluster.runtime.router.config import RouterConfig
 from pdcluster.runtime.router.discovery import static_targets
 from pdcluster.runtime.router.errors import (
@@ -57,10 +52,11 @@ from pdcluster.runtime.router.kube_watch import KubernetesDiscovery
 from pdcluster.runtime.router.leg_client import leg_session
 from pdcluster.runtime.router.leg_plan import LegFlow, LegPlan, LegPlanner
 from pdcluster.runtime.router.metrics import RouterMetrics
+from pdcluster.runtime.router.off_loop import PromptReader, read_request
 from pdcluster.runtime.router.policies import make_policy
 from pdcluster.runtime.router.prefix_feed import PrefixFollower
-from pdcluster.runtime.router.prefix_index import PrefixIndex, PromptTokens
-from pdcluster.runtime.router.prompt_ids import RouterTokenizer, prompt_tokens
+from pdcluster.runtime.router.prefix_index import PrefixIndex
+from pdcluster.runtime.router.prompt_ids import RouterTokenizer
 from pdcluster.runtime.router.relay import Relay, RelayContext
 from pdcluster.runtime.router.request_record import RequestRecord
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter
@@ -174,9 +170,14 @@ class RouterState:
             colocated_policy=self._policy(config.colocated_policy),
             rids=RidMinter(rng),
             rooms_source=rng,
-            prompt_tokens=self._prompt_reader() if config.cache_aware_roles else None,
             engine=config.engine,
             connector=config.kv_connector,
+        )
+        # cache_aware: the prompt, read and keyed off the loop (`off_loop.py`).
+        self.prompts = (
+            PromptReader(self.prefix_index, _load_tokenizer(config.tokenizer))
+            if config.cache_aware_roles
+            else None
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
         self.started_at = int(time.time())
@@ -191,14 +192,6 @@ class RouterState:
         return make_policy(
             name, cfg.policy_seed, index=self.prefix_index, max_load_gap=cfg.max_load_gap
         )
-
-    def _prompt_reader(self) -> Any:
-        tokenizer = _load_tokenizer(self.config.tokenizer)
-
-        def read(request: ClientRequest) -> PromptTokens | None:
-            return prompt_tokens(request, tokenizer)
-
-        return read
 
     def _indexed_pages(self, url: str) -> int | None:
         replica = self.prefix_index.replica(url)
@@ -315,10 +308,11 @@ class RouterState:
         """Plan the legs; with no healthy worker but a new one still on its first
         probe (a rollout just swapped pods), wait up to the probe timeout for it."""
         assert self.ctx is not None
+        prompt = None if self.prompts is None else await self.prompts.read(client_request)
         deadline = time.monotonic() + self.config.health_check_timeout_s
         while True:
             try:
-                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use)
+                return self.leg_planner.plan(client_request, self.ctx.rooms_in_use, prompt)
             except NoHealthyWorkerError:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.pool.has_unprobed():
@@ -353,11 +347,8 @@ class RouterState:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         record = RequestRecord.arriving(self.tracing, request.headers, endpoint.value)
         try:
-            client_request = check_request(
-                endpoint,
-                parse_json_object(raw),
-                disaggregated=self.config.is_disaggregated,
-                raw=raw,
+            client_request = await read_request(
+                endpoint, raw, disaggregated=self.config.is_disaggregated
             )
             model = client_request.model
             if model is not None and model not in self.config.model_names:

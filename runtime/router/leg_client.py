@@ -25,6 +25,9 @@ What this module fixes so the relay reads the same as before:
 - `finish_response`: a stream relayed to its `[DONE]` is read to its end
   before its connection goes back to the pool (the terminator trails the
   last event), so it is reused instead of dropped;
+- `leg_data`: a body over a MiB goes as a stream of chunks, which aiohttp
+  writes a chunk per loop turn; one `bytes` write of it holds the loop
+  (aiohttp warns so, with a ResourceWarning);
 - `classify`: which aiohttp failure means "never reached the worker"
   (unreachable), "the connection broke" (the worker may still run the
   request), or "the answer was not HTTP we can read".
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import io
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -43,6 +47,8 @@ from pdcluster.runtime.http.limits import DEFAULT_LIMITS
 # Seconds an idle pooled connection is reused; the workers keep one for
 # DEFAULT_LIMITS.keep_alive_s (uvicorn's keep-alive timeout).
 KEEPALIVE_S = DEFAULT_LIMITS.keep_alive_s / 2
+# aiohttp's own threshold for a `bytes` body it warns about.
+LARGE_BODY_BYTES = 1 << 20
 # What `finish_response` waits for after a stream's last event: the chunked
 # terminator, which a worker sends at once.
 FINISH_TIMEOUT_S = 1.0
@@ -70,6 +76,11 @@ def leg_session(
         trust_env=False,  # a proxy variable must never divert worker traffic
         auto_decompress=False,  # workers never compress; forward what they send
     )
+
+
+def leg_data(content: bytes) -> bytes | io.BytesIO:
+    """What a leg's POST sends: the bytes, or a stream of them when large (one per leg)."""
+    return io.BytesIO(content) if len(content) > LARGE_BODY_BYTES else content
 
 
 async def response_line_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[str]]:

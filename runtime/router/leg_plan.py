@@ -123,10 +123,18 @@ class LegPlanner:
     def flow(self) -> LegFlow:
         return leg_flow_of(self.engine, self.connector)
 
-    def plan(self, request: ClientRequest, rooms_in_use: Container[int]) -> LegPlan:
+    def plan(
+        self,
+        request: ClientRequest,
+        rooms_in_use: Container[int],
+        prompt: PromptTokens | None = None,
+    ) -> LegPlan:
+        """`prompt`: the request's prompt as cache_aware reads it, when the caller
+        read it already (the router does, off its loop); else `prompt_tokens`."""
         prefill: Worker | None = None
         bootstrap: Bootstrap | None = None
-        prompt = None if self.prompt_tokens is None else self.prompt_tokens(request)
+        if prompt is None and self.prompt_tokens is not None:
+            prompt = self.prompt_tokens(request)
         if self.disaggregated:
             prefill, main, bootstrap = self._pick_pair(rooms_in_use, prompt)
         else:

@@ -7,9 +7,16 @@ A worker with no replica (not followed yet, its feed broken, or it left the
 pool) counts as holding nothing, so it is chosen only by load.
 
 Keys are computed once per distinct (salt, page size) among the candidates,
-with the scheme the engine uses (`prefix_keys.chain_page_keys`). A prompt the
-router tokenized from text is matched only against workers whose tokenizer
-fingerprint equals the router's: another tokenizer would give other ids.
+with the scheme the engine uses (`prefix_keys.chain_page_keys`), and never
+past the longest prefix a worker of that group could hold: a worker holding
+N keys has at most N leading pages of any prompt, so hashing stops at the
+most keys any replica of the group holds (`key_plan`), whatever the prompt's
+length. The router hashes ahead, off its event loop (`keyed`, with a plan
+read on the loop), so a huge prompt never holds the other requests; the
+lookups that remain on the loop are set probes, at most one per held page.
+A prompt the router tokenized from text is matched only against workers
+whose tokenizer fingerprint equals the router's: another tokenizer would
+give other ids.
 
 Per worker URL, not per role: prefill, colocated and decode workers (a
 decode keeps the prompt pages it received, `pd/prefix_reuse.py`) are
@@ -20,13 +27,16 @@ Pure module: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from pdcluster.runtime.prefix_events import Apply, EventBatch, KeyReplica, Snapshot
 from pdcluster.runtime.prefix_keys import PageKey, PageKeyError, chain_page_keys
 
-__all__ = ["PrefixIndex", "PromptTokens"]
+__all__ = ["KeyGroup", "PrefixIndex", "PromptTokens"]
+
+# The workers whose keys are computed alike: (root key, page size).
+KeyGroup = tuple[bytes, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +47,9 @@ class PromptTokens:
     # Fingerprint of the tokenizer that made ``ids`` from text; None: the
     # client sent token ids, which every worker reads the same.
     tokenizer: str | None = None
+    # Its page keys per key group, hashed ahead (`PrefixIndex.keyed`); a
+    # group missing here is hashed when looked up.
+    keys: Mapping[KeyGroup, tuple[PageKey, ...]] = field(default_factory=dict, compare=False)
 
 
 class PrefixIndex:
@@ -67,14 +80,37 @@ class PrefixIndex:
     def forget(self, url: str) -> None:
         self._replicas.pop(url, None)
 
+    def key_plan(self) -> dict[KeyGroup, int]:
+        """Per key group, the most keys one of its replicas holds: no prompt page
+        past that many can be a hit in the group (cheap; read it on the loop)."""
+        plan: dict[KeyGroup, int] = {}
+        for replica in self._replicas.values():
+            group = (replica.root, replica.page_size)
+            plan[group] = max(plan.get(group, 0), len(replica.keys))
+        return plan
+
+    def keyed(
+        self, prompt: PromptTokens, plan: Mapping[KeyGroup, int] | None = None
+    ) -> PromptTokens:
+        """``prompt`` with its page keys for every group of ``plan`` (default: now).
+
+        Touches no replica when given a plan, so it may run off the loop.
+        """
+        groups = self.key_plan() if plan is None else plan
+        keys = {
+            group: _bounded_chain(prompt.ids, group, max_pages)
+            for group, max_pages in groups.items()
+        }
+        return replace(prompt, keys=keys)
+
     def cached_pages(self, urls: Iterable[str], prompt: PromptTokens) -> dict[str, int]:
         """Leading full pages of ``prompt`` that each worker holds (0 when unknown).
 
         The last prompt token is left out, as the engine does: it always
         computes at least one token, so a page ending on it is never a hit.
         """
-        ids = prompt.ids[:-1]
-        chains: dict[tuple[bytes, int], list[PageKey]] = {}
+        chains: dict[KeyGroup, tuple[PageKey, ...]] = dict(prompt.keys)
+        plan: dict[KeyGroup, int] | None = None
         out: dict[str, int] = {}
         for url in urls:
             replica = self._replicas.get(url)
@@ -85,9 +121,17 @@ class PrefixIndex:
                 continue
             group = (replica.root, replica.page_size)
             if group not in chains:
-                try:
-                    chains[group] = chain_page_keys(ids, replica.page_size, replica.root)
-                except PageKeyError:
-                    chains[group] = []  # ids the workers will refuse anyway
+                plan = self.key_plan() if plan is None else plan
+                chains[group] = _bounded_chain(prompt.ids, group, plan.get(group, 0))
             out[url] = replica.num_cached_pages(chains[group])
         return out
+
+
+def _bounded_chain(ids: tuple[int, ...], group: KeyGroup, max_pages: int) -> tuple[PageKey, ...]:
+    """Keys of the first ``max_pages`` full pages of ``ids`` less its last token."""
+    root, page_size = group
+    try:
+        head = ids[: min(len(ids) - 1, max_pages * page_size)] if ids else ()
+        return tuple(chain_page_keys(head, page_size, PageKey(root)))
+    except PageKeyError:
+        return ()  # ids the workers will refuse anyway

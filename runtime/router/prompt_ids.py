@@ -26,7 +26,7 @@ __all__ = ["RouterTokenizer", "prompt_tokens"]
 class RouterTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
     @property
     def fingerprint(self) -> str: ...
@@ -80,9 +80,10 @@ def prompt_tokens(request: ClientRequest, tokenizer: RouterTokenizer | None) -> 
                 return None
             messages.append({"role": message.get("role"), "content": content})
         try:
-            text = tokenizer.apply_chat_template(messages)
+            chat_ids = tokenizer.encode_chat(messages)
         except (ValueError, TypeError, KeyError):
             return None  # the worker will refuse it too
+        return PromptTokens(tuple(chat_ids), tokenizer.fingerprint) if chat_ids else None
     if text is None or tokenizer is None:
         return None
     try:

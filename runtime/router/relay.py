@@ -47,6 +47,7 @@ from pdcluster.runtime.router.leg_client import (
     classify,
     close_response,
     finish_response,
+    leg_data,
     response_line_batches,
     response_lines,
 )
@@ -280,7 +281,7 @@ class Relay:
                 plan = self.plan
                 headers = self.record.leg_headers("prefill", worker.url)
                 async with self.ctx.legs.post(
-                    worker.url + plan.path, data=plan.prefill_content, headers=headers
+                    worker.url + plan.path, data=leg_data(plan.prefill_content), headers=headers
                 ) as resp:
                     if resp.status >= 400:
                         raw = await resp.read()
@@ -441,7 +442,7 @@ class Relay:
         plan = self.plan
         headers = self.record.leg_headers(plan.main.role.value, plan.main.url)
         self._main_resp = await self.ctx.legs.post(
-            plan.main.url + plan.path, data=plan.content, headers=headers
+            plan.main.url + plan.path, data=leg_data(plan.content), headers=headers
         )
         stage_trace.mark(self.plan.room, "router.main_headers")
         return self._main_resp

@@ -46,6 +46,7 @@ from pdcluster.runtime.router.leg_client import (
     classify,
     close_response,
     finish_response,
+    leg_data,
     response_line_batches,
 )
 from pdcluster.runtime.router.leg_plan import LegPlan
@@ -208,7 +209,7 @@ class VllmRelay:
             # connection, which is vLLM's abort of the prefill leg.
             headers = {**self.headers, **self.record.leg_headers("prefill", worker.url)}
             async with self.ctx.legs.post(
-                worker.url + self.plan.path, data=body, headers=headers
+                worker.url + self.plan.path, data=leg_data(body), headers=headers
             ) as resp:
                 raw = await resp.read()
         except aiohttp.ClientError as err:
@@ -248,7 +249,9 @@ class VllmRelay:
         body = json.dumps(build_decode_body(request.body, params)).encode()
         decode = self.plan.main
         headers = {**self.headers, **self.record.leg_headers("decode", decode.url)}
-        resp = await self.ctx.legs.post(decode.url + self.plan.path, data=body, headers=headers)
+        resp = await self.ctx.legs.post(
+            decode.url + self.plan.path, data=leg_data(body), headers=headers
+        )
         self._main_resp = resp
         if resp.status >= 400:
             raw = await resp.read()

@@ -37,6 +37,7 @@ from pdcluster.runtime.server.api_models import (
     CompletionRequest,
     GenerateRequest,
     normalize_stop,
+    refuse_unsupported,
 )
 from pdcluster.runtime.serving.backend import Backend
 from pdcluster.runtime.serving.engine_service import TokenEvent
@@ -55,7 +56,9 @@ MAX_STOP_TOKEN_IDS = 64
 class TextTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
 
 @dataclass
@@ -92,7 +95,12 @@ class WorkerState:
         seed: int | None,
         ignore_eos: bool,
         stop_token_ids: list[int] | None = None,
+        *,
+        penalties: tuple[float | None, float | None, float | None] = (None, None, None),
+        logprobs: int | None = None,
     ) -> dict[str, Any]:
+        """Engine sampling parameters of a body (`penalties`: presence, frequency,
+        repetition; `logprobs`: alternatives per token, None for none)."""
         limit = self.info.max_new_tokens
         mt = min(DEFAULT_MAX_NEW_TOKENS, limit) if max_tokens is None else max_tokens
         if mt > limit:
@@ -109,6 +117,10 @@ class WorkerState:
             "seed": seed,
             "ignore_eos": ignore_eos,
             "stop_token_ids": list(stop_token_ids or []),
+            "presence_penalty": penalties[0] or 0.0,
+            "frequency_penalty": penalties[1] or 0.0,
+            "repetition_penalty": 1.0 if penalties[2] is None else penalties[2],
+            "logprobs": logprobs,
         }
 
     def prepare(
@@ -220,24 +232,25 @@ class WorkerState:
         if req.trace is not None:
             self.tracing.submit(req.trace, records)
 
-    async def collect(self, req: PreparedRequest) -> tuple[str, list[int], TokenEvent]:
-        text, ids = "", []
+    async def collect(self, req: PreparedRequest) -> tuple[R.Output, TokenEvent]:
+        """What `req` produced, and its last event."""
+        out = R.Output()
         last = TokenEvent([], "", True, "abort")
         async for event in self.run(req):
-            text += event.text
-            ids.extend(event.token_ids)
+            out.add(event.text, event.token_ids, event.logprobs)
             last = event
-        return text, ids, last
+        out.finish_reason = last.finish_reason
+        return out, last
 
     async def answer(
-        self, req: PreparedRequest, body_of: Callable[[str, list[int], str | None], dict[str, Any]]
+        self, req: PreparedRequest, body_of: Callable[[R.Output], dict[str, Any]]
     ) -> JSONResponse:
-        """Run `req` to its end; its JSON answer from (text, token ids, finish reason),
-        or the error it ended with."""
-        text, ids, last = await self.collect(req)
+        """Run `req` to its end; its JSON answer from what it produced, or the error
+        it ended with."""
+        out, last = await self.collect(req)
         if last.error is not None:
             return self.error_response(last)
-        return JSONResponse(body_of(text, ids, last.finish_reason))
+        return JSONResponse(body_of(out))
 
     def error_response(self, event: TokenEvent) -> JSONResponse:
         self.metrics.failures.labels(reason=reason_label(event.finish_reason)).inc()
@@ -265,6 +278,10 @@ class WorkerState:
             yield R.DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+    def token_text(self, token: int) -> str:
+        """A token's text in logprobs (special tokens spelled out)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def model_info(self) -> dict[str, Any]:
         info = self.info
@@ -316,7 +333,10 @@ async def _on_bad(request: Request, exc: Exception) -> Response:
 # ------------------------------------------------------------------------ routes
 async def generate(body: GenerateRequest, request: Request) -> Response:
     state = _state(request)
+    refuse_unsupported(body)
     sp = body.sampling_params
+    refuse_unsupported(sp, "sampling_params.")
+    num_top = body.top_logprobs_num if body.return_logprob else 0
     sampling = state.sampling_of(
         sp.temperature,
         sp.top_p,
@@ -325,86 +345,153 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         sp.seed,
         sp.ignore_eos,
         sp.stop_token_ids,
+        penalties=(sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty),
+        logprobs=num_top if body.return_logprob else None,
     )
     prompt: str | list[int] = body.text if body.text is not None else body.input_ids or []
     req = state.prepare(
         body.rid, prompt, sampling, sp.stop, body, body.rid_is_local, headers=request.headers
     )
+    text_of = state.token_text if body.return_text_in_logprobs else None
+
+    def answer(out: R.Output, finish: str | None) -> dict[str, Any]:
+        lps = None
+        if body.return_logprob:
+            lps = R.generate_logprobs(out.token_ids, out.logprobs, num_top, text_of)
+        return R.generate_body(req.rid, out.text, out.token_ids, len(req.prompt_ids), finish, lps)
+
     if body.stream:
-        text, ids = "", []
+        so_far = R.Output()
 
         def fmt(event: TokenEvent) -> list[str]:
-            nonlocal text
-            text += event.text
-            ids.extend(event.token_ids)
+            so_far.add(event.text, event.token_ids, event.logprobs)
             fin = event.finish_reason if event.finished else None
-            return [R.sse(R.generate_body(req.rid, text, list(ids), len(req.prompt_ids), fin))]
+            return [R.sse(answer(so_far, fin))]
 
         return state.stream(req, fmt)
-    return await state.answer(
-        req, lambda text, ids, fin: R.generate_body(req.rid, text, ids, len(req.prompt_ids), fin)
-    )
+    return await state.answer(req, lambda out: answer(out, out.finish_reason))
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
+    refuse_unsupported(body)
     prompt: str | list[int]
     if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
         prompt = str(body.prompt[0])
     else:
         prompt = body.prompt  # type: ignore[assignment]
     sampling = state.sampling_of(
-        body.temperature, body.top_p, body.top_k, body.max_tokens, body.seed, body.ignore_eos
+        body.temperature,
+        body.top_p,
+        body.top_k,
+        body.max_tokens,
+        body.seed,
+        body.ignore_eos,
+        penalties=(body.presence_penalty, body.frequency_penalty, body.repetition_penalty),
+        logprobs=body.logprobs,
     )
     req = state.prepare(body.rid, prompt, sampling, body.stop, body, headers=request.headers)
     model = body.model or state.info.model_name
+    usage_at_end = body.stream_options is not None and body.stream_options.include_usage
+
+    def logprobs_of(ids: list[int], lps: list[Any], offset: int) -> dict[str, Any] | None:
+        if body.logprobs is None:
+            return None
+        return R.completion_logprobs(ids, lps, state.token_text, offset)
+
     if body.stream:
+        emitted, num_tokens = 0, 0
 
         def fmt(event: TokenEvent) -> list[str]:
+            nonlocal emitted, num_tokens
+            num_tokens += len(event.token_ids)
             fin = event.finish_reason if event.finished else None
-            if not event.text and fin is None:
-                return []
-            return [R.sse(R.completion_chunk(req.rid, model, event.text, fin))]
+            out = []
+            if event.text or fin is not None or (body.logprobs is not None and event.token_ids):
+                lps = logprobs_of(event.token_ids, event.logprobs, emitted)
+                out.append(R.sse(R.completion_chunk(req.rid, model, event.text, fin, lps)))
+            emitted += len(event.text)
+            if fin is not None and usage_at_end:
+                usage = R.usage(len(req.prompt_ids), num_tokens)
+                out.append(R.sse(R.usage_chunk("text_completion", f"cmpl-{req.rid}", model, usage)))
+            return out
 
         return state.stream(req, fmt)
     return await state.answer(
         req,
-        lambda text, ids, fin: R.completion_body(
-            req.rid, model, text, fin, R.usage(len(req.prompt_ids), len(ids))
+        lambda out: R.completion_body(
+            req.rid,
+            model,
+            out.text,
+            out.finish_reason,
+            R.usage(len(req.prompt_ids), len(out.token_ids)),
+            logprobs_of(out.token_ids, out.logprobs, 0),
         ),
     )
 
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
+    refuse_unsupported(body)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt = state.tokenizer.apply_chat_template(messages)
+    try:
+        prompt = state.tokenizer.encode_chat(messages)
+    except ValueError as err:
+        raise BadRequest(f"messages: {err}") from None
     max_tokens = body.max_completion_tokens or body.max_tokens
     sampling = state.sampling_of(
-        body.temperature, body.top_p, body.top_k, max_tokens, body.seed, body.ignore_eos
+        body.temperature,
+        body.top_p,
+        body.top_k,
+        max_tokens,
+        body.seed,
+        body.ignore_eos,
+        penalties=(body.presence_penalty, body.frequency_penalty, body.repetition_penalty),
+        logprobs=body.num_logprobs,
     )
     req = state.prepare(body.rid, prompt, sampling, body.stop, body, headers=request.headers)
     model = body.model or state.info.model_name
+    usage_at_end = body.stream_options is not None and body.stream_options.include_usage
+
+    def logprobs_of(ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
+        if body.num_logprobs is None:
+            return None
+        return R.chat_logprobs(ids, lps, state.token_text)
+
     if body.stream:
-        first = True
+        first, num_tokens = True, 0
 
         def fmt(event: TokenEvent) -> list[str]:
-            nonlocal first
+            nonlocal first, num_tokens
+            num_tokens += len(event.token_ids)
             out = []
             if first:
                 out.append(R.sse(R.chat_chunk(req.rid, model, {"role": "assistant"}, None)))
                 first = False
-            if event.text:
-                out.append(R.sse(R.chat_chunk(req.rid, model, {"content": event.text}, None)))
+            lps = logprobs_of(event.token_ids, event.logprobs) if event.token_ids else None
+            if event.text or lps is not None:
+                delta = {"content": event.text}
+                out.append(R.sse(R.chat_chunk(req.rid, model, delta, None, lps)))
             if event.finished:
                 out.append(R.sse(R.chat_chunk(req.rid, model, {}, event.finish_reason)))
+                if usage_at_end:
+                    usage = R.usage(len(req.prompt_ids), num_tokens)
+                    chunk = R.usage_chunk(
+                        "chat.completion.chunk", f"chatcmpl-{req.rid}", model, usage
+                    )
+                    out.append(R.sse(chunk))
             return out
 
         return state.stream(req, fmt)
     return await state.answer(
         req,
-        lambda text, ids, fin: R.chat_body(
-            req.rid, model, text, fin, R.usage(len(req.prompt_ids), len(ids))
+        lambda out: R.chat_body(
+            req.rid,
+            model,
+            out.text,
+            out.finish_reason,
+            R.usage(len(req.prompt_ids), len(out.token_ids)),
+            logprobs_of(out.token_ids, out.logprobs),
         ),
     )
 

@@ -66,6 +66,9 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefill_done" | error reason
     error: str | None = None  # set when the request failed; `status` says which HTTP code fits
     status: int = 200
+    # One per token of `token_ids` when the request asked for logprobs (engine
+    # `TokenLogprobs`, or None where unknown); empty otherwise.
+    logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -396,7 +399,8 @@ class EngineService:
         emit_upto = len(full) if finished else _safe_prefix_len(full, tracked.stop_strings)
         delta = full[len(tracked.text) : emit_upto] if emit_upto > len(tracked.text) else ""
         tracked.text += delta
-        self.emit(output.rid, TokenEvent(new_ids, delta, finished, reason))
+        logprobs = list(getattr(output, "new_logprobs", ()))
+        self.emit(output.rid, TokenEvent(new_ids, delta, finished, reason, logprobs=logprobs))
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -167,7 +167,10 @@ class ModelSpec(SpecModel):
     path: str | None = None
     source: ModelSourceSpec | None = None
     # Dtype the engine computes in; float64 makes cross-topology checks exact.
-    compute_dtype: KVDtype = KVDtype.float32
+    # Left out: bfloat16 when a role of the cluster runs on cuda, float32
+    # otherwise (`PDClusterSpec.compute_dtype`: one dtype for every role, so a
+    # prefill and a decode instance always agree).
+    compute_dtype: KVDtype | None = None
     seed: int = Field(default=0, ge=0, description="seed of the built-in tiny model's weights")
 
     @model_validator(mode="after")
@@ -185,9 +188,27 @@ class ModelSpec(SpecModel):
 
 class KVCacheSpec(SpecModel):
     page_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV page")
-    dtype: KVDtype = KVDtype.float32
+    # Left out: the compute dtype (`PDClusterSpec.kv_dtype`).
+    dtype: KVDtype | None = None
     layout: KVLayout = KVLayout.NHD
-    num_pages: int = Field(default=512, ge=2, le=1 << 24, description="KV pages per rank")
+    num_pages: int | None = Field(
+        default=None,
+        ge=2,
+        le=1 << 24,
+        description=(
+            "KV pages per rank; left out: on cuda what fits gpuMemoryUtilization of the GPU "
+            "once the weights are loaded, on cpu 512"
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description=(
+            "share of its GPU a rank may use (weights, KV pool, a step's activations) "
+            "when numPages is left out"
+        ),
+    )
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -319,6 +340,13 @@ class EngineSpec(SpecModel):
         gt=0,
         le=3600,
         description="work pending and no engine step finished this long: engine_stalled",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        description=(
+            "on cuda, replay decode steps from CUDA graphs (one per batch size up to "
+            "maxRunningRequests, captured at start); off: every step launches its kernels"
+        ),
     )
     prefix_cache: bool = Field(
         default=True,
@@ -677,6 +705,20 @@ class PDClusterSpec(SpecModel):
         if scaling is not None and scaling.target.metric is AutoscalingMetric.ttft_p90_seconds:
             return scaling.target.value
         return None
+
+    @property
+    def compute_dtype(self) -> KVDtype:
+        """`model.computeDtype`, or its default: bfloat16 when a role runs on cuda."""
+        if self.model.compute_dtype is not None:
+            return self.model.compute_dtype
+        roles = (self.prefill, self.decode, self.colocated)
+        on_gpu = any(r is not None and r.device == "cuda" for r in roles)
+        return KVDtype.bfloat16 if on_gpu else KVDtype.float32
+
+    @property
+    def kv_dtype(self) -> KVDtype:
+        """`kvCache.dtype`, or the compute dtype."""
+        return self.kv_cache.dtype or self.compute_dtype
 
     def roles(self) -> Iterator[tuple[Role, RoleSpec]]:
         """The roles this cluster has, with their specs (prefill before decode)."""

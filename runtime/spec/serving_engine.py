@@ -185,12 +185,14 @@ def vllm_refusal(spec: PDClusterSpec) -> str | None:
             "Hugging Face id) or from `source`; the built-in tiny model runs on the builtin "
             "engine only"
         )
-    if model.compute_dtype.value == "float64":
+    if spec.compute_dtype.value == "float64":
         return "model.computeDtype: vLLM computes in float32, float16 or bfloat16, not float64"
-    if kv.dtype is not model.compute_dtype:
+    # A KV dtype of its own needs the compute dtype spelled out (and equal): the
+    # default compute dtype depends on the roles' devices, which CEL cannot mirror.
+    if kv.dtype is not None and kv.dtype is not model.compute_dtype:
         return (
             "kvCache.dtype must equal model.computeDtype with engine.kind vllm "
-            "(vLLM keeps the KV cache in the model's dtype)"
+            "(vLLM keeps the KV cache in the model's dtype); leave it out to follow it"
         )
     if kv.layout.value != "NHD":
         return "kvCache.layout: vLLM chooses its own KV layout; leave it NHD"

@@ -145,7 +145,7 @@ def build_vllm_serve(
         "--port",
         str(port),
         "--dtype",
-        model.compute_dtype.value,
+        spec.compute_dtype.value,
         "--block-size",
         str(spec.kv_cache.page_size),
         "--tensor-parallel-size",

@@ -16,6 +16,9 @@ every rank → scheduler (`RankNews`, merged over ranks by vLLM):
     them on every other rank; the decode rank's peer verdicts; the rank's
     counters (rejected frames, drops…) when they changed.
 
+A `GroupOpen` travels whole (`key_chunks` 0, no `GroupPageKeys`): vLLM's
+metadata is no frame of ours, so nothing bounds its size.
+
 Each command names the vLLM request it is about, so a rank can tell vLLM
 which requests finished loading or sending.
 

@@ -119,7 +119,7 @@ class ConnectorScheduler:
     # ------------------------------------------------------------ admin target
     def fail_peer(self, call: FailPeerRequest) -> None:
         with self._lock:
-            self.book.fail_peer(GroupFailPeer(call.peer, call.reason, call.gone))
+            self.book.fail_peer(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
 
     def room_views(self, now: float) -> list[dict[str, Any]]:
         with self._lock:

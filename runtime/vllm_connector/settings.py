@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from pdcluster.runtime.pd.bootstrap_registry import INCARNATION_ENV
 from pdcluster.runtime.spec import AllocationPolicy, Role, TransferBackend, TransferSpec
 from pdcluster.runtime.spec.base import SpecError, SpecModel
 
@@ -48,12 +49,18 @@ class ConnectorSettings(SpecModel):
     # operator or launcher publishes later (PUT /admin/prefill_peers); until
     # then every address is taken as given (a test without a launcher).
     prefill_peers: list[str] | None = Field(default=None, max_length=1024)
+    # Which start of this pod (its uid): registered with the bootstrap server
+    # (prefill) or in the KV layout (decode), so a loss report about this pod
+    # is told from one about its predecessor at the same address. Unset:
+    # `PDCLUSTER_INCARNATION` from the environment (the operator sets it),
+    # else none (local mode).
+    incarnation: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 def load_settings(
     extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> ConnectorSettings:
-    """Checked settings, the advertised host resolved from `env`; SpecError naming
+    """Checked settings, the advertised host and incarnation resolved from `env`; SpecError naming
     the field otherwise."""
     data = dict(extra or {})
     try:
@@ -71,6 +78,8 @@ def load_settings(
         pod_ip = (env or {}).get("POD_IP")
         fallback = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         settings = settings.model_copy(update={"advertise_host": pod_ip or fallback})
+    if settings.incarnation is None and (env or {}).get(INCARNATION_ENV):
+        settings = settings.model_copy(update={"incarnation": (env or {})[INCARNATION_ENV]})
     if settings.transfer.allocation_policy is not AllocationPolicy.early:
         raise SpecError(
             "kv_connector_extra_config.transfer.allocationPolicy: vLLM allocates a decode "

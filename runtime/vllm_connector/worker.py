@@ -152,6 +152,7 @@ class ConnectorWorker:
             advertise_host=advertise,
             bootstrap_address=BootstrapAddress(f"{advertise}:{settings.side_port}"),
             curve=settings.zmq_curve,
+            incarnation=settings.incarnation,
         )
         agent: Any
         if facts.role is Role.prefill:

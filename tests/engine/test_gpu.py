@@ -88,3 +88,62 @@ def test_bfloat16_on_cuda_is_deterministic() -> None:
     # to its 16 tokens, or stopped early on EOS.
     for tokens, reason in first.values():
         assert (reason, len(tokens)) == ("length", 16) or (reason == "stop" and tokens), first
+
+
+BF16 = dataclasses.replace(CUDA64, compute_dtype="bfloat16", kv_dtype="bfloat16", page_size=16)
+
+
+def test_bfloat16_on_cuda_attends_through_the_fused_varlen_kernel() -> None:
+    from pdcluster.runtime.engine.attention import VarlenAttention
+
+    engine = LLMEngine(BF16)
+    assert isinstance(engine.runner.model.attention, VarlenAttention)
+    assert engine.runner.graphs is not None  # decode steps replay captured graphs
+
+
+def test_a_captured_decode_step_matches_the_eager_step() -> None:
+    from pdcluster.runtime.engine.kv_pool import KVPool
+
+    runner = LLMEngine(BF16).runner
+    graphs, model = runner.graphs, runner.model
+    assert graphs is not None
+    prompts = [TOK.encode(t) for t in ("one", "two words", "a third, longer prompt")]
+    chunks = []
+    for i, prompt in enumerate(prompts):
+        table = list(range(i * 4, i * 4 + 4))
+        batch = build_forward_batch([(prompt, 0, table)], 16, "cuda", varlen=True)
+        model.forward(batch, runner.pool, model.embed(batch.token_ids))
+        chunks.append(([65], len(prompt), table))
+    eager_pool = KVPool(runner.pool.shape, device="cuda")
+    eager_pool.buffer.copy_(runner.pool.buffer)
+    got = graphs.run(chunks).float()  # three rows replay the size-4 graph
+    batch = build_forward_batch(chunks, 16, "cuda", varlen=True)
+    want = model.logits(model.forward(batch, eager_pool, model.embed(batch.token_ids))).float()
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    # The padding row wrote the third row's K/V into its slot: the pools agree.
+    assert torch.allclose(runner.pool.buffer.float(), eager_pool.buffer.float(), atol=1e-2)
+
+
+def test_graphs_on_or_off_the_engine_is_deterministic() -> None:
+    on = generate(LLMEngine(BF16), REQUESTS)
+    assert on == generate(LLMEngine(BF16), REQUESTS)
+    off = generate(LLMEngine(dataclasses.replace(BF16, cuda_graphs=False)), REQUESTS)
+    assert all(len(tokens) == len(off[rid][0]) for rid, (tokens, _) in on.items())
+
+
+def test_the_sampler_draws_on_cuda_what_it_draws_on_the_cpu() -> None:
+    from pdcluster.runtime.engine.sampler import SampleSpec, sample
+
+    logits = torch.randn(8, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    specs = [
+        SampleSpec(SamplingParams(temperature=0.7, top_p=0.9 if i % 2 else 1.0), 3, i)
+        for i in range(8)
+    ]
+    assert sample(logits.cuda(), specs).tokens == sample(logits, specs).tokens
+
+
+def test_a_pool_without_num_pages_fills_its_share_of_the_gpu() -> None:
+    engine = LLMEngine(dataclasses.replace(BF16, num_pages=None, gpu_memory_utilization=0.5))
+    free, total = torch.cuda.mem_get_info()
+    assert engine.num_total_pages > 64
+    assert total - free <= 0.5 * total + (256 << 20)  # within the share (allocator slack)

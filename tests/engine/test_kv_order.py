@@ -62,13 +62,15 @@ def test_every_order_reads_back_what_it_wrote(axes):
     shape = KVPoolShape(3, 5, 4, 3, 2, "float32", KVOrder(axes))
     pool = KVPool(shape)
     gen = torch.Generator().manual_seed(0)
-    slots = torch.tensor([0, 5, 6, 7, 19, 12])
-    k = torch.randn(6, 3, 2, generator=gen)
-    v = torch.randn(6, 3, 2, generator=gen)
+    slots = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])  # pages 0 and 3, whole
+    k = torch.randn(8, 3, 2, generator=gen)
+    v = torch.randn(8, 3, 2, generator=gen)
     pool.write(2, slots, k, v)
     got_k, got_v = pool.read(2, slots)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    assert torch.equal(pool.read_kv(2, slots.view(2, 3)), torch.stack([k, v]).view(2, 2, 3, 3, 2))
+    pages = pool.read_pages(2, torch.tensor([[3, 0]]))  # [2, 1, 2, page, H, D]
+    assert torch.equal(pages[:, 0, 0], torch.stack([k[4:], v[4:]]))
+    assert torch.equal(pages[:, 0, 1], torch.stack([k[:4], v[:4]]))
     frame = pool.gather_tokens([2], slots, slice(1, 3))  # [1, 2, n, 2, D]
     other = KVPool(shape)
     other.scatter_tokens([0], slots, frame, slice(0, 2))

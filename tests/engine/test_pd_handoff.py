@@ -8,6 +8,7 @@ differ.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,27 @@ DECODE = dataclasses.replace(PREFILL, page_size=16, kv_layout=KVLayout.HND, num_
 SAMPLINGS = {
     "greedy": SamplingParams(max_tokens=10, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, top_k=50, seed=77),
-}
+    # Penalties read the output so far; logprobs of the first token come from prefill.
+    "penalised-logprobs": SamplingParams(
+        max_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5,
+        frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.3, logprobs=3,
+    ),
+}  # fmt: skip
 
 
-def _handoff(prompt: list[int], params: SamplingParams) -> tuple[list[int], LLMEngine, LLMEngine]:
+def _with_logprobs(engine: LLMEngine, req: EngineRequest | None = None) -> list[Any]:
+    """Step until idle; (token, logprobs) of every output of the request(s)."""
+    if req is not None:
+        engine.add_request(req)
+    out: list[Any] = []
+    while engine.has_work():
+        for o in engine.step():
+            lps = o.new_logprobs or [None] * len(o.new_token_ids)
+            out.extend(zip(o.new_token_ids, lps, strict=True))
+    return out
+
+
+def _handoff(prompt: list[int], params: SamplingParams) -> tuple[list[Any], LLMEngine, LLMEngine]:
     prefill, decode = LLMEngine(PREFILL), LLMEngine(DECODE)
     chunks: list[tuple[int, int]] = []
     prefill.on_prefill_chunk = lambda rid, pages, start, end: chunks.append((start, end))
@@ -42,6 +60,8 @@ def _handoff(prompt: list[int], params: SamplingParams) -> tuple[list[int], LLME
     assert len(outputs) == 1 and outputs[0].finished
     assert outputs[0].finish_reason == "prefill_done"
     first_token = outputs[0].new_token_ids[0]
+    first_logprobs = outputs[0].new_logprobs[0] if outputs[0].new_logprobs else None
+    assert (first_logprobs is None) == (params.logprobs is None)
     assert chunks[0][0] == 0 and chunks[-1][1] == len(prompt)
 
     # The pages stay held for the transfer, even across an abort.
@@ -62,29 +82,44 @@ def _handoff(prompt: list[int], params: SamplingParams) -> tuple[list[int], LLME
     prefill.release("room-1")
     assert prefill.num_free_pages == PREFILL.num_pages
 
-    decode.add_request(
-        EngineRequest(
-            "room-1",
-            prompt,
-            params,
-            mode="prefilled",
-            page_table=dst_table,
-            first_token=first_token,
-        )
+    request = EngineRequest(
+        "room-1",
+        prompt,
+        params,
+        mode="prefilled",
+        page_table=dst_table,
+        first_token=first_token,
+        first_logprobs=first_logprobs,
     )
-    tokens, reason = generate(decode, [])["room-1"]
-    assert reason == "length"
-    return tokens, prefill, decode
+    decoded = [*_report_first(decode, request), *_with_logprobs(decode)]
+    return decoded, prefill, decode
+
+
+def _report_first(decode: LLMEngine, request: EngineRequest) -> list[Any]:
+    decode.add_request(request)
+    return [
+        pair
+        for o in decode.report_first_token(request.rid)
+        for pair in zip(o.new_token_ids, o.new_logprobs or [None], strict=False)
+    ]
 
 
 @pytest.mark.parametrize("kind", sorted(SAMPLINGS))
 def test_prefill_then_decode_equals_a_normal_run(kind: str) -> None:
     params = SAMPLINGS[kind]
     prompt = TOK.encode("Disaggregated serving moves the KV cache between instances.")
-    tokens, _, decode = _handoff(prompt, params)
-    normal = generate(LLMEngine(PREFILL), [EngineRequest("n", prompt, params)])["n"][0]
-    assert tokens == normal
-    assert len(tokens) == params.max_tokens
+    decoded, _, decode = _handoff(prompt, params)
+    normal = _with_logprobs(LLMEngine(PREFILL), EngineRequest("n", prompt, params))
+    assert [t for t, _ in decoded] == [t for t, _ in normal]
+    assert len(decoded) == params.max_tokens
+    for (_, got), (_, want) in zip(decoded, normal, strict=True):
+        if params.logprobs is None:
+            assert got is None and want is None
+            continue
+        # The first token's come from the prefill engine, the rest from decode's
+        # pages (another page size and layout): equal up to float rounding.
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
     assert decode.num_free_pages == decode.num_total_pages
 
 

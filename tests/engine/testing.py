@@ -29,8 +29,14 @@ _CORPUS = [
 ]
 
 
-def _train_tokenizer(path: Path, vocab_size: int) -> int:
-    """Byte-level BPE with <s>/</s> specials; returns its vocabulary size."""
+def _train_tokenizer(
+    path: Path,
+    vocab_size: int,
+    specials: Sequence[str] = ("<s>", "</s>"),
+    bos: str | None = "<s>",
+) -> int:
+    """Byte-level BPE with `specials` (the first ids); a prompt opens with `bos` when
+    one is given. Returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -38,18 +44,73 @@ def _train_tokenizer(path: Path, vocab_size: int) -> int:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )
     tok.save(str(path))
     size: int = tok.get_vocab_size(with_added_tokens=True)
     return size
+
+
+# Chat formats written the way the two families' templates lay a conversation
+# out: Llama 3 opens with BOS (its tokenizer also adds one to a plain prompt),
+# Qwen2 has no BOS and adds a default system turn.
+CHAT_STYLES: dict[str, dict[str, Any]] = {
+    "llama3": {
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                     "<|end_header_id|>", "<|eot_id|>"],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "template": (
+            "{{ bos_token }}"
+            "{% for turn in messages %}"
+            "<|start_header_id|>{{ turn['role'] }}<|end_header_id|>\n\n"
+            "{{ turn['content'] | trim }}<|eot_id|>"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "{% endif %}"
+        ),
+    },
+    "qwen2": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None,
+        "eos": "<|im_end|>",
+        "template": (
+            "{% for turn in messages %}"
+            "{% if loop.first and turn['role'] != 'system' %}"
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "{% endif %}"
+            "<|im_start|>{{ turn['role'] }}\n{{ turn['content'] }}<|im_end|>\n"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    },
+}  # fmt: skip
+
+
+def write_chat_tokenizer(directory: str | Path, style: str) -> Path:
+    """tokenizer.json and tokenizer_config.json (with its chat template) of one of
+    `CHAT_STYLES`, loadable by transformers' AutoTokenizer too."""
+    chat = CHAT_STYLES[style]
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(root / "tokenizer.json", 300, chat["specials"], chat["bos"])
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": chat["bos"],
+        "eos_token": chat["eos"],
+        "chat_template": chat["template"],
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return root
 
 
 def write_tokenizer_dir(directory: str | Path, vocab_size: int = 300) -> Path:
@@ -108,9 +169,15 @@ def write_random_hf_dir(
     tensors = tiny_tensors(from_hf_config(raw), seed)
     names = sorted(tensors)
     half = len(names) // 2
+    weight_map = {}
     for i, part in enumerate((names[:half], names[half:])):
         shard = {n: tensors[n].to(torch.float32).contiguous() for n in part}
-        save_file(shard, str(root / f"model-{i + 1:05d}-of-00002.safetensors"))
+        filename = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(shard, str(root / filename))
+        weight_map.update(dict.fromkeys(part, filename))
+    # The index a sharded checkpoint ships with (transformers reads it; we glob).
+    index = {"metadata": {}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return root
 
 

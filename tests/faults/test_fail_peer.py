@@ -63,12 +63,15 @@ JSON_VALUES = st.recursive(
         ({"peer": "10.0.0.7", "reason": "decode_pod_lost", "gone": True}, None),
         ({"peer": "10.0.0.7", "reason": "prefill_pod_lost", "gone": False}, None),
         ({"peer": "tcp://10.0.0.7:5555", "gone": False, "extra": 1}, None),
+        ({"peer": "10.0.0.7", "gone": True, "incarnation": "3f2c-uid"}, None),
     ],
 )
 def test_good_bodies_parse(body: dict[str, Any], want: FailPeerRequest | None) -> None:
     got = parse_fail_peer(body)
     if want is None:
-        want = FailPeerRequest(body["peer"], body.get("reason", "peer_lost"), body["gone"])
+        want = FailPeerRequest(
+            body["peer"], body.get("reason", "peer_lost"), body["gone"], body.get("incarnation")
+        )
     assert got == want
     assert parse_fail_peer(got.to_json()) == got
 
@@ -87,6 +90,9 @@ def test_good_bodies_parse(body: dict[str, Any], want: FailPeerRequest | None) -
         ({"peer": "p", "gone": 1}, 400, "gone must be true or false"),
         ({"peer": "p", "gone": None}, 400, "gone must be true or false"),
         ({"peer": "p", "gone": [False]}, 400, "gone must be true or false"),
+        ({"peer": "p", "incarnation": 7}, 400, "incarnation must be a string"),
+        ({"peer": "p", "incarnation": ""}, 400, "incarnation must be a string"),
+        ({"peer": "p", "incarnation": "u" * 129}, 400, "incarnation must be a string"),
     ],
 )
 def test_bad_bodies_are_refused_with_a_reason(body: Any, status: int, words: str) -> None:
@@ -110,9 +116,12 @@ def test_only_a_json_boolean_is_a_gone_flag(gone: Any) -> None:
     peer=st.text(min_size=1, max_size=256),
     reason=st.text(max_size=256),
     gone=st.booleans(),
+    incarnation=st.none() | st.text(min_size=1, max_size=128),
 )
-def test_what_is_sent_is_what_is_parsed(peer: str, reason: str, gone: bool) -> None:
-    call = FailPeerRequest(peer, reason, gone)
+def test_what_is_sent_is_what_is_parsed(
+    peer: str, reason: str, gone: bool, incarnation: str | None
+) -> None:
+    call = FailPeerRequest(peer, reason, gone, incarnation)
     assert parse_fail_peer(call.to_json()) == call
 
 

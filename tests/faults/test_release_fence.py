@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 
+from pdcluster.runtime.pd import messages as pdmsg
+from pdcluster.runtime.pd.kvpoll import KVPoll
 from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupMessage
 from pdcluster.runtime.transfer import tcp
-from tests.faults.decode_rig import PAGE_SIZE, PREFILL_PEER, DecodeRig
+from tests.faults.decode_rig import PAGE_SIZE, PREFILL_PEER, RANK, DecodeRig
 
 LATE = 7.0  # the failed room's frame: every float of it is 7.0
 POISON = 0x5A  # the next owner's bytes
@@ -102,3 +104,53 @@ def test_released_waits_for_the_write_in_flight(
     assert got == dict.fromkeys(pages, want)
     assert released_at >= held_scatter.returned_at
     assert rig.agent.counts()["release_fenced"] == 1
+
+
+class HeldSecondScatter(HeldScatter):
+    """Lets the first scatter through; holds the second until `finish` is set."""
+
+    def __init__(self, real: Callable[..., None]) -> None:
+        super().__init__(real)
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.real(*args)
+            return
+        super().__call__(*args)
+
+
+def test_complete_waits_for_a_frame_still_landing_in_the_rooms_pages(
+    rig: DecodeRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every source said Success, yet a frame of the room (one its source sent
+    after the Success) is still being scattered: nothing is concluded before it
+    returned, and then the byte count sees the extra frame and fails the room
+    rather than hand the engine pages that a late write changed."""
+    held = HeldSecondScatter(tcp.scatter_bytes)
+    monkeypatch.setattr(tcp, "scatter_bytes", held)
+    room, pages = 4102, [5, 12]
+    meta = rig.open_room(room, "rid-landing", pages, num_tokens=2 * PAGE_SIZE)
+    rig.send_frame(meta, 0, 2 * PAGE_SIZE, 1.0)
+    rig.send_frame(meta, 0, PAGE_SIZE, LATE)
+    try:
+        assert held.entered.wait(5), "the second frame never reached the scatter"
+        # The Success was read before that frame and waited for the agent
+        # (handed to its thread, not run on the I/O thread that scatters).
+        success = pdmsg.Status(
+            room=room, generation=meta.generation, rank=RANK, state=KVPoll.Success, first_token=1
+        )
+        sender = rig.prefill.address
+        rig.agent.post(lambda: rig.agent.on_message(success, time.monotonic(), sender))
+        assert rig.poll_report(room, "complete", timeout=0.5) is None
+        assert not rig.has_report(room, "failed")
+    finally:
+        held.finish.set()
+    assert held.returned.wait(5)
+    failed_at, failed = rig.wait_report(room, "failed")
+    assert failed_at >= held.returned_at
+    assert failed.reason == "incomplete_transfer: received 3072 of 2048 KV bytes"
+    assert not rig.has_report(room, "complete")
+    assert rig.agent.counts()["complete_fenced"] == 1
+    rig.wait_report(room, "released")

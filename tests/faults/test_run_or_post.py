@@ -173,9 +173,9 @@ def test_a_peer_message_to_an_idle_agent_is_handled_on_the_endpoint_thread(
     handled_on: list[tuple[str, str]] = []
     on_message = rig.agent.on_message
 
-    def recording(msg: object, now: float) -> None:
+    def recording(msg: object, now: float, sender: str | None = None) -> None:
         handled_on.append((type(msg).__name__, threading.current_thread().name))
-        on_message(msg, now)
+        on_message(msg, now, sender)
 
     rig.agent.on_message = recording  # type: ignore[method-assign]
     meta = rig.open_room(21, "rid-21", [4, 5], num_tokens=8)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pdcluster.operator.api import RoleScalerSpec
 from pdcluster.operator.autoscale.scaler_sync import (
     Changed,
+    GpuBudget,
     SyncReason,
     changed_since,
     compute_scaler_sync,
@@ -208,3 +209,44 @@ def test_a_scale_write_then_a_cluster_write_each_reach_the_other_side() -> None:
         scaler = sync.scaler_replicas if sync.scaler_replicas is not None else scaler
         synced = sync.synced
         assert cluster == scaler == want
+
+
+@given(
+    synced=st.none() | st.integers(0, 8),
+    cluster=st.integers(0, 8),
+    scaler=st.integers(0, 12),
+    total=st.integers(1, 16),
+    per_instance=st.integers(1, 4),
+    others=st.integers(0, 16),
+    bounded=st.booleans(),
+)
+def test_a_value_from_the_scaler_never_spends_gpus_the_budget_forbids(
+    synced: int | None,
+    cluster: int,
+    scaler: int,
+    total: int,
+    per_instance: int,
+    others: int,
+    bounded: bool,
+) -> None:
+    """Taken from the scaler, the replicas fit maxTotalGPUs beside the other roles,
+    or are no more than the PDCluster already had; the cluster's own value is
+    never cut by the budget here (the planner scales down)."""
+    budget = GpuBudget(total, per_instance, others)
+    autoscaling = BOUNDED if bounded else None
+    changed = changed_since(synced, cluster, scaler)
+    sync = compute_scaler_sync(P, cluster, scaler, synced, autoscaling, budget)
+    unbudgeted = compute_scaler_sync(P, cluster, scaler, synced, autoscaling)
+
+    def fits(replicas: int) -> bool:
+        return replicas * per_instance + others <= total
+
+    moved = changed in (Changed.scaler, Changed.both)  # the scaler's value is taken
+
+    assert sync.synced <= unbudgeted.synced
+    if moved:
+        assert fits(sync.synced) or sync.synced <= cluster
+    if fits(unbudgeted.synced) or unbudgeted.synced <= cluster or not moved:
+        assert sync == unbudgeted  # nothing to hold back
+    else:
+        assert sync.reason is SyncReason.clamped and sync.events[-1].reason == "ReplicasClamped"

@@ -36,6 +36,7 @@ AUTO = {
     "target": {"metric": "ttftP90Seconds", "value": 0.5},
 }
 SPEC: dict[str, Any] = {"prefill": {"replicas": 2, "autoscaling": AUTO}, "decode": {}}
+REF = make_cluster(SPEC).ref
 
 
 def scaler_obj(replicas: int, synced: int | None, role: Role = P) -> dict[str, Any]:
@@ -57,7 +58,7 @@ def test_targets_are_the_ready_leader_pods_of_the_asked_roles() -> None:
         pod(P, 1, "127.0.0.11"),
         pod(D, 0, "127.0.0.12"),
     ]
-    targets = scrape_targets(pods, "demo", [P])
+    targets = scrape_targets(pods, REF, [P])
     names = sorted(p["metadata"]["name"] for p in pods[:2])
     assert sorted(targets[P]) == names
     assert sorted(targets[P].values()) == [
@@ -81,11 +82,11 @@ def test_not_ready_deleting_addressless_foreign_and_follower_pods_are_no_targets
         other_cluster,
         {"metadata": {"name": "junk"}},
     ]
-    assert scrape_targets(pods, "demo", [P, D]) == {P: {}, D: {}}
+    assert scrape_targets(pods, REF, [P, D]) == {P: {}, D: {}}
 
 
 def test_a_pods_http_port_annotation_is_used() -> None:
-    targets = scrape_targets([pod(P, 0, "127.0.0.10", http_port=9100)], "demo", [P])
+    targets = scrape_targets([pod(P, 0, "127.0.0.10", http_port=9100)], REF, [P])
     assert list(targets[P].values()) == ["http://127.0.0.10:9100/metrics"]
 
 
@@ -96,13 +97,28 @@ def test_existing_instances_count_instances_not_being_deleted() -> None:
         deleting(pod(P, 2, "127.0.0.12")),
         pod(D, 0, None, phase="Pending", ready=False),
     ]
-    assert existing_instances(pods, "demo") == {P: 2, D: 1}
-    assert existing_instances([], "demo") == {}
+    assert existing_instances(pods, REF) == {P: 2, D: 1}
+    assert existing_instances([], REF) == {}
 
 
 def test_token_secret_is_read_from_a_worker_pod() -> None:
-    assert token_secret([pod(P, 0, "127.0.0.10")], "demo") == "demo-token"
-    assert token_secret([], "demo") is None
+    assert token_secret([pod(P, 0, "127.0.0.10")], REF) == "demo-token"
+    assert token_secret([], REF) is None
+
+
+def test_pods_another_pdcluster_controls_are_not_the_clusters() -> None:
+    """Labels alone do not make a pod the cluster's: its controller owner's uid must
+    be the PDCluster's, or its Secret and its /metrics would get the cluster token."""
+    other = pod(P, 0, "127.0.0.20")
+    other["metadata"]["ownerReferences"][0]["uid"] = "uid-another-pdcluster"
+    other["spec"]["volumes"] = [
+        {**v, "secret": {**v["secret"], "secretName": "someone-elses"}} if "secret" in v else v
+        for v in other["spec"]["volumes"]
+    ]
+    assert scrape_targets([other], REF, [P]) == {P: {}}
+    assert existing_instances([other], REF) == {}
+    assert token_secret([other], REF) is None
+    assert token_secret([other, pod(P, 1, "127.0.0.21")], REF) == "demo-token"
 
 
 # ---------------------------------------------------------------- scaler plans
@@ -149,6 +165,44 @@ def test_both_edited_the_scaler_wins_with_an_event() -> None:
     plan = plan_scaler(make_cluster(SPEC), P, scaler_obj(1, synced=3), existing=2)
     assert (plan.sync.cluster_replicas, plan.sync.scaler_replicas) == (1, None)
     assert [e.reason for e in plan.sync.events] == ["ReplicasConflict"]
+
+
+# maxTotalGPUs 4: prefill autoscales 1..2 (tp2: 2 GPUs an instance), decode is left alone.
+BUDGETED: dict[str, Any] = {
+    "autoscaling": {"maxTotalGPUs": 4},
+    "prefill": {"replicas": 1, "topology": {"tp": 2}, "autoscaling": {**AUTO, "maxReplicas": 1}},
+    "decode": {"replicas": 1},
+}
+
+
+def budgeted_scaler(role: Role, replicas: int, synced: int) -> dict[str, Any]:
+    obj = copy.deepcopy(build_role_scaler(make_cluster(BUDGETED), role))
+    obj["spec"]["replicas"], obj["status"] = replicas, {"syncedReplicas": synced}
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("scaled_to", "taken"),
+    [(5, 2), (2, 2), (1, 1), (0, 0)],
+)
+def test_kubectl_scale_of_a_role_never_takes_the_cluster_past_max_total_gpus(
+    scaled_to: int, taken: int
+) -> None:
+    """prefill holds 2 of the 4 GPUs: decode (1 GPU an instance) may grow to 2."""
+    plan = plan_scaler(make_cluster(BUDGETED), D, budgeted_scaler(D, scaled_to, 1), existing=1)
+    assert plan.sync.synced == taken
+    assert plan.sync.cluster_replicas == (None if taken == 1 else taken)
+    if scaled_to > taken:
+        assert plan.sync.scaler_replicas == taken
+        assert plan.sync.reason is SyncReason.clamped
+        (event,) = plan.sync.events
+        assert event.reason == "ReplicasClamped"
+        assert event.message == (
+            f"decode: replicas {scaled_to} from the scaler would need {scaled_to} GPUs with "
+            f"2 held by the other roles, over autoscaling.maxTotalGPUs (4): set to {taken}"
+        )
+    else:
+        assert plan.sync.scaler_replicas is None and plan.sync.events == ()
 
 
 def test_a_scaler_with_a_lost_status_takes_the_clusters_replicas() -> None:

@@ -86,18 +86,32 @@ class RecordingAdmin(AdminClient):
 
     def __init__(self) -> None:  # no HTTP client: nothing is sent
         self.calls: list[tuple[str, str, bool]] = []
+        self.incarnations: list[str | None] = []
 
     async def aclose(self) -> None:
         return None
 
     async def fail_peer(
-        self, base_url: str, token: str | None, peer: str, reason: str, *, gone: bool = True
+        self,
+        base_url: str,
+        token: str | None,
+        peer: str,
+        reason: str,
+        *,
+        gone: bool = True,
+        incarnation: str | None = None,
     ) -> AdminResult:
         self.calls.append((peer, reason, gone))
+        self.incarnations.append(incarnation)
         return AdminResult(base_url, True, 200)
 
     async def failures(self, base_url: str, token: str | None) -> dict[str, int] | None:
         return {}
+
+    async def prefill_peers(
+        self, base_url: str, token: str | None, peers: list[Any]
+    ) -> AdminResult:
+        return AdminResult(base_url, True, 200)
 
 
 def make_failover(admin: AdminClient, grace_s: float = 0.0) -> tuple[FakeApi, Failover]:

@@ -385,15 +385,16 @@ def follower_pod(role: Role, ip: str, leader_ip: str) -> dict[str, Any]:
     return pod
 
 
-def test_a_lost_non_leader_pod_is_named_by_its_leader_and_only_leaders_are_told() -> None:
+def test_a_lost_non_leader_pod_is_named_precisely_and_only_leaders_are_told() -> None:
     prefill_leader = facts(worker_pod(Role.prefill, spec=TWO_POD, ip="127.0.0.10"))
     prefill_other = facts(follower_pod(Role.prefill, "127.0.0.11", "127.0.0.10"))
     decode_leader = facts(worker_pod(Role.decode, spec=TWO_POD, ip="127.0.0.20"))
     decode_other = facts(follower_pod(Role.decode, "127.0.0.21", "127.0.0.20"))
     # Decode knows a prefill instance by its leader's bootstrap server; prefill
-    # knows a decode instance by its leader's address.
+    # knows a decode pod's ranks by that pod's own address (its leader's names
+    # none of them: its ranks would never be forgotten).
     assert prefill_other.peer == prefill_leader.peer == "127.0.0.10:8998"
-    assert decode_other.peer == "127.0.0.20"
+    assert decode_other.peer == "127.0.0.21"
     index = PodIndex()
     every = [prefill_leader, prefill_other, decode_leader, decode_other]
     for pod in every:

@@ -177,6 +177,8 @@ def test_our_connector_opens_its_side_port_and_reads_the_token_file(role: Role) 
     assert kv["kv_connector_extra_config"]["sidePort"] == 8998
     env = env_of(container)
     assert env["PDCLUSTER_TOKEN_FILE"] == TOKEN_FILE
+    # Registered by the connector, so the fast path's reports name this start.
+    assert env["PDCLUSTER_INCARNATION"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
     annotations = pod["metadata"]["annotations"]
     assert annotations[names.ANNOTATION_BOOTSTRAP_PORT] == "8998"

@@ -171,11 +171,12 @@ class Net:
 
     def receive(self, channel: tuple[str, str], now: float) -> list[A.Action]:
         """Hand the channel's next frame to its target; the raw actions, unhandled."""
-        _, target = channel
+        origin, target = channel
         frame = self.wires[channel].popleft()
         if target in self.dead:
             return []
-        return self.by_endpoint[target].on_message(decode(frame), now)
+        # The channel is the connection: its origin is the sender it proves.
+        return self.by_endpoint[target].on_message(decode(frame), now, origin)
 
     def deliver(self, channel: tuple[str, str], now: float) -> list[A.Action]:
         return self.handle(channel[1], self.receive(channel, now))

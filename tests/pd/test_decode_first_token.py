@@ -44,7 +44,7 @@ def _agent() -> Any:
     ctx = SimpleNamespace(
         room_settings=RoomSettings(),
         stats={},
-        compat=SimpleNamespace(kv_dtype="float32"),
+        compat=SimpleNamespace(kv_dtype="float32", transfer_backend="tcp"),
         num_layers=1,
         num_kv_heads=1,
         head_dim=1,

@@ -105,6 +105,15 @@ messages = st.one_of(
         reason=st.none() | text,
         first_token=st.none() | st.integers(0, (1 << 31) - 1),
         checksum=st.none() | st.integers(0, m.MAX_ROOM),
+        first_logprobs=st.none()
+        | st.builds(
+            m.FirstLogprobs,
+            logprob=st.floats(max_value=0.0, allow_nan=False),
+            top=st.lists(
+                st.tuples(st.integers(0, (1 << 31) - 1), st.floats(max_value=0.0, allow_nan=False)),
+                max_size=m.MAX_TOP_LOGPROBS,
+            ).map(tuple),
+        ),
     ),
     st.builds(m.AbortAck, room=rooms, rank=ranks, generation=rooms),
 )
@@ -211,6 +220,15 @@ def test_layout_with_empty_ranges_is_invalid() -> None:
     assert isinstance(m.decode(_frame(good)), m.KVLayoutRegister)
     with pytest.raises(m.ProtocolError, match="empty layer range"):
         m.decode(_frame({**good, "layer_end": 0}))
+
+
+def test_first_logprobs_are_bounded_and_optional() -> None:
+    too_many = {"logprob": -1.0, "top": [[1, -1.0]] * (m.MAX_TOP_LOGPROBS + 1)}
+    with pytest.raises(m.ProtocolError):
+        m.decode(_frame({**GOOD_STATUS, "first_logprobs": too_many}))
+    # A Status from a peer that sends none decodes as before.
+    status = m.decode(_frame(GOOD_STATUS))
+    assert isinstance(status, m.Status) and status.first_logprobs is None
 
 
 def test_a_status_never_carries_payload_bytes() -> None:

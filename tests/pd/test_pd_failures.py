@@ -337,6 +337,34 @@ def test_status_from_unknown_source_and_old_generation_are_dropped() -> None:
     assert table.state(ROOM) is KVPoll.WaitingForInput
 
 
+@pytest.mark.parametrize("failed_first", [False, True], ids=["live", "failed"])
+@pytest.mark.parametrize("kind", ["status", "ack"])
+def test_a_source_message_from_another_connection_is_dropped(kind: str, failed_first: bool) -> None:
+    """Status and AbortAck name their source by rank; only that source's endpoint
+    may send them (a peer with the token proves itself, not another rank)."""
+    net = started(Net(settings=S))
+    table = net.decode[D0]
+    gen = table.generation(ROOM)
+    if failed_first:
+        net.handle(d_endpoint(D0), table.abort(ROOM, "client_disconnected", 1.0))
+    forged: Status | AbortAck = (
+        Status(room=ROOM, generation=gen, rank=P0, state=KVPoll.Success, first_token=3)
+        if kind == "status"
+        else AbortAck(room=ROOM, rank=P0, generation=gen)
+    )
+    name = type(forged).__name__
+    assert table.on_message(forged, 1.0, "tcp://10.9.9.9:1") == [
+        A.Dropped(ROOM, name, "wrong_sender")
+    ]
+    assert table.state(ROOM) is (KVPoll.Failed if failed_first else KVPoll.WaitingForInput)
+    assert ROOM in table  # nothing concluded, no page released
+    if failed_first and kind == "ack":
+        # From the source's own connection the same ack releases the pages.
+        assert table.on_message(forged, 1.0, p_endpoint(P0)) == [
+            A.ReleasePages(ROOM, RID, (10, 11), "drained")
+        ]
+
+
 def test_second_endpoint_for_one_decode_rank_is_refused() -> None:
     net = started(Net(settings=S))
     intruder = "tcp://127.0.0.9:9999"

@@ -7,7 +7,7 @@ import pytest
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.coords import InstanceShape, RankCoord
 from pdcluster.runtime.pd.kvpoll import KVPoll
-from pdcluster.runtime.pd.messages import KVLayoutRegister
+from pdcluster.runtime.pd.messages import FirstLogprobs, KVLayoutRegister
 from pdcluster.runtime.pd.topology import ModelShape
 
 from .sim import Net, d_endpoint, p_endpoint
@@ -34,9 +34,27 @@ def test_early_happy_path_one_to_one() -> None:
     net.pump(0.2)
     done = net.actions(d_endpoint(D0), A.TransferComplete)
     assert done == [A.TransferComplete(ROOM, RID, (3, 4, 5), 42, ((D0, 1234),))]
+    assert done[0].first_logprobs is None  # the request asked for none
     assert net.actions(p_endpoint(D0), A.ReleaseSource) == [A.ReleaseSource(ROOM, RID)]
     assert len(net.prefill[D0]) == 0 and len(net.decode[D0]) == 0
     assert net.actions(d_endpoint(D0), A.RoomFailed) == []
+
+
+def test_the_first_tokens_logprobs_travel_with_success() -> None:
+    net = Net()
+    net.open_decode(ROOM, RID, now=0.0)
+    net.open_prefill(ROOM, RID, num_tokens=10, now=0.0)
+    net.assign(ROOM, [3, 4, 5], now=0.1)
+    net.pump(0.1)
+    logprobs = FirstLogprobs(-0.25, ((42, -0.25), (7, -1.5)))
+    table = net.prefill[D0]
+    origin = p_endpoint(D0)
+    net.handle(origin, table.writes_enqueued(ROOM, 1, 0.2))
+    net.handle(origin, table.writes_done(ROOM, 1, True, 0.2))
+    net.handle(origin, table.finish_sending(ROOM, 42, None, 0.2, first_logprobs=logprobs))
+    net.pump(0.2)
+    (done,) = net.actions(d_endpoint(D0), A.TransferComplete)
+    assert (done.first_token, done.first_logprobs) == (42, logprobs)
 
 
 def test_metadata_before_prefill_leg_waits_for_it() -> None:

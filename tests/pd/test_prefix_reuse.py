@@ -171,9 +171,8 @@ def test_a_version_2_peer_fails_the_handshake_naming_both_versions() -> None:
     # What a version-2 prefill publishes has no protocol_version field.
     old = msgspec.json.decode(msgspec.json.encode(fields), type=CompatInfo)
     ours = CompatInfo(**fields, protocol_version=PROTOCOL_VERSION)  # type: ignore[arg-type]
-    with pytest.raises(
-        CompatError, match=f"protocol_version mismatch: prefill=2, decode={PROTOCOL_VERSION}"
-    ):
+    want = f"protocol_version mismatch: prefill=2, decode={PROTOCOL_VERSION}"
+    with pytest.raises(CompatError, match=want):
         check_compat(old, ours, ours_name="prefill", theirs_name="decode")
 
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from pdcluster.runtime.engine.engine import EngineRequest, LLMEngine
 from pdcluster.runtime.engine.engine_config import engine_config_from_spec
+from pdcluster.runtime.engine.pool_sizing import DEFAULT_CPU_PAGES
 from pdcluster.runtime.engine.sampling import SamplingParams
 from pdcluster.runtime.engine.topology import ParallelConfig
 from pdcluster.runtime.spec import PDCluster
@@ -20,7 +21,7 @@ def colocated_outputs(
     spec = cluster.spec
     key = (
         spec.model,
-        spec.kv_cache.dtype,
+        spec.kv_dtype,
         spec.kv_cache.page_size,
         max_tokens,
         tuple(tuple(p) for p in prompts),
@@ -36,7 +37,8 @@ def _compute(cluster: PDCluster, prompts: list[list[int]], max_tokens: int) -> l
     assert role is not None
     cfg = engine_config_from_spec(spec, role)
     need = sum(-(-(len(p) + max_tokens) // cfg.page_size) for p in prompts)
-    cfg = replace(cfg, parallel=ParallelConfig(), num_pages=max(cfg.num_pages, need + 8))
+    pages = max(cfg.num_pages or DEFAULT_CPU_PAGES, need + 8)
+    cfg = replace(cfg, parallel=ParallelConfig(), num_pages=pages)
     return greedy_outputs(LLMEngine(cfg), prompts, max_tokens)
 
 

@@ -155,6 +155,15 @@ def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
 
     manifest = ROOT / "examples" / "pd-1p1d.yaml"
     prompts = ["Hello", "The capital of France is", "x" * 700]
+    # Sampled, penalised, with logprobs: the first token and its logprobs come from
+    # prefill, the rest from decode; a seed makes both runs draw alike.
+    sampled = {
+        "max_tokens": 10,
+        "temperature": 0.8,
+        "seed": 11,
+        "frequency_penalty": 0.5,
+        "logprobs": 2,
+    }
     with local_cluster(ROOT / "examples" / "colocated.yaml", tmp_path / "c") as coloc:
         ref = openai.OpenAI(base_url=coloc.endpoint + "/v1", api_key="unused")
         expected = [
@@ -162,6 +171,9 @@ def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
             .choices[0]
             .text
             for p in prompts
+        ]
+        ref_sampled = [
+            ref.completions.create(model="tiny", prompt=p, **sampled).choices[0] for p in prompts
         ]
     with local_cluster(manifest, tmp_path / "pd") as cluster:
         client = openai.OpenAI(base_url=cluster.endpoint + "/v1", api_key="unused")
@@ -178,6 +190,14 @@ def test_openai_client_through_pd_matches_colocated(tmp_path: Path) -> None:
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
         )
         assert chat.choices[0].message.role == "assistant"
+        for prompt, want in zip(prompts, ref_sampled, strict=True):
+            got = client.completions.create(model="tiny", prompt=prompt, **sampled).choices[0]
+            assert got.text == want.text
+            assert got.logprobs is not None and want.logprobs is not None
+            assert got.logprobs.tokens == want.logprobs.tokens
+            assert got.logprobs.token_logprobs == pytest.approx(
+                want.logprobs.token_logprobs, abs=1e-4
+            )
         assert_no_page_leak(cluster)
 
 

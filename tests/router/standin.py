@@ -63,6 +63,9 @@ class Behaviour:
     info_delay_s: float = 0.0
     # A decode's `peers_down` in /get_server_info (prefills it refuses rooms on).
     peers_down: dict[str, str] | None = None
+    # What /metrics says is in flight, and how long it takes to say it.
+    in_flight: int = 0
+    metrics_delay_s: float = 0.0
 
     def set(self, **knobs: object) -> None:
         """Turn several knobs at once; a name that is no knob raises and turns none."""
@@ -348,6 +351,16 @@ class StandinWorker:
             if self.role == "decode":
                 info["peers_down"] = dict(self.behaviour.peers_down or {})
             return info
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            if self.behaviour.metrics_delay_s:
+                await asyncio.sleep(self.behaviour.metrics_delay_s)
+            text = (
+                "# TYPE pdcluster_requests_in_flight gauge\n"
+                f"pdcluster_requests_in_flight {self.behaviour.in_flight}\n"
+            )
+            return Response(text, media_type="text/plain")
 
         @app.get("/get_model_info")
         async def model_info() -> dict[str, Any]:

@@ -85,3 +85,46 @@ async def test_relayed_requests_share_one_connection_and_carry_the_token() -> No
             await front._relay_client.aclose()
         server.should_exit = True
         await serving
+
+
+async def test_a_relayed_request_keeps_its_penalties_and_logprobs() -> None:
+    leader = GroupLeader()
+    sock = socket.socket(proto=socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(leader, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    service: Any = SimpleNamespace(is_alive=True, is_stalled=False)
+    info = {"dp_size": 2, "dp_rank": 0, "dp_urls": (f"http://127.0.0.1:{port}",), "token": "t"}
+    front = DecodeBackend(service, None, None, info)
+    sampling = {**SAMPLING, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "logprobs": 2}
+    try:
+        b = BootstrapFields(bootstrap_host="127.0.0.1", bootstrap_port=9, bootstrap_room=3)
+        req = PreparedRequest("rid-lp", [1, 2, 3], sampling, [], b)
+        _ = [e async for e in front.events(req)]
+        (_, body, _) = leader.calls[0]
+        sent = body["sampling_params"]
+        assert (sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, 1.2)
+        assert (body["return_logprob"], body["top_logprobs_num"]) == (True, 2)
+    finally:
+        if front._relay_client is not None:
+            await front._relay_client.aclose()
+        server.should_exit = True
+        await serving
+
+
+def test_relayed_logprobs_read_back_what_the_worker_wrote() -> None:
+    from pdcluster.runtime.engine.sampling import TokenLogprobs
+    from pdcluster.runtime.pd_worker.backends import relayed_logprobs
+    from pdcluster.runtime.server.responses import generate_logprobs
+
+    ids = [7, 8, 9]
+    lps = [
+        TokenLogprobs(-0.5, ((7, -0.5), (3, -1.0))),
+        None,
+        TokenLogprobs(-2.0, ((1, -0.1), (9, -2.0))),
+    ]
+    meta = json.loads(json.dumps(generate_logprobs(ids, lps, 2, None)))
+    assert relayed_logprobs(meta, 0, 3) == lps
+    assert relayed_logprobs(meta, 1, 3) == lps[1:]
+    assert relayed_logprobs({}, 0, 3) == []

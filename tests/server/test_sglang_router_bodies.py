@@ -125,7 +125,7 @@ def test_a_rid_the_worker_mints_is_marked_local(
     path: str, extra: dict[str, Any], local: bool
 ) -> None:
     backend = _Recorder()
-    info = WorkerInfo("tiny", "tiny", 64, 16, 256)
+    info = WorkerInfo("tiny", "tiny", 64, 16, 320)  # the tiny vocabulary: bytes, BOS, EOS
     app = create_worker_app(backend, load_tokenizer("tiny"), info, WorkerMetrics("decode"))
     body: dict[str, Any] = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
     if path == "/generate":

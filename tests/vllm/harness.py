@@ -37,6 +37,11 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # The engine core runs the model itself (no third worker process).
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # vLLM's CPU build pins each rank's OpenMP threads to cores of its own
+    # ("auto"), one NUMA node per local rank: on a one-node box a TP2 engine
+    # refuses to start ("Not enough allowed NUMA nodes"), and every TP1 engine
+    # is pinned to core 0. The tests' processes share the box's cores instead.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 
 

@@ -139,3 +139,16 @@ def test_engines_our_protocol_cannot_pair_are_refused_naming_the_setting(kw, mat
 )
 def test_the_advertised_host_is_the_pods_ip_unless_set(extra, env, advertised):
     assert load_settings(extra, env).advertise_host == advertised
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "incarnation"),
+    [
+        ({"sidePort": 1}, {"PDCLUSTER_INCARNATION": "uid-1"}, "uid-1"),
+        ({"sidePort": 1}, {"PDCLUSTER_INCARNATION": ""}, None),
+        ({"sidePort": 1}, {}, None),
+        ({"sidePort": 1, "incarnation": "given"}, {"PDCLUSTER_INCARNATION": "uid-1"}, "given"),
+    ],
+)
+def test_the_incarnation_is_the_pods_uid_from_the_environment(extra, env, incarnation):
+    assert load_settings(extra, env).incarnation == incarnation

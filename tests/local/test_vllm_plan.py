@@ -174,3 +174,16 @@ def test_a_guarded_program_stops_once_the_launcher_is_gone(tmp_path: Path) -> No
         time.sleep(0.2)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the program outlived its launcher")
+
+
+def test_vllm_with_our_connector_gets_a_path_to_our_runtime_package_alone(tmp_path):
+    import pdcluster.runtime
+    from pdcluster.runtime.local.launcher import our_package_path
+
+    base = our_package_path(tmp_path)
+    assert base == our_package_path(tmp_path)  # again: the same link, kept
+    assert sorted(p.name for p in base.iterdir()) == ["pdcluster"]
+    assert [p.name for p in (base / "pdcluster").iterdir()] == ["runtime"]
+    link = base / "pdcluster" / "runtime"
+    assert link.resolve() == Path(next(iter(pdcluster.runtime.__path__))).resolve()
+    assert (link / "vllm_connector" / "connector.py").is_file()

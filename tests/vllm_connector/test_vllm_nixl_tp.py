@@ -9,7 +9,6 @@ the prefill killed and restarted.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,7 +86,6 @@ def test_a_lost_prefill_is_recomputed_by_the_decode_and_a_restarted_one_serves(
     pair.decode.add("waits", prompt, 6, pair.params(room))
     wait_until(lambda: pair.decode_rooms(), 10, 0.05, "the decode's room to open")
     pair.prefill.kill()
-    reported = time.monotonic()
     resp = pair.decode.side.post(
         "/admin/fail_peer",
         json={
@@ -97,14 +95,14 @@ def test_a_lost_prefill_is_recomputed_by_the_decode_and_a_restarted_one_serves(
         },
     )
     assert resp.status_code == 200
-    # The room fails at once, not at a timeout (then vLLM recomputes the prompt).
+    # The room fails at the report, not at a timeout (then vLLM recomputes the
+    # prompt); bench/vllm_connectors.py times it.
     wait_until(
         lambda: pair.decode_failures().get("room_failed:prefill_pod_lost"),
-        1.0,
+        10,
         0.02,
         "the decode to fail the room",
     )
-    assert time.monotonic() - reported < 1.0
     done = pair.decode.wait("done", 120, rid="waits")
     assert not done["error"] and done["tokens"] == want  # recomputed, token for token
     pair.assert_decode_clean()

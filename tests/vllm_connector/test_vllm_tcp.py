@@ -45,7 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             "prefill": {
                 "model": str(model),
                 "role": "kv_producer",
-                "extra": connector("kv_producer", p_port, TRANSFER),
+                # Its pod's uid on Kubernetes (PDCLUSTER_INCARNATION); given here.
+                "extra": connector("kv_producer", p_port, TRANSFER, incarnation="prefill-a"),
             },
             "decode": {
                 "model": str(model),
@@ -199,32 +200,35 @@ def test_forged_layouts_wrong_tokens_and_garbage_are_refused_and_counted(
 def test_a_prefill_killed_while_decode_waits_fails_the_room_at_the_report(
     pair: PDPair, cluster: dict[str, Any]
 ) -> None:
-    """kill -9 of the prefill; the supervisor's report (what local mode and the
-    operator send) ends the waiting decode leg with an error and frees its
-    blocks, well before any timeout (bench/vllm_connectors.py times it);
-    decode serves on, and once the prefill is back the next pair succeeds: no
-    stale peer state."""
+    """kill -9 of the prefill; the operator's report naming the pod's incarnation
+    ends the waiting decode leg with an error and frees its blocks, well
+    before any timeout (bench/vllm_connectors.py times it), where a report
+    about an incarnation the decode never saw there changed nothing; decode
+    serves on, and once the prefill is back the next pair succeeds: no stale
+    peer state."""
     (prompt,) = prompts([1500], seed=8)
     room = pair.new_room()
     pair.decode.add("waits", prompt, 8, pair.params(room))
     wait_until(lambda: pair.decode_rooms(), 10, 0.05, "the decode's room to open")
     pair.prefill.kill()
-    resp = pair.decode.side.post(
-        "/admin/fail_peer",
-        json={
-            "peer": f"127.0.0.1:{pair.prefill.side_port}",
-            "reason": "prefill_pod_lost",
-            "gone": True,
-        },
-    )
-    assert resp.status_code == 200
+    peer = f"127.0.0.1:{pair.prefill.side_port}"
+    # Reports reach every rank in order: the unseen one first, then the pod's.
+    for reason, incarnation in (("unseen_start", "prefill-0"), ("prefill_pod_lost", "prefill-a")):
+        resp = pair.decode.side.post(
+            "/admin/fail_peer",
+            json={"peer": peer, "reason": reason, "gone": True, "incarnation": incarnation},
+        )
+        assert resp.status_code == 200
     ended = pair.decode.wait("done", 10, rid="waits")
     assert ended["error"] and ended["tokens"] == []
     pair.assert_decode_clean()
-    assert pair.decode_failures().get("room_failed:prefill_pod_lost") == 1
+    failures = pair.decode_failures()
+    assert failures.get("room_failed:prefill_pod_lost") == 1
+    assert "room_failed:unseen_start" not in failures
     (local,) = prompts([30], seed=9)
     assert not pair.decode.generate("local", local, 4)["error"]  # decode serves on
     # The prefill comes back (a new process, same side port): the next pair works.
+    pair.prefill.config["extra"]["incarnation"] = "prefill-b"  # a new pod
     fresh = restart(pair.prefill, cluster["root"])
     cluster["engines"]["prefill"] = fresh
     back = PDPair(fresh, pair.decode)

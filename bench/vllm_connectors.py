@@ -1,6 +1,7 @@
 """Our KV connector inside vLLM against vLLM's own NixlConnector, side by side in one run.
 
     .venv/bin/python bench/vllm_connectors.py [--repeats 5] [--json out.json] [--chart out.png]
+        [--fault-wait 600]   # a shorter run: --repeats 3 --fault-wait 120
 
 Same box, same vLLM (e2e/vllmenv: vLLM 0.32 CPU, NIXL 1.5.1), same random
 Llama, same router (ours, `python -m pdcluster.runtime.router`), one
@@ -68,7 +69,7 @@ TOKEN = "bench-token"
 MODEL = "bench-llama"
 VOCAB = (3, 290)
 START_TIMEOUT_S = 900.0
-# How long the fault scenario waits for the decode to end the request.
+# How long the fault scenario waits for the decode to end the request (--fault-wait).
 FAULT_WAIT_S = 600.0
 HEADERS = {"authorization": f"Bearer {TOKEN}"}
 
@@ -272,7 +273,9 @@ def kv_usage(http: httpx.Client, cluster: Cluster) -> float:
     return metric(text, "vllm:kv_cache_usage_perc")
 
 
-def measure(cluster: Cluster, ours: bool, repeats: int, root: Path) -> dict[str, Any]:
+def measure(
+    cluster: Cluster, ours: bool, repeats: int, root: Path, fault_wait: float = FAULT_WAIT_S
+) -> dict[str, Any]:
     rng = random.Random(34)
     out: dict[str, Any] = {"config": cluster.label}
     router, decode = cluster.url("router"), cluster.url("decode")
@@ -306,7 +309,7 @@ def measure(cluster: Cluster, ours: bool, repeats: int, root: Path) -> dict[str,
                 rates.append(moved / seconds)
         out["transfer_MiB_s"] = statistics.median(rates) / 2**20 if rates else None
         # 4. faults
-        out.update(fault(http, cluster, ours, rng, root))
+        out.update(fault(http, cluster, ours, rng, root, fault_wait))
     return out
 
 
@@ -324,7 +327,12 @@ def transfer_counters(http: httpx.Client, cluster: Cluster, ours: bool) -> tuple
 
 
 def fault(
-    http: httpx.Client, cluster: Cluster, ours: bool, rng: random.Random, root: Path
+    http: httpx.Client,
+    cluster: Cluster,
+    ours: bool,
+    rng: random.Random,
+    root: Path,
+    wait_s: float = FAULT_WAIT_S,
 ) -> dict[str, Any]:
     """The prefill lost while the decode still needs a long prompt's KV from it.
 
@@ -389,11 +397,9 @@ def fault(
                 "gone": True,
             },
         )
-    waiter.join(FAULT_WAIT_S)
+    waiter.join(wait_s)
     out: dict[str, Any] = {
-        "fault_decode_outcome": result.get(
-            "decode_outcome", f"still waiting after {FAULT_WAIT_S:.0f} s"
-        ),
+        "fault_decode_outcome": result.get("decode_outcome", f"still waiting after {wait_s:.0f} s"),
         "fault_time_to_end_s": (result["decode_end"] - lost) if "decode_end" in result else None,
     }
     time.sleep(0.5)
@@ -477,6 +483,12 @@ def main() -> int:
     ap.add_argument("--configs", default="pdcluster-tcp,pdcluster-nixl,NixlConnector")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--chart", type=Path, help="write a PNG chart here")
+    ap.add_argument(
+        "--fault-wait",
+        type=float,
+        default=FAULT_WAIT_S,
+        help="seconds the fault scenario waits for the decode to end the request",
+    )
     args = ap.parse_args()
     # A terminated bench still stops the processes it started (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
@@ -501,7 +513,7 @@ def main() -> int:
         cluster = launch(label, manifest(model, connector, backend), root)
         try:
             wait_ready(cluster)
-            results.append(measure(cluster, ours, args.repeats, root))
+            results.append(measure(cluster, ours, args.repeats, root, args.fault_wait))
             print(json.dumps(results[-1]), flush=True)
         finally:
             for proc in (cluster.router, cluster.decode, cluster.prefill):

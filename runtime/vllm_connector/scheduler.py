@@ -10,7 +10,10 @@ and reads views while vLLM's scheduler steps), and serves on the side port:
   `POST /admin/fail_peer`, `GET /admin/rooms`, `GET /admin/failures` (the
   operator's fast path, admin_routes.py); `GET /get_server_info` (peer
   verdicts as `peers_down`, refusals, the transport);
-- decode: `PUT /admin/prefill_peers` (the prefill side ports it may contact).
+- decode: `PUT /admin/prefill_peers` (the prefill side ports it may contact);
+  `PUT /admin/rank_peers_down` (a rank's peer verdicts whenever they change:
+  vLLM steps only while it has requests, and an idle decode's verdicts must
+  still reach the router, which holds a prefill out on them).
 
 Every route but `/health` takes the cluster token, as on our own workers.
 """
@@ -37,7 +40,7 @@ from pdcluster.runtime.pd_worker.group import GroupFailPeer
 from pdcluster.runtime.spec import Role
 from pdcluster.runtime.vllm_connector.commands import RankNews, StepCommands
 from pdcluster.runtime.vllm_connector.params import RoomParamsError, parse_room_params
-from pdcluster.runtime.vllm_connector.scheduler_rooms import SchedulerRooms
+from pdcluster.runtime.vllm_connector.scheduler_rooms import SchedulerRooms, parse_rank_verdicts
 from pdcluster.runtime.vllm_connector.settings import ConnectorSettings
 
 log = logging.getLogger("pdcluster.vllm")
@@ -158,6 +161,21 @@ class ConnectorScheduler:
                 return JSONResponse({"status": "ok", "role": str(self.role)})
 
             prefill_peers_route(self, self.token)(app)
+
+            @app.put("/admin/rank_peers_down")
+            async def rank_peers_down(request: Request) -> JSONResponse:
+                if self.token:
+                    denied = check_bearer(request.headers.get("authorization"), self.token)
+                    if denied is not None:
+                        return JSONResponse({"error": denied.message}, denied.status)
+                try:
+                    rank, verdicts = parse_rank_verdicts(await request.json())
+                except ValueError as err:
+                    return JSONResponse({"error": str(err)}, 400)
+                with self._lock:
+                    self.book.rank_peers_down(rank, verdicts)
+                return JSONResponse({"rank": rank, "peers_down": verdicts})
+
         admin_routes(self, self.token)(app)
 
         @app.get("/get_server_info")

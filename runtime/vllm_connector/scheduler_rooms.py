@@ -40,8 +40,9 @@ Pure module.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcluster.runtime.pd.instance_counts import RoomFailureTally
 from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError
@@ -87,7 +88,10 @@ class SchedulerRooms:
     _rooms: dict[int, str] = field(default_factory=dict)  # room -> req_id
     _queue: list[tuple[str | None, Command]] = field(default_factory=list)
     _preempted: set[str] = field(default_factory=set)
+    # Decode: prefill peers a rank declared dead (what the router holds out on),
+    # from the step's news or, between steps, from each rank (`rank_peers_down`).
     peers_down: dict[str, str] = field(default_factory=dict)
+    _rank_verdicts: dict[str, dict[str, str]] = field(default_factory=dict)
     # Each rank's last counters (rejected frames, drops…), by rank name.
     rank_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     # Requests whose kv_transfer_params could not be used, by label.
@@ -271,6 +275,16 @@ class SchedulerRooms:
             if entry is not None:
                 self._forget(entry)
 
+    def rank_peers_down(self, rank: str, verdicts: Mapping[str, str]) -> None:
+        """A rank's verdicts now, sent by the rank itself when they change (between
+        steps too): `peers_down` is every rank's latest, merged."""
+        self._rank_verdicts[rank] = dict(verdicts)
+        merged: dict[str, str] = {}
+        for each in self._rank_verdicts.values():
+            for peer, reason in each.items():
+                merged.setdefault(peer, reason)
+        self.peers_down = merged
+
     # ------------------------------------------------------------ admin
     def fail_peer(self, msg: GroupFailPeer) -> None:
         """The operator or the launcher reported a peer lost: every rank fails its rooms."""
@@ -326,3 +340,21 @@ class SchedulerRooms:
     def _count(self, reason: str) -> None:
         label = reason.split(":", 1)[0]
         self.refusals[label] = self.refusals.get(label, 0) + 1
+
+
+MAX_VERDICTS = 1024
+
+
+def parse_rank_verdicts(body: Any) -> tuple[str, dict[str, str]]:
+    """`{"rank": str, "peers_down": {peer: reason}}` as sent by a rank; ValueError else."""
+    if not isinstance(body, dict):
+        raise ValueError("body must be {rank, peers_down}")
+    rank, verdicts = body.get("rank"), body.get("peers_down")
+    if not isinstance(rank, str) or not 0 < len(rank) <= 64:
+        raise ValueError("rank must be a string of 1..64 characters")
+    if not isinstance(verdicts, dict) or len(verdicts) > MAX_VERDICTS:
+        raise ValueError(f"peers_down must be an object of at most {MAX_VERDICTS} peers")
+    for peer, reason in verdicts.items():
+        if not isinstance(reason, str) or len(peer) > 256 or len(reason) > 256:
+            raise ValueError("peers_down maps a peer to a reason (strings of 256 at most)")
+    return rank, dict(verdicts)

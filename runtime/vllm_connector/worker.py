@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
+import httpx
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool
@@ -47,6 +48,8 @@ log = logging.getLogger("pdcluster.vllm")
 
 # How long applying a step's commands may wait for a busy agent (seconds).
 APPLY_WAIT_S = 5.0
+# How often a decode rank compares its peer verdicts with those it last sent (seconds).
+VERDICT_POLL_S = 0.2
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -114,6 +117,7 @@ class ConnectorWorker:
         self._received_bytes = 0
         self._received_us = 0
         self._opened: dict[int, int] = {}  # room -> prompt tokens (decode)
+        self._closed = threading.Event()
 
     # ------------------------------------------------------------ start-up
     def register(
@@ -167,6 +171,15 @@ class ConnectorWorker:
         agent.start()
         if facts.role is Role.prefill:
             agent.register()
+        else:
+            host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+            side = f"http://{host}:{settings.side_port}"
+            threading.Thread(
+                target=self._push_verdicts,
+                args=(agent, side),
+                name=f"{self.name}-verdicts",
+                daemon=True,
+            ).start()
         self.agent = agent
         log.info(
             "%s: %s rank %s on vLLM's %s cache (layout %s, %d blocks), endpoint %s",
@@ -178,6 +191,34 @@ class ConnectorWorker:
             pool.shape.num_pages,
             agent.address,
         )
+
+    def _push_verdicts(self, agent: Any, side: str) -> None:
+        """Decode: send this rank's peer verdicts to the side port whenever they change.
+
+        vLLM runs a step (and hands the scheduler our news) only while it has
+        requests; an idle decode's verdicts (a prefill reported lost, then
+        seen answering again) must still reach the router, which holds a
+        prefill out while a decode reports it down.
+        """
+        sent: dict[str, str] | None = None
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        with httpx.Client(timeout=2.0, trust_env=False, headers=headers) as http:
+            while not self._closed.wait(VERDICT_POLL_S):
+                verdicts = agent.peers_down()
+                if verdicts == sent:
+                    continue
+                try:
+                    resp = http.put(
+                        side + "/admin/rank_peers_down",
+                        json={"rank": self.name, "peers_down": verdicts},
+                    )
+                except httpx.HTTPError as err:
+                    log.debug("%s: verdicts not sent yet: %s", self.name, err)
+                    continue
+                if resp.status_code == 200:
+                    sent = verdicts
+                else:
+                    log.warning("%s: verdicts refused: %s", self.name, resp.status_code)
 
     def _on_report(self, rep: GroupReport) -> None:
         # Agent thread (or whichever thread ran the step that concluded it).
@@ -312,6 +353,7 @@ class ConnectorWorker:
         return counts
 
     def close(self) -> None:
+        self._closed.set()
         if self.agent is not None:
             self.agent.close()
             self.agent = None

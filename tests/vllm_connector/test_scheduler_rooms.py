@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdcluster.runtime.pd.known_peers import KnownPeers
 from pdcluster.runtime.pd.prefix_reuse import build_reuse, reuse_keys
 from pdcluster.runtime.pd.prompt_digest import prompt_id
@@ -9,7 +11,7 @@ from pdcluster.runtime.pd_worker.group import GroupFail, GroupFailPeer, GroupOpe
 from pdcluster.runtime.spec import Role
 from pdcluster.runtime.vllm_connector.commands import Chunk, RankNews, Refuse
 from pdcluster.runtime.vllm_connector.params import RoomParams
-from pdcluster.runtime.vllm_connector.scheduler_rooms import SchedulerRooms
+from pdcluster.runtime.vllm_connector.scheduler_rooms import SchedulerRooms, parse_rank_verdicts
 
 PS = 4
 PROMPT = list(range(10, 21))  # 11 tokens: 3 pages
@@ -207,3 +209,32 @@ def test_peer_verdicts_and_rank_counters_are_kept_for_the_side_port():
     book.on_output([], [], RankNews({}, None, {"decode-tp1": {"y": 2}}), 1.0)
     assert book.peers_down == {PEER: "prefill_unreachable"}
     assert book.rank_counts == {"decode-tp0": {"x": 1}, "decode-tp1": {"y": 2}}
+
+
+def test_ranks_send_their_verdicts_between_steps_and_the_latest_of_each_stands():
+    book = decode_book()
+    book.on_output([], [], RankNews(peers_down={PEER: "prefill_pod_lost"}), 0.0)
+    assert book.peers_down == {PEER: "prefill_pod_lost"}
+    # An idle engine runs no step: the ranks send what changed themselves.
+    book.rank_peers_down("decode-tp0", {})
+    book.rank_peers_down("decode-tp1", {PEER: "prefill_pod_lost"})
+    assert book.peers_down == {PEER: "prefill_pod_lost"}  # one rank still holds it
+    book.rank_peers_down("decode-tp1", {})
+    assert book.peers_down == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {"peers_down": {}},
+        {"rank": "", "peers_down": {}},
+        {"rank": "r", "peers_down": []},
+        {"rank": "r", "peers_down": {"p": 1}},
+        {"rank": "r", "peers_down": {"p": "x" * 300}},
+    ],
+)
+def test_a_malformed_verdict_body_is_refused(body):
+    with pytest.raises(ValueError):
+        parse_rank_verdicts(body)
+    assert parse_rank_verdicts({"rank": "r", "peers_down": {"p": "why"}}) == ("r", {"p": "why"})

@@ -231,6 +231,15 @@ def test_a_prefill_killed_while_decode_waits_fails_the_room_at_the_report(
     pair.prefill.config["extra"]["incarnation"] = "prefill-b"  # a new pod
     fresh = restart(pair.prefill, cluster["root"])
     cluster["engines"]["prefill"] = fresh
+    # As the router does: the prefill is a candidate again once the decode no
+    # longer reports it down (the report's verdict lasts the bootstrap
+    # timeout); the idle decode's rank sends the change itself.
+    wait_until(
+        lambda: peer not in pair.decode.side.get("/get_server_info").json()["peers_down"],
+        60,
+        0.2,
+        "the decode to stop reporting the prefill down",
+    )
     back = PDPair(fresh, pair.decode)
     (prompt,) = prompts([120], seed=10)
     assert back.pd(prompt, 6)["tokens"] == back.colocated(prompt, 6)

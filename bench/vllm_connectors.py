@@ -83,21 +83,33 @@ class Proc:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        # A session of its own: a kill reaches vLLM's engine core too, which
+        # holds the connector's side port (a restart binds it again).
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=out)
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=out, start_new_session=True
+            )
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc is not None:
+            self._signal(signal.SIGKILL)  # the whole group, even once the leader is gone
             self.proc.wait(30)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.kill()
+                pass
+        self.kill()
 
 
 @dataclass

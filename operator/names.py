@@ -58,6 +58,9 @@ ANNOTATION_DIST_PORT = "pdcluster.io/dist-port"
 # prefix-cache events (PUB) and of their replays (runtime/router/discovery.py).
 ANNOTATION_KV_EVENTS_PORT = "pdcluster.io/kv-events-port"
 ANNOTATION_KV_REPLAY_PORT = "pdcluster.io/kv-replay-port"
+# Where a worker serves our admin API (fail_peer, failures, prefill peers) when
+# not on its HTTP port: a vLLM pod with our connector (its side port).
+ANNOTATION_ADMIN_PORT = "pdcluster.io/admin-port"
 # On a pod k > 0: the leader pod's IP it was started with ($PDCLUSTER_LEADER_ADDRESS).
 ANNOTATION_LEADER_ADDRESS = "pdcluster.io/leader-address"
 # Pods in the instance the pod belongs to, so a gang is judged complete or

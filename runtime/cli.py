@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", action="append", default=[])
     r.add_argument("--colocated", action="append", default=[])
     r.add_argument("--kv-events", action="append", default=[], metavar="URL=PUB,REPLAY")
+    r.add_argument(
+        "--side-port",
+        action="append",
+        default=[],
+        metavar="URL=PORT",
+        help="vLLM with our connector: a worker's side port (bootstrap server, admin API)",
+    )
     r.add_argument("--kubernetes", action="store_true", help="discover worker pods by label")
     r.add_argument("--namespace", default="")
     r.add_argument("--cluster", default="", help="PDCluster name (label pdcluster.io/cluster)")

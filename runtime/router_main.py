@@ -30,6 +30,7 @@ def router_invocation(
     for role in Role:
         setattr(router_args, role.value, list(getattr(args, role.value)))
     router_args.kv_events = list(getattr(args, "kv_events", ()))
+    router_args.side_port = list(getattr(args, "side_port", None) or [])
     if args.kubernetes:
         if not args.namespace or not args.cluster:
             raise SystemExit("pdcluster router: --kubernetes needs --namespace and --cluster")

@@ -14,6 +14,12 @@ container differs from ours:
 - a role routed by `cache_aware`: vLLM publishes its prefix-cache events on
   ports `kv-events` and `kv-replay`, which the pod's annotations name to the
   router's discovery (`kv_event_annotations`);
+- with `engine.vllm.kvConnector: PDClusterConnector`, our connector's side
+  port (`bootstrap`, the port our prefill workers' bootstrap server has) on
+  prefill and decode: prefill's bootstrap server and both roles' admin API
+  (annotated `pdcluster.io/bootstrap-port` and `pdcluster.io/admin-port`, so
+  the router and the failover fast path find it), and the cluster token as
+  our workers read it (`PDCLUSTER_TOKEN_FILE`); no NIXL side channel;
 - probes on vLLM's `/health` (startup, readiness, liveness: it answers 503
   once its engine died);
 - the cluster token as vLLM reads it, `VLLM_API_KEY` (unless
@@ -37,7 +43,7 @@ from typing import Any
 from pdcluster.operator import names
 from pdcluster.operator.builders import meta, podsecurity
 from pdcluster.operator.reconcile.cluster import Cluster
-from pdcluster.runtime.spec import Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.spec import Role, RoleSpec, VllmKVConnector, WorkerApiAccess
 from pdcluster.runtime.vllm.serve_command import (
     API_KEY_ENV,
     DEFAULT_KV_EVENTS_PORTS,
@@ -75,6 +81,7 @@ def build_vllm_container(
         host=meta.BIND_HOST,
         side_channel_port=SIDE_CHANNEL_PORT,
         kv_events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT),
+        bootstrap_port=meta.BOOTSTRAP_PORT,
     )
     env: list[dict[str, Any]] = [
         meta.env_field(meta.POD_IP_ENV, "status.podIP"),
@@ -91,6 +98,9 @@ def build_vllm_container(
             ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
     if serve.side_channel_port is not None:
         env.append(meta.env_value(SIDE_CHANNEL_HOST_ENV, f"$({meta.POD_IP_ENV})"))
+    if side_port(cluster, role) is not None:
+        ports.append({"name": "bootstrap", "containerPort": meta.BOOTSTRAP_PORT, "protocol": "TCP"})
+        env.append(meta.env_value(podsecurity.TOKEN_FILE_ENV, TOKEN_FILE))
     env += [meta.env_value(k, v) for k, v in sorted(serve.env.items())]
     guarded = cluster.spec.auth.worker_api is WorkerApiAccess.token
     return {
@@ -119,3 +129,26 @@ def kv_event_annotations(cluster: Cluster, role: Role) -> dict[str, str]:
 
 def vllm_labels() -> dict[str, str]:
     return {names.LABEL_ENGINE: "vllm"}
+
+
+def side_port(cluster: Cluster, role: Role) -> int | None:
+    """Our connector's side port on a `role` pod; None with vLLM's connector or
+    without a KV role (colocated)."""
+    ours = cluster.spec.engine.vllm.kv_connector is VllmKVConnector.pdcluster
+    return meta.BOOTSTRAP_PORT if ours and role in (Role.prefill, Role.decode) else None
+
+
+def vllm_annotations(cluster: Cluster, role: Role, num_pods: int) -> dict[str, str]:
+    """A vLLM pod's annotations: its ports (the cache events' when the router
+    follows them), and with our connector its side port as the bootstrap port
+    (the router's pairing) and the admin port (the fast path)."""
+    annotations = {
+        names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
+        names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
+        **kv_event_annotations(cluster, role),
+    }
+    port = side_port(cluster, role)
+    if port is not None:
+        annotations[names.ANNOTATION_BOOTSTRAP_PORT] = str(port)
+        annotations[names.ANNOTATION_ADMIN_PORT] = str(port)
+    return annotations

@@ -46,7 +46,7 @@ from pdcluster.operator.builders.overlay import apply_pod_overlay
 from pdcluster.operator.builders.scheduling import build_pod_group, build_pod_scheduling
 from pdcluster.operator.builders.vllm_pods import (
     build_vllm_container,
-    kv_event_annotations,
+    vllm_annotations,
     vllm_labels,
 )
 from pdcluster.operator.reconcile.cluster import Cluster
@@ -316,6 +316,8 @@ def build_worker_pod(
         identity = [
             meta.env_field("POD_NAME", "metadata.name"),
             meta.env_field("POD_NAMESPACE", "metadata.namespace"),
+            # Our connector registers it, as our ranks do (see _worker_env).
+            meta.env_field(INCARNATION_ENV, "metadata.uid"),
             meta.env_value("PDCLUSTER_CLUSTER", cluster.name),
             meta.env_value("PDCLUSTER_ROLE", key.role.value),
             meta.env_value("PDCLUSTER_INSTANCE", str(key.index)),
@@ -324,11 +326,7 @@ def build_worker_pod(
         vllm = build_vllm_container(cluster, role, spec, identity_env=identity)
         vllm["resources"] = resources
         vllm["securityContext"] = podsecurity.container_security_context()
-        annotations = {
-            names.ANNOTATION_HTTP_PORT: str(meta.HTTP_PORT),
-            names.ANNOTATION_INSTANCE_SIZE: str(num_pods),
-            **kv_event_annotations(cluster, role),
-        }
+        annotations = vllm_annotations(cluster, role, num_pods)
         labels.update(vllm_labels())
         return _pod(cluster, spec, (role, index, pod_index), name, labels, annotations, vllm)
     container: dict[str, Any] = {

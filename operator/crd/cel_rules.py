@@ -118,6 +118,8 @@ def _get_str(path: str, default: str) -> str:
 # `engine.kind: vllm` (runtime/spec/serving_engine.py, `vllm_refusal`): each rule
 # holds for any other engine.
 _IS_VLLM = f"{_get_str('engine.kind', 'builtin')} == 'vllm'"
+# Our connector inside vLLM (`kvConnector: PDClusterConnector`).
+_IS_OURS = f"({_get_str('engine.vllm.kvConnector', 'NixlConnector')} == 'PDClusterConnector')"
 
 
 def _vllm_rule(rule: str, message: str) -> CelRule:
@@ -129,6 +131,15 @@ def _vllm_role_rules(role: str) -> tuple[CelRule, ...]:
     buffer = _get_str("engine.vllm.kvBufferDevice", "")
     metric = f"self.{role}.autoscaling.target.metric"
     return (
+        *(
+            _vllm_rule(
+                f"!{_IS_OURS} || {present} || {_get(f'{role}.topology.{axis}', 1)} == 1",
+                f"{role}.topology.{axis}: PDClusterConnector pairs tensor-parallel vLLM "
+                "engines; scale with replicas instead",
+            )
+            for axis in ("dp", "pp")
+            if role != "colocated"  # the connector pairs prefill and decode only
+        ),
         _vllm_rule(
             f"{present} || {_get(f'{role}.topology.cp', 1)} == 1",
             f"{role}.topology.cp: context parallelism is not mapped onto vLLM; use 1",
@@ -175,13 +186,24 @@ VLLM_SPEC_RULES = (
         "kvCache.layout: vLLM chooses its own KV layout; leave it NHD",
     ),
     _vllm_rule(
-        "!has(self.transfer) || !has(self.transfer.checksum) || !self.transfer.checksum",
-        "transfer.checksum: vLLM's connectors carry no page checksum",
+        f"{_IS_OURS} || !has(self.transfer) || !has(self.transfer.checksum) || "
+        "!self.transfer.checksum",
+        "transfer.checksum: NixlConnector carries no page checksum (PDClusterConnector does)",
     ),
     _vllm_rule(
-        f"has(self.colocated) || {_get_str('transfer.backend', 'tcp')} == 'nixl'",
+        f"{_IS_OURS} || has(self.colocated) || {_get_str('transfer.backend', 'tcp')} == 'nixl'",
         "transfer.backend must be nixl with engine.vllm.kvConnector NixlConnector "
         "(vLLM's connector moves the KV over NIXL)",
+    ),
+    _vllm_rule(
+        f"!{_IS_OURS} || {_get_str('transfer.backend', 'tcp')} != 'shm'",
+        "transfer.backend: PDClusterConnector moves the KV over tcp or nixl; shm writes "
+        "into our engine's shared-memory pool",
+    ),
+    _vllm_rule(
+        f"!{_IS_OURS} || {_get_str('transfer.allocationPolicy', 'early')} == 'early'",
+        "transfer.allocationPolicy: PDClusterConnector gets a decode's pages when vLLM "
+        "admits the request; only early applies",
     ),
     *(rule for role in Role for rule in _vllm_role_rules(role.value)),
     *(

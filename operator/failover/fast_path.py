@@ -417,9 +417,9 @@ class Failover:
         token = await self._token(pod.namespace, pod.token_secret)
 
         async def tell(peer: PodFacts) -> AdminResult:
-            assert peer.http_url is not None
+            assert peer.admin_url is not None
             return await self.admin.fail_peer(
-                peer.http_url,
+                peer.admin_url,
                 token,
                 report.peer,
                 reason,
@@ -488,8 +488,8 @@ class Failover:
         token = await self._token(key[0], pods[0].token_secret)
 
         async def read(pod: PodFacts) -> dict[str, int] | None:
-            assert pod.http_url is not None
-            return await self.admin.failures(pod.http_url, token)
+            assert pod.admin_url is not None
+            return await self.admin.failures(pod.admin_url, token)
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         totals: dict[tuple[Role, str], int] = defaultdict(int)
@@ -549,8 +549,8 @@ class Failover:
         pods = [p for p in self.index.reachable(key) if p.role == Role.prefill]
 
         async def read(pod: PodFacts) -> tuple[bool, str | None]:
-            assert pod.http_url is not None
-            return await self.admin.health(pod.http_url)
+            assert pod.admin_url is not None
+            return await self.admin.health(pod.admin_url)
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         warnings: list[Unregistered] = []
@@ -578,8 +578,8 @@ class Failover:
         token = await self._token(key[0], pods[0].token_secret)
 
         async def read(pod: PodFacts) -> TransportReport | None:
-            assert pod.http_url is not None
-            return parse_transport_report(await self.admin.server_info(pod.http_url, token))
+            assert pod.admin_url is not None
+            return parse_transport_report(await self.admin.server_info(pod.admin_url, token))
 
         answers = await asyncio.gather(*(read(p) for p in pods))
         changed = self.transports.update(

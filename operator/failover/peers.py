@@ -9,9 +9,10 @@ call, so telling the peers costs only their admin round trips.
 - a lost decode instance is reported to every prefill worker (prefill rooms
   write to decode endpoints, matched by the decode pod's address);
 - a peer is told only if it has an address and its container still runs;
-- vLLM pods (`PodFacts.has_admin_api` false) are told nothing and polled for
-  nothing: their requests are the router's to end or move (the router sees
-  a lost pod through its own pod watch).
+- vLLM pods with vLLM's connector (`PodFacts.has_admin_api` false) are told
+  nothing and polled for nothing: their requests are the router's to end or
+  move (the router sees a lost pod through its own pod watch); vLLM pods with
+  our connector are told and polled on their side port (`admin_url`).
 
 It also knows each pod's gang (`gang_id`, `gang`): the start of its instance
 it belongs to, named by that start's leader pod uid (gangs.py).

@@ -62,11 +62,16 @@ class PodFacts:
     leader_address: str | None = None
     # The engine the pod runs (its `pdcluster.io/engine` label; absent: ours).
     engine: EngineKind = EngineKind.builtin
+    # Where the pod serves our admin API (fail_peer, failures, prefill peers,
+    # /health, /get_server_info): our workers on their HTTP port, a vLLM pod
+    # with our connector on its side port (`pdcluster.io/admin-port`), a vLLM
+    # pod with vLLM's connector nowhere (None).
+    admin_port: int | None = HTTP_PORT
 
     @property
     def has_admin_api(self) -> bool:
-        """Whether the pod serves our admin API (fail_peer, failures, peers): vLLM does not."""
-        return self.engine is EngineKind.builtin
+        """Whether the pod serves our admin API: ours and vLLM with our connector do."""
+        return self.admin_port is not None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -89,6 +94,12 @@ class PodFacts:
     @property
     def http_url(self) -> str | None:
         return f"http://{self.pod_ip}:{self.http_port}" if self.pod_ip else None
+
+    @property
+    def admin_url(self) -> str | None:
+        if not self.pod_ip or self.admin_port is None:
+            return None
+        return f"http://{self.pod_ip}:{self.admin_port}"
 
     @property
     def bootstrap_address(self) -> BootstrapAddress | None:
@@ -212,6 +223,13 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
     ready, ready_changed_at = _ready(status)
     terminated, terminated_at = _terminated(status)
     pod_ip, phase = status.get("podIP"), status.get("phase")
+    engine = _engine(labels.get(names.LABEL_ENGINE))
+    http_port = _port(annotations.get(names.ANNOTATION_HTTP_PORT), HTTP_PORT) or HTTP_PORT
+    # Our workers answer on their HTTP port; a vLLM pod only where annotated.
+    admin_port = _port(
+        annotations.get(names.ANNOTATION_ADMIN_PORT),
+        http_port if engine is EngineKind.builtin else None,
+    )
     return PodFacts(
         namespace=str(namespace),
         name=str(name),
@@ -221,7 +239,7 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
         role=role,
         instance=int(instance),
         pod_ip=pod_ip if isinstance(pod_ip, str) and pod_ip else None,
-        http_port=_port(annotations.get(names.ANNOTATION_HTTP_PORT), HTTP_PORT) or HTTP_PORT,
+        http_port=http_port,
         bootstrap_port=(
             _port(annotations.get(names.ANNOTATION_BOOTSTRAP_PORT), BOOTSTRAP_PORT)
             if role == Role.prefill
@@ -238,7 +256,8 @@ def parse_pod_facts(raw: Mapping[str, Any]) -> PodFacts | None:
         created_at=parse_time(meta.get("creationTimestamp")),
         pod_index=int(pod_index) if pod_index.isdigit() else 0,
         leader_address=_leader_address(annotations),
-        engine=_engine(labels.get(names.LABEL_ENGINE)),
+        engine=engine,
+        admin_port=admin_port,
     )
 
 

@@ -88,8 +88,8 @@ class PeerPublisher:
         secret = await token()
 
         async def tell(pod: PodFacts) -> AdminResult:
-            assert pod.http_url is not None
-            result = await self.admin.prefill_peers(pod.http_url, secret, sorted(peers))
+            assert pod.admin_url is not None
+            result = await self.admin.prefill_peers(pod.admin_url, secret, sorted(peers))
             if result.ok:
                 self._told[pod.uid] = peers
             else:

@@ -10,6 +10,9 @@ page_size + t % page_size`.
 Layouts (per layer, per K/V):
 - NHD: [num_pages, page_size, num_kv_heads, head_dim]
 - HND: [num_pages, num_kv_heads, page_size, head_dim]
+Any other physical order of the axes (`kv_order.py`) describes memory laid
+out by another engine (vLLM's KV cache, wrapped with `KVPool.over`); the
+methods below read and write every order alike through `logical`.
 
 Invariant: the pool never frees or reuses pages by itself; the page allocator
 (pure, no torch) decides ownership, this module only reads and writes bytes.
@@ -18,11 +21,11 @@ Invariant: the pool never frees or reuses pages by itself; the page allocator
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.engine.kv_order import NHD_ORDER
+from pdcluster.runtime.engine.kv_shape import KVPoolShape as KVPoolShape
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,73 +35,62 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
-class KVPoolShape:
-    num_layers: int  # layers held by this rank (its pp range)
-    num_pages: int
-    page_size: int
-    num_kv_heads: int  # kv heads held by this rank (its tp slice)
-    head_dim: int
-    dtype: str = "float32"
-    layout: KVLayout = KVLayout.NHD
-
-    @property
-    def numel(self) -> int:
-        return (
-            self.num_layers
-            * 2
-            * self.num_pages
-            * self.page_size
-            * self.num_kv_heads
-            * self.head_dim
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K+V for one token over all local layers and heads."""
-        return self.nbytes // (self.num_pages * self.page_size)
-
-    def dims(self) -> tuple[int, ...]:
-        if self.layout == KVLayout.NHD:
-            inner = (self.page_size, self.num_kv_heads, self.head_dim)
-        else:
-            inner = (self.num_kv_heads, self.page_size, self.head_dim)
-        return (self.num_layers, 2, self.num_pages, *inner)
-
-
 class KVPool:
     """The KV pages of one rank, as one contiguous tensor.
 
     `shm_path`: when given, the pool lives in that shared-memory file (created
     if missing) so a same-node peer can map it and write into it directly.
+    `KVPool.over(buffer, shape)` wraps memory another engine owns instead.
     """
 
     def __init__(
-        self, shape: KVPoolShape, device: str | torch.device = "cpu", shm_path: str | None = None
+        self,
+        shape: KVPoolShape,
+        device: str | torch.device = "cpu",
+        shm_path: str | None = None,
+        *,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         self.shape = shape
-        self.device = torch.device(device)
+        self.device = torch.device(device) if buffer is None else buffer.device
         self.shm_path = shm_path
         dtype = DTYPES[shape.dtype]
-        if shm_path is not None:
+        if buffer is not None:
+            self.buffer = buffer
+        elif shm_path is not None:
             if self.device.type != "cpu":
                 raise ValueError("a shared-memory KV pool must live on the CPU")
             flat = torch.from_file(shm_path, shared=True, size=shape.numel, dtype=dtype)
-            self.buffer = flat.view(shape.dims())  # [L, 2, P, ...layout]
+            self.buffer = flat.view(shape.dims())  # physical order, [L, 2, P, ...] for ours
         else:
             self.buffer = torch.zeros(shape.dims(), dtype=dtype, device=self.device)
+        self.order = shape.order
+        # The same memory seen as [L, 2, P, page, H, D] whatever the order (a view).
+        self.logical = self.buffer.permute(self.order.logical_permutation())
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, shape: KVPoolShape) -> KVPool:
+        """A pool over memory another engine allocated and keeps writing.
+
+        `buffer` must be one contiguous tensor of `shape.dims()` and its dtype:
+        the transports address it as one region (NIXL registers it whole).
+        """
+        if tuple(buffer.shape) != shape.dims():
+            raise ValueError(f"buffer dims {tuple(buffer.shape)} != the shape's {shape.dims()}")
+        if buffer.dtype != DTYPES[shape.dtype]:
+            raise ValueError(f"buffer dtype {buffer.dtype} != the shape's {shape.dtype}")
+        if not buffer.is_contiguous():
+            raise ValueError("a KV pool's buffer must be one contiguous tensor")
+        return cls(shape, buffer=buffer)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The whole pool as [num_rows, head_dim]: row r = `row_strides` coordinates."""
+        return self.buffer.view(-1, self.shape.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.buffer.dtype
-
-    def _token_view(self, layer: int, kv: int) -> torch.Tensor:
-        """[num_slots, H, D] view (NHD) or [P, H, page, D] (HND) of one layer's K or V."""
-        return self.buffer[layer, kv]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of n tokens. slots: [n] int64; k, v: [n, H, D]."""
@@ -115,11 +107,12 @@ class KVPool:
     def read_pages(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """K and V of whole pages (`pages`: any shape S) in one gather.
 
-        Returns [2, *S, page_size, H, D] in either layout (a view of the
-        gathered copy: token-major, as attention reads a context).
+        Returns [2, *S, page_size, H, D] in any order (a view of the gathered
+        copy: token-major, as attention reads a context).
         """
-        out = self.buffer[layer][:, pages]  # [2, *S, ...layout]
-        return out if self.shape.layout == KVLayout.NHD else out.transpose(-3, -2)
+        if self.order == NHD_ORDER:
+            return self.buffer[layer][:, pages]  # [2, *S, page, H, D]
+        return self.logical[layer][:, pages]
 
     def gather_tokens(
         self, layers: Sequence[int], slots: torch.Tensor, heads: slice = slice(None)
@@ -147,29 +140,26 @@ class KVPool:
                 self._scatter(layer, kv, slots, frame[i, kv].to(self.dtype), heads)
 
     def _gather(self, layer: int, kv: int, slots: torch.Tensor, heads: slice) -> torch.Tensor:
-        t = self.buffer[layer, kv]
-        if self.shape.layout == KVLayout.NHD:
-            flat = t.reshape(-1, self.shape.num_kv_heads, self.shape.head_dim)
+        if self.order == NHD_ORDER:
+            flat = self.buffer[layer, kv].view(-1, self.shape.num_kv_heads, self.shape.head_dim)
             return flat[slots][:, heads]
         ps = self.shape.page_size
-        pages, offs = slots // ps, slots % ps
-        return t[pages, :, offs][:, heads]  # [n, H, D]
+        t = self.logical[layer, kv]  # [P, page, H, D], strided
+        return t[slots // ps, slots % ps][:, heads]  # [n, h, D]
 
     def _scatter(
         self, layer: int, kv: int, slots: torch.Tensor, src: torch.Tensor, heads: slice
     ) -> None:
-        t = self.buffer[layer, kv]
-        if self.shape.layout == KVLayout.NHD:
-            flat = t.view(-1, self.shape.num_kv_heads, self.shape.head_dim)
+        if self.order == NHD_ORDER:
+            flat = self.buffer[layer, kv].view(-1, self.shape.num_kv_heads, self.shape.head_dim)
             if heads == slice(None):
                 flat.index_copy_(0, slots, src)
             else:
                 flat[slots, heads] = src
             return
         ps = self.shape.page_size
-        pages, offs = slots // ps, slots % ps
-        # Advanced indexing on dims 0 and 2 puts the index dim first: [n, h, D].
-        t[pages, heads, offs] = src
+        # Writes through the strided view into the pool's memory: [n, h, D].
+        self.logical[layer, kv][slots // ps, slots % ps, heads] = src
 
 
 def slots_for_positions(

@@ -297,7 +297,7 @@ class LocalAutoscaler:
         # vLLM decodes read their prefill from each request's kv_transfer_params.
         for decode in (d for d in decodes if d.engine is EngineKind.builtin):
             try:
-                resp = http.put(decode.url + "/admin/prefill_peers", json=body)
+                resp = http.put(decode.admin_url + "/admin/prefill_peers", json=body)
             except httpx.HTTPError as err:
                 self.on_line(f"Warning PeersNotUpdated: {decode.name}: {err}")
                 continue

@@ -64,6 +64,26 @@ def state_dir_for(base: Path, cluster: str) -> Path:
     return base / cluster
 
 
+def our_package_path(state_dir: Path) -> Path:
+    """A folder that, on PYTHONPATH, imports this installation's `pdcluster.runtime`.
+
+    vLLM with our connector imports it (`kv_connector_module_path`) in vLLM's
+    own interpreter, which need not have PDCluster installed; the folder
+    holds a link to our runtime package and nothing else of this environment
+    (vLLM keeps its own torch).
+    """
+    import pdcluster.runtime
+
+    base = state_dir / "pythonpath"
+    package = base / "pdcluster"
+    package.mkdir(parents=True, exist_ok=True)
+    link, wanted = package / "runtime", Path(next(iter(pdcluster.runtime.__path__)))
+    if not (link.is_symlink() and link.resolve() == wanted.resolve()):
+        link.unlink(missing_ok=True)
+        link.symlink_to(wanted)
+    return base
+
+
 @dataclass
 class _Membership:
     """A change autoscaling asks of the supervise loop; `done` is set once applied."""
@@ -117,6 +137,9 @@ class LocalCluster:
         }
         if spec.api_key_env is not None:
             env[spec.api_key_env] = self.token
+        if spec.side_port is not None:  # vLLM with our connector
+            ours = str(our_package_path(self.state_dir))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (ours, env.get("PYTHONPATH")) if p)
         with open(self.state_dir / "logs" / f"{spec.name}.log", "ab") as log:
             proc = subprocess.Popen(
                 list(spec.argv),

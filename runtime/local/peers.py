@@ -66,7 +66,7 @@ class PeerNotifier:
         if peer is None:
             return 0
         body = {"peer": peer, "reason": PREFILL_LOST_REASON, "gone": True}
-        return sum(self._post(d.url + "/admin/fail_peer", body) for d in decodes)
+        return sum(self._post(d.admin_url + "/admin/fail_peer", body) for d in decodes)
 
     def hold(self, spec: ProcessSpec, reason: str) -> bool:
         return self._post(self._router + "/admin/hold_worker", {"url": spec.url, "reason": reason})
@@ -92,7 +92,7 @@ class PeerNotifier:
         if peer is None:
             return True  # no bootstrap server (vLLM): no decode holds it down
         try:
-            resp = self._http.get(decode.url + "/get_server_info")
+            resp = self._http.get(decode.admin_url + "/get_server_info")
         except httpx.HTTPError:
             return True
         if resp.status_code != 200:

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdcluster.runtime.pod_rendezvous import LEADER_ADDRESS_ENV
-from pdcluster.runtime.spec import EngineKind, PDCluster, Role, RoleSpec, WorkerApiAccess
+from pdcluster.runtime.spec import (
+    EngineKind,
+    PDCluster,
+    Role,
+    RoleSpec,
+    VllmKVConnector,
+    WorkerApiAccess,
+)
 from pdcluster.runtime.vllm.serve_command import (
     API_KEY_ENV,
     DEFAULT_KV_EVENTS_PORTS,
@@ -74,6 +81,9 @@ class ProcessSpec:
     side_channel_ports: tuple[int, ...] = ()
     # vLLM's prefix-cache events (PUB, replay), when the router follows them.
     kv_events_ports: tuple[int, ...] = ()
+    # vLLM with our connector: its side port (prefill's bootstrap server, both
+    # roles' admin API); a prefill's `bootstrap_port` is the same port.
+    side_port: int | None = None
 
     @property
     def ports(self) -> tuple[int, ...]:
@@ -85,7 +95,14 @@ class ProcessSpec:
             *self.side_channel_ports,
             *self.kv_events_ports,
         )
-        return own if self.bootstrap_port is None else (*own, self.bootstrap_port)
+        extra = {p for p in (self.bootstrap_port, self.side_port) if p is not None}
+        return (*own, *sorted(extra))
+
+    @property
+    def admin_url(self) -> str:
+        """Where its admin API is (`fail_peer`, `prefill_peers`, `get_server_info`):
+        the side port of vLLM with our connector, else the HTTP API."""
+        return f"http://{HOST}:{self.side_port}" if self.side_port is not None else self.url
 
     @property
     def is_leader(self) -> bool:
@@ -183,7 +200,7 @@ def build_instance_specs(
     if len(set(ports)) != len(ports):
         raise ValueError(f"the ports of a {role.value} instance must be distinct: {ports}")
     if manifest.spec.engine.is_vllm:
-        return [_vllm_instance(manifest, role, instance, ports, python, vllm)]
+        return [_vllm_instance(manifest, role, instance, ports, prefills, python, vllm)]
     free = iter(ports)
     port, dist_port = next(free), next(free)
     argv = [
@@ -233,11 +250,13 @@ def _vllm_instance(
     role: Role,
     instance: int,
     ports: list[int],
+    prefills: list[ProcessSpec],
     python: str,
     vllm: str | None,
 ) -> ProcessSpec:
     """One `vllm serve` process; `ports`: its HTTP port, then its side channel
-    (prefill, decode), then its cache events' PUB and replay ports (cache_aware)."""
+    (prefill, decode: vLLM's NIXL side channel, or with our connector its side
+    port), then its cache events' PUB and replay ports (cache_aware)."""
     if vllm is None:
         raise ValueError("engine.kind vllm needs a vLLM installation to run (--vllm)")
     rs = role_spec_of(manifest, role)
@@ -251,6 +270,7 @@ def _vllm_instance(
     side = rest[:1] if role is not Role.colocated else []
     events = rest[len(side) :]
     side_port = side[0] if side else DEFAULT_SIDE_CHANNEL_PORT
+    ours = manifest.spec.engine.vllm.kv_connector is VllmKVConnector.pdcluster and bool(side)
     serve = build_vllm_serve(
         manifest.spec,
         role,
@@ -259,6 +279,8 @@ def _vllm_instance(
         side_channel_port=side_port,
         kv_events_ports=(events[0], events[1]) if events else DEFAULT_KV_EVENTS_PORTS,
         kv_replay_host=HOST,
+        bootstrap_port=side_port,
+        prefill_peers=prefill_peers(prefills) if ours and role is Role.decode else None,
     )
     env = dict(serve.env)
     if serve.side_channel_port is not None:
@@ -275,8 +297,10 @@ def _vllm_instance(
         engine=EngineKind.vllm,
         liveness_path="/health",
         api_key_env=API_KEY_ENV if guarded else None,
-        side_channel_ports=tuple(side),
+        side_channel_ports=() if ours else tuple(side),
         kv_events_ports=serve.kv_events_ports or (),
+        side_port=side_port if ours else None,
+        bootstrap_port=side_port if ours and role is Role.prefill else None,
     )
 
 
@@ -331,6 +355,8 @@ def build_local_plan(
         rargv += [f"--{w.role}", w.url]
         if w.kv_events_ports:
             rargv += ["--kv-events", kv_events_arg(w)]
+        if w.side_port is not None:
+            rargv += ["--side-port", f"{w.url}={w.side_port}"]
     router = ProcessSpec(name="router", role="router", instance=0, argv=tuple(rargv), port=rport)
     return LocalPlan(manifest.metadata.name, tuple(workers), router)
 

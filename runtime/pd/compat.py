@@ -20,6 +20,9 @@ COMPAT_FIELDS: tuple[str, ...] = (
     "page_size",
     "kv_dtype",
     "kv_layout",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
     "allocation_policy",
     "model_fingerprint",
     "transfer_backend",
@@ -29,9 +32,14 @@ COMPAT_FIELDS: tuple[str, ...] = (
 ShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
 class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     kv_dtype: ShortText
+    # The physical order of a pool's axes (`engine/kv_order.py`): NHD, HND, or
+    # another engine's (vLLM's CPU pages: LPHKN).
     kv_layout: ShortText
     allocation_policy: ShortText
     model_fingerprint: ShortText
@@ -42,6 +50,12 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # such a prefill at GET /route fails the room at once, naming both
     # versions, instead of waiting on frames the peer refuses.
     protocol_version: Annotated[int, msgspec.Meta(ge=1, le=255)] = 2
+    # The whole model's KV geometry (every rank's slice is cut from it): the
+    # fingerprint covers these too, but a mismatch named here says which.
+    # 0: not published (a peer of protocol version 3 or older).
+    num_layers: Count = 0
+    num_kv_heads: Count = 0
+    head_dim: Count = 0
 
 
 class Mismatch(msgspec.Struct, frozen=True):

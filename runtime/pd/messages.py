@@ -73,7 +73,10 @@ from pdcluster.runtime.spec import pages_for
 # 4: KVLayoutRegister may carry the decode rank's `incarnation`. A version-3
 # prefill refuses the unknown field (and the layout with it): refused at the
 # frame header instead, where the version names the cause.
-PROTOCOL_VERSION: Final = 4
+# 5: CompatInfo publishes the model's KV geometry (layers, KV heads, head
+# size) and `kv_layout` may name any axis order (vLLM's pages), so a peer
+# that cannot parse those fields is refused at the header, not mid-handshake.
+PROTOCOL_VERSION: Final = 5
 MAGIC: Final = b"PDC"
 HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 HEADER_LEN: Final = len(HEADER)

@@ -9,26 +9,17 @@ is not `room % dp` (dp: the prefill instances' dp size, from the manifest),
 on both legs and before anything is reserved: the legs would otherwise meet
 in different prefill dp groups and only time out.
 
-Admin API (token-protected; the operator's fast path):
-- `POST /admin/fail_peer {"peer": "host:port" | endpoint, "reason": str, "gone": bool}` —
-  fail every room tied to that peer on every rank of this group now;
-  `gone: false` (the peer may be hung, not dead) keeps those rooms' pages on
-  a one-sided transport until the peer acks or is reported gone (admin_body.py);
-- `PUT /admin/prefill_peers {"peers": ["host:port", ...]}` (decode) — replace
-  the set of prefill bootstrap servers this worker may contact
-  (known_peers.py); the operator sends it whenever the prefill pods change;
-- `GET /admin/rooms` — rooms with state, age and peers (this rank's view);
-- `GET /admin/failures` — failure counts of the whole instance (every rank of
-  every dp group; rooms counted once), for the operator's Events:
-  `{"failures": {"room_failed:<reason>": rooms}, "stats": {...}, "ranks":
-  {"<coord>": {...}}, "missing": [...]}` (counts.py); `?scope=group` answers
-  for this dp group only (how the front reads the other groups).
+Admin API (admin_routes.py): `fail_peer`, `prefill_peers` (decode), `rooms`
+(this rank's view) and `failures` — the whole instance's counts (every rank
+of every dp group; rooms counted once), for the operator's Events:
+`{"failures": {"room_failed:<reason>": rooms}, "stats": {...}, "ranks":
+{"<coord>": {...}}, "missing": [...]}` (counts.py); `?scope=group` answers
+for this dp group only (how the front reads the other groups).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -39,19 +30,19 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from pdcluster.runtime import stage_trace
-from pdcluster.runtime.http.auth import bearer_headers, check_bearer
+from pdcluster.runtime.http.auth import bearer_headers
 from pdcluster.runtime.http.limits import server_config
 from pdcluster.runtime.pd.early_start import EarlyStartBudget, early_start_limit
-from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError, parse_peers_body
+from pdcluster.runtime.pd.known_peers import KnownPeers, PeerSetError
 from pdcluster.runtime.pd.messages import room_size_problem
 from pdcluster.runtime.pd.readiness import ReadinessFacts, compute_not_ready
 from pdcluster.runtime.pd.room_queue import QueueFull
 from pdcluster.runtime.pd.topology import DpRankConflict, prefill_dp_group, shape_of
-from pdcluster.runtime.pd_worker.admin_body import FailPeerBodyError, parse_fail_peer
+from pdcluster.runtime.pd_worker.admin_body import FailPeerRequest
+from pdcluster.runtime.pd_worker.admin_routes import admin_routes, prefill_peers_route
 from pdcluster.runtime.pd_worker.coordinator import (
     DecodeCoordinator,
     Leg,
@@ -411,113 +402,24 @@ def _leg_of(req: PreparedRequest) -> Leg:
     )
 
 
-def _admin_routes(
-    agent: Any, token: str, counts: InstanceCounts, dp_urls: tuple[str, ...] = ()
-) -> Callable[[FastAPI], None]:
-    def authorized(request: Request) -> JSONResponse | None:
-        if not token:
-            return None
-        got = request.headers.get("authorization", "")
-        if not got:
-            return JSONResponse({"error": {"message": "missing token", "code": 401}}, 401)
-        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            return JSONResponse({"error": {"message": "wrong token", "code": 403}}, 403)
-        return None
+class _AgentAdmin:
+    """The admin routes' target on our own workers: the dp group's leader agent."""
 
-    def add(app: FastAPI) -> None:
-        @app.post("/admin/fail_peer")
-        async def fail_peer(request: Request) -> JSONResponse:
-            denied = authorized(request)
-            if denied is not None:
-                return denied
-            try:
-                call = parse_fail_peer(await request.json())
-            except FailPeerBodyError as err:
-                return JSONResponse(
-                    {"error": {"message": err.message, "code": err.status}}, err.status
-                )
-            except ValueError:  # not JSON at all
-                return JSONResponse(
-                    {"error": {"message": "body must be {peer, reason?, gone?}", "code": 422}}, 422
-                )
-            log.warning(
-                "admin: fail_peer %s (%s, %s, incarnation %s)",
-                call.peer,
-                call.reason,
-                "gone" if call.gone else "may resume",
-                call.incarnation,
-            )
-            agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
-            # Other dp groups have their own tables: relay to their leaders.
-            headers = {"authorization": request.headers.get("authorization", "")}
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-                for base in dp_urls:
-                    try:
-                        await client.post(
-                            f"{base}/admin/fail_peer",
-                            json=call.to_json(),
-                            headers=headers,
-                        )
-                    except httpx.HTTPError as err:
-                        log.warning("fail_peer relay to dp leader %s failed: %s", base, err)
-            return JSONResponse(call.to_json())
+    def __init__(self, agent: Any, counts: InstanceCounts) -> None:
+        self.agent = agent
+        self.counts = counts
 
-        @app.get("/admin/rooms")
-        async def rooms(request: Request) -> JSONResponse:
-            denied = authorized(request)
-            if denied is not None:
-                return denied
-            return JSONResponse({"rooms": agent.room_views(time.monotonic())})
+    def fail_peer(self, call: FailPeerRequest) -> None:
+        self.agent.broadcast(GroupFailPeer(call.peer, call.reason, call.gone, call.incarnation))
 
-        @app.get("/admin/failures")
-        async def failures(request: Request) -> JSONResponse:
-            denied = authorized(request)
-            if denied is not None:
-                return denied
-            if request.query_params.get("scope") == "group":
-                return JSONResponse(counts.group_view().to_json())
-            return JSONResponse((await counts.instance_view()).to_json())
+    def room_views(self, now: float) -> list[dict[str, Any]]:
+        views: list[dict[str, Any]] = self.agent.room_views(now)
+        return views
 
-    return add
-
-
-def _prefill_peers_route(
-    backend: DecodeBackend, token: str, dp_urls: tuple[str, ...]
-) -> Callable[[FastAPI], None]:
-    """`PUT /admin/prefill_peers {"peers": ["host:port", ...]}`: replace the known set."""
-
-    def add(app: FastAPI) -> None:
-        @app.put("/admin/prefill_peers")
-        async def prefill_peers(request: Request) -> JSONResponse:
-            if token:
-                denied = check_bearer(request.headers.get("authorization"), token)
-                if denied is not None:
-                    return JSONResponse(
-                        {"error": {"message": denied.message, "code": denied.status}},
-                        denied.status,
-                    )
-            try:
-                peers = parse_peers_body(json.loads(await request.body()))
-            except (PeerSetError, ValueError) as err:
-                msg = str(err) if isinstance(err, PeerSetError) else "body is not JSON"
-                return JSONResponse({"error": {"message": msg, "code": 400}}, 400)
-            if peers != backend.known.peers:
-                log.info("admin: prefill peers now %s", ", ".join(sorted(peers)) or "(none)")
-            backend.known = backend.known.replaced(peers)
-            # Other dp groups check their own requests: relay to their leaders.
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-                for base in dp_urls:
-                    try:
-                        await client.put(
-                            f"{base}/admin/prefill_peers",
-                            json={"peers": sorted(peers)},
-                            headers=bearer_headers(token),
-                        )
-                    except httpx.HTTPError as err:
-                        log.warning("prefill_peers relay to dp leader %s failed: %s", base, err)
-            return JSONResponse({"peers": sorted(peers)})
-
-    return add
+    async def failures(self, scope: str | None) -> dict[str, Any]:
+        if scope == "group":
+            return self.counts.group_view().to_json()
+        return (await self.counts.instance_view()).to_json()
 
 
 def _early_start_budget(
@@ -578,9 +480,9 @@ def build_pd_backend(
     relay_urls = backend.dp_urls if dp_rank == 0 else ()
     counts = InstanceCounts(agent, coord, settings.token, relay_urls)
     backend.counts = counts
-    routes = _admin_routes(agent, settings.token, counts, relay_urls)
+    routes = admin_routes(_AgentAdmin(agent, counts), settings.token, relay_urls)
     if isinstance(backend, DecodeBackend):
-        admin, peers_route = routes, _prefill_peers_route(backend, settings.token, relay_urls)
+        admin, peers_route = routes, prefill_peers_route(backend, settings.token, relay_urls)
 
         def routes(app: FastAPI) -> None:
             admin(app)

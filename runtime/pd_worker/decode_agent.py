@@ -53,7 +53,7 @@ from pdcluster.runtime.pd.peer_liveness import (
     ResumeHeld,
     StartProbe,
 )
-from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix, first_sent_token, num_sent_tokens
+from pdcluster.runtime.pd.prefix_reuse import ReusedPrefix, first_sent_token
 from pdcluster.runtime.pd.room_common import RoomError
 from pdcluster.runtime.pd.topology import (
     DpRankConflict,
@@ -81,6 +81,7 @@ from pdcluster.runtime.transfer.checksum import CHECKSUM_MISMATCH, CHECKSUM_MISS
 from pdcluster.runtime.transfer.frames import FrameError, decode_header
 from pdcluster.runtime.transfer.identity import kv_source_ok
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
+from pdcluster.runtime.transfer.page_span import num_written_tokens
 from pdcluster.runtime.transfer.tcp import KVReceiver
 
 log = logging.getLogger("pdcluster.pd.decode")
@@ -198,7 +199,10 @@ class DecodeAgent(RankAgent):
         ctx = self.ctx
         itemsize = KVDtype(ctx.compat.kv_dtype).itemsize
         layers, heads = ctx.layers[1] - ctx.layers[0], ctx.heads[1] - ctx.heads[0]
-        num_sent = num_sent_tokens(r.num_tokens, r.reuse, ctx.page_size)
+        first = first_sent_token(r.reuse, ctx.page_size)
+        num_sent = num_written_tokens(
+            r.num_tokens, first, ctx.page_size, self.pool.shape.whole_pages
+        )
         expected = num_sent * layers * 2 * heads * ctx.head_dim * itemsize
         progress = self.receiver.progress(room, entry[0])
         got = 0 if progress is None else progress.nbytes

@@ -53,6 +53,7 @@ from pdcluster.runtime.telemetry.request_log import request_fields
 from pdcluster.runtime.transfer.job import TransferJob
 from pdcluster.runtime.transfer.nixl import NixlTransport
 from pdcluster.runtime.transfer.page_checksum import compute_kv_checksum, token_slots
+from pdcluster.runtime.transfer.page_span import sendable_end, written_end
 from pdcluster.runtime.transfer.sender import KVSender, SenderConfig
 from pdcluster.runtime.transfer.shm import ShmTransport
 from pdcluster.runtime.transfer.shm_dirs import shm_base
@@ -469,18 +470,21 @@ class PrefillAgent(RankAgent):
         mine = cp_token_range(
             r.num_tokens, self.ctx.page_size, self.ctx.shape.cp, self.ctx.coord.cp
         )
-        t0, t1 = max(r.sent_upto, mine[0]), min(r.computed, mine[1])
-        r.sent_upto = r.computed
+        ps, whole = self.ctx.page_size, self.pool.shape.whole_pages
+        t0 = max(r.sent_upto, mine[0])
+        t1 = sendable_end(r.computed, mine[1], ps, whole)
         if t0 >= t1:
             return
+        r.sent_upto = t1
+        end = written_end(t1, mine[1], ps, whole)
         n = 0
         for dest in dests:
             # Decode holds the pages of its reused prefix (other sequences read
             # them): nothing before `first_sent_token` is ever written.
-            d0 = max(t0, first_sent_token(dest.reuse, self.ctx.page_size))
+            d0 = max(t0, first_sent_token(dest.reuse, ps))
             if d0 >= t1:
                 continue
-            job = self._job(room, r, dest, d0, t1)
+            job = self._job(room, r, dest, d0, end)
             if job is not None and self.sender.submit(job):
                 n += 1
                 if self.checksum:

@@ -49,6 +49,9 @@ def agent_context(settings: Any, runner: Any, dp_rank: int) -> AgentContext:
         ),
         transfer_backend=str(spec.transfer.backend),
         protocol_version=PROTOCOL_VERSION,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
     )
     return AgentContext(
         role=settings.role,

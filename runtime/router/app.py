@@ -152,6 +152,7 @@ class RouterState:
             rids=RidMinter(rng),
             rooms_source=rng,
             engine=config.engine,
+            connector=config.kv_connector,
         )
         self._api_keys = tuple(k.encode() for k in config.api_keys)
         self.started_at = int(time.time())
@@ -206,12 +207,18 @@ class RouterState:
             timeout_s=cfg.health_check_timeout_s,
             on_transition=self.on_transition,
             reads_server_info=cfg.reads_server_info,
+            reads_side_ports=cfg.uses_side_ports,
         )
         if cfg.kubernetes is None:
-            targets = static_targets(
-                cfg.prefill_urls, cfg.decode_urls, cfg.colocated_urls, dict(cfg.kv_events)
+            self.pool.sync(
+                static_targets(
+                    cfg.prefill_urls,
+                    cfg.decode_urls,
+                    cfg.colocated_urls,
+                    dict(cfg.kv_events),
+                    cfg.side_ports,
+                )
             )
-            self.pool.sync(targets)
             await self.checker.probe_all()
         else:
             self._discovery = KubernetesDiscovery(

@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL=PUB,REPLAY",
         help="cache_aware over vLLM: the ports a listed worker publishes its cache events on",
     )
+    p.add_argument(
+        "--side-port",
+        action="append",
+        default=[],
+        metavar="URL=PORT",
+        help="vLLM with our connector: a worker's side port (bootstrap server, admin API)",
+    )
     p.add_argument("--manifest", type=Path, help="PDCluster YAML for model, policies, timeouts")
     p.add_argument("--model-name")
     p.add_argument("--prefill-policy", choices=_POLICIES)
@@ -107,6 +114,17 @@ def _api_keys(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ..
     return tuple(keys)
 
 
+def _side_ports(entries: Sequence[str]) -> dict[str, int]:
+    """`--side-port URL=PORT` entries → {URL: port}; ValueError naming a bad one."""
+    ports: dict[str, int] = {}
+    for entry in entries:
+        url, sep, port = entry.rpartition("=")
+        if not sep or not url or not port.isdigit():
+            raise ValueError(f"--side-port {entry!r}: expected URL=PORT")
+        ports[url] = int(port)
+    return ports
+
+
 def parse_invocation(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Invocation:
     """Flags → settings; raise ValueError (or exit via argparse) on bad input."""
     args = build_parser().parse_args(list(argv))
@@ -141,6 +159,7 @@ def invocation_from(
         "colocated_urls": tuple(args.colocated),
         "kubernetes": kube,
         "api_keys": _api_keys(args, os.environ if env is None else env),
+        "side_ports": _side_ports(args.side_port),
     }
     if kube is not None:
         fields["disaggregated"] = args.k8s_mode == "pd"
@@ -153,6 +172,7 @@ def invocation_from(
             colocated_urls=fields["colocated_urls"],
             kubernetes=kube,
             api_keys=fields["api_keys"],
+            side_ports=fields["side_ports"],
             cluster_name=manifest.metadata.name,
         )
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}

@@ -12,7 +12,7 @@ Pure module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.runtime.bounds import require_positive
@@ -26,6 +26,7 @@ from pdcluster.runtime.spec import (
     Role,
     SelectionPolicy,
     TracingSpec,
+    VllmKVConnector,
 )
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -84,6 +85,13 @@ class RouterConfig:
     # vLLM's block size (`kvCache.pageSize`, its `--block-size`).
     kv_events: tuple[tuple[str, KVEventPorts], ...] = ()
     vllm_block_size: int = 16
+    # vLLM's KV connector (`spec.engine.vllm.kvConnector`): with ours the legs
+    # go at once, paired by a room in their `kv_transfer_params`.
+    kv_connector: VllmKVConnector = VllmKVConnector.nixl
+    # vLLM with our connector: each static worker's side port (its bootstrap
+    # server and admin API), by worker URL; Kubernetes discovery reads it from
+    # the pod's `pdcluster.io/bootstrap-port` annotation.
+    side_ports: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -122,6 +130,9 @@ class RouterConfig:
             raise ValueError("kv_events lists a worker twice")
         if not isinstance(self.vllm_block_size, int) or self.vllm_block_size < 1:
             raise ValueError(f"vllm_block_size must be >= 1, got {self.vllm_block_size!r}")
+        for url, port in self.side_ports.items():
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ValueError(f"side port of {url} must be in 1..65535, got {port!r}")
         if self.failure_policy not in {p.value for p in FailurePolicy}:
             valid = ", ".join(p.value for p in FailurePolicy)
             raise ValueError(f"failure_policy={self.failure_policy!r} is not one of: {valid}")
@@ -156,6 +167,11 @@ class RouterConfig:
         return self.engine is EngineKind.builtin
 
     @property
+    def uses_side_ports(self) -> bool:
+        """vLLM with our connector: a worker's room facts are on its side port."""
+        return self.engine is EngineKind.vllm and self.kv_connector is VllmKVConnector.pdcluster
+
+    @property
     def aborts_by_rid(self) -> bool:
         """Whether workers take `/abort_request {rid}` (vLLM: closing the leg aborts it)."""
         return self.engine is EngineKind.builtin
@@ -179,6 +195,7 @@ class RouterConfig:
         colocated_urls: Sequence[str] = (),
         kubernetes: KubernetesDiscoverySettings | None = None,
         api_keys: Sequence[str] = (),
+        side_ports: Mapping[str, int] | None = None,
         cluster_name: str = "",
     ) -> RouterConfig:
         """Settings of a PDCluster manifest plus the addresses the caller knows."""
@@ -206,6 +223,8 @@ class RouterConfig:
             log_format=spec.observability.log_format,
             engine=spec.engine.kind,
             vllm_block_size=spec.kv_cache.page_size,
+            kv_connector=spec.engine.vllm.kv_connector,
+            side_ports=dict(side_ports or {}),
         )
 
     @property

@@ -19,6 +19,7 @@ Pure module.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from pdcluster.runtime.spec import Role
 
 ROLE_LABEL = "pdcluster.io/role"
 PORT_ANNOTATION = "pdcluster.io/http-port"
+# A worker's side port (our bootstrap server and admin API beside vLLM's HTTP).
+SIDE_PORT_ANNOTATION = "pdcluster.io/bootstrap-port"
 POD_INDEX_LABEL = "pdcluster.io/pod-index"
 # A vLLM pod that publishes its prefix-cache events (cache_aware): its PUB and
 # replay ports (`vllm/kv_events.py`), set by the operator.
@@ -51,9 +54,11 @@ def static_targets(
     decode: Sequence[str] = (),
     colocated: Sequence[str] = (),
     kv_events: Mapping[str, KVEventPorts] | None = None,
+    side_ports: Mapping[str, int] | None = None,
 ) -> list[WorkerTarget]:
     """Validate static worker lists; raise ValueError naming the problem.
-    `kv_events`: worker URL → where that vLLM worker publishes its cache events."""
+    `kv_events`: worker URL → where that vLLM worker publishes its cache events;
+    `side_ports`: vLLM with our connector, each worker's side port by URL."""
     if colocated and (prefill or decode):
         raise ValueError("list either colocated workers or prefill+decode workers, not both")
     if not colocated:
@@ -64,6 +69,7 @@ def static_targets(
             raise ValueError(f"a disaggregated router needs at least one {missing} URL")
     targets: list[WorkerTarget] = []
     seen: dict[str, Role] = {}
+    sides = {normalize_url(url): port for url, port in (side_ports or {}).items()}
     for role, urls in (
         (Role.prefill, prefill),
         (Role.decode, decode),
@@ -74,15 +80,13 @@ def static_targets(
             if url in seen:
                 raise ValueError(f"worker {url} is listed twice ({seen[url].value}, {role.value})")
             seen[url] = role
-            targets.append(WorkerTarget(url=url, role=role))
+            targets.append(WorkerTarget(url=url, role=role, side_port=sides.get(url)))
     if kv_events:
         ports = {normalize_url(url): p for url, p in kv_events.items()}
         unknown = sorted(set(ports) - set(seen))
         if unknown:
             raise ValueError(f"kv events given for {', '.join(unknown)}, not a listed worker")
-        targets = [
-            WorkerTarget(url=t.url, role=t.role, kv_events=ports.get(t.url)) for t in targets
-        ]
+        targets = [dataclasses.replace(t, kv_events=ports.get(t.url)) for t in targets]
     return targets
 
 
@@ -196,7 +200,15 @@ def decide_pod(pod: Mapping[str, Any], settings: KubernetesDiscoverySettings) ->
     except ValueError as err:
         return skip(str(err))
     revision = str(labels.get(REVISION_LABEL, ""))
-    target = WorkerTarget(url=url, role=role, revision=revision, kv_events=_kv_events(annotations))
+    side = annotations.get(SIDE_PORT_ANNOTATION)
+    side_port = None if side is None else _parse_port(side)
+    target = WorkerTarget(
+        url=url,
+        role=role,
+        revision=revision,
+        kv_events=_kv_events(annotations),
+        side_port=side_port,
+    )
     return PodDecision(name=name, target=target)
 
 

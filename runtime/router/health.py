@@ -53,8 +53,21 @@ class HealthChecker:
     reads_server_info: bool = True
     # Set to end the sleep under way (a new interval is in force).
     _wake: asyncio.Event | None = field(default=None, init=False, repr=False)
+    # vLLM with our connector: a prefill's bootstrap port is its side port, and
+    # a decode reports `peers_down` there.
+    reads_side_ports: bool = False
+
+    def _info_url(self, worker: Worker) -> str | None:
+        """Where a worker answers /get_server_info (None: nowhere)."""
+        if self.reads_side_ports:
+            return worker.side_url
+        return worker.url if self.reads_server_info else None
 
     async def _fetch_info(self, worker: Worker) -> ServerInfo:
+        if self.reads_side_ports:
+            if worker.role is Role.prefill and worker.side_port is None:
+                raise ValueError("vLLM prefill with our connector names no side port")
+            return ServerInfo(bootstrap_port=worker.side_port, dp_size=1)
         if not self.reads_server_info:
             return ServerInfo(bootstrap_port=None, dp_size=1)
         resp = await self.client.get(f"{worker.url}/get_server_info", timeout=self.timeout_s)
@@ -67,15 +80,18 @@ class HealthChecker:
         return parse_server_info(payload, worker.role)
 
     async def _fetch_peers_down(self, decode: Worker) -> dict[str, str]:
+        base = self._info_url(decode)
+        if base is None:
+            return {}
         try:
-            resp = await self.client.get(f"{decode.url}/get_server_info", timeout=self.timeout_s)
+            resp = await self.client.get(f"{base}/get_server_info", timeout=self.timeout_s)
             return parse_peers_down(resp.json()) if resp.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             return {}  # a decode that does not answer holds no verdict worth waiting for
 
     async def peers_down(self) -> dict[str, dict[str, str]]:
         """Each healthy decode's ``peers_down``, by decode URL."""
-        if not self.reads_server_info:
+        if not (self.reads_server_info or self.reads_side_ports):
             return {}
         decodes = self.pool.healthy(Role.decode)
         found = await asyncio.gather(*(self._fetch_peers_down(d) for d in decodes))

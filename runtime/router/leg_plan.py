@@ -10,7 +10,10 @@ workers run (`LegFlow`, the per-engine seam):
 - `kv_params` (vLLM with a pull connector, e.g. NixlConnector): no room; the
   body stays the client's, the prefill leg goes first and its answer's
   `kv_transfer_params` go into the decode leg (vllm_legs.py,
-  vllm_relay.py). The rid names the request in logs (`X-Request-Id`).
+  vllm_relay.py). The rid names the request in logs (`X-Request-Id`);
+- `room_params` (vLLM with our connector): a room as in `bootstrap`, aimed at
+  the prefill's side port, carried in both legs' `kv_transfer_params`; the
+  prefill leg computes one token; both go out at once (relay.py).
 
 Pure module: workers, policies and minters are plain objects.
 """
@@ -28,8 +31,9 @@ from pdcluster.runtime.router.leg_bytes import encode_leg_body, leg_body_bytes
 from pdcluster.runtime.router.policies import Policy
 from pdcluster.runtime.router.prefix_index import PromptTokens
 from pdcluster.runtime.router.rooms import RandomSource, RidMinter, mint_room
+from pdcluster.runtime.router.vllm_legs import build_room_legs
 from pdcluster.runtime.router.workers import Worker, WorkerPool
-from pdcluster.runtime.spec import EngineKind, Role
+from pdcluster.runtime.spec import EngineKind, Role, VllmKVConnector
 
 
 class LegFlow(enum.StrEnum):
@@ -39,11 +43,16 @@ class LegFlow(enum.StrEnum):
     bootstrap = "bootstrap"
     # Prefill first; its kv_transfer_params go into the decode leg.
     kv_params = "kv_params"
+    # Both legs at once; the room rides in their kv_transfer_params.
+    room_params = "room_params"
 
 
-def leg_flow_of(engine: EngineKind) -> LegFlow:
-    """The flow a cluster's workers speak (vLLM's NixlConnector pulls: `kv_params`)."""
-    return LegFlow.kv_params if engine is EngineKind.vllm else LegFlow.bootstrap
+def leg_flow_of(engine: EngineKind, connector: VllmKVConnector = VllmKVConnector.nixl) -> LegFlow:
+    """The flow a cluster's workers speak (vLLM's NixlConnector pulls: `kv_params`;
+    our connector inside vLLM pairs by a room: `room_params`)."""
+    if engine is not EngineKind.vllm:
+        return LegFlow.bootstrap
+    return LegFlow.room_params if connector is VllmKVConnector.pdcluster else LegFlow.kv_params
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,20 @@ class LegPlan:
     flow: LegFlow = LegFlow.bootstrap
     # The client's request (the `kv_params` flow builds each leg's body from it).
     request: ClientRequest | None = None
+    # The prefill leg's own body when it differs from `body` (`room_params`).
+    prefill_body: dict[str, Any] | None = None
 
     @property
     def content(self) -> bytes:
         """What both legs are sent (raises ValueError for a NaN, as encoding always did)."""
         return self.body_bytes if self.body_bytes is not None else encode_leg_body(self.body)
+
+    @property
+    def prefill_content(self) -> bytes:
+        """What the prefill leg is sent."""
+        if self.prefill_body is None:
+            return self.content
+        return encode_leg_body(self.prefill_body)
 
 
 def pairable(prefills: list[Worker], decodes: list[Worker]) -> tuple[list[Worker], list[Worker]]:
@@ -99,10 +117,11 @@ class LegPlanner:
     prompt_tokens: Callable[[ClientRequest], PromptTokens | None] | None = None
     # The engine the workers run: how legs meet, what their bodies carry.
     engine: EngineKind = EngineKind.builtin
+    connector: VllmKVConnector = VllmKVConnector.nixl
 
     @property
     def flow(self) -> LegFlow:
-        return leg_flow_of(self.engine)
+        return leg_flow_of(self.engine, self.connector)
 
     def plan(
         self,
@@ -123,6 +142,22 @@ class LegPlanner:
                 self.pool.of_role(Role.colocated), Role.colocated.value, prompt
             )
         rid = self.rids.mint()
+        if self.flow is LegFlow.room_params and bootstrap is not None:
+            prefill_body, decode_body = build_room_legs(
+                request.body, request.endpoint, bootstrap, rid
+            )
+            return LegPlan(
+                path=request.endpoint.value,
+                body=decode_body,
+                rid=rid,
+                stream=request.stream,
+                main=main,
+                prefill=prefill,
+                room=bootstrap.room,
+                flow=self.flow,
+                request=request,
+                prefill_body=prefill_body,
+            )
         if self.engine is EngineKind.vllm:
             # vLLM takes no rid field: the rid rides in X-Request-Id.
             body = build_leg_body(request.body, None, None)

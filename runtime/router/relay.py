@@ -281,7 +281,7 @@ class Relay:
                 plan = self.plan
                 headers = self.record.leg_headers("prefill", worker.url)
                 async with self.ctx.legs.post(
-                    worker.url + plan.path, data=leg_data(plan.content), headers=headers
+                    worker.url + plan.path, data=leg_data(plan.prefill_content), headers=headers
                 ) as resp:
                     if resp.status >= 400:
                         raw = await resp.read()

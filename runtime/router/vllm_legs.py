@@ -1,4 +1,12 @@
-"""The leg bodies of vLLM's disaggregated flow (a pull connector such as NixlConnector).
+"""The leg bodies of vLLM's disaggregated flows.
+
+With our connector inside vLLM (PDClusterConnector) the legs meet as our
+workers' do, by a room both name, and go out at once (`build_room_legs`):
+the prefill leg computes one token, unstreamed; both carry the room in
+`kv_transfer_params` (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`,
+`rid`: what `runtime/vllm_connector/params.py` reads).
+
+With a pull connector such as NixlConnector:
 
 vLLM's prefill and decode meet through the `kv_transfer_params` of the
 request bodies, not through a room both legs name at once (our workers'
@@ -26,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdcluster.runtime.router.bodies import Endpoint
+from pdcluster.runtime.router.bodies import Bootstrap, Endpoint
 
 # What the prefill leg asks: compute, keep the blocks, answer where they are.
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -47,15 +55,43 @@ class KVParamsError(ValueError):
     """A prefill answered no usable `kv_transfer_params`; the message says what is wrong."""
 
 
-def build_prefill_body(body: Mapping[str, Any], endpoint: Endpoint) -> dict[str, Any]:
-    """The prefill leg's body: one token, not streamed, KV kept for a remote decode."""
+def _one_token(body: Mapping[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """The client's body as a prefill leg: one token, not streamed."""
     leg = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     leg["stream"] = False
     leg["max_tokens"] = 1
     if endpoint is Endpoint.chat and "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
+    return leg
+
+
+def build_prefill_body(body: Mapping[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """The prefill leg's body: one token, not streamed, KV kept for a remote decode."""
+    leg = _one_token(body, endpoint)
     leg["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     return leg
+
+
+def room_params(bootstrap: Bootstrap, rid: str) -> dict[str, Any]:
+    """Our connector's pairing fields, in each leg's `kv_transfer_params`."""
+    return {
+        "bootstrap_host": bootstrap.host,
+        "bootstrap_port": bootstrap.port,
+        "bootstrap_room": bootstrap.room,
+        "rid": rid,
+    }
+
+
+def build_room_legs(
+    body: Mapping[str, Any], endpoint: Endpoint, bootstrap: Bootstrap, rid: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill leg, decode leg) for our connector: the same room on both, sent at once."""
+    params = room_params(bootstrap, rid)
+    prefill = _one_token(body, endpoint)
+    prefill["kv_transfer_params"] = params
+    decode = dict(body)
+    decode["kv_transfer_params"] = dict(params)
+    return prefill, decode
 
 
 def read_kv_params(payload: Any) -> dict[str, Any]:

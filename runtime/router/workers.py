@@ -93,6 +93,8 @@ class WorkerTarget:
     revision: str = ""
     # A vLLM worker that publishes its prefix-cache events (cache_aware), or None.
     kv_events: KVEventPorts | None = None
+    # vLLM with our connector: the side port (bootstrap server, admin API).
+    side_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Worker:
     bootstrap_port: int | None = None
     dp_size: int = 1
     revision: str = ""
+    # vLLM with our connector: where its room facts are (`WorkerTarget.side_port`).
+    side_port: int | None = None
     healthy: bool = False
     outstanding: int = 0
     consecutive_failures: int = 0
@@ -147,6 +151,14 @@ class Worker:
     @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or ""
+
+    @property
+    def side_url(self) -> str | None:
+        """vLLM with our connector: the base URL of its side port (None: none known)."""
+        if self.side_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.side_port}"
 
     def take_dp_rank(self) -> int:
         rank = self.next_dp_rank % self.dp_size
@@ -214,10 +226,12 @@ class WorkerPool:
         wanted: dict[str, Role] = {}
         revisions: dict[str, str] = {}
         kv_events: dict[str, KVEventPorts | None] = {}
+        side_ports: dict[str, int | None] = {}
         for target in targets:
             url = normalize_url(target.url)
             revisions[url] = target.revision
             kv_events[url] = target.kv_events
+            side_ports[url] = target.side_port
             previous = wanted.get(url)
             if previous is not None and previous is not target.role:
                 raise ValueError(
@@ -238,8 +252,10 @@ class WorkerPool:
                 self._workers[url] = worker
                 added.append(worker)
             else:
-                self._workers[url].revision = revisions[url]
-                self._workers[url].kv_events = kv_events[url]
+                worker = self._workers[url]
+                worker.revision = revisions[url]
+                worker.kv_events = kv_events[url]
+            worker.side_port = side_ports[url]
         return PoolChange(added=tuple(added), removed=tuple(removed))
 
     def record_probe_success(self, worker: Worker, info: ServerInfo | None) -> bool:

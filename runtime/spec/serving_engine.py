@@ -3,10 +3,15 @@
 `kind: builtin` (the default) is our reference engine (`pdcluster worker`).
 `kind: vllm` runs stock vLLM (`vllm serve`) in every worker pod: the
 manifest's topology, model and KV settings become vLLM flags
-(`runtime/vllm/serve_command.py`), and with a disaggregated cluster vLLM's
-own KV connector moves the KV (`kvConnector`, e.g. `NixlConnector`: the
-router sends the prefill leg first and hands its `kv_transfer_params` to the
-decode leg, `runtime/router/vllm_relay.py`).
+(`runtime/vllm/serve_command.py`), and with a disaggregated cluster a KV
+connector moves the KV (`kvConnector`):
+- `NixlConnector`, vLLM's own: the router sends the prefill leg first and
+  hands its `kv_transfer_params` to the decode leg
+  (`runtime/router/vllm_relay.py`);
+- `PDClusterConnector`, ours inside vLLM (`runtime/vllm_connector/`): the
+  router mints a room and sends both legs at once, and our room tables,
+  bootstrap registry, heartbeats, ABORT/ACK and transfer engine (`tcp` or
+  `nixl`) run inside vLLM, with the admin API on each pod's bootstrap port.
 
 What vLLM cannot do with the rest of the manifest is refused here, each
 message naming the field (`vllm_refusal`), and mirrored as CEL rules in the
@@ -14,10 +19,13 @@ CRD (`operator/crd/cel_rules.py`):
 - the model comes from `model.path` (a directory or a Hugging Face id), never
   the built-in tiny weights; vLLM has no float64, and keeps the KV cache in
   the model's dtype (`kvCache.dtype` must equal `model.computeDtype`);
-- vLLM picks its own KV layout (`kvCache.layout` stays NHD) and has no
-  per-page checksum (`transfer.checksum` stays false);
-- `NixlConnector` moves KV over NIXL: a disaggregated cluster says
-  `transfer.backend: nixl`;
+- vLLM picks its own KV layout (`kvCache.layout` stays NHD);
+- `NixlConnector` moves KV over NIXL (a disaggregated cluster says
+  `transfer.backend: nixl`) and has no per-page checksum (`transfer.checksum`
+  stays false); `PDClusterConnector` moves it over `tcp` or `nixl` (not
+  `shm`, which writes into our engine's pool), allocates decode pages when
+  vLLM admits the request (`transfer.allocationPolicy` stays early) and
+  pairs tensor-parallel engines (`topology.dp` and `pp` stay 1);
 - an instance is one pod (`gpusPerPod` left out or equal to its ranks) and
   context parallelism is not mapped (`topology.cp` 1);
 - vLLM reports no queued prompt tokens (no `queuedPrefillTokensPerInstance`
@@ -55,6 +63,9 @@ class VllmKVConnector(enum.StrEnum):
     # vLLM's NIXL connector: decode pulls (READs) the prompt's KV from the
     # prefill that computed it, named in the prefill's `kv_transfer_params`.
     nixl = "NixlConnector"
+    # Ours inside vLLM: both legs at once, paired by a room; prefill pushes
+    # the KV chunk by chunk with our transfer engine (tcp | nixl).
+    pdcluster = "PDClusterConnector"
 
 
 class KVBufferDevice(enum.StrEnum):
@@ -187,13 +198,9 @@ def vllm_refusal(spec: PDClusterSpec) -> str | None:
         )
     if kv.layout.value != "NHD":
         return "kvCache.layout: vLLM chooses its own KV layout; leave it NHD"
-    if spec.transfer.checksum:
-        return "transfer.checksum: vLLM's connectors carry no page checksum"
-    if spec.is_disaggregated and spec.transfer.backend.value != "nixl":
-        return (
-            "transfer.backend must be nixl with engine.vllm.kvConnector NixlConnector "
-            "(vLLM's connector moves the KV over NIXL)"
-        )
+    refusal = _connector_refusal(spec)
+    if refusal is not None:
+        return refusal
     for role, rs in spec.roles():
         if rs.topology.cp != 1:
             return f"{role}.topology.cp: context parallelism is not mapped onto vLLM; use 1"
@@ -219,4 +226,39 @@ def vllm_refusal(spec: PDClusterSpec) -> str | None:
                 f"router.policy.{key}: cache_aware follows one vLLM engine per instance; "
                 f"{role.value}.topology.dp must be 1 (each dp rank publishes its own events)"
             )
+    return None
+
+
+def _connector_refusal(spec: PDClusterSpec) -> str | None:
+    """What the chosen KV connector cannot do with `spec.transfer`, naming the field."""
+    transfer = spec.transfer
+    if spec.engine.vllm.kv_connector is VllmKVConnector.nixl:
+        if transfer.checksum:
+            return (
+                "transfer.checksum: NixlConnector carries no page checksum "
+                "(PDClusterConnector does)"
+            )
+        if spec.is_disaggregated and transfer.backend.value != "nixl":
+            return (
+                "transfer.backend must be nixl with engine.vllm.kvConnector NixlConnector "
+                "(vLLM's connector moves the KV over NIXL)"
+            )
+        return None
+    if transfer.backend.value == "shm":
+        return (
+            "transfer.backend: PDClusterConnector moves the KV over tcp or nixl; shm writes "
+            "into our engine's shared-memory pool"
+        )
+    if transfer.allocation_policy.value != "early":
+        return (
+            "transfer.allocationPolicy: PDClusterConnector gets a decode's pages when vLLM "
+            "admits the request; only early applies"
+        )
+    for role, rs in spec.roles():
+        for axis in ("dp", "pp"):
+            if role.value != "colocated" and getattr(rs.topology, axis) != 1:
+                return (
+                    f"{role}.topology.{axis}: PDClusterConnector pairs tensor-parallel vLLM "
+                    "engines; scale with replicas instead"
+                )
     return None

@@ -35,7 +35,7 @@ import numpy as np
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
 from pdcluster.runtime.pd.messages import NIXL_REGION_VERSION, NixlRegion
-from pdcluster.runtime.transfer.nixl_plan import RegionGeometry, page_units
+from pdcluster.runtime.transfer.nixl_plan import RegionGeometry, has_page_units, page_units
 from pdcluster.runtime.transfer.ucx_report import is_tcp_fallback, parse_ucx_lanes, transports_of
 
 log = logging.getLogger(__name__)
@@ -155,14 +155,18 @@ class NixlAgent:
         self, name: str, geo: RegionGeometry, base: int, device_id: int, mem_type: str
     ) -> Any:
         """A prepared descriptor list of every page unit of a pool at `base` (ours under
-        `NIXL_INIT_AGENT`, a peer's under its agent name)."""
+        `NIXL_INIT_AGENT`, a peer's under its agent name); None for a pool whose
+        order has no page units (its frames move by descriptors)."""
+        if not has_page_units(geo):
+            return None
         units = page_units(geo)
         return self.agent.prep_xfer_dlist(
             name, _descs(units[:, 0], units[:, 1], base, device_id), mem_type
         )
 
     def release_units(self, units: Any) -> None:
-        self.agent.release_dlist_handle(units)
+        if units is not None:
+            self.agent.release_dlist_handle(units)
 
     # ---- WRITEs ----------------------------------------------------------
 

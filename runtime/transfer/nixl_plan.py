@@ -7,7 +7,9 @@ list for two pools of known geometry:
 
 - token runs are `(src_slot, dst_slot, length)`, consecutive on both sides
   and inside one page on each (`shm.copy_runs` cuts them), so a run is
-  contiguous per (layer, K|V, head) in both layouts;
+  contiguous per (layer, K|V, head) where tokens are the innermost axis
+  (HND, vLLM's CPU pages), per (layer, K|V) with every head in NHD, and one
+  row per token and head in any other order (`engine/kv_order.py`);
 - heterogeneous TP is the head slice (`src_heads` of ours land in the
   peer's `dst_heads`), PP the layer pairs, CP the token positions the runs
   already carry;
@@ -18,7 +20,7 @@ list for two pools of known geometry:
 Invariants: every descriptor lies inside both pools (`[0, nbytes)`), the
 bytes written are exactly those of the named tokens, layers and heads, and
 two geometries that cannot be paired byte for byte (dtype, head_dim,
-layout) are refused by `check_geometries` before any room uses them.
+axis order) are refused by `check_geometries` before any room uses them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdcluster.runtime.engine.kv_order import KVOrder
 from pdcluster.runtime.spec import KVLayout
 
 ITEM_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -40,8 +43,9 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class RegionGeometry:
-    """How a rank's KV pool lies in its registered region: [L, 2, P, ps, H, D] (NHD)
-    or [L, 2, P, H, ps, D] (HND), one contiguous buffer starting at offset 0."""
+    """How a rank's KV pool lies in its registered region: one dense buffer
+    starting at offset 0, its axes in `layout`'s order ([L, 2, P, ps, H, D]
+    for NHD, [L, 2, P, H, ps, D] for HND, any order `KVOrder` names)."""
 
     num_layers: int
     num_pages: int
@@ -49,7 +53,20 @@ class RegionGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    layout: KVLayout
+    layout: KVLayout | KVOrder
+
+    @property
+    def order(self) -> KVOrder:
+        return KVOrder.of(self.layout)
+
+    @functools.cached_property
+    def byte_strides(self) -> dict[str, int]:
+        """Bytes between neighbours along each axis (L, K, P, N, H)."""
+        row = self.head_dim * self.item_size
+        rows = self.order.row_strides(
+            self.num_layers, self.num_pages, self.page_size, self.num_kv_heads
+        )
+        return {axis: stride * row for axis, stride in rows.items()}
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEM_SIZES:
@@ -83,12 +100,10 @@ class RegionGeometry:
     ) -> np.ndarray:
         """Byte offsets of element (layer, kv, slot, head, 0); arrays broadcast."""
         page, tok = np.divmod(slot, self.page_size)
-        base = (layer * 2 + kv) * self.num_pages + page
-        if self.layout == KVLayout.NHD:
-            elem = (base * self.page_size + tok) * self.num_kv_heads + head
-        else:
-            elem = (base * self.num_kv_heads + head) * self.page_size + tok
-        out: np.ndarray = elem * self.head_dim * self.item_size
+        s = self.byte_strides
+        out: np.ndarray = (
+            layer * s["L"] + kv * s["K"] + page * s["P"] + tok * s["N"] + head * s["H"]
+        )
         return out
 
 
@@ -98,9 +113,9 @@ def check_geometries(src: RegionGeometry, dst: RegionGeometry) -> None:
         raise PlanError(f"kv dtype differs: ours {src.dtype}, the peer's {dst.dtype}")
     if src.head_dim != dst.head_dim:
         raise PlanError(f"head_dim differs: ours {src.head_dim}, the peer's {dst.head_dim}")
-    if src.layout != dst.layout:
+    if src.order != dst.order:
         raise PlanError(
-            f"kv layout differs: ours {src.layout}, the peer's {dst.layout} "
+            f"kv layout differs: ours {src.order.name}, the peer's {dst.order.name} "
             "(a WRITE copies bytes; it cannot transpose pages)"
         )
 
@@ -141,25 +156,31 @@ def plan_descriptors(
     _check_runs(r[:, [1, 0, 2]], dst, "the peer's")
 
     whole_rows = num_heads == src.num_kv_heads == dst.num_kv_heads
-    if src.layout == KVLayout.NHD and whole_rows:
+    row_bytes = src.head_dim * src.item_size
+    order = src.order
+    if order.heads_within_tokens and whole_rows:
         # A run's tokens carry every head: the run is one block per (layer, K|V).
         heads = np.zeros(1, dtype=np.int64)
         src_slot, dst_slot = r[:, 0:1], r[:, 1:2]  # [runs, 1]
-        nbytes = r[:, 2:3] * num_heads * src.head_dim * src.item_size
-    elif src.layout == KVLayout.NHD:
-        # A head slice: contiguous per token only.
+        nbytes = r[:, 2:3] * num_heads * row_bytes
+    elif order.tokens_innermost:
+        # HND-like: a run is contiguous per head.
+        heads = np.arange(num_heads, dtype=np.int64)
+        src_slot, dst_slot = r[:, 0:1], r[:, 1:2]  # [runs, 1] x heads
+        nbytes = np.broadcast_to(r[:, 2:3] * row_bytes, (len(r), num_heads))
+    else:
+        # Token by token: a head slice of NHD is contiguous per token; any other
+        # order is one row per (token, head), merged below where rows follow.
         lengths = r[:, 2]
         within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         src_slot = (np.repeat(r[:, 0], lengths) + within)[:, None]  # [tokens, 1]
         dst_slot = (np.repeat(r[:, 1], lengths) + within)[:, None]
-        heads = np.zeros(1, dtype=np.int64)
-        nbytes = np.full_like(src_slot, num_heads * src.head_dim * src.item_size)
-    else:
-        # HND: a run is contiguous per head.
-        heads = np.arange(num_heads, dtype=np.int64)
-        src_slot, dst_slot = r[:, 0:1], r[:, 1:2]  # [runs, 1] x heads
-        nbytes = np.broadcast_to(r[:, 2:3] * src.head_dim * src.item_size, (len(r), num_heads))
-    # Order: layer pair, K|V, run (or token), head — the source's memory order.
+        if order.heads_within_tokens:
+            heads = np.zeros(1, dtype=np.int64)
+            nbytes = np.full_like(src_slot, num_heads * row_bytes)
+        else:
+            heads = np.arange(num_heads, dtype=np.int64)
+            nbytes = np.full((len(src_slot), num_heads), row_bytes, dtype=np.int64)
     sl = lp[:, 0][:, None, None, None]
     dl = lp[:, 1][:, None, None, None]
     kv = np.arange(2, dtype=np.int64)[None, :, None, None]
@@ -167,6 +188,11 @@ def plan_descriptors(
     d_off = dst.offsets(dl, kv, dst_slot[None, None], dst_heads[0] + heads[None, None, None])
     size = np.broadcast_to(nbytes[None, None], s_off.shape)
     table = np.stack([s_off.ravel(), d_off.ravel(), size.ravel()], axis=1)
+    if order.layout is None:
+        # The rows above go layer pair, K|V, run (or token), head: our layouts'
+        # memory order. In another order (vLLM's pages put K|V inside a page)
+        # rows that follow each other sit apart there: sort to merge them.
+        table = table[np.argsort(table[:, 0], kind="stable")]
     return merge_descriptors(table)
 
 
@@ -195,8 +221,10 @@ def _check_runs(r: np.ndarray, geo: RegionGeometry, whose: str) -> None:
 # ---- page units: descriptor lists prepared once per registration ------------
 #
 # A pool is also a row of equal tiles, its *page units*: one per (layer, K|V,
-# page) in NHD, one per (layer, K|V, page, head) in HND; unit i starts at
-# byte i * unit_bytes. NIXL prepares a descriptor list of every unit of a pool
+# page) in NHD, one per (layer, K|V, page, head) where tokens are the innermost
+# axis (HND, vLLM's CPU pages); unit i starts at byte i * unit_bytes. An order
+# with neither (K|V inside a token) has no units: descriptors move its frames.
+# NIXL prepares a descriptor list of every unit of a pool
 # once (ours at start, a peer's when it registers), and a frame then names
 # units by index instead of building and checking descriptors per WRITE. A
 # run moves as page units only when it is one whole page on both sides and
@@ -207,9 +235,16 @@ def _check_runs(r: np.ndarray, geo: RegionGeometry, whose: str) -> None:
 MAX_UNITS = 2**31 - 1  # NIXL takes unit indices as int32
 
 
+def has_page_units(geo: RegionGeometry) -> bool:
+    """Whether a page of one (layer, K|V), or of one head of it, is one block of bytes."""
+    return geo.order.tokens_innermost or geo.order.heads_within_tokens
+
+
 def unit_bytes(geo: RegionGeometry) -> int:
-    """Bytes of one page unit: a page of every head (NHD) or of one head (HND)."""
-    heads = geo.num_kv_heads if geo.layout == KVLayout.NHD else 1
+    """Bytes of one page unit: a page of every head (NHD) or of one head (HND-like)."""
+    if not has_page_units(geo):
+        raise PlanError(f"a pool in order {geo.order.name} has no page units")
+    heads = 1 if geo.order.tokens_innermost else geo.num_kv_heads
     return geo.page_size * heads * geo.head_dim * geo.item_size
 
 
@@ -233,9 +268,9 @@ def can_use_page_units(
     dst_heads: tuple[int, int],
 ) -> bool:
     """Whether whole-page runs of this pairing move as page units."""
-    if src.page_size != dst.page_size or src.layout != dst.layout:
+    if src.page_size != dst.page_size or src.order != dst.order or not has_page_units(src):
         return False
-    if src.layout == KVLayout.HND:
+    if src.order.tokens_innermost:
         return True  # a unit is one head: any head slice is a set of units
     return src_heads == (0, src.num_kv_heads) and dst_heads == (0, dst.num_kv_heads)
 
@@ -332,12 +367,10 @@ def _grid_side(
     whose: str,
 ) -> np.ndarray:
     """One side of `page_unit_grid`: [layers, 2, pages, heads] int32."""
-    # Unit of (layer, kv, page, head) = ((layer * 2 + kv) * P + page) * H + head in HND
-    # (H = 1 and head = 0 in NHD): a per-layer base that jobs share, plus page * H.
+    # Unit of (layer, kv, page, head) = its byte offset / unit_bytes (head 0 in
+    # NHD): a per-layer base that jobs share, plus page * (units per page step).
     base = _unit_bases(geo, layers, first_head, num_heads, whose)
-    first_units = pages.astype(np.int32)
-    if geo.layout == KVLayout.HND:
-        first_units *= geo.num_kv_heads
+    first_units = pages.astype(np.int32) * np.int32(geo.byte_strides["P"] // unit_bytes(geo))
     grid: np.ndarray = base + first_units[None, None, :, None]  # int32 + int32: a new array
     return grid
 
@@ -353,11 +386,12 @@ def _unit_bases(
         raise PlanError(f"{whose} layers outside 0..{geo.num_layers - 1}")
     layer = np.asarray(layers, dtype=np.int64).reshape(-1, 1, 1, 1)
     kv = np.arange(2, dtype=np.int64).reshape(1, 2, 1, 1)
-    base = (layer * 2 + kv) * geo.num_pages
-    if geo.layout == KVLayout.HND:
+    s = geo.byte_strides
+    offset = layer * s["L"] + kv * s["K"]
+    if geo.order.tokens_innermost:
         heads = first_head + np.arange(num_heads, dtype=np.int64).reshape(1, 1, 1, -1)
-        base = base * geo.num_kv_heads + heads
-    bases = base.astype(np.int32)
+        offset = offset + heads * s["H"]
+    bases = (offset // unit_bytes(geo)).astype(np.int32)
     bases.flags.writeable = False
     return bases
 

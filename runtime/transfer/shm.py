@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
-from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.endpoint import Endpoint, check_address
 from pdcluster.runtime.transfer.frames import KVFrameHeader, PoolGeometry
 from pdcluster.runtime.transfer.job import TransferJob, check_job
@@ -183,12 +182,7 @@ def _layer_pairs(
 
 
 def _token_view(pool: KVPool, slot: int, length: int, heads: slice) -> torch.Tensor:
-    """[L, 2, length, h, D] view of `length` consecutive slots inside one page."""
-    shape = pool.shape
-    page, offset = divmod(slot, shape.page_size)
-    tokens = slice(offset, offset + length)
-    if shape.layout == KVLayout.NHD:
-        view: torch.Tensor = pool.buffer[:, :, page, tokens, heads]
-        return view
-    view = pool.buffer[:, :, page, heads, tokens].transpose(2, 3)
+    """[L, 2, length, h, D] view of `length` consecutive slots inside one page (any order)."""
+    page, offset = divmod(slot, pool.shape.page_size)
+    view: torch.Tensor = pool.logical[:, :, page, offset : offset + length, heads]
     return view

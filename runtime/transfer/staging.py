@@ -8,7 +8,8 @@ refilled while its previous frame may still be read.
 
 `scatter_bytes` is the receiving half: one frame's bytes into the pages of a
 CPU pool in a single NumPy fancy-index assignment over fixed-size byte cells
-(a token's heads in NHD, one head's row in HND). On CPU, torch's
+(a token's heads in NHD, one head's row in any other order, located through
+the pool's `row_strides`). On CPU, torch's
 `index_copy_`/`index_put_` copy element by element, about seven times slower
 than this memcpy-per-cell path; NumPy also releases the GIL while it copies.
 
@@ -27,12 +28,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from pdcluster.runtime.engine.kv_pool import KVPool
-from pdcluster.runtime.spec import KVLayout
+from pdcluster.runtime.engine.kv_order import NHD_ORDER
+from pdcluster.runtime.engine.kv_pool import KVPool, KVPoolShape
 from pdcluster.runtime.transfer.cells import cell_tokens
 
 
@@ -126,38 +128,44 @@ def gather_into(
 
     One `index_select` over the whole frame through a flat row index: one
     copy, no temporary, and no per-layer call overhead (which dominated
-    small frames). Rows are a token's heads (NHD) or one head's values (HND).
+    small frames). Rows are a token's heads (NHD) or one head's values (any
+    other order, located by the pool's `row_strides`).
     """
     shape = pool.shape
     hs, he, _ = heads.indices(shape.num_kv_heads)
-    if (
-        pool.device.type == "cpu"
-        and shape.layout == KVLayout.NHD
-        and (hs, he) == (0, shape.num_kv_heads)
-        and len(slots)
-    ):
+    nhd = shape.order == NHD_ORDER
+    if pool.device.type == "cpu" and nhd and (hs, he) == (0, shape.num_kv_heads) and len(slots):
         _gather_runs(pool, layers, slots.numpy(), out)
         return
     dev = slots.device
     lay = torch.as_tensor(list(layers), dtype=torch.int64, device=dev)
-    planes = (lay[:, None] * 2 + torch.arange(2, device=dev)[None, :])[:, :, None]  # [l, 2, 1]
-    num_slots = shape.num_pages * shape.page_size
-    if shape.layout == KVLayout.NHD:
+    if nhd:
+        planes = (lay[:, None] * 2 + torch.arange(2, device=dev)[None, :])[:, :, None]  # [l, 2, 1]
+        num_slots = shape.num_pages * shape.page_size
         rows = pool.buffer.view(-1, shape.num_kv_heads, shape.head_dim)  # [L*2*slots, H, D]
         if (hs, he) != (0, shape.num_kv_heads):
             rows = rows[:, hs:he]
         index = planes * num_slots + slots[None, None, :]  # [l, 2, n]
         torch.index_select(rows, 0, index.reshape(-1), out=out.view(-1, he - hs, shape.head_dim))
         return
-    # HND: row of [layer, kv, page, head, offset] in the pool seen as [rows, D].
-    token_rows = (slots // shape.page_size) * shape.num_kv_heads * shape.page_size
-    token_rows = token_rows + slots % shape.page_size  # [n]
-    head_rows = torch.arange(hs, he, device=dev) * shape.page_size  # [h]
-    index = (planes * num_slots * shape.num_kv_heads)[..., None] + (
-        token_rows[None, None, :, None] + head_rows[None, None, None, :]
-    )  # [l, 2, n, h]
-    rows = pool.buffer.view(-1, shape.head_dim)
-    torch.index_select(rows, 0, index.reshape(-1), out=out.view(-1, shape.head_dim))
+    kv = torch.arange(2, device=dev)
+    index = _row_index(shape, lay, kv, slots, torch.arange(hs, he, device=dev))  # [l, 2, n, h]
+    torch.index_select(pool.rows, 0, index.reshape(-1), out=out.view(-1, shape.head_dim))
+
+
+_Index = TypeVar("_Index", torch.Tensor, np.ndarray)
+
+
+def _row_index(
+    shape: KVPoolShape, layers: _Index, kv: _Index, slots: _Index, heads: _Index
+) -> _Index:
+    """Row of each (layer, plane, slot, head), shaped [l, 2, n, h] (torch or NumPy)."""
+    s = shape.row_strides()
+    ps = shape.page_size
+    planes = layers[:, None, None, None] * s["L"] + kv[None, :, None, None] * s["K"]
+    tokens = (slots // ps) * s["P"] + (slots % ps) * s["N"]
+    index: _Index = planes + tokens[None, None, :, None] + heads[None, None, None, :] * s["H"]
+    return index
 
 
 def scatter_bytes(
@@ -176,7 +184,8 @@ def scatter_bytes(
     raw = pool.buffer.view(torch.uint8).numpy()  # shares the pool's memory
     lay = np.asarray(layers, dtype=np.int64)[:, None, None]
     kv = np.arange(2)[None, :, None]
-    if shape.layout == KVLayout.NHD and (hs, he) == (0, shape.num_kv_heads) and len(slots):
+    nhd = shape.order == NHD_ORDER
+    if nhd and (hs, he) == (0, shape.num_kv_heads) and len(slots):
         num_slots = shape.num_pages * shape.page_size
         tokens = cell_tokens(slots, num_slots)
         cell = np.dtype(f"V{tokens * shape.num_kv_heads * head_bytes}")
@@ -184,7 +193,7 @@ def scatter_bytes(
         src = data.reshape(*data.shape[:2], -1).view(cell)  # [l, 2, n / tokens]
         dst[lay, kv, slots[None, None, ::tokens] // tokens] = src
         return
-    if shape.layout == KVLayout.NHD:
+    if nhd:
         # A cell is one token's heads [hs, he): contiguous inside its row.
         rows = raw.reshape(
             shape.num_layers, 2, shape.num_pages * shape.page_size, shape.num_kv_heads * head_bytes
@@ -194,15 +203,14 @@ def scatter_bytes(
         src = data.reshape(*data.shape[:3], -1).view(cell)[..., 0]  # [l, 2, n]
         dst[lay, kv, slots[None, None, :]] = src
         return
+    # A cell is one head's row; `row_strides` locate it in any order.
     cell = np.dtype(f"V{head_bytes}")
-    cells = raw.reshape(
-        shape.num_layers, 2, shape.num_pages, shape.num_kv_heads, shape.page_size, head_bytes
-    ).view(cell)[..., 0]  # [L, 2, P, H, page]
+    cells = raw.reshape(-1, head_bytes).view(cell)[:, 0]  # [rows]
     src = data.view(cell)[..., 0]  # [l, 2, n, h]
-    pages = (slots // shape.page_size)[None, None, :, None]
-    offsets = (slots % shape.page_size)[None, None, :, None]
-    head_ids = np.arange(hs, he)[None, None, None, :]
-    cells[lay[..., None], kv[..., None], pages, head_ids, offsets] = src
+    index = _row_index(
+        shape, np.asarray(layers, dtype=np.int64), np.arange(2), slots, np.arange(hs, he)
+    )
+    cells[index] = src
 
 
 def _gather_runs(

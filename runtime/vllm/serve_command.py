@@ -21,14 +21,20 @@ executable or an interpreter that imports vLLM). The mapping (docs/vllm.md):
   publishes its prefix-cache events (`kv_events.publisher_config`) on
   `kv_events_ports` (a PUB port and a replay port), which the router follows
   (`router/vllm_prefix_feed.py`);
+- with `kvConnector: PDClusterConnector`: our module and its settings in the
+  connector's `kv_connector_extra_config` (`runtime/vllm_connector/settings.py`):
+  the side port (`bootstrap_port`: prefill's bootstrap server, both roles'
+  admin API), the manifest's `transfer` section, `auth.zmqCurve`;
 - `observability.tracing` (enabled) → `--otlp-traces-endpoint <endpoint>/v1/traces`
   and `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`: vLLM's request spans
   join the router's trace through each leg's `traceparent`;
 - `engine.vllm.extraArgs`, `env` → appended as given.
 
 Left to the caller, because only it knows them: the side channel's host
-(`VLLM_NIXL_SIDE_CHANNEL_HOST`: the pod IP, 127.0.0.1 locally) and the
-cluster token (`VLLM_API_KEY`, unless `auth.workerApi: open`).
+(`VLLM_NIXL_SIDE_CHANNEL_HOST`: the pod IP, 127.0.0.1 locally; our
+connector reads `POD_IP`) and the cluster token (`VLLM_API_KEY`, unless
+`auth.workerApi: open`; our connector reads `PDCLUSTER_TOKEN_FILE` or
+`PDCLUSTER_TOKEN` as our workers do).
 
 Pure module.
 """
@@ -36,8 +42,9 @@ Pure module.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdcluster.runtime.spec import (
     KVBufferDevice,
@@ -52,6 +59,10 @@ from pdcluster.runtime.vllm.kv_events import publisher_config
 
 # vLLM's default NIXL side-channel port (its `VLLM_NIXL_SIDE_CHANNEL_PORT`).
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+# Our connector's side port when the caller names none: our workers' bootstrap port.
+DEFAULT_BOOTSTRAP_PORT = 8998
+# Where vLLM loads our connector from (`kv_connector_module_path`).
+PDCLUSTER_CONNECTOR_MODULE = "pdcluster.runtime.vllm_connector.connector"
 # The OpenAI server as a module, for an interpreter named instead of `vllm`.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Where an instance routed by cache_aware publishes its prefix-cache events
@@ -82,18 +93,27 @@ class VllmServe:
         return [self.model, *self.flags]
 
 
-def kv_transfer_config(spec: PDClusterSpec, role: Role) -> dict[str, str]:
+def kv_transfer_config(
+    spec: PDClusterSpec, role: Role, *, bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` of a prefill or decode instance."""
     rs = spec.role_spec(role)
     if rs is None or role not in _KV_ROLE:
         raise SpecError(f"a {role.value} instance has no KV connector")
     vllm = spec.engine.vllm
     buffer = vllm.kv_buffer_device or KVBufferDevice(rs.device)
-    config = {
+    config: dict[str, Any] = {
         "kv_connector": vllm.kv_connector.value,
         "kv_role": _KV_ROLE[role],
         "kv_buffer_device": buffer.value,
     }
+    if vllm.kv_connector is VllmKVConnector.pdcluster:
+        config["kv_connector_module_path"] = PDCLUSTER_CONNECTOR_MODULE
+        config["kv_connector_extra_config"] = {
+            "sidePort": bootstrap_port,
+            "transfer": spec.transfer.model_dump(mode="json", by_alias=True),
+            "zmqCurve": bool(spec.auth.zmq_curve),
+        }
     if role is Role.decode:
         # What decode does with a prompt whose KV never arrives (fail | recompute).
         config["kv_load_failure_policy"] = spec.transfer.failure_policy.value
@@ -121,10 +141,14 @@ def build_vllm_serve(
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT,
     kv_events_ports: tuple[int, int] = DEFAULT_KV_EVENTS_PORTS,
     kv_replay_host: str = "*",
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+    prefill_peers: Sequence[str] | None = None,
 ) -> VllmServe:
-    """The `vllm serve` command of one `role` instance listening on `host:port`;
+    """The `vllm serve` command of one `role` instance listening on `host:port`.
     `kv_events_ports` and `kv_replay_host`: where it publishes its cache events
-    when the router follows them (`publishes_kv_events`)."""
+    when the router follows them (`publishes_kv_events`). `prefill_peers` (our
+    connector's decode, local mode): the prefill side ports it may contact from
+    the start (pods get them from the operator instead)."""
     if not spec.engine.is_vllm:
         raise SpecError("engine.kind is not vllm: the workers run `pdcluster worker`")
     rs = spec.role_spec(role)
@@ -158,10 +182,14 @@ def build_vllm_serve(
     env: dict[str, str] = {}
     side: int | None = None
     if role in _KV_ROLE:
-        flags += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role))]
+        config = kv_transfer_config(spec, role, bootstrap_port=bootstrap_port)
+        if prefill_peers is not None and "kv_connector_extra_config" in config:
+            config["kv_connector_extra_config"]["prefillPeers"] = list(prefill_peers)
+        flags += ["--kv-transfer-config", json.dumps(config)]
         if spec.engine.vllm.kv_connector is VllmKVConnector.nixl:
             side = side_channel_port
             env[SIDE_CHANNEL_PORT_ENV] = str(side)
+        if spec.transfer.backend.value == "nixl":
             ucx = spec.transfer.ucx
             if ucx.tls:
                 env["UCX_TLS"] = ucx.tls

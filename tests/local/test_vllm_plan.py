@@ -60,6 +60,35 @@ def test_each_vllm_instance_is_one_guarded_vllm_serve() -> None:
     assert "--prefill" in plan.router.argv and plan.router.argv[0] == "py"
 
 
+def test_our_connector_gets_a_side_port_the_router_and_the_decode_are_told() -> None:
+    import json
+
+    ours = {**SPEC, "engine": {"kind": "vllm", "vllm": {"kvConnector": "PDClusterConnector"}}}
+    m = manifest(ours)
+    ports = list(range(41000, 41000 + count_ports(m)))
+    plan = build_local_plan(m, "/m.yaml", ports, python="py", vllm="/env/bin/vllm")
+    prefills = [w for w in plan.workers if w.role.value == "prefill"]
+    (decode,) = [w for w in plan.workers if w.role.value == "decode"]
+    for w in plan.workers:
+        assert w.side_port is not None and w.side_channel_ports == ()
+        assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in w.env  # vLLM's side channel is unused
+        assert w.admin_url == f"http://127.0.0.1:{w.side_port}"  # where fail_peer goes
+        config = json.loads(w.argv[w.argv.index("--kv-transfer-config") + 1])
+        assert config["kv_connector_extra_config"]["sidePort"] == w.side_port
+        router = plan.router.argv
+        assert router[router.index(w.url) + 1 : router.index(w.url) + 3] == (
+            "--side-port",
+            f"{w.url}={w.side_port}",
+        )
+    # A prefill's bootstrap server is its side port, and the decode may contact exactly those.
+    assert [p.bootstrap_port for p in prefills] == [p.side_port for p in prefills]
+    config = json.loads(decode.argv[decode.argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["prefillPeers"] == [
+        f"127.0.0.1:{p.side_port}" for p in prefills
+    ]
+    assert decode.bootstrap_port is None
+
+
 def test_an_open_worker_api_gets_no_key_and_a_colocated_one_no_side_channel() -> None:
     spec = {k: v for k, v in SPEC.items() if k not in ("prefill", "decode")}
     m = manifest({**spec, "colocated": {}, "auth": {"workerApi": "open"}})
@@ -173,3 +202,16 @@ def test_a_guarded_program_stops_once_the_launcher_is_gone(tmp_path: Path) -> No
         time.sleep(0.2)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the program outlived its launcher")
+
+
+def test_vllm_with_our_connector_gets_a_path_to_our_runtime_package_alone(tmp_path):
+    import pdcluster.runtime
+    from pdcluster.runtime.local.launcher import our_package_path
+
+    base = our_package_path(tmp_path)
+    assert base == our_package_path(tmp_path)  # again: the same link, kept
+    assert sorted(p.name for p in base.iterdir()) == ["pdcluster"]
+    assert [p.name for p in (base / "pdcluster").iterdir()] == ["runtime"]
+    link = base / "pdcluster" / "runtime"
+    assert link.resolve() == Path(next(iter(pdcluster.runtime.__path__))).resolve()
+    assert (link / "vllm_connector" / "connector.py").is_file()

@@ -240,8 +240,11 @@ PHRASES = (
     "not float64",
     "kvCache.dtype must equal model.computeDtype",
     "kvCache.layout: vLLM",
-    "transfer.checksum: vLLM",
+    "transfer.checksum: NixlConnector",
     "transfer.backend must be nixl",
+    "PDClusterConnector moves the KV over tcp or nixl",
+    "only early applies",
+    "PDClusterConnector pairs tensor-parallel vLLM",
     "context parallelism is not mapped onto vLLM",
     "a vLLM instance runs in one pod",
     "kvBufferDevice cuda needs",
@@ -285,6 +288,7 @@ engines = st.fixed_dictionaries(
             {},
             optional={
                 "kvBufferDevice": st.sampled_from(["cpu", "cuda"]),
+                "kvConnector": st.sampled_from(["NixlConnector", "PDClusterConnector"]),
                 "extraArgs": st.lists(
                     st.sampled_from(["--enforce-eager", "--port=1", "-tp", "--max-model-len"]),
                     max_size=2,
@@ -314,8 +318,9 @@ specs = st.fixed_dictionaries(
         "transfer": st.fixed_dictionaries(
             {},
             optional={
-                "backend": st.sampled_from(["tcp", "nixl"]),
+                "backend": st.sampled_from(["tcp", "nixl", "shm"]),
                 "checksum": st.booleans(),
+                "allocationPolicy": st.sampled_from(["early", "prefill_complete"]),
             },
         ),
         "router": st.fixed_dictionaries(
@@ -346,6 +351,7 @@ def test_cel_rules_accept_exactly_what_the_models_accept(spec: dict[str, Any]) -
         assert failing == []
 
 
+OURS: dict[str, Any] = {"kind": "vllm", "vllm": {"kvConnector": "PDClusterConnector"}}
 VLLM_OK: dict[str, Any] = {
     "engine": {"kind": "vllm", "vllm": {"extraArgs": ["--enforce-eager"], "env": {"A": "1"}}},
     "model": {"name": "m", "path": "/models/m"},
@@ -363,8 +369,21 @@ VLLM_OK: dict[str, Any] = {
         ({"model": {"name": "m", "path": "/m", "computeDtype": "float64"}}, "not float64"),
         ({"kvCache": {"dtype": "bfloat16"}}, "kvCache.dtype must equal model.computeDtype"),
         ({"kvCache": {"layout": "HND"}}, "kvCache.layout: vLLM"),
-        ({"transfer": {"backend": "nixl", "checksum": True}}, "transfer.checksum: vLLM"),
+        ({"transfer": {"backend": "nixl", "checksum": True}}, "transfer.checksum: NixlConnector"),
         ({"transfer": {"backend": "tcp"}}, "transfer.backend must be nixl"),
+        ({"engine": OURS, "transfer": {"backend": "tcp", "checksum": True}}, None),
+        ({"engine": OURS, "transfer": {"backend": "nixl"}}, None),
+        (
+            {"engine": OURS, "transfer": {"backend": "shm"}},
+            "PDClusterConnector moves the KV over tcp or nixl",
+        ),
+        (
+            {
+                "engine": OURS,
+                "transfer": {"backend": "tcp", "allocationPolicy": "prefill_complete"},
+            },
+            "only early applies",
+        ),
         ({"prefill": {"topology": {"cp": 2}}}, "context parallelism is not mapped onto vLLM"),
         ({"decode": {"topology": {"tp": 2}, "gpusPerPod": 1}}, "a vLLM instance runs in one pod"),
         (

@@ -1,6 +1,6 @@
 """The objects of a `spec.engine.kind: vllm` cluster (operator/builders/vllm_pods.py),
-and how the fast path treats its pods (no admin API: the router ends or moves
-their requests)."""
+and how the fast path treats its pods (with vLLM's connector no admin API: the
+router ends or moves their requests; with ours the admin API on the side port)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pdcluster.operator.failover.fast_path import loss_message
 from pdcluster.operator.failover.losses import Loss, LossCause
 from pdcluster.operator.failover.peers import PodIndex
 from pdcluster.operator.failover.pod_facts import parse_pod_facts
-from pdcluster.operator.failover.prefill_peers import decode_targets
+from pdcluster.operator.failover.prefill_peers import compute_prefill_peers, decode_targets
 from pdcluster.operator.render import render_objects
 from pdcluster.runtime.router.discovery import KubernetesDiscoverySettings, decide_pod
 from pdcluster.runtime.router.workers import KVEventPorts
@@ -179,3 +179,76 @@ def test_the_engine_is_part_of_the_revision_only_when_set() -> None:
     vllm = make_cluster(VLLM).spec
     args = {**VLLM, "engine": {"kind": "vllm", "vllm": {"extraArgs": ["--max-num-seqs", "8"]}}}
     assert compute_cluster_revision(vllm) != compute_cluster_revision(make_cluster(args).spec)
+
+
+OURS: dict[str, Any] = {
+    **VLLM,
+    "engine": {"kind": "vllm", "vllm": {"kvConnector": "PDClusterConnector"}},
+    "transfer": {"backend": "tcp"},
+    "prefill": {},
+    "decode": {},
+}
+
+
+@pytest.mark.parametrize("role", [Role.prefill, Role.decode])
+def test_our_connector_opens_its_side_port_and_reads_the_token_file(role: Role) -> None:
+    pod = build_worker_pod(make_cluster(OURS), role, 0, 0)
+    container = container_of(pod)
+    # The side port (bootstrap server, admin API) replaces vLLM's NIXL side channel.
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [
+        ("http", 8000),
+        ("bootstrap", 8998),
+    ]
+    args = container["args"]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "PDClusterConnector"
+    assert kv["kv_connector_extra_config"]["sidePort"] == 8998
+    env = env_of(container)
+    assert env["PDCLUSTER_TOKEN_FILE"] == TOKEN_FILE
+    # Registered by the connector, so the fast path's reports name this start.
+    assert env["PDCLUSTER_INCARNATION"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
+    annotations = pod["metadata"]["annotations"]
+    assert annotations[names.ANNOTATION_BOOTSTRAP_PORT] == "8998"
+    assert annotations[names.ANNOTATION_ADMIN_PORT] == "8998"
+
+
+def test_a_colocated_pod_has_no_side_port_even_with_our_connector() -> None:
+    spec = {k: v for k, v in OURS.items() if k not in ("prefill", "decode")}
+    pod = build_worker_pod(make_cluster({**spec, "colocated": {}}), Role.colocated, 0, 0)
+    assert [p["name"] for p in container_of(pod)["ports"]] == ["http"]
+    assert names.ANNOTATION_ADMIN_PORT not in pod["metadata"]["annotations"]
+
+
+def test_the_fast_path_reaches_vllm_pods_with_our_connector_on_their_side_port() -> None:
+    cluster = make_cluster(OURS)
+    prefill = parse_pod_facts(pod_object(cluster, Role.prefill, "10.0.0.1"))
+    decode = parse_pod_facts(pod_object(cluster, Role.decode, "10.0.0.2"))
+    assert prefill is not None and decode is not None
+    assert prefill.engine is EngineKind.vllm and prefill.has_admin_api
+    # Told, polled and given the prefill set at the side port, not vLLM's HTTP port.
+    assert decode.admin_url == "http://10.0.0.2:8998"
+    assert decode.http_url == "http://10.0.0.2:8000"
+    # The decode names the prefill by its side port: what the router sends it.
+    assert prefill.peer == "10.0.0.1:8998"
+    index = PodIndex()
+    index.update(prefill)
+    index.update(decode)
+    assert index.peers_of(prefill) == [decode]
+    assert index.peers_of(decode) == [prefill]
+    assert decode_targets([prefill, decode], prefill.cluster_uid) == [decode]
+    assert compute_prefill_peers([prefill, decode], prefill.cluster_uid) == {"10.0.0.1:8998"}
+    text = loss_message(Loss(prefill, LossCause.deleted, happened_at=None), [], 30.0)
+    assert "the router ends its requests" not in text
+
+
+def test_a_vllm_pod_without_the_admin_annotation_has_no_admin_api() -> None:
+    pod = pod_object(make_cluster(OURS), Role.decode, "10.0.0.2")
+    del pod["metadata"]["annotations"][names.ANNOTATION_ADMIN_PORT]
+    facts = parse_pod_facts(pod)
+    assert facts is not None and facts.admin_url is None and not facts.has_admin_api
+    # Ours without the annotation (pods built before it existed): the HTTP port.
+    builtin = parse_pod_facts(
+        pod_object(make_cluster({"prefill": {}, "decode": {}}), Role.decode, "10.0.0.3")
+    )
+    assert builtin is not None and builtin.admin_url == "http://10.0.0.3:8000"

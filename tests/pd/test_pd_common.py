@@ -73,6 +73,22 @@ def test_compat_error_names_every_field_and_both_values() -> None:
 
 
 @pytest.mark.parametrize(
+    ("field", "theirs", "text"),
+    [
+        ("num_layers", 3, "num_layers mismatch: prefill=2, decode=3"),
+        ("num_kv_heads", 4, "num_kv_heads mismatch: prefill=2, decode=4"),
+        ("head_dim", 128, "head_dim mismatch: prefill=64, decode=128"),
+        ("kv_layout", "LPHKN", "kv_layout mismatch: prefill=NHD, decode=LPHKN"),
+    ],
+)
+def test_a_kv_geometry_mismatch_names_its_field(field: str, theirs: object, text: str) -> None:
+    geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64}
+    with pytest.raises(CompatError, match=text) as err:
+        check_compat(compat(**geometry), compat(**(geometry | {field: theirs})))
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
     ("reason", "label"),
     [
         ("bootstrap_timeout", "bootstrap_timeout"),

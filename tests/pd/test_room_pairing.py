@@ -238,7 +238,7 @@ def test_duplicate_rooms_are_still_refused_with_local_rids() -> None:
 
 
 def test_a_version_1_frame_is_refused_not_misread() -> None:
-    assert HEADER == MAGIC + bytes([4])
+    assert HEADER == MAGIC + bytes([5])
     with pytest.raises(ProtocolError) as err:
         decode(MAGIC + bytes([1]) + b"\x80")
     assert err.value.reason == REJECT_VERSION

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdcluster.runtime.engine.kv_order import KVOrder
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.nixl_plan import (
     PlanError,
@@ -26,13 +27,16 @@ def geo(layers=2, pages=8, ps=4, heads=4, dim=2, dtype="float32", layout=KVLayou
     return RegionGeometry(layers, pages, ps, heads, dim, dtype, layout)
 
 
+# Our layouts and vLLM's: CPU pages (K block, V block per head) and K|V side by side per token.
+ORDERS = [KVLayout.NHD, KVLayout.HND, KVOrder("LPHKN"), KVOrder("LPHNK")]
+
+
 def shaped(g: RegionGeometry, flat: np.ndarray) -> np.ndarray:
-    """[L, 2, P, ps, H, D] view of a pool's bytes (HND transposed back)."""
+    """[L, 2, P, ps, H, D] view of a pool's bytes, whatever its order."""
     item = flat.view({4: np.int32, 2: np.int16, 8: np.int64}[g.item_size])
-    if g.layout == KVLayout.NHD:
-        return item.reshape(g.num_layers, 2, g.num_pages, g.page_size, g.num_kv_heads, g.head_dim)
-    hnd = item.reshape(g.num_layers, 2, g.num_pages, g.num_kv_heads, g.page_size, g.head_dim)
-    return hnd.transpose(0, 1, 2, 4, 3, 5)
+    order = g.order
+    dims = order.sizes_in_order(g.num_layers, g.num_pages, g.page_size, g.num_kv_heads)
+    return item.reshape(*dims, g.head_dim).transpose(order.logical_permutation())
 
 
 def runs_of(src_slots, dst_slots, src_ps, dst_ps):
@@ -73,7 +77,7 @@ def check_moves_exactly(src, dst, src_slots, dst_slots, layer_pairs, src_heads, 
 
 @st.composite
 def frames(draw):
-    layout = draw(st.sampled_from([KVLayout.NHD, KVLayout.HND]))
+    layout = draw(st.sampled_from(ORDERS))
     dtype = draw(st.sampled_from(["float32", "float16", "float64"]))
     dim = draw(st.integers(1, 3))
     src_heads_n = draw(st.integers(1, 4))
@@ -230,7 +234,7 @@ def test_page_units_and_the_rest_move_what_per_frame_descriptors_move(case) -> N
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND])
+@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND, KVOrder("LPHKN")])
 def test_page_units_tile_the_whole_pool(layout) -> None:
     g = geo(layout=layout)
     units = page_units(g)
@@ -260,6 +264,8 @@ def test_a_whole_page_of_hnd_is_one_unit_per_head_of_the_slice() -> None:
     [
         (geo(heads=4), geo(heads=2), (0, 2), (0, 2)),  # an NHD head slice: not whole rows
         (geo(ps=4), geo(ps=8), (0, 4), (0, 4)),  # pages of another size
+        # K and V side by side per token: no page of one plane is a block of bytes.
+        (geo(layout=KVOrder("LPHNK")), geo(layout=KVOrder("LPHNK")), (0, 4), (0, 4)),
     ],
 )
 def test_pairings_page_units_cannot_carry_are_left_to_per_frame_descriptors(
@@ -268,6 +274,35 @@ def test_pairings_page_units_cannot_carry_are_left_to_per_frame_descriptors(
     assert not can_use_page_units(src, dst, sh, dh)
     with pytest.raises(PlanError, match="page units"):
         flat_units(src, dst, np.array([[0, 0]]), [(0, 0)], sh, dh)
+
+
+def test_a_whole_page_of_vllm_cpu_pages_is_one_unit_per_plane_and_head() -> None:
+    # LPHKN: a page holds, per head, its K block then its V block; units are
+    # (layer, page, head, K|V) in memory order, one page of tokens each.
+    src = geo(layout=KVOrder("LPHKN"), heads=4)
+    dst = geo(layout=KVOrder("LPHKN"), heads=2)
+    local, remote = flat_units(src, dst, np.array([[3, 5]]), [(1, 0)], (2, 4), (0, 2))
+
+    def unit(layer, page, head, kv, heads):  # the grid's order: K|V, then head
+        return ((layer * 8 + page) * heads + head) * 2 + kv
+
+    assert local.tolist() == [unit(1, 3, h, kv, 4) for kv in (0, 1) for h in (2, 3)]
+    assert remote.tolist() == [unit(0, 5, h, kv, 2) for kv in (0, 1) for h in (0, 1)]
+
+
+def test_whole_pages_of_vllm_cpu_pages_merge_per_layer_and_page_run() -> None:
+    # K and V of a page follow each other there: a page of every head is one block.
+    g = geo(layout=KVOrder("LPHKN"))
+    table = check_moves_exactly(
+        g, g, list(range(4, 16)), list(range(20, 32)), [(0, 0), (1, 1)], (0, 4), (0, 4)
+    )
+    assert len(table) == 2  # one descriptor per layer: three whole pages, both planes
+    assert (table[:, 2] == 3 * 4 * 2 * 4 * 2 * 4).all()
+
+
+def test_pools_of_different_orders_are_refused_naming_both() -> None:
+    with pytest.raises(PlanError, match="ours HND, the peer's LPHKN"):
+        check_geometries(geo(layout=KVLayout.HND), geo(layout=KVOrder("LPHKN")))
 
 
 def test_page_units_outside_either_pool_are_refused() -> None:

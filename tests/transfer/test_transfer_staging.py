@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from pdcluster.runtime.engine.kv_order import KVOrder
 from pdcluster.runtime.spec import KVLayout
 from pdcluster.runtime.transfer.staging import (
     StagingPool,
@@ -18,8 +19,12 @@ from pdcluster.runtime.transfer.staging import (
 )
 from tests.transfer.transfer_helpers import bits, make_shape, random_pool, random_table, slots
 
+# Our layouts, and the orders of vLLM's KV pages (CPU: K block then V block per
+# head; FlashAttention-style: K and V side by side per token).
+ORDERS = [*KVLayout, KVOrder("LPHKN"), KVOrder("LPHNK")]
 
-@pytest.mark.parametrize("layout", list(KVLayout))
+
+@pytest.mark.parametrize("layout", ORDERS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize(
     ("layers", "heads"),
@@ -104,7 +109,7 @@ def test_the_smallest_idle_buffer_that_fits_is_used():
     assert pool.num_allocated == 3
 
 
-@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("layout", ORDERS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize(
     ("layers", "heads"), [((0, 1, 2), (0, 4)), ((2, 0), (1, 3)), ((1,), (3, 4))]

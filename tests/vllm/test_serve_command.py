@@ -184,6 +184,40 @@ def test_a_model_source_is_served_from_where_the_pod_mounts_it(
         assert flag(serve.flags, "--revision") == revision
 
 
+def test_our_connector_is_loaded_from_our_module_with_the_manifests_transfer_section() -> None:
+    spec = spec_of(
+        engine={"kind": "vllm", "vllm": {"kvConnector": "PDClusterConnector"}},
+        transfer={"backend": "tcp", "checksum": True, "failurePolicy": "recompute"},
+        auth={"zmqCurve": True},
+    )
+    serve = build_vllm_serve(spec, Role.decode, port=1, bootstrap_port=9100)
+    config = json.loads(flag(serve.flags, "--kv-transfer-config"))
+    assert config["kv_connector"] == "PDClusterConnector"
+    assert config["kv_connector_module_path"] == "pdcluster.runtime.vllm_connector.connector"
+    assert config["kv_role"] == "kv_consumer"
+    assert config["kv_load_failure_policy"] == "recompute"
+    extra = config["kv_connector_extra_config"]
+    assert extra["sidePort"] == 9100 and extra["zmqCurve"] is True
+    assert extra["transfer"]["backend"] == "tcp" and extra["transfer"]["checksum"] is True
+    # NIXL's side channel is vLLM's connector's, not ours.
+    assert serve.side_channel_port is None and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in serve.env
+
+
+def test_our_connectors_settings_read_back_as_the_connector_reads_them() -> None:
+    from pdcluster.runtime.vllm_connector.settings import load_settings
+
+    spec = spec_of(
+        engine={"kind": "vllm", "vllm": {"kvConnector": "PDClusterConnector"}},
+        transfer={"backend": "nixl", "waitingTimeoutSeconds": 7, "ucx": {"tls": "tcp"}},
+    )
+    serve = build_vllm_serve(spec, Role.prefill, port=1)
+    config = json.loads(flag(serve.flags, "--kv-transfer-config"))
+    settings = load_settings(config["kv_connector_extra_config"], {"POD_IP": "10.0.0.3"})
+    assert settings.transfer == spec.transfer
+    assert settings.side_port == 8998 and settings.advertise_host == "10.0.0.3"
+    assert serve.env["UCX_TLS"] == "tcp"  # our nixl backend reads UCX's variables too
+
+
 def test_with_tracing_vllm_exports_its_own_spans_to_the_cluster_s_collector() -> None:
     traced = spec_of(
         observability={"tracing": {"enabled": True, "endpoint": "http://otel.monitoring:4318"}}

@@ -1,0 +1,543 @@
+"""Our KV connector inside vLLM against vLLM's own NixlConnector, side by side in one run.
+
+    .venv/bin/python bench/vllm_connectors.py [--repeats 5] [--json out.json] [--chart out.png]
+        [--fault-wait 600]   # a shorter run: --repeats 3 --fault-wait 120
+
+Same box, same vLLM (e2e/vllmenv: vLLM 0.32 CPU, NIXL 1.5.1), same random
+Llama, same router (ours, `python -m pdcluster.runtime.router`), one
+configuration after the other, each a prefill and a decode `vllm serve`
+started from the manifest (`runtime/vllm/serve_command.py`):
+
+- `pdcluster-tcp`, `pdcluster-nixl`: `kvConnector: PDClusterConnector`,
+  `transfer.backend` tcp or nixl; the router sends both legs at once;
+- `NixlConnector`: vLLM's connector over NIXL; the router sends the prefill
+  leg, then the decode leg with the prefill's `kv_transfer_params`.
+
+For each:
+1. equality: PD through the router == the decode engine serving the same
+   prompt alone, greedy, for prompts of 16, 300 and 2,000 tokens;
+2. TTFT (streamed, median of `--repeats`) through the router in PD, and on
+   the decode engine alone (colocated), at 16 and 2,000 tokens: PD ÷ colocated;
+3. transfer rate for a 2,000-token prompt the prefill has cached (so the
+   move is not hidden behind its compute): KV bytes ÷ the decode's load time
+   (ours: pages sent → every source done, from the side port's counters;
+   NixlConnector: vLLM's `vllm:nixl_bytes_transferred` ÷ `vllm:nixl_xfer_time_seconds`);
+4. faults: the prefill gets kill -9 while the decode still needs a
+   2,000-token prompt's KV from it (ours: the decode waits in its room and
+   the bench sends `fail_peer` at once, as the operator or local supervisor
+   does; NixlConnector: killed between the two legs, nothing vLLM could be
+   told; `fault()` says what is timed) → time until the decode ends the
+   request, the decode's blocks in use after it (vLLM's
+   `kv_cache_usage_perc`), whether its next request succeeds; then the
+   prefill restarted → time until the first PD request through the router
+   succeeds.
+
+Targets (issue 34): failure ended ≤ 1 s with no block held where
+NixlConnector waits for its timeout; TTFT overhead ≤ NixlConnector's;
+transfer ≥ 0.9× NixlConnector's on the same UCX lanes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from e2e.vllmenv.build import checkout_pythonpath, ensure_vllm_env  # noqa: E402
+from pdcluster.runtime.ports import free_ports  # noqa: E402
+from pdcluster.runtime.spec import Role, parse_manifest  # noqa: E402
+from pdcluster.runtime.vllm.serve_command import build_vllm_serve, vllm_argv  # noqa: E402
+from tests.engine.testing import write_random_hf_dir  # noqa: E402
+
+TOKEN = "bench-token"
+MODEL = "bench-llama"
+VOCAB = (3, 290)
+START_TIMEOUT_S = 900.0
+# How long the fault scenario waits for the decode to end the request (--fault-wait).
+FAULT_WAIT_S = 600.0
+HEADERS = {"authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # A session of its own: a kill reaches vLLM's engine core too, which
+        # holds the connector's side port (a restart binds it again).
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=out, stderr=out, start_new_session=True
+            )
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self._signal(signal.SIGKILL)  # the whole group, even once the leader is gone
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+
+@dataclass
+class Cluster:
+    label: str
+    prefill: Proc
+    decode: Proc
+    router: Proc
+    ports: dict[str, int]
+    procs: list[Proc] = field(default_factory=list)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+
+def manifest(model: Path, connector: str, backend: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "pdcluster.io/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": "bench"},
+        "spec": {
+            "engine": {
+                "kind": "vllm",
+                "vllm": {
+                    "kvConnector": connector,
+                    "extraArgs": ["--enforce-eager", "--max-model-len", "2048"],
+                },
+            },
+            "model": {"name": MODEL, "path": str(model)},
+            "kvCache": {"pageSize": 32},
+            "transfer": {"backend": backend},
+            "prefill": {},
+            "decode": {},
+        },
+    }
+
+
+def launch(label: str, doc: dict[str, Any], root: Path) -> Cluster:
+    spec = parse_manifest(doc).spec
+    names = ("prefill", "decode", "prefill_side", "decode_side", "prefill_nixl", "router")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    python = str(ensure_vllm_env(log=False).python)
+    base = dict(
+        os.environ,
+        PYTHONPATH=str(checkout_pythonpath()),
+        PDCLUSTER_TOKEN=TOKEN,
+        VLLM_API_KEY=TOKEN,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+    )
+    base.pop("PDCLUSTER_TOKEN_FILE", None)
+    procs: dict[str, Proc] = {}
+    for role in (Role.prefill, Role.decode):
+        serve = build_vllm_serve(
+            spec,
+            role,
+            port=ports[role.value],
+            host="127.0.0.1",
+            side_channel_port=ports["prefill_nixl"] + (0 if role is Role.prefill else 100),
+            bootstrap_port=ports[f"{role.value}_side"],
+        )
+        flags = list(serve.flags)
+        if role is Role.decode and "PDClusterConnector" in json.dumps(flags):
+            # The decode may contact its prefill's side port (the operator publishes it).
+            at = flags.index("--kv-transfer-config") + 1
+            config = json.loads(flags[at])
+            config["kv_connector_extra_config"]["prefillPeers"] = [
+                f"127.0.0.1:{ports['prefill_side']}"
+            ]
+            flags[at] = json.dumps(config)
+        serve = type(serve)(serve.model, tuple(flags), serve.env, serve.side_channel_port)
+        procs[role.value] = Proc(
+            f"{label}-{role.value}",
+            vllm_argv(python, serve),
+            base | dict(serve.env),
+            root / f"{label}-{role.value}.log",
+        )
+    path = root / f"{label}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    router_argv = [
+        sys.executable,
+        "-m",
+        "pdcluster.runtime.router",
+        "--manifest",
+        str(path),
+        "--port",
+        str(ports["router"]),
+        "--prefill",
+        f"http://127.0.0.1:{ports['prefill']}",
+        "--decode",
+        f"http://127.0.0.1:{ports['decode']}",
+        "--health-interval",
+        "0.5",
+    ]
+    for role in ("prefill", "decode"):
+        router_argv += ["--side-port", f"http://127.0.0.1:{ports[role]}={ports[role + '_side']}"]
+    router = Proc(
+        f"{label}-router",
+        router_argv,
+        dict(os.environ, PDCLUSTER_TOKEN=TOKEN),
+        root / f"{label}-router.log",
+    )
+    cluster = Cluster(label, procs["prefill"], procs["decode"], router, ports)
+    for proc in (cluster.prefill, cluster.decode, cluster.router):
+        proc.start()
+    return cluster
+
+
+def wait_ready(cluster: Cluster, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5, trust_env=False, headers=HEADERS) as http:
+        for name in ("prefill", "decode"):
+            while True:
+                for proc in (cluster.prefill, cluster.decode, cluster.router):
+                    if proc.proc is not None and proc.proc.poll() is not None:
+                        raise RuntimeError(f"{proc.name} exited: see {proc.log}")
+                try:
+                    if http.get(cluster.url(name) + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{cluster.label} {name} did not start")
+                time.sleep(1)
+        while True:  # the router admits both workers: a request goes through
+            try:
+                if completion(http, cluster.url("router"), [5, 6, 7], 1)["tokens"]:
+                    return
+            except (httpx.HTTPError, RuntimeError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cluster.label} router did not admit its workers")
+            time.sleep(1)
+
+
+def completion(
+    http: httpx.Client, base: str, prompt: list[int], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = http.post(base + "/v1/completions", json=body | extra, timeout=300)
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+    choice = resp.json()["choices"][0]
+    return {"text": choice["text"], "tokens": choice.get("token_ids") or choice["text"]}
+
+
+def ttft(http: httpx.Client, base: str, prompt: list[int]) -> float:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with http.stream("POST", base + "/v1/completions", json=body, timeout=300) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}")
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError("no token streamed")
+
+
+def prompts(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(length)]
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def kv_usage(http: httpx.Client, cluster: Cluster) -> float:
+    text = http.get(cluster.url("decode") + "/metrics").text
+    return metric(text, "vllm:kv_cache_usage_perc")
+
+
+def measure(
+    cluster: Cluster, ours: bool, repeats: int, root: Path, fault_wait: float = FAULT_WAIT_S
+) -> dict[str, Any]:
+    rng = random.Random(34)
+    out: dict[str, Any] = {"config": cluster.label}
+    router, decode = cluster.url("router"), cluster.url("decode")
+    with httpx.Client(timeout=300, trust_env=False, headers=HEADERS) as http:
+        # 1. equality
+        equal = []
+        for n in (16, 300, 2000):
+            p = prompts(rng, n)
+            want = completion(http, decode, p, 16)["text"]
+            got = completion(http, router, p, 16)["text"]
+            equal.append(got == want)
+        out["equal"] = all(equal)
+        # 2. TTFT, PD over colocated
+        for n in (16, 2000):
+            colo = [ttft(http, decode, prompts(rng, n)) for _ in range(repeats)]
+            pd = [ttft(http, router, prompts(rng, n)) for _ in range(repeats)]
+            out[f"ttft_colocated_{n}_ms"] = statistics.median(colo) * 1e3
+            out[f"ttft_pd_{n}_ms"] = statistics.median(pd) * 1e3
+            out[f"ttft_ratio_{n}"] = statistics.median(pd) / statistics.median(colo)
+        # 3. transfer rate of a cached 2,000-token prompt
+        rates = []
+        for _ in range(repeats):
+            p = prompts(rng, 2000)
+            completion(http, cluster.url("prefill"), p, 1)  # now in the prefill's cache
+            before = transfer_counters(http, cluster, ours)
+            completion(http, router, p, 1)
+            after = transfer_counters(http, cluster, ours)
+            moved = after[0] - before[0]
+            seconds = after[1] - before[1]
+            if moved > 0 and seconds > 0:
+                rates.append(moved / seconds)
+        out["transfer_MiB_s"] = statistics.median(rates) / 2**20 if rates else None
+        # 4. faults
+        out.update(fault(http, cluster, ours, rng, root, fault_wait))
+    return out
+
+
+def transfer_counters(http: httpx.Client, cluster: Cluster, ours: bool) -> tuple[float, float]:
+    """(KV bytes the decode received so far, seconds spent receiving them)."""
+    if ours:
+        side = f"http://127.0.0.1:{cluster.ports['decode_side']}"
+        stats = http.get(side + "/admin/failures").json()["stats"]
+        return float(stats.get("kv_received_bytes", 0)), stats.get("kv_received_us", 0) / 1e6
+    text = http.get(cluster.url("decode") + "/metrics").text
+    return (
+        metric(text, "vllm:nixl_bytes_transferred_sum"),
+        metric(text, "vllm:nixl_xfer_time_seconds_sum"),
+    )
+
+
+def fault(
+    http: httpx.Client,
+    cluster: Cluster,
+    ours: bool,
+    rng: random.Random,
+    root: Path,
+    wait_s: float = FAULT_WAIT_S,
+) -> dict[str, Any]:
+    """The prefill lost while the decode still needs a long prompt's KV from it.
+
+    Ours: the decode waits in its room (the prefill leg never comes), the
+    prefill gets kill -9, and the bench sends `fail_peer` at once, as the
+    operator or local supervisor does; timed from the kill. NixlConnector
+    reads the KV itself as soon as its request arrives, so the prefill is
+    killed between its leg and the decode's (the KV is not read yet: the
+    decode must still fetch it); timed from the decode request, the prefill
+    already gone, and nothing vLLM could be told."""
+    p = prompts(rng, 2000)
+    prefill, decode = cluster.url("prefill"), cluster.url("decode")
+    if ours:
+        room = rng.randrange(1, 1 << 62)
+        params = {
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": cluster.ports["prefill_side"],
+            "bootstrap_room": room,
+        }
+        decode_extra = {"kv_transfer_params": params}
+    else:
+        body = {
+            "model": MODEL,
+            "prompt": p,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        }
+        answer = http.post(prefill + "/v1/completions", json=body, timeout=300).json()
+        decode_extra = {"kv_transfer_params": answer["kv_transfer_params"]}
+        cluster.prefill.kill()
+    result: dict[str, Any] = {}
+
+    def run_decode() -> None:
+        try:
+            completion(http, decode, p, 4, **decode_extra)
+            result["decode_outcome"] = "served"
+        except (httpx.HTTPError, RuntimeError) as err:
+            result["decode_outcome"] = f"error: {str(err)[:120]}"
+        result["decode_end"] = time.perf_counter()
+
+    lost = time.perf_counter()
+    waiter = threading.Thread(target=run_decode)
+    waiter.start()
+    if ours:
+        time.sleep(1.0)  # the decode is waiting for KV that will never come
+        lost = time.perf_counter()
+        cluster.prefill.kill()
+        side = f"http://127.0.0.1:{cluster.ports['decode_side']}"
+        http.post(
+            side + "/admin/fail_peer",
+            json={
+                "peer": f"127.0.0.1:{cluster.ports['prefill_side']}",
+                "reason": "prefill_pod_lost",
+                "gone": True,
+            },
+        )
+    waiter.join(wait_s)
+    out: dict[str, Any] = {
+        "fault_decode_outcome": result.get("decode_outcome", f"still waiting after {wait_s:.0f} s"),
+        "fault_time_to_end_s": (result["decode_end"] - lost) if "decode_end" in result else None,
+    }
+    time.sleep(0.5)
+    out["fault_kv_usage_after"] = kv_usage(http, cluster)
+    try:
+        completion(http, decode, prompts(rng, 50), 4)
+        out["fault_next_request"] = "served"
+    except (httpx.HTTPError, RuntimeError) as err:
+        out["fault_next_request"] = f"error: {str(err)[:120]}"
+    restarted = time.perf_counter()
+    cluster.prefill.start()
+    deadline = restarted + START_TIMEOUT_S
+    while time.perf_counter() < deadline:
+        try:
+            completion(http, cluster.url("router"), prompts(rng, 100), 4)
+            out["restart_to_first_pd_s"] = time.perf_counter() - restarted
+            break
+        except (httpx.HTTPError, RuntimeError):
+            time.sleep(0.5)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        ("PD == colocated (16, 300, 2,000 tokens)", "equal", "{}"),
+        ("TTFT colocated, 16 tokens (ms)", "ttft_colocated_16_ms", "{:.0f}"),
+        ("TTFT PD, 16 tokens (ms)", "ttft_pd_16_ms", "{:.0f}"),
+        ("TTFT PD ÷ colocated, 16 tokens", "ttft_ratio_16", "{:.2f}"),
+        ("TTFT colocated, 2,000 tokens (ms)", "ttft_colocated_2000_ms", "{:.0f}"),
+        ("TTFT PD, 2,000 tokens (ms)", "ttft_pd_2000_ms", "{:.0f}"),
+        ("TTFT PD ÷ colocated, 2,000 tokens", "ttft_ratio_2000", "{:.2f}"),
+        ("transfer, cached 2,000-token prompt (MiB/s)", "transfer_MiB_s", "{:.0f}"),
+        ("prefill kill -9: decode ends the request after (s)", "fault_time_to_end_s", "{:.2f}"),
+        ("… how it ends", "fault_decode_outcome", "{}"),
+        ("… decode KV cache in use after (fraction)", "fault_kv_usage_after", "{:.3f}"),
+        ("… decode's next request", "fault_next_request", "{}"),
+        ("prefill restarted → first PD request (s)", "restart_to_first_pd_s", "{:.0f}"),
+    ]
+    head = "| | " + " | ".join(r["config"] for r in results) + " |"
+    lines = [head, "| --- |" + " --- |" * len(results)]
+    for label, key, fmt in rows:
+        cells = []
+        for r in results:
+            value = r.get(key)
+            cells.append("—" if value is None else fmt.format(value))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in results]
+    colors = ["#2c7a3f", "#6a9fd4", "#999"][: len(names)]
+    panels = [
+        ("ttft_ratio_16", "TTFT PD ÷ colocated, 16 tokens"),
+        ("ttft_ratio_2000", "TTFT PD ÷ colocated, 2,000 tokens"),
+        ("transfer_MiB_s", "KV transfer (MiB/s)"),
+        ("fault_time_to_end_s", "prefill lost → decode ends (s)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.4))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        values = [r.get(key) or 0.0 for r in results]
+        ax.bar(names, values, color=colors)
+        ax.set_title(title, fontsize=9)
+        for label in ax.get_xticklabels():
+            label.set_rotation(12)
+            label.set_fontsize(8)
+    fig.suptitle("PDClusterConnector vs vLLM's NixlConnector, 1P1D (vLLM CPU, tiny model)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", default="pdcluster-tcp,pdcluster-nixl,NixlConnector")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--chart", type=Path, help="write a PNG chart here")
+    ap.add_argument(
+        "--fault-wait",
+        type=float,
+        default=FAULT_WAIT_S,
+        help="seconds the fault scenario waits for the decode to end the request",
+    )
+    args = ap.parse_args()
+    # A terminated bench still stops the processes it started (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    root = Path(tempfile.mkdtemp(prefix="vllm-connectors-"))
+    model = write_random_hf_dir(
+        root / "model",
+        num_layers=4,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1024,
+    )
+    configs = {
+        "pdcluster-tcp": ("PDClusterConnector", "tcp", True),
+        "pdcluster-nixl": ("PDClusterConnector", "nixl", True),
+        "NixlConnector": ("NixlConnector", "nixl", False),
+    }
+    results = []
+    for label in args.configs.split(","):
+        connector, backend, ours = configs[label]
+        print(f"== {label}: starting prefill, decode and router", flush=True)
+        cluster = launch(label, manifest(model, connector, backend), root)
+        try:
+            wait_ready(cluster)
+            results.append(measure(cluster, ours, args.repeats, root, args.fault_wait))
+            print(json.dumps(results[-1]), flush=True)
+        finally:
+            for proc in (cluster.router, cluster.decode, cluster.prefill):
+                proc.stop()
+    print(table(results))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    if args.chart is not None:
+        chart(results, args.chart)
+    print(f"logs: {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

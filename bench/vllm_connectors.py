@@ -1,12 +1,15 @@
 """Our KV connector inside vLLM against vLLM's own NixlConnector, side by side in one run.
 
     .venv/bin/python bench/vllm_connectors.py [--repeats 5] [--json out.json] [--chart out.png]
-        [--fault-wait 600]   # a shorter run: --repeats 3 --fault-wait 120
+        [--fault-wait 600] [--configs pdcluster-tcp,...]   # shorter: --repeats 3 --fault-wait 120
 
 Same box, same vLLM (e2e/vllmenv: vLLM 0.32 CPU, NIXL 1.5.1), same random
-Llama, same router (ours, `python -m pdcluster.runtime.router`), one
-configuration after the other, each a prefill and a decode `vllm serve`
-started from the manifest (`runtime/vllm/serve_command.py`):
+Llama, same router (ours, `pdcluster router`), one configuration after the
+other, each a prefill and a decode `vllm serve` as `pdcluster up` starts
+them from the manifest (`runtime/local/plan.py`: argv, ports, side ports,
+the decode's prefill peers, the router's flags; vLLM's environment for this
+CPU box as in the tests, `tests/vllm/harness.py`), without local mode's
+supervisor, since the bench kills and restarts the prefill itself:
 
 - `pdcluster-tcp`, `pdcluster-nixl`: `kvConnector: PDClusterConnector`,
   `transfer.backend` tcp or nixl; the router sends both legs at once;
@@ -60,10 +63,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e.vllmenv.build import checkout_pythonpath, ensure_vllm_env  # noqa: E402
+from pdcluster.runtime.local.parent_watch import PARENT_PID_ENV  # noqa: E402
+from pdcluster.runtime.local.plan import build_local_plan, count_ports  # noqa: E402
 from pdcluster.runtime.ports import free_ports  # noqa: E402
-from pdcluster.runtime.spec import Role, parse_manifest  # noqa: E402
-from pdcluster.runtime.vllm.serve_command import build_vllm_serve, vllm_argv  # noqa: E402
+from pdcluster.runtime.spec import parse_manifest  # noqa: E402
 from tests.engine.testing import write_random_hf_dir  # noqa: E402
+from tests.vllm.harness import CPU_ENV  # noqa: E402
 
 TOKEN = "bench-token"
 MODEL = "bench-llama"
@@ -136,6 +141,12 @@ def manifest(model: Path, connector: str, backend: str) -> dict[str, Any]:
                 "vllm": {
                     "kvConnector": connector,
                     "extraArgs": ["--enforce-eager", "--max-model-len", "2048"],
+                    # As in the tests (tests/vllm/harness.py): without
+                    # VLLM_CPU_OMP_THREADS_BIND=nobind vLLM pins its worker's
+                    # main thread to one core, and every thread started from it
+                    # afterwards (our connector's agent, its sockets' threads)
+                    # inherits that core.
+                    "env": dict(CPU_ENV),
                 },
             },
             "model": {"name": MODEL, "path": str(model)},
@@ -143,75 +154,45 @@ def manifest(model: Path, connector: str, backend: str) -> dict[str, Any]:
             "transfer": {"backend": backend},
             "prefill": {},
             "decode": {},
+            "router": {"healthCheckIntervalSeconds": 0.5},
         },
     }
 
 
 def launch(label: str, doc: dict[str, Any], root: Path) -> Cluster:
-    spec = parse_manifest(doc).spec
-    names = ("prefill", "decode", "prefill_side", "decode_side", "prefill_nixl", "router")
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
-    python = str(ensure_vllm_env(log=False).python)
+    """The processes `pdcluster up` would start for `doc` (runtime/local/plan.py:
+    argv, ports, side ports, the decode's prefill peers, the router's flags),
+    with the environment its launcher gives them, but no supervisor: the bench
+    kills and restarts the prefill itself."""
+    path = root / f"{label}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = parse_manifest(doc)
+    vllm = str(ensure_vllm_env(log=False).python)
+    plan = build_local_plan(
+        spec, str(path), free_ports(count_ports(spec)), python=sys.executable, vllm=vllm
+    )
     base = dict(
         os.environ,
-        PYTHONPATH=str(checkout_pythonpath()),
         PDCLUSTER_TOKEN=TOKEN,
-        VLLM_API_KEY=TOKEN,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        PYTHONUNBUFFERED="1",
+        # vLLM stops with the bench (runtime/local/child_guard.py).
+        **{PARENT_PID_ENV: str(os.getpid())},
     )
     base.pop("PDCLUSTER_TOKEN_FILE", None)
     procs: dict[str, Proc] = {}
-    for role in (Role.prefill, Role.decode):
-        serve = build_vllm_serve(
-            spec,
-            role,
-            port=ports[role.value],
-            host="127.0.0.1",
-            side_channel_port=ports["prefill_nixl"] + (0 if role is Role.prefill else 100),
-            bootstrap_port=ports[f"{role.value}_side"],
-        )
-        flags = list(serve.flags)
-        if role is Role.decode and "PDClusterConnector" in json.dumps(flags):
-            # The decode may contact its prefill's side port (the operator publishes it).
-            at = flags.index("--kv-transfer-config") + 1
-            config = json.loads(flags[at])
-            config["kv_connector_extra_config"]["prefillPeers"] = [
-                f"127.0.0.1:{ports['prefill_side']}"
-            ]
-            flags[at] = json.dumps(config)
-        serve = type(serve)(serve.model, tuple(flags), serve.env, serve.side_channel_port)
-        procs[role.value] = Proc(
-            f"{label}-{role.value}",
-            vllm_argv(python, serve),
-            base | dict(serve.env),
-            root / f"{label}-{role.value}.log",
-        )
-    path = root / f"{label}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    router_argv = [
-        sys.executable,
-        "-m",
-        "pdcluster.runtime.router",
-        "--manifest",
-        str(path),
-        "--port",
-        str(ports["router"]),
-        "--prefill",
-        f"http://127.0.0.1:{ports['prefill']}",
-        "--decode",
-        f"http://127.0.0.1:{ports['decode']}",
-        "--health-interval",
-        "0.5",
-    ]
-    for role in ("prefill", "decode"):
-        router_argv += ["--side-port", f"http://127.0.0.1:{ports[role]}={ports[role + '_side']}"]
-    router = Proc(
-        f"{label}-router",
-        router_argv,
-        dict(os.environ, PDCLUSTER_TOKEN=TOKEN),
-        root / f"{label}-router.log",
-    )
+    ports: dict[str, int] = {"router": plan.router.port}
+    for w in plan.workers:
+        role = str(w.role)
+        env = base | w.env
+        if w.api_key_env is not None:
+            env[w.api_key_env] = TOKEN
+        # vLLM's interpreter imports our connector from this checkout.
+        env["PYTHONPATH"] = str(checkout_pythonpath())
+        procs[role] = Proc(f"{label}-{role}", list(w.argv), env, root / f"{label}-{role}.log")
+        ports[role] = w.port
+        if w.side_port is not None:
+            ports[f"{role}_side"] = w.side_port
+    router = Proc(f"{label}-router", list(plan.router.argv), base, root / f"{label}-router.log")
     cluster = Cluster(label, procs["prefill"], procs["decode"], router, ports)
     for proc in (cluster.prefill, cluster.decode, cluster.router):
         proc.start()

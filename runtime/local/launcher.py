@@ -107,6 +107,9 @@ class LocalCluster:
         self.phase: dict[str, str] = {}
         # Guards plan, procs and phase against the autoscaling thread; state writes too.
         self.lock = threading.RLock()
+        # Set by `stop`: the state file is removed, and no thread that still
+        # sees a child exit (supervision, autoscaling) may write it back.
+        self._stopped = False
         self._membership: queue.SimpleQueue[_Membership] = queue.SimpleQueue()
 
     def start(self) -> None:
@@ -157,6 +160,8 @@ class LocalCluster:
             self._write_state()
 
     def _write_state(self) -> None:
+        if self._stopped:
+            return
         state = {
             "cluster": self.plan.cluster,
             "endpoint": self.plan.endpoint,
@@ -499,13 +504,18 @@ class LocalCluster:
                 pass
 
     def stop(self, grace: float = 10.0) -> None:
+        with self.lock:
+            self._stopped = True
         stop_pids([p.pid for p in self.procs.values()], grace)
+        # Every group got SIGKILL by now; a loaded box may take a while to
+        # reap them, and a child left unreaped stays a zombie of ours.
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=1)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+        with self.lock:
+            (self.state_dir / STATE_FILE).unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -187,7 +187,7 @@ def test_not_ready_verdict_keeps_one_sided_pages_until_gone_or_acked(
 
     def failed() -> bool:
         rooms = [r for r in one_sided.rooms("decode-0") if peer in r["peers"]]
-        return all(r["state"] == "Failed" for r in rooms)
+        return bool(rooms) and all(r["state"] == "Failed" for r in rooms)
 
     wait_until(failed, 3, 0.01, "the hung writer's rooms to fail")
     held = held_pages(one_sided, "decode-0")

@@ -104,6 +104,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C stops the cluster even when `up` was started in the background of
+    # a non-interactive shell, which starts it with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         print(
             f"starting {len(plan.processes)} processes for {manifest.metadata.name} ...", flush=True

@@ -21,10 +21,19 @@ For each:
    prompt alone, greedy, for prompts of 16, 300 and 2,000 tokens;
 2. TTFT (streamed, median of `--repeats`) through the router in PD, and on
    the decode engine alone (colocated), at 16 and 2,000 tokens: PD ÷ colocated;
-3. transfer rate for a 2,000-token prompt the prefill has cached (so the
-   move is not hidden behind its compute): KV bytes ÷ the decode's load time
-   (ours: pages sent → every source done, from the side port's counters;
-   NixlConnector: vLLM's `vllm:nixl_bytes_transferred` ÷ `vllm:nixl_xfer_time_seconds`);
+3. transfer rate for a 2,000-token prompt the prefill has cached, two ways:
+   - moving: KV bytes ÷ the time the KV was in flight. NixlConnector: vLLM's
+     `vllm:nixl_bytes_transferred` ÷ `vllm:nixl_xfer_time_seconds` (the
+     decode's READs, posted → done). Ours: the prefill's sender, bytes of
+     completed jobs ÷ the time any job was moving (`kv:sent_bytes`,
+     `kv:busy_us`: first frame handed over → last frame done; over nixl a
+     WRITE is done once NIXL reports it written into the decode's memory,
+     the same event as a READ's completion; over tcp once the kernel took
+     the bytes, before the decode copied them into its pages);
+   - load (ours only): KV bytes ÷ the decode's wait, its pages sent → every
+     source done, which includes the prefill's scheduling and its step
+     (NixlConnector's decode starts reading only after the prefill answered,
+     so it has no such span);
 4. faults: the prefill gets kill -9 while the decode still needs a
    2,000-token prompt's KV from it (ours: the decode waits in its room and
    the bench sends `fail_peer` at once, as the operator or local supervisor
@@ -266,57 +275,107 @@ def kv_usage(http: httpx.Client, cluster: Cluster) -> float:
     return metric(text, "vllm:kv_cache_usage_perc")
 
 
+PARTS = ("equal", "ttft", "transfer", "fault")
+
+
 def measure(
-    cluster: Cluster, ours: bool, repeats: int, root: Path, fault_wait: float = FAULT_WAIT_S
+    cluster: Cluster,
+    ours: bool,
+    repeats: int,
+    root: Path,
+    fault_wait: float = FAULT_WAIT_S,
+    parts: tuple[str, ...] = PARTS,
 ) -> dict[str, Any]:
     rng = random.Random(34)
     out: dict[str, Any] = {"config": cluster.label}
     router, decode = cluster.url("router"), cluster.url("decode")
     with httpx.Client(timeout=300, trust_env=False, headers=HEADERS) as http:
-        # 1. equality
-        equal = []
-        for n in (16, 300, 2000):
-            p = prompts(rng, n)
-            want = completion(http, decode, p, 16)["text"]
-            got = completion(http, router, p, 16)["text"]
-            equal.append(got == want)
-        out["equal"] = all(equal)
-        # 2. TTFT, PD over colocated
-        for n in (16, 2000):
-            colo = [ttft(http, decode, prompts(rng, n)) for _ in range(repeats)]
-            pd = [ttft(http, router, prompts(rng, n)) for _ in range(repeats)]
-            out[f"ttft_colocated_{n}_ms"] = statistics.median(colo) * 1e3
-            out[f"ttft_pd_{n}_ms"] = statistics.median(pd) * 1e3
-            out[f"ttft_ratio_{n}"] = statistics.median(pd) / statistics.median(colo)
-        # 3. transfer rate of a cached 2,000-token prompt
-        rates = []
-        for _ in range(repeats):
-            p = prompts(rng, 2000)
-            completion(http, cluster.url("prefill"), p, 1)  # now in the prefill's cache
-            before = transfer_counters(http, cluster, ours)
-            completion(http, router, p, 1)
-            after = transfer_counters(http, cluster, ours)
-            moved = after[0] - before[0]
-            seconds = after[1] - before[1]
-            if moved > 0 and seconds > 0:
-                rates.append(moved / seconds)
-        out["transfer_MiB_s"] = statistics.median(rates) / 2**20 if rates else None
-        # 4. faults
-        out.update(fault(http, cluster, ours, rng, root, fault_wait))
+        if "equal" in parts:
+            out["equal"] = equality(http, router, decode, rng)
+        if "ttft" in parts:
+            out.update(ttfts(http, router, decode, rng, repeats))
+        if "transfer" in parts:
+            out.update(transfer(http, cluster, ours, rng, repeats))
+        if "fault" in parts:
+            out.update(fault(http, cluster, ours, rng, root, fault_wait))
     return out
 
 
-def transfer_counters(http: httpx.Client, cluster: Cluster, ours: bool) -> tuple[float, float]:
-    """(KV bytes the decode received so far, seconds spent receiving them)."""
+def equality(http: httpx.Client, router: str, decode: str, rng: random.Random) -> bool:
+    """PD through the router == the decode engine alone, greedy."""
+    equal = []
+    for n in (16, 300, 2000):
+        p = prompts(rng, n)
+        want = completion(http, decode, p, 16)["text"]
+        got = completion(http, router, p, 16)["text"]
+        equal.append(got == want)
+    return all(equal)
+
+
+def ttfts(
+    http: httpx.Client, router: str, decode: str, rng: random.Random, repeats: int
+) -> dict[str, float]:
+    """TTFT through the router (PD) and on the decode alone (colocated)."""
+    out: dict[str, float] = {}
+    for n in (16, 2000):
+        colo = [ttft(http, decode, prompts(rng, n)) for _ in range(repeats)]
+        pd = [ttft(http, router, prompts(rng, n)) for _ in range(repeats)]
+        out[f"ttft_colocated_{n}_ms"] = statistics.median(colo) * 1e3
+        out[f"ttft_pd_{n}_ms"] = statistics.median(pd) * 1e3
+        out[f"ttft_ratio_{n}"] = statistics.median(pd) / statistics.median(colo)
+    return out
+
+
+def transfer(
+    http: httpx.Client, cluster: Cluster, ours: bool, rng: random.Random, repeats: int
+) -> dict[str, float | None]:
+    """Transfer rates of a cached 2,000-token prompt (see the module doc)."""
+    out: dict[str, float | None] = {}
+    router = cluster.url("router")
+    rates: dict[str, list[float]] = {"moving": [], "load": []}
+    for _ in range(repeats):
+        p = prompts(rng, 2000)
+        completion(http, cluster.url("prefill"), p, 1)  # now in the prefill's cache
+        before = transfer_counters(http, cluster, ours)
+        completion(http, router, p, 1)
+        # A rank's counters reach the side port after a vLLM step: one more
+        # short request on each engine runs one there once the move is done.
+        time.sleep(0.2)
+        for role in ("prefill", "decode"):
+            completion(http, cluster.url(role), [5, 6, 7], 1)
+        after = transfer_counters(http, cluster, ours)
+        for kind, (moved, seconds) in after.items():
+            moved -= before[kind][0]
+            seconds -= before[kind][1]
+            if moved > 0 and seconds > 0:
+                rates[kind].append(moved / seconds)
+    for kind, values in rates.items():
+        out[f"transfer_{kind}_MiB_s"] = statistics.median(values) / 2**20 if values else None
+    return out
+
+
+def transfer_counters(
+    http: httpx.Client, cluster: Cluster, ours: bool
+) -> dict[str, tuple[float, float]]:
+    """(KV bytes so far, seconds they took), as "moving" and, for ours, "load"."""
     if ours:
-        side = f"http://127.0.0.1:{cluster.ports['decode_side']}"
-        stats = http.get(side + "/admin/failures").json()["stats"]
-        return float(stats.get("kv_received_bytes", 0)), stats.get("kv_received_us", 0) / 1e6
+
+        def stats(role: str) -> dict[str, Any]:
+            side = f"http://127.0.0.1:{cluster.ports[f'{role}_side']}"
+            return dict(http.get(side + "/admin/failures").json()["stats"])
+
+        sent, got = stats("prefill"), stats("decode")
+        return {
+            "moving": (float(sent.get("kv:sent_bytes", 0)), sent.get("kv:busy_us", 0) / 1e6),
+            "load": (float(got.get("kv_received_bytes", 0)), got.get("kv_received_us", 0) / 1e6),
+        }
     text = http.get(cluster.url("decode") + "/metrics").text
-    return (
-        metric(text, "vllm:nixl_bytes_transferred_sum"),
-        metric(text, "vllm:nixl_xfer_time_seconds_sum"),
-    )
+    return {
+        "moving": (
+            metric(text, "vllm:nixl_bytes_transferred_sum"),
+            metric(text, "vllm:nixl_xfer_time_seconds_sum"),
+        )
+    }
 
 
 def fault(
@@ -424,7 +483,8 @@ def table(results: list[dict[str, Any]]) -> str:
         ("TTFT colocated, 2,000 tokens (ms)", "ttft_colocated_2000_ms", "{:.0f}"),
         ("TTFT PD, 2,000 tokens (ms)", "ttft_pd_2000_ms", "{:.0f}"),
         ("TTFT PD ÷ colocated, 2,000 tokens", "ttft_ratio_2000", "{:.2f}"),
-        ("transfer, cached 2,000-token prompt (MiB/s)", "transfer_MiB_s", "{:.0f}"),
+        ("transfer while moving, cached 2,000 tokens (MiB/s)", "transfer_moving_MiB_s", "{:.0f}"),
+        ("decode load, pages sent → landed (MiB/s)", "transfer_load_MiB_s", "{:.0f}"),
         ("prefill kill -9: decode ends the request after (s)", "fault_time_to_end_s", "{:.2f}"),
         ("… how it ends", "fault_decode_outcome", "{}"),
         ("… decode KV cache in use after (fraction)", "fault_kv_usage_after", "{:.3f}"),
@@ -453,7 +513,7 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
     panels = [
         ("ttft_ratio_16", "TTFT PD ÷ colocated, 16 tokens"),
         ("ttft_ratio_2000", "TTFT PD ÷ colocated, 2,000 tokens"),
-        ("transfer_MiB_s", "KV transfer (MiB/s)"),
+        ("transfer_moving_MiB_s", "KV transfer while moving (MiB/s)"),
         ("fault_time_to_end_s", "prefill lost → decode ends (s)"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.4))
@@ -482,7 +542,13 @@ def main() -> int:
         default=FAULT_WAIT_S,
         help="seconds the fault scenario waits for the decode to end the request",
     )
+    ap.add_argument(
+        "--parts", default=",".join(PARTS), help=f"what to measure, of {', '.join(PARTS)}"
+    )
     args = ap.parse_args()
+    parts = tuple(args.parts.split(","))
+    if unknown := set(parts) - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     # A terminated bench still stops the processes it started (the finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     root = Path(tempfile.mkdtemp(prefix="vllm-connectors-"))
@@ -506,7 +572,7 @@ def main() -> int:
         cluster = launch(label, manifest(model, connector, backend), root)
         try:
             wait_ready(cluster)
-            results.append(measure(cluster, ours, args.repeats, root, args.fault_wait))
+            results.append(measure(cluster, ours, args.repeats, root, args.fault_wait, parts))
             print(json.dumps(results[-1]), flush=True)
         finally:
             for proc in (cluster.router, cluster.decode, cluster.prefill):

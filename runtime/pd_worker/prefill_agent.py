@@ -168,6 +168,12 @@ class PrefillAgent(RankAgent):
 
         self.aio.submit(go(), done)
 
+    def counts(self) -> dict[str, int]:
+        """The rank's counters, with the sender's timing (`kv:sent_bytes`, `kv:busy_us`)."""
+        counts = super().counts()
+        counts.update({f"kv:{k}": v for k, v in self.sender.timing().items()})
+        return counts
+
     def close(self) -> None:
         super().close()
         self.sender.close()

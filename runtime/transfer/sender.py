@@ -18,6 +18,12 @@ Per-room accounting is what the control plane relies on for aborts:
 - a failed frame fails its room once, through `on_failure(room, generation,
   reason)`, and cancels the room's remaining work.
 
+Timing (`stats`): `sent_bytes` of jobs that completed and `busy_us`, the
+time at least one job was moving (from its first frame handed over to its
+last frame done; time queued is not counted, overlapping jobs count once).
+Their ratio is the rate a transport reaches while it has work, the figure
+a reader-side connector reports as bytes over READ time.
+
 Callbacks (`on_complete`, `on_failure`) run on the sender's worker thread or
 on the transport's I/O thread, before the job leaves `in_flight`: they must
 return quickly and must not call `drain` (it would wait for themselves).
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +158,8 @@ class _Run:
     pending: int = 1  # frames not yet done, +1 while the worker still plans frames
     error: str | None = None
     stopped: bool = False  # cancelled between frames
+    nbytes: int = 0  # the job's KV bytes
+    moving: bool = False  # counted in the sender's busy time
 
 
 class KVSender:
@@ -189,6 +198,10 @@ class KVSender:
         self._state = "new"
         self._thread: threading.Thread | None = None
         self.num_refused = 0  # submits refused because their room was closed
+        # Completed jobs' bytes and the time any job was moving (see the module doc).
+        self.stats: dict[str, int] = {"sent_jobs": 0, "sent_bytes": 0, "busy_us": 0}
+        self._moving = 0  # jobs between their first frame and their last frame done
+        self._moving_since = 0.0
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -244,6 +257,11 @@ class KVSender:
             self._cond.notify_all()
         return True
 
+    def timing(self) -> dict[str, int]:
+        """A copy of `stats`: completed jobs, their bytes, the time any job was moving."""
+        with self._cond:
+            return dict(self.stats)
+
     def in_flight(self, room: int) -> int:
         with self._cond:
             return self._in_flight.get(room, 0)
@@ -297,6 +315,12 @@ class KVSender:
     def _execute(self, run: _Run) -> None:
         job, cfg, pool = run.job, self.config, self.pool
         shape = pool.shape
+        run.nbytes = job.num_tokens * job_bytes_per_token(job, shape)
+        with self._cond:
+            if not self._moving:
+                self._moving_since = time.monotonic()
+            self._moving += 1
+            run.moving = True
         heads = slice(*job.src_heads)
         if job.src_heads == (0, shape.num_kv_heads):
             heads = slice(None)  # lets the pool take its whole-row fast path
@@ -458,6 +482,14 @@ class KVSender:
         try:
             with self._cond:
                 ok = run.error is None and not run.stopped and job.room not in self._closed_rooms
+                if run.moving:
+                    run.moving = False
+                    self._moving -= 1
+                    if not self._moving:
+                        self.stats["busy_us"] += int((time.monotonic() - self._moving_since) * 1e6)
+                    if ok:
+                        self.stats["sent_jobs"] += 1
+                        self.stats["sent_bytes"] += run.nbytes
             if not ok:
                 return
             if self.on_complete is not None:

@@ -57,6 +57,8 @@ class PDClusterMetadata(KVConnectorMetadata):
 
     step: int
     commands: StepCommands
+    # The step computes nothing: vLLM runs it only to poll loads and sends.
+    idle: bool = False
 
 
 @dataclass
@@ -193,7 +195,7 @@ class PDClusterConnector(KVConnectorBase_V1):
         step, commands = self._scheduler.step_commands(
             scheduled, scheduler_output.preempted_req_ids or ()
         )
-        return PDClusterMetadata(step, commands)
+        return PDClusterMetadata(step, commands, scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -226,7 +228,7 @@ class PDClusterConnector(KVConnectorBase_V1):
 
     def _apply(self, meta: KVConnectorMetadata) -> None:
         if isinstance(meta, PDClusterMetadata):
-            self._worker.apply(meta.step, meta.commands)
+            self._worker.apply(meta.step, meta.commands, idle=meta.idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request runs only once all of its KV landed."""

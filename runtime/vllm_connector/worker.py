@@ -11,7 +11,11 @@ hands one step to the agent and reads back what its room table concluded:
 - `handle_preemptions` / `start_load_kv`: the step's commands go to the agent
   (once per step, before its chunks);
 - `wait_for_save`: each chunk this step computed becomes transfer jobs;
-- `get_finished`: the requests whose load or send ended (`worker_rooms.py`);
+- `get_finished`: the requests whose load or send ended (`worker_rooms.py`).
+  In a step that computes nothing (vLLM steps in a loop while a request
+  waits for its KV, or while a prefill holds blocks for a decode) it waits
+  up to `IDLE_WAIT_S` for one to end instead of returning at once: the
+  loop would otherwise spin a core that the transfer it waits for needs;
 - `build_connector_worker_meta`: rooms failed here, peer verdicts, counters.
 
 A preempted prefill request's blocks may go to another request in this
@@ -48,6 +52,9 @@ log = logging.getLogger("pdcluster.vllm")
 
 # How long applying a step's commands may wait for a busy agent (seconds).
 APPLY_WAIT_S = 5.0
+# How long a step that computes nothing waits for a load or send to end (seconds): the
+# longest a request arriving meanwhile waits for the engine to take it.
+IDLE_WAIT_S = 0.005
 # How often a decode rank compares its peer verdicts with those it last sent (seconds).
 VERDICT_POLL_S = 0.2
 
@@ -108,7 +115,9 @@ class ConnectorWorker:
         self.token = token
         self.name = name  # the rank's name in counters and logs
         self.rooms = WorkerRooms(facts.role)
-        self._lock = threading.Lock()  # guards `rooms` (reports come from the agent thread)
+        # Guards `rooms` (reports come from the agent thread); notified on each report.
+        self._lock = threading.Condition()
+        self._idle_step = False
         self.agent: RankAgent | None = None
         self._applied_step = -1
         self._chunks: list[Chunk] = []
@@ -224,6 +233,7 @@ class ConnectorWorker:
         # Agent thread (or whichever thread ran the step that concluded it).
         with self._lock:
             self.rooms.report(rep)
+            self._lock.notify_all()
             started = self._loads.pop(rep.room, None)
             if started is not None and rep.kind == "complete":
                 # Decode: a load's bytes and time, pages sent → every source done.
@@ -232,11 +242,13 @@ class ConnectorWorker:
                 self._received_us += int((time.monotonic() - at) * 1e6)
 
     # ------------------------------------------------------------ each step
-    def apply(self, step: int, commands: StepCommands) -> None:
-        """The step's commands, once (vLLM may hand the metadata to two hooks)."""
+    def apply(self, step: int, commands: StepCommands, idle: bool = False) -> None:
+        """The step's commands, once (vLLM may hand the metadata to two hooks).
+        `idle`: the step computes nothing (see `finished`)."""
         if step == self._applied_step or self.agent is None:
             return
         self._applied_step = step
+        self._idle_step = idle
         self._chunks = []
         for req_id, cmd in commands.commands:
             if isinstance(cmd, Chunk):
@@ -317,8 +329,13 @@ class ConnectorWorker:
         self._chunks = []
 
     def finished(self, finished_req_ids: set[str]) -> Finished:
+        """The requests whose load or send ended. In a step that computes nothing,
+        wait (briefly) for one: vLLM calls again at once otherwise."""
         with self._lock:
             self.rooms.vllm_finished(finished_req_ids)
+            if self._idle_step:
+                self._idle_step = False
+                self._lock.wait_for(lambda: self.rooms.has_finished, IDLE_WAIT_S)
             return self.rooms.take_finished()
 
     def news(self) -> RankNews:

@@ -138,6 +138,11 @@ class WorkerRooms:
         self._counts = (rank, dict(counts))
 
     # ------------------------------------------------------------ vLLM asks
+    @property
+    def has_finished(self) -> bool:
+        """Some request's load or send ended since the last `take_finished`."""
+        return bool(self._sending or self._recving or self._failed_recving)
+
     def take_finished(self) -> Finished:
         out = Finished(
             frozenset(self._sending), frozenset(self._recving), frozenset(self._failed_recving)

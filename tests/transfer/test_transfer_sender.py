@@ -196,3 +196,41 @@ def test_drain_of_an_unknown_room_returns_at_once(endpoint):
     assert sender.drain(12345, timeout=5)
     assert time.monotonic() - started < 0.5
     sender.close()
+
+
+def test_timing_counts_completed_jobs_bytes_and_the_time_they_were_moving():
+    link = Link.open()
+    try:
+        sender = KVSender(random_pool(BIG, seed=1), TcpTransport(link.prefill), BIG_FRAMES)
+        sender.start()
+        assert sender.timing() == {"sent_jobs": 0, "sent_bytes": 0, "busy_us": 0}
+        started = time.monotonic()
+        for room in (1, 2):
+            sender.submit(big_job(link.decode.address, room, notify=b"n%d" % room))
+        for room in (1, 2):
+            link.inbox.wait_for(b"n%d" % room)
+            assert sender.drain(room, timeout=5)
+        elapsed_us = (time.monotonic() - started) * 1e6
+        timing = sender.timing()
+        assert timing["sent_jobs"] == 2
+        assert timing["sent_bytes"] == 2 * 512 * 16 * 1024  # 512 tokens of 16 KiB each
+        # Overlapping jobs count once: never more than the wall time they spanned.
+        assert 0 < timing["busy_us"] <= elapsed_us
+        sender.close()
+    finally:
+        link.close()
+
+
+def test_a_failed_job_adds_time_but_no_bytes(endpoint):
+    rec = Recorder()
+    sender = make_sender(endpoint, rec)
+    peer = dead_address()
+    assert sender.submit(big_job(peer, room=7))
+    time.sleep(0.2)
+    endpoint.drop_peer(peer)
+    assert sender.drain(7, timeout=5)
+    assert rec.failures == [(7, 1, "peer_dropped")]
+    timing = sender.timing()
+    assert timing["sent_jobs"] == 0 and timing["sent_bytes"] == 0
+    assert timing["busy_us"] > 0  # the job was moving until its room failed
+    sender.close()

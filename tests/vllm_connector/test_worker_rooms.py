@@ -180,3 +180,14 @@ def test_prefill_blocks_are_freed_exactly_once_and_never_while_held(events):
         sent += len(got)
     assert sent <= 1
     assert sent == (1 if released and finished else 0)
+
+
+def test_has_finished_says_whether_take_finished_has_anything():
+    rooms = WorkerRooms(Role.decode)
+    rooms.opened("v1", 7)
+    rooms.pages(7)
+    assert not rooms.has_finished
+    rooms.report(rep(7, "complete"))
+    assert rooms.has_finished
+    rooms.take_finished()
+    assert not rooms.has_finished

@@ -275,7 +275,7 @@ def kv_usage(http: httpx.Client, cluster: Cluster) -> float:
     return metric(text, "vllm:kv_cache_usage_perc")
 
 
-PARTS = ("equal", "ttft", "transfer", "fault")
+PARTS = ("equal", "ttft", "transfer", "fault", "decode_fault")
 
 
 def measure(
@@ -298,6 +298,8 @@ def measure(
             out.update(transfer(http, cluster, ours, rng, repeats))
         if "fault" in parts:
             out.update(fault(http, cluster, ours, rng, root, fault_wait))
+        if "decode_fault" in parts:
+            out.update(decode_fault(http, cluster, ours, rng, fault_wait))
     return out
 
 
@@ -472,6 +474,82 @@ def fault(
         except (httpx.HTTPError, RuntimeError):
             time.sleep(0.5)
     return out
+
+
+def prefill_usage(http: httpx.Client, cluster: Cluster) -> float:
+    """The prefill's KV cache in use, fresh: vLLM updates the gauge when it steps,
+    so a one-token request runs a step first (its own block is freed by then)."""
+    completion(http, cluster.url("prefill"), [5, 6, 7], 1)
+    text = http.get(cluster.url("prefill") + "/metrics").text
+    return metric(text, "vllm:kv_cache_usage_perc")
+
+
+def decode_fault(
+    http: httpx.Client, cluster: Cluster, ours: bool, rng: random.Random, wait_s: float
+) -> dict[str, Any]:
+    """The decode lost while the prefill holds a 2,000-token prompt's blocks for it.
+
+    NixlConnector: the prefill answered its leg (its blocks wait for the
+    decode's READ), then the decode gets kill -9; nothing vLLM could be told.
+    Ours: both legs through the router; the decode is stopped (SIGSTOP) once
+    its room is open, so the prefill computes and holds the blocks for it,
+    then it gets kill -9 and the bench reports the decode's host to the prefill's
+    side port at once (`fail_peer`), as the operator does for a lost pod.
+    Timed from the kill until the prefill's blocks in use are back to what
+    they were before (within `wait_s`); then whether the prefill serves."""
+    p = prompts(rng, 2000)
+    base = prefill_usage(http, cluster)
+    out: dict[str, Any] = {}
+    waiter: threading.Thread | None = None
+    if ours:
+        waiter = threading.Thread(
+            target=lambda: _ignore_errors(completion, http, cluster.url("router"), p, 4)
+        )
+        waiter.start()
+        time.sleep(0.15)  # the decode opened its room and waits for the KV
+        # Hung first, so the prefill's push cannot finish: it holds the blocks.
+        cluster.decode._signal(signal.SIGSTOP)
+    else:
+        body = {
+            "model": MODEL,
+            "prompt": p,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        }
+        http.post(cluster.url("prefill") + "/v1/completions", json=body, timeout=300)
+    held = prefill_usage(http, cluster)
+    lost = time.perf_counter()
+    cluster.decode.kill()
+    if ours:
+        side = f"http://127.0.0.1:{cluster.ports['prefill_side']}"
+        http.post(
+            side + "/admin/fail_peer",
+            json={"peer": "127.0.0.1", "reason": "decode_pod_lost", "gone": True},
+        )
+    freed = None
+    while time.perf_counter() - lost < wait_s:
+        usage = prefill_usage(http, cluster)
+        if usage <= base + 1e-4:
+            freed = time.perf_counter() - lost
+            break
+        time.sleep(0.2)
+    if waiter is not None:
+        waiter.join(wait_s)
+    out["decode_fault_held_before"] = held
+    out["decode_fault_freed_s"] = freed
+    out["decode_fault_outcome"] = (
+        "freed" if freed is not None else f"still held after {wait_s:.0f} s"
+    )
+    cluster.decode.start()
+    return out
+
+
+def _ignore_errors(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except (httpx.HTTPError, RuntimeError):
+        pass
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -101,6 +101,14 @@ class CancelWrites(RoomAction):
 
 
 @dataclass(frozen=True, slots=True)
+class CloseDestination:
+    """Prefill: close the connection to a decode rank reported lost. Frames queued to
+    it would never be read; closing releases them, so the rooms writing to it drain."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseSource(RequestAction):
     """Prefill: the engine may free the request's prefill pages."""
 
@@ -145,6 +153,7 @@ Action = (
     | StartCompute
     | SendHeldKV
     | CancelWrites
+    | CloseDestination
     | ReleaseSource
     | RoomSucceeded
     | PrefillReady

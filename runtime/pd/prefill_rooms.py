@@ -79,6 +79,7 @@ from typing import ClassVar
 from pdcluster.runtime.pd.actions import (
     Action,
     CancelWrites,
+    CloseDestination,
     Dropped,
     ReleaseSource,
     RoomFailed,
@@ -333,6 +334,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         if scope is ReportScope.CURRENT:
             self.peers.forget_matching(peer)
         acts: list[Action] = []
+        closed: set[str] = set()
         for r in list(self._rooms.values()):
             hit = [
                 d
@@ -343,6 +345,11 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
                 continue
             for d in hit:
                 d.dead = True
+                if scope is ReportScope.CURRENT and r.inflight and d.endpoint not in closed:
+                    # Its writes wait on a connection nobody reads (a successor at
+                    # the address would be STALE scope: its connection stays).
+                    closed.add(d.endpoint)
+                    acts.append(CloseDestination(d.endpoint))
             # Owed AbortAcks stay owed: if the peer is in fact alive (a wrong
             # verdict), a one-sided decode holds its pages until it gets one.
             if r.state is not KVPoll.Failed:

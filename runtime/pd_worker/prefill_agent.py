@@ -582,6 +582,7 @@ _PERFORMERS: dict[type, Callable[[PrefillAgent, Any], None]] = {
     A.StartCompute: lambda agent, act: agent.report(act.room, "start"),
     A.SendHeldKV: lambda agent, act: agent._send_held(act.room),
     A.CancelWrites: lambda agent, act: agent.sender.cancel(act.room),
+    A.CloseDestination: lambda agent, act: agent.endpoint.drop_peer(act.endpoint),
     A.ReleaseSource: lambda agent, act: agent.report(act.room, "released"),
     A.RoomFailed: PrefillAgent._room_failed,
     A.RoomSucceeded: lambda agent, act: agent.report(

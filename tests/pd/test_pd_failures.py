@@ -260,11 +260,20 @@ def test_operator_fast_path_by_pod_ip_on_prefill_side() -> None:
     prefill = net.prefill[P0]
     acts = prefill.fail_peer("127.0.0.2", "peer_lost", 1.0)
     assert A.RoomFailed(ROOM, RID, "peer_lost") in acts
-    # Writes to a dead peer never drain by themselves: cancel them now.
+    # Writes to a dead peer never drain by themselves: cancel them now, and
+    # close its connection, which releases the frames queued to it.
     assert A.CancelWrites(ROOM) in acts
+    assert acts.count(A.CloseDestination(d_endpoint(D0))) == 1
     acts = prefill.writes_done(ROOM, 2, False, 1.1)
     assert acts == [A.ReleaseSource(ROOM, RID)]
     assert len(prefill) == 0 and len(prefill.peers) == 0
+
+
+def test_a_lost_decode_with_nothing_in_flight_keeps_its_connection() -> None:
+    net = started(Net(settings=S))
+    acts = net.prefill[P0].fail_peer("127.0.0.2", "peer_lost", 1.0)
+    assert A.RoomFailed(ROOM, RID, "peer_lost") in acts
+    assert not [a for a in acts if isinstance(a, A.CloseDestination)]
 
 
 def test_prefill_undrained_failed_room_gets_cancel_writes_after_release_timeout() -> None:

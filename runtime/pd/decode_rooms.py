@@ -42,7 +42,9 @@ Rules (docs/design.md §3, §5, §7, §8):
   on next use). It is idempotent — call it on every failed probe past the
   threshold. For `bootstrap_s` after an operator report a new room on that
   peer fails at once with the report's reason (`gate_new_room` right after
-  `add_room`: no /route fetch, no retries against a gone server), and
+  `add_room`: no /route fetch, no retries against a gone server) — unless
+  `peer_recovered` ends it sooner (peer liveness decides when: for a
+  definitive report only once a new start of the peer answers), and
   `resolve` fails one using a rank endpoint or host declared dead. A
   heartbeat verdict (`until_recovered`, until `peer_recovered`) only says
   the peer stopped answering — it may be back already (a resumed or
@@ -432,7 +434,9 @@ class DecodeRoomTable(RoomTable[DecodeRoom]):
         return acts
 
     def peer_recovered(self, peer: str) -> list[int]:
-        """`peer` answers again: new rooms may use it.
+        """`peer` answers again: its verdicts end, whatever their limits, and new
+        rooms may use it. Peer liveness decides when (an answer to a request sent
+        after the verdict; after a definitive report, from a new start).
 
         Returns the rooms held for a probe of it, oldest first: they go on
         to fetch /route now.

@@ -14,11 +14,14 @@ Per watched instance (its bootstrap address) the heartbeat state follows
       └──────────── a probe answers, or a fresh /route answer ◄─────────┘
 
 Outside the table, and only there: the failure count (which picks
-`PROBE_FAILED` or `PROBE_FAILED_LAST`), the probe schedule, and three
+`PROBE_FAILED` or `PROBE_FAILED_LAST`), the probe schedule, and five
 records keyed by peer: `lost_at` (operator reports and heartbeat deaths,
-kept `bootstrap_s`), `dead_at` (heartbeat deaths, kept until the peer
-answers) and `quarantined` (shm only: the rank endpoints of an instance
-that stopped answering while it held our pages).
+kept `bootstrap_s`), `gone` (the definitive operator reports among them,
+with the start of each instance they are about), `dead_at` (heartbeat
+deaths, kept until the peer answers), `starts` (the start id each watched
+instance's latest probe answer named) and `quarantined` (shm only: the
+rank endpoints of an instance that stopped answering while it held our
+pages).
 
 Invariants (docs/design.md §8):
 - timing: probes start on a fixed cadence (`interval_s` after the previous
@@ -33,11 +36,22 @@ Invariants (docs/design.md §8):
 - only an answer to a request that *started* after a verdict undoes it: a
   probe already in flight when the operator reported the pod lost proves
   nothing;
-- a verdict (`PeerVerdicts`): an operator report lasts `bootstrap_s` and
-  refuses new rooms at once; a heartbeat verdict lasts until the peer
-  answers and holds a new room for one probe instead (unreachable a while
-  ago is not gone now). When two overlap the first reason stays and the
-  longer limits win;
+- a definitive report (`gone`: the process can no longer run) is undone
+  before `bootstrap_s` only by proof of a *new start* at that address: a
+  probe answer naming a start id (a per-process id the prefill's bootstrap
+  server reports in `/health`) other than the one this rank saw there
+  before the report. The same start answering is the old process (a
+  terminating pod, a late answer): a zombie, which never ends the report.
+  An instance whose start this rank had not seen before the report, or a
+  server that names none, is used again once the report expires. A report
+  that is not definitive (NotReady, a hang) is undone by any such answer;
+- a peer's verdicts end together: while one report on it stands, an
+  answer undoes no heartbeat death of it either (the next answer does);
+- a verdict (`PeerVerdicts`): an operator report lasts `bootstrap_s` (or
+  until undone as above) and refuses new rooms at once; a heartbeat verdict
+  lasts until the peer answers and holds a new room for one probe instead
+  (unreachable a while ago is not gone now). When two overlap the first
+  reason stays and the longer limits win;
 - one-sided (shm) transport: a loss that is not definitive keeps the
   sockets (queued ABORTs reach a process that resumes, its acks free the
   pages) and quarantines the instance's endpoints until it acks, answers
@@ -344,7 +358,8 @@ class PeerAction:
 
 @dataclass(frozen=True)
 class StartProbe(PeerAction):
-    """Probe `peer`'s `GET /health` within `timeout_s`; report with `on_probe`."""
+    """Probe `peer`'s `GET /health` within `timeout_s`; report with `on_probe`
+    (with the start id the answer names, if any)."""
 
     timeout_s: float
 
@@ -447,6 +462,13 @@ class PeerLiveness:
         # Lost target (as given) -> when it was declared lost. Only an answer
         # to a request that *started* later may revive it.
         self._lost_at: dict[str, float] = {}
+        # The definitive reports among them: target -> (when, the start ids each
+        # instance it covers was seen serving before it; None where one report
+        # found none seen). Only an answer from another start undoes it before
+        # bootstrap_s: that is a new process.
+        self._gone: dict[str, tuple[float, dict[str, frozenset[str] | None]]] = {}
+        # Watched peer -> the start id its latest probe answer named.
+        self._starts: dict[str, str] = {}
         # Watched peer -> when its probes declared it dead. Kept (unlike
         # `_lost_at`) until it answers again: a restart can take longer than
         # `bootstrap_s`, and a fresh /route answer must still revive it then,
@@ -487,10 +509,12 @@ class PeerLiveness:
         # The room table forgets a lost peer after bootstrap_s; so may we.
         horizon = now - self.bootstrap_s
         self._lost_at = {p: at for p, at in self._lost_at.items() if at > horizon}
-        acts: list[LivenessAction] = [
-            ForgetIdle(p)
-            for p in self.heartbeat.prune_idle(now, set(in_use) | set(self._quarantined))
-        ]
+        self._gone = {p: g for p, g in self._gone.items() if g[0] > horizon}
+        dropped = self.heartbeat.prune_idle(now, set(in_use) | set(self._quarantined))
+        for p in dropped:
+            # Added back fresh: a start seen before it was forgotten proves nothing then.
+            self._starts.pop(p, None)
+        acts: list[LivenessAction] = [ForgetIdle(p) for p in dropped]
         return acts + self.start_probes(now)
 
     def start_probes(self, now: float) -> list[LivenessAction]:
@@ -502,7 +526,10 @@ class PeerLiveness:
             acts.append(StartProbe(peer, self.heartbeat.probe_timeout_s))
         return acts
 
-    def on_probe(self, peer: str, ok: bool, now: float) -> list[LivenessAction]:
+    def on_probe(
+        self, peer: str, ok: bool, now: float, start: str | None = None
+    ) -> list[LivenessAction]:
+        """A probe's result; `start`: the start id its answer named (None: none)."""
         started = self._probing.pop(peer, 0.0)
         result = self.heartbeat.on_result(peer, ok, now)
         acts: list[LivenessAction] = []
@@ -514,13 +541,18 @@ class PeerLiveness:
             acts.append(DeclareUnreachable(peer))
         elif result in (ProbeResult.OK, ProbeResult.RECOVERED):
             recovered = result is ProbeResult.RECOVERED
-            acts += self._revive(peer, started, recovered=recovered, refetch=True)
+            acts += self._revive(peer, started, recovered=recovered, refetch=True, start=start)
+            if start is None:
+                self._starts.pop(peer, None)  # which start answers is not known now
+            else:
+                self._starts[peer] = start
         return acts
 
     def on_route_answer(self, peer: str, started: float) -> list[LivenessAction]:
         """/route answered a request sent at `started`: as good as a probe.
 
-        A restarted instance is used as soon as it answers, not one interval later.
+        A restarted instance is used as soon as it answers, not one interval
+        later. /route names no start: it never undoes a definitive report.
         """
         return self._revive(peer, started, recovered=False, refetch=False)
 
@@ -544,6 +576,8 @@ class PeerLiveness:
         instance in `watched_by(peer)` (empty when none is cached).
         """
         self._lost_at[peer] = now
+        if definitive:
+            self._gone[peer] = (now, self._gone_about(peer, now))
         quarantine = self.one_sided and not definitive
         # Rank endpoints of each lost instance: what the rooms use, and /route's answer.
         hit: dict[str, set[str]] = {}
@@ -595,12 +629,27 @@ class PeerLiveness:
 
     # -------------------------------------------------------------- helpers
     def _revive(
-        self, peer: str, started: float, *, recovered: bool, refetch: bool
+        self,
+        peer: str,
+        started: float,
+        *,
+        recovered: bool,
+        refetch: bool,
+        start: str | None = None,
     ) -> list[LivenessAction]:
-        """`peer` answered a request sent at `started`: undo verdicts older than that."""
-        revived = [p for p, at in self._lost_at.items() if at <= started and peer_matches(p, peer)]
+        """`peer` answered a request sent at `started`, naming `start` (None: no
+        start id): undo the verdicts that answer undoes (module docstring)."""
+        matching = [p for p in self._lost_at if peer_matches(p, peer)]
+        revived = [
+            p
+            for p in matching
+            if self._lost_at[p] <= started and self._is_undone_by(p, peer, start)
+        ]
+        # A report still standing keeps the peer's one verdict record, so its
+        # heartbeat death is not undone now either: the next answer may.
+        standing = len(revived) < len(matching)
         dead_at = self._dead_at.get(peer)
-        recovered = recovered or (dead_at is not None and dead_at <= started)
+        recovered = not standing and (recovered or (dead_at is not None and dead_at <= started))
         if recovered:
             self._dead_at.pop(peer, None)
         acts: list[LivenessAction] = []
@@ -612,7 +661,36 @@ class PeerLiveness:
                 acts.append(ForgetRoute(peer))
             for p in revived:
                 del self._lost_at[p]
-            acts.append(ResumeHeld((peer, *revived)))
+                self._gone.pop(p, None)
+            acts.append(ResumeHeld(tuple(revived) if standing else (peer, *revived)))
         if peer in self._quarantined:
             acts.append(CheckRestart(peer))
         return acts
+
+    def _gone_about(self, peer: str, now: float) -> dict[str, frozenset[str] | None]:
+        """Which start of each instance a definitive report on `peer` is about:
+        the latest this rank saw answering there, with those of an earlier
+        report still standing on it (a start that report was about is no
+        proof either). Unseen (None) stays unseen: nothing is proof then."""
+        old = self._gone.get(peer)
+        earlier = old[1] if old is not None and old[0] > now - self.bootstrap_s else {}
+        about: dict[str, frozenset[str] | None] = {}
+        for w in set(self.watched_by(peer)) | set(earlier):
+            seen = self._starts.get(w)
+            before = earlier.get(w, frozenset())
+            if seen is None or before is None:
+                about[w] = None
+            else:
+                about[w] = before | {seen}
+        return about
+
+    def _is_undone_by(self, report: str, peer: str, start: str | None) -> bool:
+        """Whether `peer` answering as `start` undoes the report on `report` (that
+        answer's request started after it): any answer undoes one that is not
+        definitive; a definitive one only an answer from another start than the
+        one it is about (known: seen at `peer` before the report)."""
+        gone = self._gone.get(report)
+        if gone is None:
+            return True
+        about = gone[1].get(peer)
+        return about is not None and start is not None and start not in about

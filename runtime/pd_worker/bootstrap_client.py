@@ -13,7 +13,9 @@ fetch once stalled decode for over a minute).
   cached instance info when present, else `GET /route` for that rank; cached.
 - `invalidate()` — forget cached answers (heartbeat declared the instance
   dead; it may come back with new ports).
-- `health()` — True/False, never raises (the heartbeat probe).
+- `probe()` — the heartbeat probe: None when `/health` gave no 200 answer,
+  else the answer's start id (`""`: the server names none); never raises.
+  `health()` — the same as True/False.
 - `register_dp_rank`, `query_dp_ranks` — the room → dp-group table.
 
 Errors are typed (`BootstrapError` and subclasses); none leaks an httpx
@@ -35,6 +37,9 @@ import msgspec
 from pdcluster.runtime.backoff import ExponentialBackoff
 from pdcluster.runtime.pd.bootstrap_registry import InstanceInfo, RankAddress, RankRegistration
 from pdcluster.runtime.pd.coords import RankCoord
+
+# The longest start id a probe answer may name (ours are 16 hex digits).
+MAX_START_CHARS = 64
 
 
 class BootstrapError(Exception):
@@ -229,12 +234,23 @@ class BootstrapClient:
         self._endpoints[rank] = endpoint
         return endpoint
 
-    async def health(self, timeout_s: float | None = None) -> bool:
+    async def probe(self, timeout_s: float | None = None) -> str | None:
+        """`GET /health`: None unless it answered 200, else the start id it names
+        (`""` when none: an older server, or a body that is not ours)."""
         try:
             resp = await self._http.get(self.url + "/health", timeout=timeout_s or self._timeout)
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            start = resp.json().get("start")
+        except (ValueError, AttributeError):
+            return ""
+        return start if isinstance(start, str) and 0 < len(start) <= MAX_START_CHARS else ""
+
+    async def health(self, timeout_s: float | None = None) -> bool:
+        return await self.probe(timeout_s) is not None
 
     async def register_dp_rank(self, room: int, dp_rank: int) -> None:
         body = {"room": room, "dp_rank": dp_rank}

@@ -10,12 +10,17 @@
 | `GET /route?dp=..&cp=..&tp=..&pp=..` | token | `{rank, endpoint}`; 404 unknown; 400 bad params |
 | `POST /register_dp_rank` | token | `{room, dp_rank}` → room's dp group (expires) |
 | `POST /query_dp_ranks` | token | `{rooms: [...]}` → `{dp_ranks: {"room": dp}}` |
-| `GET /health` | open | `{status, registered, expected}` |
+| `GET /health` | open | `{status, registered, expected, start}` |
 
 Auth is `Authorization: Bearer <token>`: missing → 401, wrong → 403, and
 nothing changes. Bodies over `MAX_BODY_BYTES` → 413 (checked while reading,
 so a body without Content-Length cannot grow memory). Every error body is
 `{"error": message, "field": name-or-null}`.
+
+`start` is this process's start id, random per app (one app per process):
+a decode holding the instance lost (a definitive report) uses it again at
+once when a probe finds another start answering at the same address — a
+restart, never the old process still answering (peer_liveness.py).
 
 All routes are `async` and the registry is only touched from the event
 loop, so requests are serialized without a lock.
@@ -27,6 +32,7 @@ hosts it next to its own work; tests use it on 127.0.0.1 with port 0).
 from __future__ import annotations
 
 import hmac
+import secrets
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -142,11 +148,14 @@ def create_bootstrap_app(
     *,
     dp_entry_ttl_s: float = 300.0,
     clock: Callable[[], float] = time.monotonic,
+    start_id: str | None = None,
 ) -> FastAPI:
     """The bootstrap app for an instance of `expected_topology` (anything with dp/cp/tp/pp).
 
-    `token=None` disables auth (only for trusted test setups).
+    `token=None` disables auth (only for trusted test setups). `start_id`:
+    what `/health` names this start by (default: a fresh random id).
     """
+    start = start_id or secrets.token_hex(8)
     shape = (
         expected_topology
         if isinstance(expected_topology, InstanceShape)
@@ -209,6 +218,7 @@ def create_bootstrap_app(
             "status": "ok",
             "registered": registry.num_registered,
             "expected": registry.num_expected,
+            "start": start,
         }
         return _json(body)
 

@@ -552,14 +552,17 @@ class DecodeAgent(RankAgent):
     def _start_probe(self, act: StartProbe, now: float) -> None:
         peer = act.peer
 
-        def done(ok: Any, err: BaseException | None) -> None:
-            self.post(lambda: self._on_probe(peer, bool(ok) and err is None))
+        def done(start: str | None, err: BaseException | None) -> None:
+            ok = start is not None and err is None
+            self.post(lambda: self._on_probe(peer, ok, start or None))
 
-        self.aio.submit(self.bootstrap.get(peer).health(act.timeout_s), done)
+        self.aio.submit(self.bootstrap.get(peer).probe(act.timeout_s), done)
 
-    def _on_probe(self, peer: str, ok: bool) -> None:
+    def _on_probe(self, peer: str, ok: bool, start: str | None) -> None:
+        # `start`: which start of the prefill answered; a new one ends an
+        # operator's definitive report at once (peer_liveness.py).
         now = time.monotonic()
-        self.act(self.liveness.on_probe(peer, ok, now), now)
+        self.act(self.liveness.on_probe(peer, ok, now, start), now)
 
     def _fail_held(self, act: FailHeldRooms, now: float) -> None:
         self.perform(self.table.probe_failed(act.peer, now))

@@ -6,7 +6,9 @@ and reads views while vLLM's scheduler steps), and serves on the side port:
 
 - prefill: the instance's bootstrap server (`/route`, `/register_dp_rank`,
   `/query_dp_ranks`): its ranks register, decodes look them up;
-- both: `GET /health` (open: liveness, what decode heartbeats probe);
+- both: `GET /health` (open: liveness, what decode heartbeats probe; a
+  prefill's, the bootstrap app's, names this process's start id, so a
+  decode takes a vLLM restarted at the same side port as a new start);
   `POST /admin/fail_peer`, `GET /admin/rooms`, `GET /admin/failures` (the
   operator's fast path, admin_routes.py); `GET /get_server_info` (peer
   verdicts as `peers_down`, refusals, the transport);

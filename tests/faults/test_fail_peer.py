@@ -212,3 +212,58 @@ def test_tcp_pages_come_back_at_once_after_a_not_ready_report(
     # prefill-1 finished (or timed out) what it was sending into the void.
     spec = pd.manifest.spec.transfer
     pd.assert_clean(timeout=spec.waiting_timeout_seconds + spec.abort_release_timeout_seconds)
+
+
+def test_a_prefill_restarted_in_place_is_used_before_the_report_expires(
+    pd: FaultCluster, client: PDClient, compat: CompatInfo
+) -> None:
+    """The operator reports a prefill gone; it comes back at the same address.
+
+    While the old process still answers (a terminating pod) the report
+    stands: new rooms fail with its reason and `peers_down` lists it. Once a
+    new process serves there, decode's next probe sees another start in
+    `/health` and takes rooms for it at once, long before the report's
+    `bootstrapTimeoutSeconds` would have ended it.
+    """
+    transfer = pd.manifest.spec.transfer
+    interval = transfer.heartbeat.interval_seconds
+    old: RoguePrefill | None = RoguePrefill(pd.token, compat)
+    assert old is not None
+    port = old.bootstrap[1]
+    peer = f"127.0.0.1:{port}"
+    new: RoguePrefill | None = None
+    try:
+        leg = Background(client.generate, None, pd.url("decode-0"), old.bootstrap, [7] * 20)
+        old.expect(pdmsg.TransferMeta)
+        time.sleep(2 * interval)  # decode's probes saw the old process's start
+        reported_at = time.monotonic()
+        assert pd.fail_peer("decode-0", peer, "prefill_pod_lost", gone=True).is_success
+        assert leg.result(10).decode.status == 502
+
+        # The old process keeps answering its probes: that proves no new start.
+        time.sleep(4 * interval)
+        assert pd.info("decode-0")["peers_down"].get(peer) == "prefill_pod_lost"
+        refused = client.generate(None, pd.url("decode-0"), old.bootstrap, [8] * 20)
+        assert refused.decode.status == 502 and "prefill_pod_lost" in refused.decode.error
+
+        old.close()
+        old = None
+        new = RoguePrefill(pd.token, compat, port=port)  # a restart in place
+        wait_until(
+            lambda: peer not in pd.info("decode-0")["peers_down"],
+            transfer.bootstrap_timeout_seconds,
+            0.02,
+            "decode to see the restarted prefill",
+        )
+        took = time.monotonic() - reported_at
+        assert took < transfer.bootstrap_timeout_seconds - 1.0, f"readmitted {took:.2f}s after"
+        # New rooms reach the restarted process.
+        leg = Background(client.generate, None, pd.url("decode-0"), new.bootstrap, [9] * 20)
+        new.expect(pdmsg.TransferMeta, timeout=3)
+        pd.fail_peer("decode-0", peer, "test_cleanup", gone=False)
+        assert leg.result(10).decode.status == 502
+    finally:
+        for rogue in (old, new):
+            if rogue is not None:
+                rogue.close()
+    pd.assert_clean(["decode-0"])

@@ -193,6 +193,8 @@ async def test_rejection_names_the_field(client: BootstrapClient) -> None:
 
 async def test_health(client: BootstrapClient, server: BootstrapServer) -> None:
     assert await client.health() is True
+    start = await client.probe()
+    assert start and start == await client.probe()  # the same process: the same start
     server.stop()
     started = time.monotonic()
     assert await client.health(timeout_s=0.5) is False

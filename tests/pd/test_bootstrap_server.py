@@ -119,7 +119,20 @@ def test_token_guards_everything_but_health(client: TestClient, method: str, pat
     assert wrong.status_code == 403
     basic = client.request(method, path, headers={"Authorization": f"Basic {TOKEN}"}, **kwargs)
     assert basic.status_code == 403
-    assert client.get("/health").json() == {"status": "ok", "registered": 0, "expected": 4}
+    health = client.get("/health").json()
+    assert health == {"status": "ok", "registered": 0, "expected": 4, "start": health["start"]}
+
+
+def test_health_names_the_start_a_new_app_draws_afresh() -> None:
+    """Decode tells a restart at the same address from the old process by it."""
+    starts = [
+        TestClient(create_bootstrap_app(Topology(tp=2, pp=2), TOKEN)).get("/health").json()
+        for _ in range(2)
+    ]
+    assert all(isinstance(h["start"], str) and h["start"] for h in starts)
+    assert starts[0]["start"] != starts[1]["start"]
+    app = create_bootstrap_app(Topology(tp=2, pp=2), TOKEN, start_id="s-1")
+    assert TestClient(app).get("/health").json()["start"] == "s-1"
 
 
 def test_oversized_bodies_are_refused(client: TestClient) -> None:

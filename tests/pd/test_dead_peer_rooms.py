@@ -21,7 +21,18 @@ from hypothesis import strategies as st
 from pdcluster.runtime.pd import actions as A
 from pdcluster.runtime.pd.decode_rooms import DecodeRoomTable
 from pdcluster.runtime.pd.decode_sources import Source
+from pdcluster.runtime.pd.incarnations import ReportScope
 from pdcluster.runtime.pd.kvpoll import KVPoll
+from pdcluster.runtime.pd.peer_liveness import (
+    DeclareUnreachable,
+    FailHeldRooms,
+    FailPeerRooms,
+    HeartbeatTracker,
+    LivenessAction,
+    PeerLiveness,
+    ResumeHeld,
+    StartProbe,
+)
 from pdcluster.runtime.pd.room_common import RoomLeg, UnknownRoom
 from pdcluster.runtime.pd.settings import RoomSettings
 from tests.pd.sim import BOOTSTRAP, Net
@@ -245,3 +256,165 @@ def test_held_rooms_follow_the_verdicts_and_probes(ops: list[tuple[object, ...]]
             assert table.is_held(room) == (state.get(room, ("", ""))[1] == "held")
             if room in state:
                 assert table.state(room) is KVPoll.Bootstrapping
+
+
+# ------------------------------------------------------------ restarted at the same address
+#
+# The decode rank as its agent glues them: peer liveness decides when a
+# verdict ends, the room table gates rooms on it. A definitive report on a
+# prefill ends before bootstrap_s only once a probe, sent after the report,
+# finds another start answering at the address (a restart in place: same IP
+# and ports, a new process); the old process answering (a zombie) never ends it.
+
+OLD_START, NEW_START = "start-1", "start-2"
+POD = "pod-uid-1"  # the prefill pod's incarnation (kept by a container restart)
+
+
+class DecodeRank:
+    def __init__(self) -> None:
+        self.table = decode_table()
+        self.liveness = PeerLiveness(
+            HeartbeatTracker(interval_s=1.0, failure_threshold=2),
+            bootstrap_s=S.bootstrap_s,
+            one_sided=False,
+        )
+        self.resumed: list[int] = []
+
+    def act(self, acts: list[LivenessAction], now: float) -> None:
+        for act in acts:
+            if isinstance(act, DeclareUnreachable):
+                self.act(
+                    self.liveness.lost(
+                        act.peer, "prefill_unreachable", now, definitive=False,
+                        until_recovered=True,
+                    ),
+                    now,
+                )  # fmt: skip
+            elif isinstance(act, FailHeldRooms):
+                self.table.probe_failed(act.peer, now)
+            elif isinstance(act, FailPeerRooms):
+                self.table.fail_peer(
+                    act.peer,
+                    act.reason,
+                    now,
+                    definitive=act.definitive,
+                    until_recovered=act.until_recovered,
+                    incarnation=act.incarnation,
+                )
+            elif isinstance(act, ResumeHeld):
+                self.resumed += [r for p in act.peers for r in self.table.peer_recovered(p)]
+
+    def probe(self, start: str | None, now: float, ok: bool = True) -> None:
+        """The next probe of BOOTSTRAP starts at `now` and answers as `start`."""
+        self.liveness.hold(BOOTSTRAP, now)
+        acts = self.liveness.tick(now, {BOOTSTRAP})
+        assert any(isinstance(a, StartProbe) for a in acts), "no probe due yet"
+        self.act(acts, now)
+        self.act(self.liveness.on_probe(BOOTSTRAP, ok, now + 0.01, start), now + 0.01)
+
+    def report(self, now: float, incarnation: str | None = None) -> None:
+        """The operator's `fail_peer` (gone) as the agent takes it."""
+        if self.table.report_scope(BOOTSTRAP, incarnation) is ReportScope.CURRENT:
+            acts = self.liveness.lost(
+                BOOTSTRAP, "prefill_pod_lost", now, definitive=True, incarnation=incarnation
+            )
+            self.act(acts, now)
+        else:
+            self.table.fail_peer(
+                BOOTSTRAP, "prefill_pod_lost", now, definitive=True, incarnation=incarnation
+            )
+
+    def open(self, room: int, now: float) -> str:
+        """A new room on BOOTSTRAP: "proceed", "held" or its failure reason."""
+        self.table.add_room(RoomLeg(room, f"rid-{room}"), BOOTSTRAP, now)
+        self.liveness.watch(BOOTSTRAP, now)
+        gate = self.table.gate_new_room(room, now)
+        if gate.actions:
+            return next(a.reason for a in gate.actions if isinstance(a, A.RoomFailed))
+        return "held" if gate.probe is not None else "proceed"
+
+
+def serving(start: str, incarnation: str | None = None) -> DecodeRank:
+    """A rank that used BOOTSTRAP (serving `start`) and resolved a room on it."""
+    rank = DecodeRank()
+    assert rank.open(1, 0.0) == "proceed"
+    rank.table.resolve(1, [Source(0, "127.0.0.1:9100", 1, incarnation)], 0.0, incarnation)
+    rank.probe(start, 0.0)
+    return rank
+
+
+def test_a_restart_in_place_is_used_as_soon_as_a_probe_sees_its_new_start() -> None:
+    rank = serving(OLD_START, POD)
+    rank.report(1.0, POD)  # a container restart keeps the pod's uid: still current
+    assert 1 not in rank.table  # its room failed
+    assert rank.open(2, 1.1) == "prefill_pod_lost"
+    # The old process still answers (a terminating pod): the report stands.
+    rank.probe(OLD_START, 1.5)
+    assert rank.table.peers_down(1.6) == {BOOTSTRAP: "prefill_pod_lost"}
+    assert rank.open(3, 1.6) == "prefill_pod_lost"
+    # Gone; a heartbeat death follows, then the restarted process answers.
+    rank.probe(None, 2.5, ok=False)
+    rank.probe(None, 3.5, ok=False)
+    assert rank.table.peers_down(3.6) == {BOOTSTRAP: "prefill_pod_lost"}
+    rank.probe(NEW_START, 4.0)
+    assert rank.table.peers_down(4.1) == {}  # the router admits it on its next round
+    assert rank.open(4, 4.1) == "proceed"  # long before bootstrap_s (6 s) from the report
+
+
+def test_rooms_held_by_the_heartbeat_go_on_once_the_new_start_answers() -> None:
+    rank = serving(OLD_START)
+    rank.report(1.0)
+    rank.probe(None, 1.5, ok=False)
+    rank.probe(None, 2.5, ok=False)  # the heartbeat verdict outlives the report
+    later = 1.0 + S.bootstrap_s + 0.5
+    assert rank.open(5, later) == "held" and rank.open(6, later) == "held"
+    rank.probe(OLD_START, later + 0.1)  # not a new start, yet the report has expired
+    assert rank.resumed == [5, 6] and rank.table.peers_down(later + 0.2) == {}
+
+
+def test_a_probe_sent_before_the_report_proves_nothing() -> None:
+    rank = serving(OLD_START)
+    rank.liveness.hold(BOOTSTRAP, 0.9)
+    rank.act(rank.liveness.tick(1.0, {BOOTSTRAP}), 1.0)  # in flight at the report
+    rank.report(1.05)
+    rank.act(rank.liveness.on_probe(BOOTSTRAP, True, 1.1, NEW_START), 1.1)
+    assert rank.open(2, 1.2) == "prefill_pod_lost"
+    rank.probe(NEW_START, 1.5)
+    assert rank.open(3, 1.6) == "proceed"
+
+
+def test_a_stale_report_after_the_successor_was_seen_declares_nothing() -> None:
+    rank = serving(OLD_START, "pod-uid-old")
+    # The pod was replaced at the same address; its successor answered /route.
+    assert rank.open(2, 0.5) == "proceed"
+    rank.table.resolve(2, [Source(0, "127.0.0.1:9100", 1, POD)], 0.5, POD)
+    rank.probe(NEW_START, 0.6)
+    rank.report(1.0, "pod-uid-old")  # late, about the old pod
+    assert rank.table.peers_down(1.1) == {}
+    assert rank.open(3, 1.1) == "proceed" and 2 in rank.table
+
+
+@given(
+    answers=st.lists(
+        st.tuples(st.sampled_from([OLD_START, NEW_START, None]), st.booleans()), max_size=8
+    )
+)
+def test_only_a_new_start_ends_a_gone_report_early(
+    answers: list[tuple[str | None, bool]],
+) -> None:
+    """Any run of probe answers within bootstrap_s: new rooms stay refused
+    exactly until an answer names the new start; then they proceed."""
+    rank = serving(OLD_START)
+    rank.report(1.0)
+    proven = False
+    for i, (start, ok) in enumerate(answers):
+        now = 1.2 + i * 0.6  # a probe each, all within the report's bootstrap_s
+        rank.probe(start, now, ok)
+        proven = proven or (ok and start == NEW_START)
+        got = rank.open(100 + i, now + 0.05)
+        if proven:
+            # A later death (failed probes) holds rooms for a probe, refuses none.
+            assert got in ("proceed", "held"), got
+            assert "prefill_pod_lost" not in rank.table.peers_down(now + 0.05).values()
+        else:
+            assert got == "prefill_pod_lost"

@@ -440,10 +440,134 @@ def test_only_an_answer_to_a_later_request_undoes_a_report() -> None:
     m = machine(one_sided=False)
     m.watch(PEER, 0.0)
     assert m.tick(0.0, {PEER}) == [StartProbe(PEER, 0.5)]  # in flight before the report
-    m.lost(PEER, "prefill_pod_lost", 0.2, definitive=True)
+    m.lost(PEER, "prefill_pod_lost", 0.2, definitive=False)  # NotReady: it may resume
     assert m.on_probe(PEER, True, 0.3) == []  # started before: proves nothing
     assert m.on_route_answer(PEER, 0.1) == []
     assert m.on_route_answer(PEER, 0.4) == [PeerAnswers(PEER), ResumeHeld((PEER, PEER))]
+
+
+# ------------------------------------------------------------ a definitive report: a new start
+
+OLD_START, NEW_START = "start-1", "start-2"
+
+
+def reported_gone(start: str | None = OLD_START) -> PeerLiveness:
+    """A machine that saw PEER answer as `start` (None: naming none), then got a
+    definitive report on it at 1.0."""
+    m = machine(one_sided=False)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    m.on_probe(PEER, True, 0.1, start)
+    m.lost(PEER, "prefill_pod_lost", 1.0, definitive=True)
+    return m
+
+
+def probe(m: PeerLiveness, start: str | None, at: float, ok: bool = True) -> list[LivenessAction]:
+    """Start the next probe of PEER at `at`; it answers at once, naming `start`."""
+    m.hold(PEER, at)
+    assert StartProbe(PEER, 0.5) in m.tick(at, {PEER})
+    return m.on_probe(PEER, ok, at + 0.01, start)
+
+
+def test_a_new_start_answering_ends_a_definitive_report() -> None:
+    m = reported_gone()
+    assert probe(m, NEW_START, 1.5) == [
+        PeerAnswers(PEER),
+        ForgetRoute(PEER),
+        ResumeHeld((PEER, PEER)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seen", "answers", "why"),
+    [
+        (OLD_START, OLD_START, "the same start: the old process still answering"),
+        (OLD_START, None, "an answer naming no start proves nothing"),
+        (None, NEW_START, "no start seen before the report: nothing to tell it from"),
+    ],
+)
+def test_no_proof_of_a_new_start_leaves_a_definitive_report_to_expire(
+    seen: str | None, answers: str | None, why: str
+) -> None:
+    m = reported_gone(seen)
+    for at in (1.5, 2.5, 3.5, 4.5):
+        assert probe(m, answers, at) == [], why
+    # The report expires after bootstrap_s (5 s), the room table's verdict with
+    # it: nothing of it is left to undo.
+    assert probe(m, answers, 7.0) == []
+
+
+def test_a_probe_started_before_the_report_proves_nothing_even_from_a_new_start() -> None:
+    m = machine(one_sided=False)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    m.on_probe(PEER, True, 0.1, OLD_START)
+    m.tick(1.0, {PEER})  # in flight when the report comes
+    m.lost(PEER, "prefill_pod_lost", 1.2, definitive=True)
+    assert m.on_probe(PEER, True, 1.3, NEW_START) == []
+    # Nor does it make the new start the one the report is about: a later answer proves it.
+    assert ResumeHeld((PEER, PEER)) in probe(m, NEW_START, 2.0)
+
+
+def test_a_zombie_answer_does_not_undo_a_heartbeat_death_under_a_report() -> None:
+    """Heartbeat death, then the report; the old process answers: both stand.
+    The new start then ends both at once."""
+    m = machine(one_sided=False, threshold=1)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    m.on_probe(PEER, True, 0.1, OLD_START)
+    assert DeclareUnreachable(PEER) in probe(m, None, 1.0, ok=False)
+    m.lost(PEER, "prefill_unreachable", 1.01, definitive=False, until_recovered=True)
+    m.lost(PEER, "prefill_pod_lost", 1.2, definitive=True)
+    assert probe(m, OLD_START, 1.5) == []
+    assert probe(m, OLD_START, 2.5) == []
+    assert probe(m, NEW_START, 3.5)[-1] == ResumeHeld((PEER, PEER))
+    assert probe(m, NEW_START, 4.5) == []  # nothing left to undo
+
+
+def test_a_report_newer_than_the_answering_request_keeps_the_heartbeat_death() -> None:
+    """The probe that finds an unreachable peer answering started before a new
+    report: it undoes nothing (before, it cleared the report with the death)."""
+    m = machine(one_sided=False, threshold=1)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    assert DeclareUnreachable(PEER) in m.on_probe(PEER, False, 0.1, None)
+    m.lost(PEER, "prefill_unreachable", 0.1, definitive=False, until_recovered=True)
+    m.tick(1.0, {PEER})
+    m.lost(PEER, "prefill_pod_lost", 1.2, definitive=False)
+    assert m.on_probe(PEER, True, 1.3, OLD_START) == []
+    # The next answer (its request after both) undoes them together.
+    assert probe(m, OLD_START, 2.0)[-1] == ResumeHeld((PEER, PEER))
+
+
+def test_a_second_report_keeps_the_starts_the_first_was_about() -> None:
+    """A report's start stays no proof when another report on the peer follows."""
+    m = reported_gone(OLD_START)
+    m.lost(PEER, "prefill_pod_lost", 1.1, definitive=True)  # the same start, again
+    assert probe(m, OLD_START, 1.5) == []
+    assert probe(m, NEW_START, 2.5)[-1] == ResumeHeld((PEER, PEER))
+
+
+def test_a_report_by_host_needs_a_new_start_of_the_instance_answering() -> None:
+    m = machine(one_sided=False)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    m.on_probe(PEER, True, 0.1, OLD_START)
+    m.lost("10.0.0.5", "prefill_pod_lost", 1.0, definitive=True)
+    assert probe(m, OLD_START, 1.5) == []
+    assert probe(m, NEW_START, 2.5)[-1] == ResumeHeld((PEER, "10.0.0.5"))
+
+
+def test_an_idle_peer_forgets_its_start() -> None:
+    """A peer forgotten as idle and added back has no start it could be told from."""
+    m = machine(one_sided=False)
+    m.watch(PEER, 0.0)
+    m.tick(0.0, {PEER})
+    m.on_probe(PEER, True, 0.1, OLD_START)
+    assert ForgetIdle(PEER) in m.tick(1000.0, set())
+    m.watch(PEER, 1000.0)
+    m.lost(PEER, "prefill_pod_lost", 1000.0, definitive=True)
+    assert probe(m, NEW_START, 1000.5) == []
 
 
 def test_a_probe_answering_an_unreachable_peer_revives_it_fresh() -> None:
@@ -489,6 +613,18 @@ class LivenessModel(RuleBasedStateMachine):
         self.in_flight: dict[str, float] = {}  # peer -> when its probe started
         self.reports: dict[str, float] = {}  # operator report -> when
         self.answered_after: dict[str, float] = {}  # latest start of a request it answered
+        # Definitive reports: peer -> (when, every start named there before it).
+        self.gone: dict[str, tuple[float, frozenset[str]]] = {}
+        # peer -> latest start of a request answered by a start none of its
+        # definitive reports saw: the only answer that may undo one.
+        self.new_start_after: dict[str, float] = {}
+        self.serving = dict.fromkeys(INSTANCES, 0)  # each instance's start, counted
+        self.named: dict[str, set[str]] = {p: set() for p in INSTANCES}  # starts it named
+        # peer -> the start its latest answer named, while watched (what the
+        # machine may tell a new start from), and whether every definitive
+        # report standing on it had one.
+        self.latest: dict[str, str] = {}
+        self.known_start: dict[str, bool] = {}
         self.unreachable: set[str] = set()  # declared, not answered since
         self.dead_since: dict[str, float] = {}  # latest heartbeat death
         self.rooms: set[str] = set()
@@ -523,10 +659,14 @@ class LivenessModel(RuleBasedStateMachine):
             elif isinstance(act, ResumeHeld):
                 for peer in act.peers:
                     self.verdicts.recovered(peer)
-                    # The peer's one verdict record is gone, an operator report
-                    # on it included (see the invariant below): a later
-                    # heartbeat death must not bring that report back.
-                    self.reports.pop(peer, None)
+                    # Forget the reports this answer may undo (the invariants
+                    # below catch one it may not: its verdict is gone too early).
+                    at = self.reports.get(peer)
+                    if at is not None and self.answered_after.get(peer, -1.0) >= at:
+                        self.reports.pop(peer)
+                    gone = self.gone.get(peer)
+                    if gone is not None and self.new_start_after.get(peer, -1.0) >= gone[0]:
+                        self.gone.pop(peer)
             elif isinstance(act, PeerAnswers):
                 self.unreachable.discard(act.peer)
                 # A revived peer starts fresh.
@@ -539,6 +679,7 @@ class LivenessModel(RuleBasedStateMachine):
                     )
             elif isinstance(act, ForgetIdle):
                 assert act.peer not in self.rooms and not self.m.is_quarantined(act.peer)
+                self.latest.pop(act.peer, None)
                 self.in_flight.pop(act.peer, None)
                 self.unreachable.discard(act.peer)
 
@@ -557,15 +698,51 @@ class LivenessModel(RuleBasedStateMachine):
         self.now += dt
         self.perform(self.m.tick(self.now, self.rooms))
 
+    @rule(peer=st.sampled_from(INSTANCES))
+    def restart(self, peer: str) -> None:
+        """A new process at the same address: its answers name another start."""
+        self.serving[peer] += 1
+
     @precondition(lambda self: bool(self.in_flight))
-    @rule(data=st.data(), ok=st.booleans())
-    def probe_answers(self, data: st.DataObject, ok: bool) -> None:
+    @rule(data=st.data(), ok=st.booleans(), names_start=st.booleans())
+    def probe_answers(self, data: st.DataObject, ok: bool, names_start: bool) -> None:
         peer = data.draw(st.sampled_from(sorted(self.in_flight)))
         started = self.in_flight.pop(peer)
         self.now += 0.01
+        # Whoever serves now answers (the old process until a restart: a zombie
+        # after a definitive report); an older server names no start.
+        start = f"{peer}#{self.serving[peer]}" if names_start else None
+        gone = self.gone.get(peer)
         if ok:
+            # The outage ended for the heartbeat, whatever verdict still stands:
+            # its next death is reported again.
+            self.unreachable.discard(peer)
             self.answered_after[peer] = max(self.answered_after.get(peer, -1.0), started)
-        self.perform(self.m.on_probe(peer, ok, self.now))
+            if gone is not None and started >= gone[0] and start and start not in gone[1]:
+                self.new_start_after[peer] = max(self.new_start_after.get(peer, -1.0), started)
+        # A new start answering a request sent after every report on it (and
+        # every death of it), where this rank knew the start they were about.
+        proves_new_start = (
+            ok
+            and start is not None
+            and gone is not None
+            and self.now < gone[0] + BOOT_S
+            and self.known_start.get(peer, False)
+            and start not in gone[1]
+            and started >= self.reports.get(peer, math.inf)
+            and started >= self.dead_since.get(peer, -1.0)
+        )
+        self.perform(self.m.on_probe(peer, ok, self.now, start))
+        if ok and start is not None:
+            self.named[peer].add(start)
+        if ok and peer in self.m.peers():
+            if start is None:
+                self.latest.pop(peer, None)
+            else:
+                self.latest[peer] = start
+        if proves_new_start:
+            # A new start answered a request sent after every report on it: it is used again.
+            assert self.verdicts.gate(peer, self.now)[0] is not Gate.REFUSE, "new start refused"
 
     @rule(peer=st.sampled_from(INSTANCES), ago=st.sampled_from([0.0, 0.5, 3.0]))
     def route_answers(self, peer: str, ago: float) -> None:
@@ -576,6 +753,13 @@ class LivenessModel(RuleBasedStateMachine):
     @rule(peer=st.sampled_from(INSTANCES), gone=st.booleans())
     def operator_reports(self, peer: str, gone: bool) -> None:
         self.reports[peer] = self.now
+        if gone:
+            old = self.gone.get(peer)
+            live = old is not None and old[0] > self.now - BOOT_S
+            before = frozenset(self.named[peer]) | (old[1] if old else frozenset())
+            self.gone[peer] = (self.now, before)
+            known = peer in self.m.peers() and peer in self.latest
+            self.known_start[peer] = known and (self.known_start.get(peer, True) or not live)
         self.perform(
             self.m.lost(
                 peer,
@@ -608,12 +792,16 @@ class LivenessModel(RuleBasedStateMachine):
             return
         for peer, at in self.reports.items():
             answered = self.answered_after.get(peer, -1.0)
-            # Today's behaviour, kept as is: an answer that undoes an older
-            # heartbeat death clears the peer's one verdict record, a later
-            # operator report on the same address included.
-            if answered >= self.dead_since.get(peer, math.inf):
-                continue
             if self.now < at + BOOT_S and answered < at:
+                assert self.verdicts.gate(peer, self.now)[0] is Gate.REFUSE
+
+    @invariant()
+    def a_peer_reported_gone_gets_no_rooms_until_a_new_start_answers(self) -> None:
+        """Its old process answering (a zombie), or a server naming no start, never ends it."""
+        if not hasattr(self, "m"):
+            return
+        for peer, (at, _) in self.gone.items():
+            if self.now < at + BOOT_S and self.new_start_after.get(peer, -1.0) < at:
                 assert self.verdicts.gate(peer, self.now)[0] is Gate.REFUSE
 
     @invariant()

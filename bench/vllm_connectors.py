@@ -42,7 +42,10 @@ For each:
    request, the decode's blocks in use after it (vLLM's
    `kv_cache_usage_perc`), whether its next request succeeds; then the
    prefill restarted → time until the first PD request through the router
-   succeeds.
+   succeeds;
+5. decode_fault: the decode gets kill -9 while the prefill holds a
+   2,000-token prompt's blocks for it (`decode_fault()` says how each is
+   staged) → time until the prefill's blocks are free again.
 
 Targets (issue 34): failure ended ≤ 1 s with no block held where
 NixlConnector waits for its timeout; TTFT overhead ≤ NixlConnector's;
@@ -568,6 +571,8 @@ def table(results: list[dict[str, Any]]) -> str:
         ("… decode KV cache in use after (fraction)", "fault_kv_usage_after", "{:.3f}"),
         ("… decode's next request", "fault_next_request", "{}"),
         ("prefill restarted → first PD request (s)", "restart_to_first_pd_s", "{:.0f}"),
+        ("decode kill -9: prefill KV in use then (fraction)", "decode_fault_held_before", "{:.3f}"),
+        ("… prefill frees the blocks after (s)", "decode_fault_freed_s", "{:.2f}"),
     ]
     head = "| | " + " | ".join(r["config"] for r in results) + " |"
     lines = [head, "| --- |" + " --- |" * len(results)]
@@ -593,8 +598,9 @@ def chart(results: list[dict[str, Any]], path: Path) -> None:
         ("ttft_ratio_2000", "TTFT PD ÷ colocated, 2,000 tokens"),
         ("transfer_moving_MiB_s", "KV transfer while moving (MiB/s)"),
         ("fault_time_to_end_s", "prefill lost → decode ends (s)"),
+        ("decode_fault_freed_s", "decode lost → prefill frees (s)"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(13, 3.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 3.4))
     for ax, (key, title) in zip(axes, panels, strict=True):
         values = [r.get(key) or 0.0 for r in results]
         ax.bar(names, values, color=colors)

@@ -1,8 +1,10 @@
-"""Real vLLM engines with our connector over NIXL: prefill TP1 → decode TP2 (vLLM CPU TP).
+"""Real vLLM engines with our connector over NIXL, across tensor-parallel sizes (vLLM CPU TP).
 
-The decode runs two CPU workers (one KV head each); each decode rank reads
-its head from the one prefill rank through our head-splitting rules, the
-pages landing by one-sided NIXL WRITEs. The decode recomputes a prompt whose
+Prefill TP1 → decode TP2: the decode runs two CPU workers (one KV head
+each); each decode rank receives its head from the one prefill rank through
+our head-splitting rules, the pages landing by one-sided NIXL WRITEs.
+Prefill TP2 → decode TP1: each prefill rank writes its head into the one
+decode rank's pages. The decode recomputes a prompt whose
 KV never arrives (`kv_load_failure_policy: recompute`). The module ends with
 the prefill killed (a restarted prefill serving again is test_vllm_tcp.py's
 and test_vllm_local.py's).
@@ -33,7 +35,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     model = write_random_hf_dir(
         root / "model", hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512
     )
-    p_port, d_port = free_ports(2)
+    p_port, d_port, p2_port, d2_port = free_ports(4)
     engines = start_engines(
         {
             "prefill": {
@@ -48,6 +50,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 "failure_policy": "recompute",
                 "extra": connector(
                     "kv_consumer", d_port, TRANSFER, prefillPeers=[f"127.0.0.1:{p_port}"]
+                ),
+            },
+            "prefill-tp2": {
+                "model": str(model),
+                "role": "kv_producer",
+                "tp": 2,
+                "extra": connector("kv_producer", p2_port, TRANSFER),
+            },
+            "decode-tp1": {
+                "model": str(model),
+                "role": "kv_consumer",
+                "extra": connector(
+                    "kv_consumer", d2_port, TRANSFER, prefillPeers=[f"127.0.0.1:{p2_port}"]
                 ),
             },
         },
@@ -70,6 +85,18 @@ def test_prefill_tp1_to_decode_tp2_over_nixl_equals_colocated(pair: PDPair) -> N
     # Both decode ranks received their head of every prompt.
     info = pair.decode.side.get("/admin/failures").json()
     assert set(info["ranks"]) >= {"decode-tp0", "decode-tp1"}
+    assert info["failures"] == {}
+    pair.assert_clean()
+
+
+def test_prefill_tp2_to_decode_tp1_over_nixl_equals_colocated(cluster: dict[str, Any]) -> None:
+    engines = cluster["engines"]
+    pair = PDPair(engines["prefill-tp2"], engines["decode-tp1"])
+    for prompt in prompts([7, 45, 300], seed=23):
+        assert pair.pd(prompt, 10)["tokens"] == pair.colocated(prompt, 10)
+    # Both prefill ranks wrote their head of every prompt.
+    info = pair.prefill.side.get("/admin/failures").json()
+    assert set(info["ranks"]) >= {"prefill-tp0", "prefill-tp1"}
     assert info["failures"] == {}
     pair.assert_clean()
 

@@ -383,6 +383,21 @@ def transfer_counters(
     }
 
 
+def nixl_prefill_leg(http: httpx.Client, cluster: Cluster, prompt: list[int]) -> dict[str, Any]:
+    """NixlConnector's prefill leg, as our router sends it: the prefill computes the
+    prompt and keeps its blocks for a decode's READ; its answer names them."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    resp = http.post(cluster.url("prefill") + "/v1/completions", json=body, timeout=300)
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
 def fault(
     http: httpx.Client,
     cluster: Cluster,
@@ -401,7 +416,7 @@ def fault(
     decode must still fetch it); timed from the decode request, the prefill
     already gone, and nothing vLLM could be told."""
     p = prompts(rng, 2000)
-    prefill, decode = cluster.url("prefill"), cluster.url("decode")
+    decode = cluster.url("decode")
     if ours:
         room = rng.randrange(1, 1 << 62)
         params = {
@@ -411,21 +426,7 @@ def fault(
         }
         decode_extra = {"kv_transfer_params": params}
     else:
-        body = {
-            "model": MODEL,
-            "prompt": p,
-            "max_tokens": 1,
-            "temperature": 0,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        }
-        answer = http.post(prefill + "/v1/completions", json=body, timeout=300).json()
+        answer = nixl_prefill_leg(http, cluster, p)
         decode_extra = {"kv_transfer_params": answer["kv_transfer_params"]}
         cluster.prefill.kill()
     result: dict[str, Any] = {}
@@ -513,14 +514,7 @@ def decode_fault(
         # Hung first, so the prefill's push cannot finish: it holds the blocks.
         cluster.decode._signal(signal.SIGSTOP)
     else:
-        body = {
-            "model": MODEL,
-            "prompt": p,
-            "max_tokens": 1,
-            "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-        }
-        http.post(cluster.url("prefill") + "/v1/completions", json=body, timeout=300)
+        nixl_prefill_leg(http, cluster, p)
     held = prefill_usage(http, cluster)
     lost = time.perf_counter()
     cluster.decode.kill()

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from pdcluster.runtime.pd_worker.group import GroupOpen, GroupReport
-from pdcluster.runtime.spec import Role
 from pdcluster.runtime.vllm_connector import worker as worker_module
 from pdcluster.runtime.vllm_connector.commands import StepCommands
-from pdcluster.runtime.vllm_connector.rank import EngineFacts
 from pdcluster.runtime.vllm_connector.settings import load_settings
 from pdcluster.runtime.vllm_connector.worker import ConnectorWorker
+from tests.vllm_connector.test_params import facts as engine_facts
 
 
 class _Agent:
@@ -26,17 +26,7 @@ class _Agent:
 
 
 def decode_worker() -> ConnectorWorker:
-    facts = EngineFacts(
-        role=Role.decode,
-        tp_size=1,
-        tp_rank=0,
-        num_layers=2,
-        num_kv_heads=2,
-        head_size=8,
-        block_size=16,
-        kv_dtype="float32",
-        model_fingerprint="m",
-    )
+    facts = engine_facts(tp_size=1, tp_rank=0)
     settings = load_settings({"sidePort": 8998}, {})
     w = ConnectorWorker(settings, facts, "token", "decode-tp0")
     w.agent = _Agent()  # type: ignore[assignment]
@@ -48,9 +38,23 @@ def open_room(w: ConnectorWorker, step: int, idle: bool) -> None:
     w.apply(step, StepCommands(commands=(("v1", cmd),)), idle=idle)
 
 
+def finished_in_thread(w: ConnectorWorker) -> tuple[threading.Thread, threading.Event, list]:
+    """`w.finished` on a thread of its own: (the thread, set when it returned, its result)."""
+    returned = threading.Event()
+    result: list = []
+
+    def call() -> None:
+        result.append(w.finished(set()))
+        returned.set()
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    return caller, returned, result
+
+
 @pytest.fixture
 def long_idle_wait(monkeypatch):
-    # Long enough that returning before it proves the report woke the wait.
+    # Far longer than the tests wait: returning before it proves nothing timed out.
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 30.0)
 
 
@@ -58,20 +62,30 @@ def test_an_idle_step_returns_as_soon_as_a_load_ends(long_idle_wait):
     w = decode_worker()
     open_room(w, 1, idle=True)
     w.rooms.pages(7)
-    reporter = threading.Timer(0.05, w._on_report, args=(GroupReport(7, 0, "complete", None),))
-    reporter.start()
+    caller, returned, result = finished_in_thread(w)
+    assert not returned.wait(0.2)  # nothing ended yet: the step waits
+    w._on_report(GroupReport(7, 0, "complete", None))
+    assert returned.wait(10.0)  # woken by the report, not by the 30 s timeout
+    caller.join()
+    assert result[0].recving == {"v1"}
+
+
+def test_an_idle_step_with_nothing_ending_returns_after_the_wait(monkeypatch):
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", 0.2)
+    w = decode_worker()
+    open_room(w, 1, idle=True)
+    w.rooms.pages(7)
+    started = time.monotonic()
     done = w.finished(set())
-    reporter.join()
-    assert done.recving == {"v1"}
+    assert time.monotonic() - started >= 0.2  # a lower bound: the wait ran out
+    assert not done.recving
 
 
 def test_a_step_that_computes_does_not_wait(long_idle_wait):
     w = decode_worker()
     open_room(w, 1, idle=False)
     w.rooms.pages(7)
-    finished = threading.Event()
-    caller = threading.Thread(target=lambda: (w.finished(set()), finished.set()))
-    caller.start()
-    # The call returns with nothing finished, without waiting for a report.
-    assert finished.wait(10.0)
+    caller, returned, result = finished_in_thread(w)
+    assert returned.wait(10.0)  # at once, with nothing finished
     caller.join()
+    assert not result[0].recving

@@ -275,7 +275,13 @@ def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
     failed = [r for r in results if "error" in r]
     assert failed, "a prefill leg was in flight on the killed prefill"
     for r in failed:
-        assert r["status"] == 502 and lost in r["error"] and "lost" in r["error"], r
+        if r["status"] != 200:
+            # Waiting for the prefill leg: the router ends it, naming the pod.
+            assert r["status"] == 502 and lost in r["error"] and "lost" in r["error"], r
+        else:
+            # Its decode leg had already started reading the KV: the decode's
+            # failed load ends the stream with vLLM's error (policy `fail`).
+            assert not r["ids"], r
         assert r["ended_at"] - killed_at < 10, "ended at once, not at vLLM's timeouts"
     for r in results:
         if "error" not in r:

@@ -16,18 +16,27 @@ done, which notification waits for it) is the transport's (`nixl.py`,
 `nixl_writes.py`); descriptors are planned by the pure `nixl_plan.py`.
 
 A prefill agent only initiates WRITEs: it runs without NIXL's progress
-thread, whose polling costs a fifth of a core even idle, since the
-transport's own thread checking the handles is what moves UCX forward on
-that side. A decode agent keeps it: over TCP, UCX emulates a remote write
-with messages the target's worker must process.
+thread, since the transport's own thread checking the handles is what moves
+UCX forward on that side. A decode agent keeps it: over TCP, UCX emulates a
+remote write with messages the target's worker must process. That thread
+waits in poll() on the UCX workers' event descriptors, woken by any event or
+after NIXL's `pthrDelay`; NIXL's Python API sets that delay to 0, which turns
+the wait into a spin: an idle decode would burn a whole core for as long as
+it lives (on a two-core box, half of what its engine computes with). The
+agent is created with `PROGRESS_WAKE_US` instead (`_agent_config_with_wake`):
+events still wake the thread at once, and with none it costs a poll per
+wake-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -40,6 +49,14 @@ from pdcluster.runtime.transfer.ucx_report import is_tcp_fallback, parse_ucx_lan
 
 log = logging.getLogger(__name__)
 
+# The longest NIXL's progress thread sleeps between two rounds when no UCX event wakes
+# it (microseconds; NIXL rounds it up to whole milliseconds). 1 ms: an idle agent
+# costs a few per cent of a core, and a missed wake-up (NIXL keeps the timeout for a
+# UCX case where poll() does not wake) costs at most a millisecond.
+PROGRESS_WAKE_US = 1000
+# Guards the swap of NIXL's config class while an agent is being created.
+_CONFIG_SWAP = threading.Lock()
+
 
 def flush_ucx_log() -> None:
     """Flush UCX's log file (it is block-buffered): call the loaded libucs's ucs_log_flush."""
@@ -50,6 +67,39 @@ def flush_ucx_log() -> None:
             ctypes.CDLL(path).ucs_log_flush()
     except (OSError, AttributeError) as err:
         log.debug("nixl: cannot flush UCX's log: %s", err)
+
+
+@contextlib.contextmanager
+def _agent_config_with_wake(wake_us: int) -> Iterator[None]:
+    """While an agent is created: NIXL's config carries `wake_us` as the progress
+    thread's delay, whatever NIXL's Python API sets (it sets 0, a spin).
+
+    The API builds its `nixlAgentConfig` inside `nixl_agent.__init__` and creates
+    the agent from it in the next line, so the delay can only be kept by the
+    config itself: a subclass that holds `pthrDelay` at `wake_us`, put in place
+    of the bindings' class for that one call. Bindings that refuse the subclass
+    leave NIXL's default, with a warning.
+    """
+    from nixl import _api
+
+    bindings = _api.nixlBind
+    base = bindings.nixlAgentConfig
+    try:
+
+        class _WakeConfig(base):  # type: ignore[misc, valid-type]
+            def __setattr__(self, name: str, value: Any) -> None:
+                super().__setattr__(name, wake_us if name == "pthrDelay" else value)
+
+    except TypeError as err:
+        log.warning("nixl: the progress thread keeps NIXL's delay (%s)", err)
+        yield
+        return
+    with _CONFIG_SWAP:
+        bindings.nixlAgentConfig = _WakeConfig
+        try:
+            yield
+        finally:
+            bindings.nixlAgentConfig = base
 
 
 def geometry_of(shape: KVPoolShape) -> RegionGeometry:
@@ -78,7 +128,8 @@ class NixlAgent:
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.agent = nixl_agent(self.name, config)
+        with _agent_config_with_wake(PROGRESS_WAKE_US):
+            self.agent = nixl_agent(self.name, config)
         self.pool = pool
         buffer = pool.buffer
         if not buffer.is_contiguous():

@@ -237,18 +237,29 @@ def colocated_ids(cluster: RunningCluster, i: int) -> list[int]:
     return list(resp.json()["choices"][0]["token_ids"])
 
 
-def kill_when_busy(cluster: RunningCluster, name: str) -> float:
-    """kill -9 of the instance's process group (the pod dies) once a prefill leg is
-    in flight on it; when."""
-    url = url_of(cluster, name)
+def kill_during_burst(
+    cluster: RunningCluster, name: str, first: int, n: int
+) -> tuple[list[concurrent.futures.Future[Any]], float]:
+    """A burst of `n` requests, and kill -9 of the instance's process group (the pod
+    dies) while prefill legs are in flight on it: its futures, and when it died.
+
+    The instance is frozen (SIGSTOP) before the burst, so its legs stay in flight
+    until the kill: a prefill leg of these short prompts takes less than the
+    router's /health poll below, and a burst could otherwise end unseen.
+    """
+    url, pid = url_of(cluster, name), int(cluster.worker(name)["pid"])
 
     def busy() -> bool:
         workers = httpx.get(cluster.endpoint + "/health", timeout=10).json()["workers"]
         return any(w["url"] == url and w["outstanding"] > 0 for w in workers)
 
-    wait_for(busy, 60, f"a prefill leg on {name}")
-    os.killpg(int(cluster.worker(name)["pid"]), signal.SIGKILL)
-    return time.monotonic()
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        futures = burst(cluster, first, n)
+        wait_for(busy, 60, f"a prefill leg on {name}")
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+    return futures, time.monotonic()
 
 
 def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
@@ -257,8 +268,7 @@ def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
 
     # Two prefills: the killed one's requests start again on the other, and the
     # decode serves them all (same tokens as alone).
-    futures = burst(cluster, 0, 5)
-    kill_when_busy(cluster, "prefill-0")
+    futures, _ = kill_during_burst(cluster, "prefill-0", 0, 5)
     results = [f.result(timeout=600) for f in futures]
     assert [r["status"] for r in results] == [200] * 5, results
     assert [r["ids"] for r in results] == [reference[i] for i in range(5)]
@@ -266,11 +276,11 @@ def test_kill_9_of_a_prefill_during_a_burst(cluster: RunningCluster) -> None:
     assert 'pdcluster_router_leg_failures_total{reason="prefill_lost",role="prefill"}' in metrics
 
     # One prefill left (prefill-0 restarts): killing it ends the requests still
-    # waiting for its KV at once, with an error naming it; none hangs, and one
-    # already streaming finishes unchanged.
-    futures = burst(cluster, 5, 3)
+    # waiting for its KV at once, with an error naming it, and none hangs; a
+    # request the restarted prefill-0 took, if it is back by then, is served
+    # unchanged.
     lost = url_of(cluster, "prefill-1")
-    killed_at = kill_when_busy(cluster, "prefill-1")
+    futures, killed_at = kill_during_burst(cluster, "prefill-1", 5, 3)
     results = [f.result(timeout=600) for f in futures]
     failed = [r for r in results if "error" in r]
     assert failed, "a prefill leg was in flight on the killed prefill"

@@ -340,7 +340,8 @@ def test_the_worked_gpu_example_reaches_ready_and_serves_from_its_claim(
         container = pod["spec"]["containers"][0]
         assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
         assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
-        assert pod["spec"]["terminationGracePeriodSeconds"] == 330
+        # The announcement (1 s), the drain budget (300 s) and the margin (30 s).
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 331
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "models"
     print(f"worked example Ready in {took:.0f}s")  # noqa: T201 (shown with -s)

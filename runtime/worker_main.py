@@ -35,7 +35,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -385,7 +385,7 @@ def _serve_engine(
     from pdcluster.runtime.engine.tokenizer import load_tokenizer
     from pdcluster.runtime.http.limits import server_config
     from pdcluster.runtime.metrics import WorkerMetrics
-    from pdcluster.runtime.server.worker_app import WorkerInfo, create_worker_app
+    from pdcluster.runtime.server.worker_app import WorkerInfo, WorkerState, create_worker_app
     from pdcluster.runtime.serving.engine_service import EngineService
 
     engine: Any = LLMEngine(cfg, runner=runner, dist=dist)
@@ -466,9 +466,13 @@ def _serve_engine(
         tracing=tracing,
     )
     servers.insert(0, uvicorn.Server(server_config(app, host, port)))
+    state: WorkerState = app.state.worker
     service.start()
     try:
-        event_loop.run(_serve_all(servers), settings.event_loop)
+        event_loop.run(
+            _serve_all(servers, announce_seconds(settings, os.environ), state.announce_stop),
+            settings.event_loop,
+        )
     finally:
         if tracing is not None:
             tracing.shutdown()
@@ -511,13 +515,34 @@ def _with_prefix_feed(
     return add
 
 
-async def _serve_all(servers: list[uvicorn.Server]) -> None:
+def announce_seconds(settings: WorkerSettings, env: Mapping[str, str]) -> float:
+    """How long a stopping worker stays Not Ready but serving before its drain: the
+    role's `drain.announceSeconds` in a Kubernetes pod, where routers learn of the
+    pod's deletion from a watch while the kubelet signals it; 0 in local mode,
+    which stops a worker only after its router let it go (`local/drain.py`) or
+    with the whole cluster."""
+    if not env.get("KUBERNETES_SERVICE_HOST"):
+        return 0.0
+    return settings.role_spec.drain.announce_seconds
+
+
+async def _serve_all(
+    servers: list[uvicorn.Server],
+    announce_s: float = 0.0,
+    announce: Callable[[], bool] | None = None,
+) -> None:
     """Serve the worker API (`servers[0]`) and its side servers until SIGTERM/SIGINT.
 
     Stopping drains: the worker API stops accepting, finishes what it has in
     flight, and only then do the side servers stop. A prefill's bootstrap
     server must outlive the drain, because decode's heartbeats probe it and
     would fail the rooms of the very requests being drained.
+
+    With `announce_s` > 0 the drain starts that long after the signal:
+    `announce()` turns the worker Not Ready and says whether it was Ready
+    (a worker no router sends to drains at once); meanwhile it serves as
+    before, so requests routed before the routers saw the pod go still find
+    it listening. A second signal starts the drain at once.
     """
     main, side = servers[0], servers[1:]
     for server in servers:
@@ -525,12 +550,26 @@ async def _serve_all(servers: list[uvicorn.Server]) -> None:
         # one started wins), stopping the bootstrap server first.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     loop = asyncio.get_running_loop()
+    announcing: list[asyncio.TimerHandle] = []
+
+    def drain(sig: signal.Signals) -> None:
+        for timer in announcing:
+            timer.cancel()
+        log.info("%s: draining in-flight requests, then stopping", sig.name)
+        main.should_exit = True
 
     def stop(sig: signal.Signals) -> None:
         if main.should_exit and sig == signal.SIGINT:
             main.force_exit = True  # a second Ctrl-C: stop waiting for the drain
-        log.info("%s: draining in-flight requests, then stopping", sig.name)
-        main.should_exit = True
+        if announcing or main.should_exit or announce_s <= 0:
+            drain(sig)
+        elif announce is not None and announce():
+            log.info(
+                "%s: Not Ready now; draining in %.1fs, once routers saw it", sig.name, announce_s
+            )
+            announcing.append(loop.call_later(announce_s, drain, sig))
+        else:
+            drain(sig)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
@@ -802,7 +841,7 @@ def _run_pod(settings: WorkerSettings, plan: PodPlan) -> int:
     signal.signal(signal.SIGINT, stop)
     wait([c.sentinel for c in children])
     if stopping.is_set():
-        drain_s = settings.role_spec.drain.budget_seconds(
+        drain_s = settings.role_spec.drain.stop_seconds(
             settings.manifest.spec.router.request_timeout_seconds
         )
         # Every rank: its group leader drains, then shuts it down.

@@ -112,6 +112,10 @@ def test_camel_case_round_trip() -> None:
         ({**PD, "transfer": {"backend": "rdma"}}, "transfer.backend"),
         ({**PD, "surprise": 1}, "surprise"),
         ({**PD, "model": {"name": "llama"}}, "needs `path`"),
+        ({"prefill": {"drain": {"announceSeconds": -1}}, "decode": {}}, "announceSeconds"),
+        ({"prefill": {}, "decode": {"drain": {"announceSeconds": 61}}}, "announceSeconds"),
+        # The router is no worker: nothing of it announces a stop.
+        ({**PD, "router": {"drain": {"announceSeconds": 1}}}, "announceSeconds"),
     ],
 )
 def test_invalid_specs_name_the_problem(spec: dict, needle: str) -> None:

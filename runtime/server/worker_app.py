@@ -85,6 +85,16 @@ class WorkerState:
     in_flight: set[str] = field(default_factory=set)  # rids of the requests running now
     # Request tracing (`telemetry/tracing.py`); None: off, no request carries stamps.
     tracing: Any = None
+    # Asked to stop, draining soon (`announce_stop`): /health says Not Ready, the
+    # rest serves as before.
+    stopping: bool = False
+
+    def announce_stop(self) -> bool:
+        """The worker is about to drain: Not Ready from now on. Whether it was Ready
+        (routers may still send to it) just before."""
+        was_ready = not self.stopping and self.backend.is_healthy()
+        self.stopping = True
+        return was_ready
 
     def sampling_of(
         self,
@@ -514,7 +524,10 @@ async def abort_request(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> Response:
-    backend = _state(request).backend
+    state = _state(request)
+    if state.stopping:
+        return JSONResponse({"status": "not_ready", "reason": "stopping"}, 503)
+    backend = state.backend
     if backend.is_healthy():
         return Response(status_code=200)
     # PD backends say why (readiness.py); the router and the probes read the status.

@@ -48,6 +48,7 @@ from pdcluster.runtime.spec.disruption import DRAIN_MARGIN_SECONDS as DRAIN_MARG
 from pdcluster.runtime.spec.disruption import DisruptionBudgetSpec as DisruptionBudgetSpec
 from pdcluster.runtime.spec.disruption import DrainSpec as DrainSpec
 from pdcluster.runtime.spec.disruption import RolloutSpec as RolloutSpec
+from pdcluster.runtime.spec.disruption import WorkerDrainSpec as WorkerDrainSpec
 from pdcluster.runtime.spec.model_source import MODEL_MOUNT_PATH as MODEL_MOUNT_PATH
 from pdcluster.runtime.spec.model_source import ModelSource as ModelSource
 from pdcluster.runtime.spec.model_source import ModelSourceKind as ModelSourceKind
@@ -494,7 +495,7 @@ class RoleSpec(SpecModel):
     pod: PodOverlaySpec = PodOverlaySpec()
     rollout: RolloutSpec = RolloutSpec()
     disruption_budget: DisruptionBudgetSpec = DisruptionBudgetSpec()
-    drain: DrainSpec = DrainSpec()
+    drain: WorkerDrainSpec = WorkerDrainSpec()
 
     @model_validator(mode="after")
     def _ranks_fill_pods(self) -> RoleSpec:

@@ -15,6 +15,13 @@
   request admitted just before the stop may run that long. The pod's
   `terminationGracePeriodSeconds` is this plus `DRAIN_MARGIN_SECONDS`
   (stopping the ranks, flushing), so the kubelet never cuts a drain short.
+  A worker's drain starts with an announcement (`drain.announceSeconds`, per
+  role): on Kubernetes a worker pod asked to stop first keeps taking
+  requests for that long while its /health says Not Ready, so every router
+  (ours watches the pod; others follow readiness or Endpoints) has stopped
+  sending it new ones before it stops accepting. Without it a request routed
+  in the moment between the pod's deletion and the router seeing it meets a
+  closed port.
 
 Pure module.
 """
@@ -85,4 +92,21 @@ class DrainSpec(SpecModel):
 
     def grace_period_seconds(self, request_timeout_s: float) -> int:
         """The pod's terminationGracePeriodSeconds: the drain plus the margin."""
-        return math.ceil(self.budget_seconds(request_timeout_s)) + DRAIN_MARGIN_SECONDS
+        return math.ceil(self.stop_seconds(request_timeout_s)) + DRAIN_MARGIN_SECONDS
+
+    def stop_seconds(self, request_timeout_s: float) -> float:
+        """From the stop signal to the end of the drain."""
+        return self.budget_seconds(request_timeout_s)
+
+
+class WorkerDrainSpec(DrainSpec):
+    announce_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="on Kubernetes: how long a worker pod asked to stop keeps taking requests, "
+        "Not Ready, before its drain starts (the time routers need to see it go)",
+    )
+
+    def stop_seconds(self, request_timeout_s: float) -> float:
+        return self.announce_seconds + self.budget_seconds(request_timeout_s)

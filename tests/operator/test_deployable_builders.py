@@ -309,10 +309,13 @@ def test_a_disabled_budget_is_not_built() -> None:
 @pytest.mark.parametrize(
     ("extra", "leader_grace", "router_grace"),
     [
-        # The router's request timeout by default, for workers and router alike.
-        ({}, 300 + DRAIN_MARGIN_SECONDS, 300 + DRAIN_MARGIN_SECONDS),
-        ({"router": {"requestTimeoutSeconds": 42.5}}, 43 + DRAIN_MARGIN_SECONDS, 73),
-        ({"prefill": {"drain": {"timeoutSeconds": 600}}}, 630, 330),
+        # The router's request timeout by default, for workers and router alike; a
+        # worker's also covers its announcement (1 s by default).
+        ({}, 301 + DRAIN_MARGIN_SECONDS, 300 + DRAIN_MARGIN_SECONDS),
+        ({"router": {"requestTimeoutSeconds": 42.5}}, 44 + DRAIN_MARGIN_SECONDS, 73),
+        ({"prefill": {"drain": {"timeoutSeconds": 600}}}, 631, 330),
+        ({"prefill": {"drain": {"timeoutSeconds": 600, "announceSeconds": 0}}}, 630, 330),
+        ({"prefill": {"drain": {"announceSeconds": 4.5}}}, 305 + DRAIN_MARGIN_SECONDS, 330),
     ],
 )
 def test_the_grace_period_covers_the_drain_and_followers_outlive_their_leader(
@@ -384,7 +387,7 @@ def test_the_worked_gpu_example_renders_pods_a_reviewer_accepts() -> None:
             "claimName": "models",
             "readOnly": True,
         }
-        assert pod["spec"]["terminationGracePeriodSeconds"] == 300 + DRAIN_MARGIN_SECONDS
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 301 + DRAIN_MARGIN_SECONDS
         assert pod_security_level(pod["spec"])[0] == "privileged"
         need("kubernetes_validate").validate(pod, K8S_VERSION, strict=True)
     budgets = {

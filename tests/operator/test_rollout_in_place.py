@@ -64,7 +64,8 @@ def test_scale_down_drains_the_leader_first_and_stops_its_followers_once_it_is_g
     (leader,) = deleted_pods(plan)
     assert is_leader(leader) and "-prefill-1-" in leader
     grace = next(a.grace_period_s for a in plan.actions if isinstance(a, Delete))
-    assert grace == 300 + DRAIN_MARGIN_SECONDS  # the drain's budget, not Kubernetes' 30 s
+    # The announcement and the drain's budget, not Kubernetes' 30 s.
+    assert grace == 1 + 300 + DRAIN_MARGIN_SECONDS
     assert [e.reason.value for e in events] == ["InstanceRemoved"]
     # While the leader drains, its follower keeps running, and nothing more happens.
     for _ in range(3):

@@ -113,3 +113,17 @@ def test_a_second_signal_or_no_announcement_drains_at_once(
     seen, elapsed = serve_and_stop(worker, announce_s=0.0, signals=1)
     assert elapsed < 30, seen
     assert ("health", 503, "stopping") not in seen
+
+
+def test_only_a_worker_in_a_kubernetes_pod_announces() -> None:
+    from types import SimpleNamespace
+
+    from pdcluster.runtime.spec import WorkerDrainSpec
+    from pdcluster.runtime.worker_main import announce_seconds
+
+    settings: Any = SimpleNamespace(
+        role_spec=SimpleNamespace(drain=WorkerDrainSpec(announce_seconds=2.5))
+    )
+    assert announce_seconds(settings, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == 2.5
+    # Local mode: its router lets a worker go before the worker is stopped.
+    assert announce_seconds(settings, {}) == 0.0

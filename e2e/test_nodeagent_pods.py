@@ -302,6 +302,40 @@ def test_deletion_is_graceful_then_forced(kube: KubeApi, namespace: str, tmp_pat
     assert 1.5 <= elapsed < 10, elapsed  # SIGKILL came after the 2 s grace period, not 30 s
 
 
+def test_a_prestop_sleep_delays_sigterm_within_the_grace_period(
+    kube: KubeApi, namespace: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "sigterm_at"
+    polite = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        def stop(*_):
+            open({str(marker)!r}, "w").write(repr(time.time()))
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        time.sleep(600)
+        """
+    )
+    pod = make_pod("sleepy", ["python", "-c", polite], terminationGracePeriodSeconds=30)
+    pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 2}}}
+    path = create_pod(kube, namespace, pod)
+    wait_for_object(kube, path, is_ready, 30, "sleepy Ready")
+    time.sleep(0.5)  # let it install its handler
+    deleted = time.time()
+    kube.delete(path)
+    wait_until(lambda: kube.get(path) is None, 20, "sleepy gone")
+    assert 1.8 <= float(marker.read_text()) - deleted < 10
+
+    hooked = make_pod("hooked", ["python", "-c", SLEEPER])
+    hooked["spec"]["containers"][0]["lifecycle"] = {
+        "preStop": {"exec": {"command": ["sleep", "1"]}}
+    }
+    stuck = wait_waiting(kube, create_pod(kube, namespace, hooked), "refused", with_message=True)
+    waiting = container_status(stuck)["state"]["waiting"]
+    assert waiting["reason"] == "CreateContainerConfigError"
+    assert "only the sleep action" in waiting["message"]
+
+
 def test_pod_without_command_gets_a_clear_error(kube: KubeApi, namespace: str) -> None:
     pod = make_pod("nocmd", [])
     del pod["spec"]["containers"][0]["command"]

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from e2e.nodeagent import podspec
 from e2e.nodeagent.podspec import (
     ContainerConfigError,
     VolumeMountError,
@@ -336,3 +337,12 @@ def test_an_unbound_claim_or_missing_directory_keeps_the_container_waiting(tmp_p
     nfs = {"metadata": {"name": "pv"}, "spec": {"nfs": {"server": "x", "path": "/"}}}
     with pytest.raises(ContainerConfigError, match="neither hostPath nor local"):
         host_mount_paths(HOST_POD, HOST_CONTAINER, {"models": nfs})
+
+
+def test_only_a_prestop_sleep_is_run() -> None:
+    assert podspec.prestop_sleep_s({"name": "c"}) == 0.0
+    sleep = {"name": "c", "lifecycle": {"preStop": {"sleep": {"seconds": 3}}}}
+    assert podspec.prestop_sleep_s(sleep) == 3.0
+    hook = {"name": "c", "lifecycle": {"preStop": {"httpGet": {"path": "/stop", "port": 80}}}}
+    with pytest.raises(podspec.ContainerConfigError, match="only the sleep action"):
+        podspec.prestop_sleep_s(hook)

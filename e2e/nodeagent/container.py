@@ -38,6 +38,7 @@ class ContainerRun:
         self.liveness: ProbeTracker | None = None
         self.readiness: ProbeTracker | None = None
         self.kill_at: float | None = None  # SIGKILL if still alive then
+        self.term_at: float | None = None  # SIGTERM then: the pod's preStop sleep ends
         self.frozen = False
 
     @property

@@ -296,6 +296,7 @@ class PodWorker(threading.Thread):
         pod = self._pod
         try:
             podspec.check_volumes(pod, run.spec)
+            podspec.prestop_sleep_s(run.spec)  # an unsupported hook is refused here
             mounts = self._mount_secret_volumes(pod, run)
             mounts.update(self._host_volumes(pod, run))
             env = self._container_environment(pod, run, mounts)
@@ -465,7 +466,8 @@ class PodWorker(threading.Thread):
             self._reap(run, time.time(), restart_allowed=restart_allowed)
 
     def _terminate(self, pod: Mapping[str, Any], now: float, stopping_agent: bool) -> bool:
-        """Graceful stop of every container; True once none is running."""
+        """Graceful stop of every container; True once none is running. A container
+        with a preStop sleep gets SIGTERM when it ends, within the same grace period."""
         running = [r for r in self.init_containers + self.containers if r.is_running]
         if self._terminating_since is None:
             self._terminating_since = now
@@ -473,9 +475,19 @@ class PodWorker(threading.Thread):
             if stopping_agent:
                 grace = min(grace, self.env.settings.shutdown_grace_s)
             for run in running:
-                self._begin_kill(run, now, "pod is terminating")
+                sleep_s = 0.0 if stopping_agent else podspec.prestop_sleep_s(run.spec)
+                if sleep_s > 0:
+                    log.info("pod %s: %s: preStop sleep %.0f s", self.key, run.name, sleep_s)
+                    run.term_at = now + sleep_s
+                else:
+                    self._begin_kill(run, now, "pod is terminating")
                 run.kill_at = now + grace
         for run in running:
+            if run.term_at is not None and now >= run.term_at:
+                run.term_at = None
+                deadline = run.kill_at
+                self._begin_kill(run, now, "pod is terminating (after its preStop sleep)")
+                run.kill_at = deadline
             if run.kill_at is not None and now >= run.kill_at:
                 self._kill_now(run)
         for run in self.init_containers + self.containers:

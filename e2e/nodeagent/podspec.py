@@ -362,3 +362,16 @@ def wants_service_account_token(pod: Mapping[str, Any]) -> bool:
         v.get("name", "").startswith(SERVICE_ACCOUNT_VOLUME_PREFIX)
         for v in spec.get("volumes") or []
     )
+
+
+def prestop_sleep_s(container: Mapping[str, Any]) -> float:
+    """Seconds of the container's `lifecycle.preStop.sleep` (0: none). An `exec` or
+    `httpGet` preStop hook is refused: the agent runs only Kubernetes' sleep action."""
+    hook = (container.get("lifecycle") or {}).get("preStop")
+    if not hook:
+        return 0.0
+    if set(hook) != {"sleep"}:
+        raise ContainerConfigError(
+            f"lifecycle.preStop: {sorted(hook)}: the node agent runs only the sleep action"
+        )
+    return float(hook["sleep"]["seconds"])

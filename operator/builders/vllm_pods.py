@@ -28,7 +28,14 @@ container differs from ours:
   execs `vllm serve` (`TOKEN_COMMAND`); the token stays out of the pod spec
   (`kubectl describe`), as for our workers;
 - HOME on the writable volume (vLLM's and Hugging Face's caches), vLLM's
-  usage reporting off.
+  usage reporting off;
+- a stop that loses no request: a `preStop` sleep of the role's
+  `drain.announceSeconds` (rounded up), during which the pod, already
+  terminating, still serves while every router drops it (ours watches the
+  pod; others follow the Endpoints, where a terminating pod is not ready),
+  then on SIGTERM vLLM finishes what it has for up to the drain budget
+  (`--shutdown-timeout`; vLLM's own default aborts every request at once).
+  The pod's grace period covers both (disruption.py).
 
 One pod per instance (multi-pod vLLM instances are refused at admission), so
 the leader is the only pod. GPU requests come from `build_resources`.
@@ -38,6 +45,7 @@ Pure module.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pdcluster.operator import names
@@ -82,6 +90,9 @@ def build_vllm_container(
         side_channel_port=SIDE_CHANNEL_PORT,
         kv_events_ports=(KV_EVENTS_PORT, KV_REPLAY_PORT),
         bootstrap_port=meta.BOOTSTRAP_PORT,
+        shutdown_timeout_s=math.ceil(
+            spec.drain.budget_seconds(cluster.spec.router.request_timeout_seconds)
+        ),
     )
     env: list[dict[str, Any]] = [
         meta.env_field(meta.POD_IP_ENV, "status.podIP"),
@@ -103,7 +114,7 @@ def build_vllm_container(
         env.append(meta.env_value(podsecurity.TOKEN_FILE_ENV, TOKEN_FILE))
     env += [meta.env_value(k, v) for k, v in sorted(serve.env.items())]
     guarded = cluster.spec.auth.worker_api is WorkerApiAccess.token
-    return {
+    container: dict[str, Any] = {
         "name": "worker",
         "image": cluster.spec.engine.vllm.image or cluster.spec.image,
         "command": list(TOKEN_COMMAND) if guarded else ["vllm", "serve"],
@@ -114,6 +125,11 @@ def build_vllm_container(
         "readinessProbe": meta.http_probe(2, 3),
         "livenessProbe": meta.http_probe(10, 3, timeout_s=5),
     }
+    announce_s = math.ceil(spec.drain.announce_seconds)
+    if announce_s > 0:
+        # Kubernetes' own sleep (no binary in the image needed).
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": announce_s}}}
+    return container
 
 
 def kv_event_annotations(cluster: Cluster, role: Role) -> dict[str, str]:

@@ -96,6 +96,7 @@ OWNED_FLAGS: dict[str, str] = {
     "--enable-prefix-caching": "<role>.engine.prefixCache",
     "--no-enable-prefix-caching": "<role>.engine.prefixCache",
     "--kv-events-config": "router.policy (cache_aware)",
+    "--shutdown-timeout": "<role>.drain.timeoutSeconds",
 }
 # Variables every vLLM pod is given (the token, NIXL's side channel).
 OWNED_ENV = ("VLLM_API_KEY", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT")

@@ -28,6 +28,10 @@ executable or an interpreter that imports vLLM). The mapping (docs/vllm.md):
 - `observability.tracing` (enabled) → `--otlp-traces-endpoint <endpoint>/v1/traces`
   and `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf`: vLLM's request spans
   join the router's trace through each leg's `traceparent`;
+- `shutdown_timeout_s` (the operator's pods: the role's drain budget) →
+  `--shutdown-timeout`: on SIGTERM vLLM finishes the requests it has, for
+  up to that long, instead of aborting them (its default, 0); local mode
+  stops a vLLM only once its router let it go, or with the whole cluster;
 - `engine.vllm.extraArgs`, `env` → appended as given.
 
 Left to the caller, because only it knows them: the side channel's host
@@ -143,12 +147,14 @@ def build_vllm_serve(
     kv_replay_host: str = "*",
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
     prefill_peers: Sequence[str] | None = None,
+    shutdown_timeout_s: int | None = None,
 ) -> VllmServe:
     """The `vllm serve` command of one `role` instance listening on `host:port`.
     `kv_events_ports` and `kv_replay_host`: where it publishes its cache events
     when the router follows them (`publishes_kv_events`). `prefill_peers` (our
     connector's decode, local mode): the prefill side ports it may contact from
-    the start (pods get them from the operator instead)."""
+    the start (pods get them from the operator instead). `shutdown_timeout_s`:
+    how long it finishes its requests after SIGTERM (None: vLLM aborts them)."""
     if not spec.engine.is_vllm:
         raise SpecError("engine.kind is not vllm: the workers run `pdcluster worker`")
     rs = spec.role_spec(role)
@@ -208,6 +214,8 @@ def build_vllm_serve(
         # legs' traceparent; exported over OTLP/HTTP like ours.
         flags += ["--otlp-traces-endpoint", tracing.traces_url]
         env[OTLP_PROTOCOL_ENV] = "http/protobuf"
+    if shutdown_timeout_s is not None:
+        flags += ["--shutdown-timeout", str(shutdown_timeout_s)]
     flags += spec.engine.vllm.extra_args
     env.update(spec.engine.vllm.env)
     return VllmServe(

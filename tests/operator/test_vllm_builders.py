@@ -90,6 +90,33 @@ def test_probes_ports_and_gpus_of_a_vllm_pod() -> None:
     assert "nvidia.com/gpu" not in decode["resources"].get("limits", {})
 
 
+def test_a_stopping_vllm_pod_is_announced_then_drains_within_its_grace_period() -> None:
+    spec = {
+        **VLLM,
+        "router": {"requestTimeoutSeconds": 120},
+        "decode": {"drain": {"timeoutSeconds": 45.5, "announceSeconds": 2.5}},
+    }
+    cluster = make_cluster(spec)
+    decode = build_worker_pod(cluster, Role.decode, 0, 0)
+    container = container_of(decode)
+    args = container["args"]
+    # vLLM finishes its requests on SIGTERM (its default, 0, aborts them) ...
+    assert args[args.index("--shutdown-timeout") + 1] == "46"
+    # ... after a sleep in which routers drop the terminating pod.
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": 3}}}
+    assert decode["spec"]["terminationGracePeriodSeconds"] >= 3 + 46
+    # The prefill's budget is the router's request timeout.
+    prefill_args = container_of(build_worker_pod(cluster, Role.prefill, 0, 0))["args"]
+    assert prefill_args[prefill_args.index("--shutdown-timeout") + 1] == "120"
+
+
+def test_a_vllm_pod_with_no_announcement_has_no_prestop_hook() -> None:
+    spec = {**VLLM, "decode": {"drain": {"announceSeconds": 0}}}
+    container = container_of(build_worker_pod(make_cluster(spec), Role.decode, 0, 0))
+    assert "lifecycle" not in container
+    assert "--shutdown-timeout" in container["args"]
+
+
 def test_a_vllm_prefill_has_no_bootstrap_service_and_its_pods_say_vllm() -> None:
     cluster = make_cluster(VLLM)
     instance = build_instance(cluster, Role.prefill, 0)

@@ -124,6 +124,15 @@ def test_ucx_extra_args_and_env_are_passed_through_last() -> None:
     assert serve.env["HF_HOME"] == "/cache"
 
 
+def test_a_shutdown_timeout_lets_vllm_finish_its_requests() -> None:
+    assert "--shutdown-timeout" not in build_vllm_serve(spec_of(), Role.decode, port=1).flags
+    flags = build_vllm_serve(spec_of(), Role.decode, port=1, shutdown_timeout_s=300).flags
+    assert flag(flags, "--shutdown-timeout") == "300"
+    # The drain budget decides it: extraArgs may not.
+    with pytest.raises(SpecError, match="drain.timeoutSeconds"):
+        spec_of(engine={"kind": "vllm", "vllm": {"extraArgs": ["--shutdown-timeout=7"]}})
+
+
 def test_a_builtin_cluster_or_a_missing_role_has_no_vllm_command() -> None:
     with pytest.raises(SpecError, match="engine.kind is not vllm"):
         build_vllm_serve(parse_spec({"prefill": {}, "decode": {}}), Role.prefill, port=1)

@@ -34,6 +34,11 @@ For each:
      source done, which includes the prefill's scheduling and its step
      (NixlConnector's decode starts reading only after the prefill answered,
      so it has no such span);
+   - moving and load with the legs in turn (ours only, `legs_in_turn`): the
+     same prompt, its decode leg sent only once the prefill leg answered, as
+     NixlConnector's run, so the KV moves while the prefill engine is idle:
+     our engine's rate under NixlConnector's conditions, where the router's
+     both-legs-at-once has the push compete with the prefill's own step;
 4. faults: the prefill gets kill -9 while the decode still needs a
    2,000-token prompt's KV from it (ours: the decode waits in its room and
    the bench sends `fail_peer` at once, as the operator or local supervisor
@@ -337,26 +342,45 @@ def transfer(
     """Transfer rates of a cached 2,000-token prompt (see the module doc)."""
     out: dict[str, float | None] = {}
     router = cluster.url("router")
-    rates: dict[str, list[float]] = {"moving": [], "load": []}
+    rates: dict[str, list[float]] = {"moving": [], "load": [], "moving_in_turn": []}
     for _ in range(repeats):
-        p = prompts(rng, 2000)
-        completion(http, cluster.url("prefill"), p, 1)  # now in the prefill's cache
-        before = transfer_counters(http, cluster, ours)
-        completion(http, router, p, 1)
-        # A rank's counters reach the side port after a vLLM step: one more
-        # short request on each engine runs one there once the move is done.
-        time.sleep(0.2)
-        for role in ("prefill", "decode"):
-            completion(http, cluster.url(role), [5, 6, 7], 1)
-        after = transfer_counters(http, cluster, ours)
-        for kind, (moved, seconds) in after.items():
-            moved -= before[kind][0]
-            seconds -= before[kind][1]
-            if moved > 0 and seconds > 0:
-                rates[kind].append(moved / seconds)
+        for in_turn in (False, True) if ours else (False,):
+            p = prompts(rng, 2000)
+            completion(http, cluster.url("prefill"), p, 1)  # now in the prefill's cache
+            before = transfer_counters(http, cluster, ours)
+            if in_turn:
+                legs_in_turn(http, cluster, p, room=rng.randrange(1, 1 << 62))
+            else:
+                completion(http, router, p, 1)
+            # A rank's counters reach the side port after a vLLM step: one more
+            # short request on each engine runs one there once the move is done.
+            time.sleep(0.2)
+            for role in ("prefill", "decode"):
+                completion(http, cluster.url(role), [5, 6, 7], 1)
+            after = transfer_counters(http, cluster, ours)
+            for kind, (moved, seconds) in after.items():
+                moved -= before[kind][0]
+                seconds -= before[kind][1]
+                if moved > 0 and seconds > 0:
+                    rates.setdefault(f"{kind}_in_turn" if in_turn else kind, []).append(
+                        moved / seconds
+                    )
     for kind, values in rates.items():
         out[f"transfer_{kind}_MiB_s"] = statistics.median(values) / 2**20 if values else None
     return out
+
+
+def legs_in_turn(http: httpx.Client, cluster: Cluster, prompt: list[int], room: int) -> None:
+    """Our two legs one after the other, as NixlConnector's run: the decode's leg
+    only once the prefill answered, so the KV moves while the prefill engine is
+    idle (our router sends both at once, and the push leaves as the forward ends)."""
+    params = {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.ports["prefill_side"],
+        "bootstrap_room": room,
+    }
+    completion(http, cluster.url("prefill"), prompt, 1, kv_transfer_params=params)
+    completion(http, cluster.url("decode"), prompt, 1, kv_transfer_params=params)
 
 
 def transfer_counters(
@@ -560,6 +584,11 @@ def table(results: list[dict[str, Any]]) -> str:
         ("TTFT PD ÷ colocated, 2,000 tokens", "ttft_ratio_2000", "{:.2f}"),
         ("transfer while moving, cached 2,000 tokens (MiB/s)", "transfer_moving_MiB_s", "{:.0f}"),
         ("decode load, pages sent → landed (MiB/s)", "transfer_load_MiB_s", "{:.0f}"),
+        (
+            "… legs in turn, the prefill idle (MiB/s)",
+            "transfer_moving_in_turn_MiB_s",
+            "{:.0f}",
+        ),
         ("prefill kill -9: decode ends the request after (s)", "fault_time_to_end_s", "{:.2f}"),
         ("… how it ends", "fault_decode_outcome", "{}"),
         ("… decode KV cache in use after (fraction)", "fault_kv_usage_after", "{:.3f}"),

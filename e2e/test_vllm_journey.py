@@ -10,7 +10,8 @@ router pod, gets completions and chat (streamed and not) equal to the decode
 vLLM's own colocated answer (the 1P1D row of the interop table) → the prefill
 pod is deleted → a PrefillInstanceLost Warning Event says the router ends or
 moves its requests → a new prefill pod is Ready → served again, the same
-tokens.
+tokens → the decode pod is deleted in the middle of a long stream, which
+still ends complete (the pod's preStop sleep and vLLM's drain).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ NAME = "vllm-journey"
 PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox and a dog. " * 6}]
 READY_S = 900  # two vLLM pods starting at once on a busy 2-core box
+# A stream long enough to outlast its pod's preStop sleep (1 s) by seconds here
+# (the prompt and it fit the 1,024-token context).
+LONG_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +239,39 @@ def test_vllm_pods_serve_through_the_router_and_come_back_after_a_loss(
     assert served(kube, ns, cases=("completions-stream",)) == {
         "completions-stream": reference["completions-stream"]
     }
+
+    # The decode pod is deleted while it streams: the stream still ends complete
+    # (its preStop sleep, then vLLM's drain; vLLM's default aborts on SIGTERM).
+    tokens, finish = stream_while_deleting(kube, kubectl, ns, pods(kube, ns, "decode")[0])
+    assert finish == "length"
+    assert len(tokens) == LONG_TOKENS
+    reference_tokens = reference["completions-stream"]
+    assert tokens[: len(reference_tokens)] == reference_tokens
+
+
+def stream_while_deleting(
+    kube: KubeApi, kubectl: KubectlRunner, ns: str, pod: dict[str, Any]
+) -> tuple[list[int], str | None]:
+    """A long greedy stream through the router; `pod` is deleted at its first token."""
+    oai = openai.OpenAI(base_url=router_url(kube, ns) + "/v1", api_key="unused", timeout=300)
+    answer = oai.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=LONG_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    tokens: list[int] = []
+    finish: str | None = None
+    deleted = False
+    for chunk in answer:
+        for choice in chunk.choices[:1]:
+            tokens += choice.model_extra.get("token_ids") or []
+            finish = choice.finish_reason or finish
+        if tokens and not deleted:
+            name = pod["metadata"]["name"]
+            kubectl("kubectl", "delete", "pod", name, "-n", ns, "--wait=false")
+            deleted = True
+    assert deleted, "the stream ended before its pod could be deleted"
+    return tokens, finish

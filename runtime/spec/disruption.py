@@ -104,8 +104,9 @@ class WorkerDrainSpec(DrainSpec):
         default=1.0,
         ge=0,
         le=60,
-        description="on Kubernetes: how long a worker pod asked to stop keeps taking requests, "
-        "Not Ready, before its drain starts (the time routers need to see it go)",
+        description="on Kubernetes: how long a worker pod asked to stop keeps taking requests "
+        "before its drain starts, the time routers need to see it go (our workers answer Not "
+        "Ready meanwhile; a vLLM pod sleeps in preStop, rounded up to whole seconds)",
     )
 
     def stop_seconds(self, request_timeout_s: float) -> float:

@@ -146,9 +146,7 @@ class LocalCluster:
         if spec.api_key_env is not None:
             env[spec.api_key_env] = self.token
         if spec.role != "router":
-            # Drawn per start, never inherited from this launcher's own environment.
-            if INCARNATION_ENV not in spec.env:
-                env[INCARNATION_ENV] = f"{spec.name}-{secrets.token_hex(6)}"
+            env.setdefault(INCARNATION_ENV, f"{spec.name}-{secrets.token_hex(6)}")
             self.incarnations[spec.name] = env[INCARNATION_ENV]
         if spec.side_port is not None:  # vLLM with our connector
             ours = str(our_package_path(self.state_dir))

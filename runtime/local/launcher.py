@@ -53,7 +53,6 @@ from pdcluster.runtime.local.supervision import (
     TearDown,
     describe_exit,
 )
-from pdcluster.runtime.pd.bootstrap_registry import INCARNATION_ENV
 from pdcluster.runtime.pids import is_pid_alive
 from pdcluster.runtime.spec import EngineKind, RestartPolicySpec, Role
 
@@ -106,10 +105,6 @@ class LocalCluster:
         self.restarts: dict[str, int] = {}
         self.last_exit: dict[str, str] = {}
         self.phase: dict[str, str] = {}
-        # Per worker process: the incarnation of its current start ($PDCLUSTER_INCARNATION,
-        # as the operator gives a pod its uid). Every local process shares 127.0.0.1, so
-        # a lost decode's report names its incarnation to touch only its rooms.
-        self.incarnations: dict[str, str] = {}
         # Guards plan, procs and phase against the autoscaling thread; state writes too.
         self.lock = threading.RLock()
         # Set by `stop`: the state file is removed, and no thread that still
@@ -145,9 +140,6 @@ class LocalCluster:
         }
         if spec.api_key_env is not None:
             env[spec.api_key_env] = self.token
-        if spec.role != "router":
-            env.setdefault(INCARNATION_ENV, f"{spec.name}-{secrets.token_hex(6)}")
-            self.incarnations[spec.name] = env[INCARNATION_ENV]
         if spec.side_port is not None:  # vLLM with our connector
             ours = str(our_package_path(self.state_dir))
             env["PYTHONPATH"] = os.pathsep.join(p for p in (ours, env.get("PYTHONPATH")) if p)
@@ -283,18 +275,6 @@ class LocalCluster:
         prober = LivenessProber(ledger.policy)
         killed: dict[str, str] = {}  # processes killed for failed probes: why
 
-        def running_prefills() -> list[ProcessSpec]:
-            # Those with our admin API (vLLM with its own connector has none).
-            return [
-                s
-                for specs in instances.values()
-                for s in specs
-                if s.role is Role.prefill
-                and s.is_leader
-                and (s.engine is EngineKind.builtin or s.side_port is not None)
-                and self.phase.get(s.name, "running") == "running"
-            ]
-
         def running_decodes() -> list[ProcessSpec]:
             # A multi-pod instance talks to the rest of the cluster through its leader pod.
             decodes = [
@@ -355,13 +335,6 @@ class LocalCluster:
                 elif isinstance(act, ReportLost):
                     specs = instances[act.key]
                     told = 0
-                    asked = 0
-                    for s in specs:
-                        if s.role is Role.decode and s.name in self.incarnations:
-                            # Every pod of a decode instance has rank endpoints of its own.
-                            prefills = running_prefills()
-                            asked += len(prefills)
-                            told += notifier.fail_decode(self.incarnations[s.name], prefills)
                     for s in (s for s in specs if s.is_leader):
                         if s.role is Role.prefill:
                             told += notifier.fail_prefill(s, running_decodes())
@@ -375,8 +348,6 @@ class LocalCluster:
                         note = (
                             f"; its rooms failed at {told}/{len(running_decodes())} decode workers"
                         )
-                    elif asked:
-                        note = f"; its rooms failed at {told}/{asked} prefill workers"
                     said.append(f"{act.key} lost ({act.reason}){note}; restarting in {delay:.1f}s")
                 elif isinstance(act, Spawn):
                     for s in instances[act.key]:

@@ -5,12 +5,6 @@ processes on 127.0.0.1 instead of pods:
 
     POST {decode}/admin/fail_peer {"peer": "127.0.0.1:<bootstrap port>", ...}
         a prefill instance is lost: every decode fails its rooms at once
-    POST {prefill}/admin/fail_peer {"peer": "127.0.0.1", "incarnation": ...}
-        a decode process is lost: every prefill fails the rooms writing to it
-        and frees their blocks at once. Every local process shares the host,
-        so the report names the process's start (its `$PDCLUSTER_INCARNATION`,
-        which the launcher draws per start, as a pod's uid on Kubernetes):
-        only what that decode process registered is touched
     POST {router}/admin/hold_worker {"url", "reason"} / admit_worker {"url"}
         the router sends nothing to a lost instance until it is back
     GET  {worker}/health, {decode}/get_server_info (`peers_down`)
@@ -33,9 +27,8 @@ from pdcluster.runtime.pd.peer_address import BootstrapAddress
 
 log = logging.getLogger(__name__)
 
-# The operator's reasons for a lost worker: a local process stands for a pod.
+# The operator's reason for a lost prefill: a local process stands for a pod.
 PREFILL_LOST_REASON = "prefill_pod_lost"
-DECODE_LOST_REASON = "decode_pod_lost"
 CALL_TIMEOUT_S = 1.0
 
 
@@ -74,17 +67,6 @@ class PeerNotifier:
             return 0
         body = {"peer": peer, "reason": PREFILL_LOST_REASON, "gone": True}
         return sum(self._post(d.admin_url + "/admin/fail_peer", body) for d in decodes)
-
-    def fail_decode(self, incarnation: str, prefills: Iterable[ProcessSpec]) -> int:
-        """Every prefill fails the rooms writing to this (dead) start of a decode
-        process; returns how many answered."""
-        body = {
-            "peer": HOST,
-            "reason": DECODE_LOST_REASON,
-            "gone": True,
-            "incarnation": incarnation,
-        }
-        return sum(self._post(p.admin_url + "/admin/fail_peer", body) for p in prefills)
 
     def hold(self, spec: ProcessSpec, reason: str) -> bool:
         return self._post(self._router + "/admin/hold_worker", {"url": spec.url, "reason": reason})

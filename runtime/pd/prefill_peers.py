@@ -20,7 +20,7 @@ import msgspec
 
 from pdcluster.runtime.pd.compat import CompatInfo, describe, find_mismatches
 from pdcluster.runtime.pd.coords import RankCoord
-from pdcluster.runtime.pd.incarnations import Incarnations, ReportScope, covers
+from pdcluster.runtime.pd.incarnations import Incarnations
 from pdcluster.runtime.pd.messages import KVLayoutRegister
 from pdcluster.runtime.pd.peer_address import PeerRef, ZmqEndpoint
 from pdcluster.runtime.pd.room_common import peer_matches
@@ -72,16 +72,9 @@ class PeerLayouts:
     def get(self, endpoint: str) -> KVLayoutRegister | None:
         return self._layouts.get(endpoint)
 
-    def forget_matching(self, peer: PeerRef, incarnation: str | None = None) -> list[ZmqEndpoint]:
-        """Drop every registration `peer` names (of `incarnation` only, when named:
-        processes of one host that share its address, as in local mode, are told
-        apart by it); returns their endpoints."""
-        current = ReportScope.CURRENT
-        gone = [
-            ZmqEndpoint(e)
-            for e, layout in self._layouts.items()
-            if peer_matches(peer, e) and covers(current, incarnation, layout.incarnation)
-        ]
+    def forget_matching(self, peer: PeerRef) -> list[ZmqEndpoint]:
+        """Drop every registration `peer` names; returns their endpoints."""
+        gone = [ZmqEndpoint(e) for e in self._layouts if peer_matches(peer, e)]
         for endpoint in gone:
             del self._layouts[endpoint]
         return gone

@@ -332,7 +332,7 @@ class PrefillRoomTable(RoomTable[PrefillRoom]):
         if scope is ReportScope.UNSEEN:
             return [Dropped(None, "fail_peer", "unseen_incarnation")]
         if scope is ReportScope.CURRENT:
-            self.peers.forget_matching(peer, incarnation)
+            self.peers.forget_matching(peer)
         acts: list[Action] = []
         closed: set[str] = set()
         for r in list(self._rooms.values()):

@@ -187,22 +187,3 @@ def test_prefill_keeps_the_rooms_of_a_decode_pods_successor_at_the_same_address(
     acts = prefill.fail_peer(host, "decode_pod_lost", 1.1, NEW)
     assert [a.room for a in acts if isinstance(a, A.RoomFailed)] == [2]
     assert prefill.peers.get(endpoint) is None
-
-
-def test_processes_sharing_a_host_are_told_apart_by_their_incarnations() -> None:
-    """Local mode: every decode process listens on 127.0.0.1 and each start has its
-    own incarnation, so the report of a lost one (the host and its incarnation)
-    fails only its rooms and forgets only its layout."""
-    net = Net(settings=S)
-    prefill, layout = net.prefill[P0], net.decode[D0].info.layout_message()
-    kept, lost = d_endpoint(D0), "tcp://127.0.0.2:8500"
-    prefill.on_message(msgspec.structs.replace(layout, incarnation="decode-0-a"), 0.0)
-    other = msgspec.structs.replace(layout, decode_endpoint=lost, incarnation="decode-1-a")
-    prefill.on_message(other, 0.0)
-    prefill.on_message(transfer_meta(1, "rid-1", kept, [1, 2]), 0.0)
-    prefill.on_message(transfer_meta(2, "rid-2", lost, [3, 4]), 0.0)
-    acts = prefill.fail_peer("127.0.0.2", "decode_pod_lost", 1.0, "decode-1-a")
-    assert [a.room for a in acts if isinstance(a, A.RoomFailed)] == [2]
-    assert prefill.state(1) is not KVPoll.Failed
-    assert prefill.peers.get(kept) is not None
-    assert prefill.peers.get(lost) is None

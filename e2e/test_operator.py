@@ -185,6 +185,18 @@ def pods(kube: KubeApi, ns: str, role: str) -> list[dict[str, Any]]:
     ]
 
 
+def one_ready_pod_a_role(kube: KubeApi, ns: str) -> bool:
+    def ready(pod: dict[str, Any]) -> bool:
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    for role in ("prefill", "decode", "router"):
+        found = pods(kube, ns, role)
+        if len(found) != 1 or not ready(found[0]):
+            return False
+    return True
+
+
 def one_pod(kube: KubeApi, ns: str, role: str) -> dict[str, Any]:
     found = pods(kube, ns, role)
     assert len(found) == 1, [p["metadata"]["name"] for p in found]
@@ -573,9 +585,11 @@ def test_killed_prefill_fails_decode_rooms_at_once_then_restarts(
 
     # A request whose KV must come from a prefill that hangs, then the prefill dies.
     fail_fast_when_a_pod_dies(node_agent, ns, decode_url, admin, frozen=prefill, killed=prefill)
-    assert (
-        operator.metric("pdcluster_operator_failovers_total", role="prefill", cause="failed") >= 1
-    )
+    failovers = {
+        cause: operator.metric("pdcluster_operator_failovers_total", role="prefill", cause=cause)
+        for cause in ("failed", "not_ready")
+    }
+    assert failovers["failed"] >= 1, f"prefill failovers by cause: {failovers}"
 
     # The instance comes back as a new pod; the cluster goes Degraded, then Ready.
     old_uid = prefill["metadata"]["uid"]
@@ -613,7 +627,15 @@ def test_hung_prefill_fails_decode_rooms_after_the_not_ready_grace(
 ) -> None:
     # A hung process (SIGSTOP) is not dead: the kubelet only sees its readiness
     # probe fail. NotReady past the grace is a loss too.
-    wait_ready(operator, kube, ns, "Ready before the freeze")
+    # One Ready pod a role, none terminating: a failover before this one may have
+    # left a pod replaced after the cluster's phase last said Ready.
+    wait_ready(
+        operator,
+        kube,
+        ns,
+        "Ready before the freeze",
+        extra=lambda o: one_ready_pod_a_role(kube, ns),
+    )
     prefill, decode = one_pod(kube, ns, "prefill"), one_pod(kube, ns, "decode")
     name, prefill_ip = prefill["metadata"]["name"], prefill["status"]["podIP"]
     decode_url = f"http://{decode['status']['podIP']}:8000"

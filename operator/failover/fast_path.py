@@ -356,10 +356,12 @@ class Failover:
         gang_gone = gone and all(p.has_ended for p in others if p.uid != pod.uid)
         reports = compute_reports(pod, pod_gone=gone, gang_id=gang_id, gang_gone=gang_gone)
         self._remember(loss, reports, gang_id)
+        # Counted once decided, before any peer hears of it: a peer's answer to its
+        # rooms' owners never runs ahead of the count.
+        self.metrics.failovers.labels(role=role, cause=loss.cause.value).inc()
         told = [await self.tell_peers(loss, report) for report in reports]
         results = told[0] if told else []
         elapsed = time.monotonic() - received_monotonic
-        self.metrics.failovers.labels(role=role, cause=loss.cause.value).inc()
         self.metrics.failover_seconds.labels(role=role).observe(elapsed)
         if loss.happened_at is not None:
             detection = max(0.0, self._clock() - loss.happened_at)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class FakeWorker:
     failures: dict[str, int] = field(default_factory=dict)
     # What /health answers: 200, or 503 with this reason (readiness.py).
     health_reason: str | None = None
+    # Called as each fail_peer arrives; what it returns is kept in `observed`.
+    observe: Callable[[], Any] | None = None
+    observed: list[Any] = field(default_factory=list)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -60,6 +63,8 @@ class FakeWorker:
             await asyncio.sleep(self.delay_s)
             data = await request.json()
             self.calls.append((data["peer"], data["reason"]))
+            if self.observe is not None:
+                self.observed.append(self.observe())
             key = f"room_failed:{data['reason']}"
             self.failures[key] = self.failures.get(key, 0) + self.rooms_per_peer
             return JSONResponse({"peer": data["peer"], "reason": data["reason"]})
@@ -167,6 +172,19 @@ async def test_lost_prefill_makes_every_decode_fail_its_rooms_at_once(workers) -
     assert events(api)["RoomsFailed"][0] == 5
     labels = {"role": "decode", "reason": "prefill_pod_lost"}
     assert metric(failover, "pdcluster_operator_rooms_failed_total", **labels) == 5
+    await failover.aclose()
+
+
+async def test_a_failover_is_counted_before_any_peer_hears_of_it(workers) -> None:
+    # A decode answers its rooms' clients as fail_peer arrives: whoever reads the
+    # operator's metrics after that answer finds the failover counted.
+    _, failover, _ = make_failover()
+    prefill = await add_decodes_and_a_prefill(failover, workers)
+    labels = {"role": "prefill", "cause": "failed"}
+    for w in workers:
+        w.observe = lambda: metric(failover, "pdcluster_operator_failovers_total", **labels)
+    assert await failover.on_pod_event("MODIFIED", terminated(prefill)) is not None
+    assert [w.observed for w in workers] == [[1.0], [1.0]]
     await failover.aclose()
 
 

@@ -186,13 +186,9 @@ def pods(kube: KubeApi, ns: str, role: str) -> list[dict[str, Any]]:
 
 
 def one_ready_pod_a_role(kube: KubeApi, ns: str) -> bool:
-    def ready(pod: dict[str, Any]) -> bool:
-        conditions = (pod.get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
     for role in ("prefill", "decode", "router"):
         found = pods(kube, ns, role)
-        if len(found) != 1 or not ready(found[0]):
+        if len(found) != 1 or not is_ready(found[0]):
             return False
     return True
 
